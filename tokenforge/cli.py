@@ -1,0 +1,192 @@
+"""The `tokenforge` command: serve | generate | bench | doctor.
+
+The one module that sees everything. Engine flags are shared by every subcommand that builds an
+engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+PLAYBOOK_NOTES = """playbook aliases:
+  --kv-cache-type block         paged KV is always on (any other value is an error)
+  --kv-cache-block-size N       = --block-size N
+  --max-seq-length N            = --max-model-len N
+  --max-parallel-batch N        = --max-num-seqs N
+  --batch-size N                = --max-num-seqs N
+  --sequence-splitter token-based  chunked prefill (always on; sized by --max-num-batched-tokens)
+  --max-inference-steps N       = --max-tokens-limit N (default and maximum max_tokens)
+  --memory-limit 8GB            = --kv-cache-memory 8GB
+  --cuda-graphs / --enforce-eager  CUDA graphs on (default) / off
+  --use-flash-attention         = --attention-backend triton
+  --memory-policy pin           pinned host buffers (the default on CUDA)
+  --fp16 / --bf16 / --half      = --dtype float16 / bfloat16 / float16
+  --num-attention-heads         fixed by the checkpoint: refused with an explanation
+"""
+
+
+class _StoreConst(argparse.Action):
+    def __init__(self, option_strings, dest, const=None, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, const=const, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const)
+
+
+class _RefuseNumHeads(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(
+            "--num-attention-heads cannot be set: the number of attention heads is fixed by the "
+            "checkpoint's weights. To fit memory, lower --max-model-len (shorter context, fewer KV "
+            "blocks per sequence) or --max-num-seqs, or use --kv-cache-dtype fp8 to halve the KV cache.")
+
+
+class _KVCacheType(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values != "block":
+            parser.error(f"--kv-cache-type {values!r} is not supported: tokenforge's KV cache is always "
+                         "paged ('block'); size blocks with --block-size")
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file, HF directory, or a shipped config name "
+                   "(llama-3.1-8b, qwen2.5-7b, llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--fp16", "--half", dest="dtype", action=_StoreConst, const="float16", help=argparse.SUPPRESS)
+    g.add_argument("--bf16", dest="dtype", action=_StoreConst, const="bfloat16", help=argparse.SUPPRESS)
+    g.add_argument("--max-model-len", "--max-seq-length", type=int, default=None)
+    g.add_argument("--block-size", "--kv-cache-block-size", type=int, default=16)
+    g.add_argument("--kv-cache-type", action=_KVCacheType, help="playbook alias: only 'block'")
+    g.add_argument("--max-num-seqs", "--max-parallel-batch", "--batch-size", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="token budget per step; long prompts are chunked to fit (chunked prefill)")
+    g.add_argument("--sequence-splitter", choices=["token-based"], help=argparse.SUPPRESS)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", "--memory-limit", default=None, help="absolute KV budget, e.g. 8GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--memory-profile", choices=["server", "client"], default="server")
+    g.add_argument("--memory-fragmentation-threshold", type=float, default=None)
+    g.add_argument("--memory-policy", choices=["pin", "pageable"], default="pin")
+    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    g.add_argument("--use-flash-attention", "--use_flash_attention", dest="attention_backend",
+                   action=_StoreConst, const="triton", help=argparse.SUPPRESS)
+    g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
+    g.add_argument("--cuda-graphs", dest="enforce_eager", action="store_false", help="CUDA graphs on (default)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--num-threads", type=int, default=None, help="CPU threads")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-tokens-limit", "--max-inference-steps", dest="max_tokens_limit", type=int, default=None,
+                   help="cap (and default) for max_tokens")
+    g.add_argument("--profile-dir", default=None, help="write torch.profiler traces here")
+    g.add_argument("--num-attention-heads", action=_RefuseNumHeads, help="refused: fixed by the checkpoint")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory=args.kv_cache_memory, gpu_memory_utilization=args.gpu_memory_utilization,
+        memory_profile=args.memory_profile, memory_fragmentation_threshold=args.memory_fragmentation_threshold,
+        pin_memory=args.memory_policy == "pin", kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager, device=args.device, num_threads=args.num_threads, seed=args.seed,
+        max_tokens_default=args.max_tokens_limit,
+        profile_dir=args.profile_dir)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tokenforge import LLM, SamplingParams  # noqa: PLC0415
+
+    prompts = list(args.prompt)
+    if args.file:
+        with open(args.file, encoding="utf-8") as f:
+            prompts += [line.rstrip("\n") for line in f if line.strip()]
+    if not prompts:
+        print("error: give a prompt (tokenforge generate \"Hello\") or --file prompts.txt", file=sys.stderr)
+        return 2
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    if args.chat:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
+    else:
+        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
+    for prompt, out in zip(prompts, outs):
+        text = out.outputs[0].text
+        print(text if args.chat or len(prompts) == 1 and args.quiet else f"{prompt}{text}")
+        if len(prompts) > 1:
+            print("-" * 40)
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from tokenforge.doctor import run_doctor  # noqa: PLC0415
+
+    print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenforge", description="LLM inference and serving engine",
+                                     epilog=PLAYBOOK_NOTES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text offline", epilog=PLAYBOOK_NOTES,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    gen.add_argument("prompt", nargs="*")
+    gen.add_argument("--file", help="one prompt per line")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--sampling-seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    gen.add_argument("--quiet", action="store_true", help="print only the generated text")
+    add_engine_args(gen)
+
+    doc = sub.add_parser("doctor", help="what fits: parameters, KV bytes per token, sequences")
+    doc.add_argument("--model", default=None)
+    doc.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    doc.add_argument("--memory", default=None, help="memory to plan for, e.g. 24GiB (default: this machine's)")
+    doc.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    doc.add_argument("--block-size", type=int, default=16)
+    doc.add_argument("--max-model-len", type=int, default=None)
+
+    _add_optional_subcommands(sub)
+    return parser
+
+
+def _add_optional_subcommands(sub) -> None:
+    from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
+    from tokenforge.bench import add_bench_args  # noqa: PLC0415
+
+    add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES)
+    add_bench_args(sub, add_engine_args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "doctor":
+            return _doctor(args)
+        return args.func(args, engine_kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+"""Plain data that flows between the scheduler and the executor, once per step.
+
+Scheduler -> executor: `SchedulerOutput` (which tokens of which request to compute, where their
+KV goes, and who samples). Executor -> scheduler: `ModelRunnerOutput` (sampled token ids and
+logprobs as Python lists; never tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenforge.messages import PositionLogprobs, WireSamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    request_id: str
+    token_ids: list[int]            # the tokens to compute this step: all_tokens[start : start + n]
+    start_position: int             # tokens already in the KV cache (num_computed_tokens)
+    block_table: list[int]          # block ids covering start_position + len(token_ids) tokens
+    sample: bool                    # True when this step ends at the sequence's last known token
+    params: WireSamplingParams
+    prompt_token_ids: list[int]     # references, not copies: penalties read them
+    output_token_ids: list[int]
+    want_prompt_logprobs: bool = False   # this chunk lies in the prompt and the request asked for them
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    sequences: list[ScheduledSequence] = field(default_factory=list)   # decodes first, then prefills
+    finished_request_ids: list[str] = field(default_factory=list)      # finished/aborted since last step
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)            # only for seqs with sample
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # per chunk position

@@ -1,0 +1,93 @@
+"""A request's mutable state inside the engine core.
+
+In: a `messages.EngineCoreRequest`. Out: nothing by itself; the scheduler reads and advances it.
+`all_token_ids` is one list that grows by appending, so a step never re-concatenates prompt and
+output; `prompt_token_ids` and `output_token_ids` are handed to the runner by reference.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from tokenforge.core.hashing import BlockHash
+from tokenforge.messages import EngineCoreRequest, FinishReason, WireSamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+@dataclass(slots=True, eq=False)     # eq=False: identity semantics, so deque.remove is exact
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)       # prompt + output, appended in place
+    num_computed_tokens: int = 0                        # tokens whose KV is in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[BlockHash] = field(default_factory=list)   # of full blocks, grown lazily
+    num_cached_tokens: int = 0                          # prefix-cache hit at the first schedule
+    num_prompt_logprobs_emitted: int = 0                # prompt positions already sent (entry 0 = None)
+    num_preemptions: int = 0
+    stop_token_id: int | None = None                    # the stop_token_ids member that ended it
+
+    # Wall-clock times (time.time()) for metrics; None until the event happens.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids.extend(self.output_token_ids)
+
+    @classmethod
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
+        return cls(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                   params=req.params, eos_token_ids=tuple(req.eos_token_ids),
+                   cache_salt=req.cache_salt, arrival_time=req.arrival_time)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,71 @@
+"""EngineCore: schedule -> execute -> update, one step at a time.
+
+In: EngineCoreRequests and aborts. Out: EngineCoreOutputs (token ids, logprobs, finish reasons)
+and EngineStats. It owns the scheduler (policy, no torch) and the executor (the model). It runs
+in-process for the offline `LLM`, and in its own process behind the server.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tokenforge.config import EngineConfig
+from tokenforge.core.scheduler import Scheduler
+from tokenforge.executor.executor import Executor
+from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
+    if requested is None:
+        return model_limit
+    if requested > model_limit:
+        raise ValueError(f"max_model_len {requested} is larger than the model's context limit "
+                         f"(max_position_embeddings = {model_limit})")
+    return requested
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.executor = Executor(config)
+        arch = self.executor.arch
+        self.config = config.with_max_model_len(
+            resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
+        self.num_kv_blocks = self.executor.init_kv_cache(self.config)
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.scheduler.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.executor.vocab_size
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.scheduler.abort_requests(request_ids)
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            if scheduler_output.finished_request_ids:
+                self.executor.execute(scheduler_output)   # lets the runner drop per-request state
+            return []
+        runner_output = self.executor.execute(scheduler_output)
+        return self.scheduler.update_from_output(scheduler_output, runner_output)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> EngineStats:
+        stats = self.scheduler.get_stats()
+        stats.allocator_fragmentation = self.executor.allocator_fragmentation()
+        return stats
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,132 @@
+"""LLM: the offline API, shaped like vLLM's so users can switch.
+
+    from tokenforge import LLM, SamplingParams
+    llm = LLM()                                   # the bundled SmolLM2-135M-Instruct
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=32))
+
+In: prompts (str, token ids, or {"prompt_token_ids": [...]}) and SamplingParams. Out:
+RequestOutputs in input order. The engine core runs in-process; all prompts are validated before
+any is added, so a bad prompt raises ValueError and leaves the engine usable.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+
+from tokenforge.config import EngineConfig, RuntimeInfo
+from tokenforge.engine.engine_core import EngineCore
+from tokenforge.engine.output_processor import OutputProcessor
+from tokenforge.engine.processor import ProcessedRequest, Processor, PromptType
+from tokenforge.engine.tokenization import load_engine_tokenizer
+from tokenforge.messages import EngineStats, RequestOutput
+from tokenforge.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int = 16,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
+                 kv_cache_memory: int | str | None = None, seed: int = 0, load_format: str = "auto",
+                 **kwargs) -> None:
+        self.config = EngineConfig.from_kwargs(
+            model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
+            kv_cache_memory=kv_cache_memory, seed=seed, load_format=load_format, **kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
+        self.runtime = RuntimeInfo(
+            num_kv_blocks=self.engine.num_kv_blocks, vocab_size=self.engine.vocab_size,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids), max_model_len=self.engine.max_model_len)
+        self.processor = Processor(self.engine.config, self.runtime, self.tokenizer)
+        self._ids = itertools.count()
+
+    # ---- public API -----------------------------------------------------------------------------
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        # Validate everything first: a bad prompt raises before any request reaches the engine.
+        processed = [self.processor.process(p, sp, str(next(self._ids))) for p, sp in zip(prompts, params)]
+        return self._run(processed, params, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- the loop -------------------------------------------------------------------------------
+    def _run(self, processed: list[ProcessedRequest], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        outputs = OutputProcessor(self.tokenizer, stream_deltas=False)
+        arrival = time.time()
+        for req, sp in zip(processed, params):
+            outputs.add_request(req, sp, arrival)
+            for core_request in req.core_requests:
+                self.engine.add_request(core_request)
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress(len(processed), use_tqdm)
+        try:
+            while outputs.has_unfinished():
+                step = outputs.process_outputs(self.engine.step())
+                self.engine.abort_requests(step.abort_ids)
+                for out in step.request_outputs:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        except BaseException:
+            # Leave the engine usable: whatever was in flight is aborted and its blocks freed.
+            for req in processed:
+                self.engine.abort_requests(outputs.abort_request(req.request_id))
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[req.request_id] for req in processed]
+
+
+def _as_prompt_list(prompts) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]   # one prompt given as token ids
+    if not prompts:
+        raise ValueError("prompts is empty: give at least one prompt")
+    return prompts
+
+
+def _as_params_list(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts: give one, or one per prompt")
+    return params
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled or total <= 1:
+        return None
+    from tqdm.auto import tqdm  # noqa: PLC0415
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,87 @@
+"""CUDA graphs for decode steps: one graph per batch-size bucket, replayed with persistent inputs.
+
+In: a decode-only InputBatch (one token per sequence). Out: the hidden states [B, H], computed by
+replaying the graph captured for the smallest bucket >= B. Buckets are captured largest first
+so the smaller graphs reuse the first one's memory pool. Padded rows carry slot -1 (the KV store
+writes nowhere) and a length-1 context, so they cost almost nothing and touch no real block.
+
+The attention backend supplies the persistent metadata buffers (`make_decode_buffers`), so
+replays see the step's block tables and lengths without any allocation or host sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tokenforge.model.forward_context import set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
+    return [s for s in sizes if s <= max_num_seqs] or [1]
+
+
+class CudaGraphRunner:
+    def __init__(self, runner, num_kv_blocks: int) -> None:
+        self.runner = runner
+        cfg = runner.config
+        self.sizes = capture_sizes(cfg.scheduler.max_num_seqs)
+        self.max_batch = self.sizes[-1]
+        max_blocks = -(-cfg.scheduler.max_model_len // runner.block_size)
+        device = runner.device
+        self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        self.buffers = runner.backend.make_decode_buffers(self.max_batch, max_blocks, runner.block_size, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def can_run(self, inputs) -> bool:
+        return inputs.is_decode_only and inputs.num_seqs <= self.max_batch and bool(self.graphs)
+
+    def _bucket(self, n: int) -> int:
+        for size in self.sizes:
+            if size >= n:
+                return size
+        raise AssertionError(n)
+
+    def capture(self) -> None:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        start = time.perf_counter()
+        self.buffers.fill_padding(self.max_batch)
+        with torch.inference_mode():
+            for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", leave=False):
+                self._capture_one(size)
+        torch.cuda.synchronize()
+        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
+                    self.sizes[-1], time.perf_counter() - start)
+
+    def _capture_one(self, size: int) -> None:
+        model = self.runner.model
+        metadata = self.buffers.metadata(size)
+        with set_forward_context(metadata):
+            for _ in range(2):   # warm up: Triton autotuning and lazy init happen outside capture
+                model(self.input_ids[:size], self.positions[:size])
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = model(self.input_ids[:size], self.positions[:size])
+        if self.pool is None:
+            self.pool = graph.pool()
+        self.graphs[size] = graph
+        self.outputs[size] = out
+
+    def run(self, inputs) -> torch.Tensor:
+        n = inputs.num_seqs
+        size = self._bucket(n)
+        self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:n].copy_(inputs.positions, non_blocking=True)
+        self.buffers.fill(inputs.attn_batch, size)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]

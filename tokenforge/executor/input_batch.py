@@ -1,0 +1,61 @@
+"""InputBatch: the scheduled sequences flattened into model inputs (varlen, no padding).
+
+In: the step's ScheduledSequences. Out: `input_ids` and `positions` tensors [T], the
+`AttentionBatch` the backend turns into metadata, and row offsets to pick sampling rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenforge.core.outputs import ScheduledSequence
+from tokenforge.model.attention.backend import AttentionBatch
+
+
+@dataclass(slots=True)
+class InputBatch:
+    input_ids: torch.Tensor          # [T] int64
+    positions: torch.Tensor          # [T] int64
+    attn_batch: AttentionBatch
+    query_start_loc: list[int]       # [B + 1]
+    is_decode_only: bool
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_start_loc) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc[-1]
+
+    def last_token_index(self, rows: list[int]) -> torch.Tensor | slice:
+        """Indices of the last token of each listed sequence (a slice when that is all of them)."""
+        if self.is_decode_only and len(rows) == self.num_seqs:
+            return slice(None)
+        return torch.tensor([self.query_start_loc[r + 1] - 1 for r in rows], device=self.input_ids.device)
+
+
+def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.device) -> InputBatch:
+    ids: list[int] = []
+    positions: list[int] = []
+    starts = [0]
+    for s in seqs:
+        ids.extend(s.token_ids)
+        positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
+        starts.append(len(ids))
+    attn = AttentionBatch(
+        query_lens=[len(s.token_ids) for s in seqs], context_lens=[s.start_position for s in seqs],
+        block_tables=[s.block_table for s in seqs], block_size=block_size, device=device)
+    pin = device.type == "cuda"
+    return InputBatch(
+        input_ids=_to_device(ids, device, pin), positions=_to_device(positions, device, pin),
+        attn_batch=attn, query_start_loc=starts, is_decode_only=len(ids) == len(seqs))
+
+
+def _to_device(values: list[int], device: torch.device, pin: bool) -> torch.Tensor:
+    t = torch.tensor(values, dtype=torch.long)
+    if pin:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t

@@ -1,0 +1,91 @@
+"""KV cache sizing and allocation.
+
+In: the cache config, the model's shape, and (on CUDA) a profiling forward pass. Out: the number
+of KV blocks and one preallocated tensor per layer, in the backend's layout. Sizing order:
+`num_kv_blocks` if given; else `kv_cache_memory` bytes; else on CUDA `memory_profile=server`
+profiles a forward at `max_num_batched_tokens` and fills `gpu_memory_utilization` of the card,
+while `client` sizes for `max_num_seqs x max_model_len` only; on the CPU a fixed default budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenforge.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_BYTES = 2 * 2**30
+
+
+@dataclass(slots=True)
+class KVSizing:
+    num_blocks: int
+    weights_bytes: int
+    activation_peak_bytes: int
+    kv_bytes: int
+    block_bytes: int
+
+    def summary(self, block_size: int, max_model_len: int) -> str:
+        tokens = self.num_blocks * block_size
+        return (f"weights {self.weights_bytes / 1e9:.2f} GB, activation peak {self.activation_peak_bytes / 1e9:.2f} GB, "
+                f"KV cache {self.kv_bytes / 1e9:.2f} GB = {self.num_blocks} blocks x {block_size} tokens "
+                f"({tokens} tokens, {tokens / max_model_len:.1f} concurrent full-length sequences)")
+
+
+def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * elem
+
+
+def allocate_kv_caches(backend, arch, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
+
+
+def _model_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def determine_kv_sizing(runner, config: EngineConfig, max_model_len: int) -> KVSizing:
+    cache, sched = config.cache, config.scheduler
+    block_bytes = kv_bytes_per_block(runner.arch, cache.block_size, runner.dtype)
+    weights = _model_bytes(runner.model)
+    peak = 0
+    if cache.num_kv_blocks is not None:
+        budget = cache.num_kv_blocks * block_bytes
+    elif cache.kv_cache_memory is not None:
+        budget = cache.kv_cache_memory
+    elif cache.memory_profile == "client" or runner.device.type != "cuda":
+        need = sched.max_num_seqs * -(-max_model_len // cache.block_size) * block_bytes
+        budget = need if runner.device.type == "cuda" else min(need, CPU_DEFAULT_KV_BYTES)
+    else:
+        peak = _profile_activation_peak(runner, sched.max_num_batched_tokens)
+        total = torch.cuda.get_device_properties(runner.device).total_memory
+        used_elsewhere = torch.cuda.mem_get_info(runner.device)[1] - torch.cuda.mem_get_info(runner.device)[0] \
+            - torch.cuda.memory_reserved(runner.device)
+        budget = int(total * cache.gpu_memory_utilization) - weights - peak - max(0, used_elsewhere)
+    num_blocks = cache.num_kv_blocks or budget // block_bytes
+    if num_blocks < 1:
+        raise ValueError(f"no memory left for the KV cache (budget {budget / 2**30:.2f} GiB after weights "
+                         f"{weights / 2**30:.2f} GiB and activations {peak / 2**30:.2f} GiB): raise "
+                         "gpu_memory_utilization or kv_cache_memory, or lower max_num_batched_tokens")
+    return KVSizing(num_blocks, weights, peak, num_blocks * block_bytes, block_bytes)
+
+
+def _profile_activation_peak(runner, num_tokens: int) -> int:
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    before = torch.cuda.memory_allocated(runner.device)
+    with torch.inference_mode():
+        runner.forward_dummy(num_tokens)
+    torch.cuda.synchronize(runner.device)
+    peak = torch.cuda.max_memory_allocated(runner.device) - before
+    torch.cuda.empty_cache()
+    # The sampler's vocab-sized temporaries for max_num_seqs rows come on top of the forward pass.
+    return peak + 4 * runner.config.scheduler.max_num_seqs * runner.vocab_size * 4

@@ -1,0 +1,177 @@
+"""ModelRunner: a SchedulerOutput -> tensors -> model -> sampler -> a ModelRunnerOutput of lists.
+
+In: `SchedulerOutput` (plain lists from core/). Out: `ModelRunnerOutput` (plain lists). The runner
+makes no policy decisions: it computes exactly the tokens it is given, computes logits only for
+rows that sample (or asked for prompt logprobs), and samples on the device with one host copy
+per step. Per-request seeded generators live here, keyed by request id, and die with
+`finished_request_ids`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenforge.config import EngineConfig
+from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSequence
+from tokenforge.executor.cuda_graph import CudaGraphRunner
+from tokenforge.executor.input_batch import InputBatch, build_inputs
+from tokenforge.executor.kv_cache import allocate_kv_caches
+from tokenforge.executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from tokenforge.model.attention import get_attention_backend
+from tokenforge.model.attention.backend import AttentionBatch
+from tokenforge.model.forward_context import set_forward_context
+from tokenforge.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device.resolved_device())
+        self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.block_size = config.cache.block_size
+        self._init_threads()
+        self._init_model()
+        self._init_attention()
+        self.sampler = Sampler()
+        self.generators: dict[str, torch.Generator] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs: CudaGraphRunner | None = None
+
+    # ---- init steps -----------------------------------------------------------------------------
+    def _init_threads(self) -> None:
+        if self.config.device.num_threads:
+            torch.set_num_threads(self.config.device.num_threads)
+
+    def _init_model(self) -> None:
+        loaded = load_model(self.config.model.model, self.config.load.load_format, self.dtype,
+                            self.device, self.config.model.seed)
+        self.model = loaded.model.eval()
+        self.arch = loaded.arch_config
+        self.vocab_size = self.arch.vocab_size
+
+    def _init_attention(self) -> None:
+        name = self.config.device.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        self.backend = get_attention_backend(name, self.device)
+        for layer in self.model.attention_layers():
+            layer.backend = self.backend
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.backend, self.arch, num_blocks, self.block_size,
+                                            self.dtype, self.device)
+        for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
+            layer.kv_cache = cache
+        if self.device.type == "cuda" and not self.config.device.enforce_eager:
+            self.graphs = CudaGraphRunner(self, num_blocks)
+            self.graphs.capture()
+
+    # ---- one step -------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.generators.pop(rid, None)
+        if sched.is_empty:
+            return ModelRunnerOutput()
+        inputs = build_inputs(sched.sequences, self.block_size, self.device)
+        hidden = self._forward(inputs)
+        out = ModelRunnerOutput()
+        self._sample(sched.sequences, inputs, hidden, out)
+        self._prompt_logprobs(sched.sequences, inputs, hidden, out)
+        self._release_fragmented_memory()
+        return out
+
+    def allocator_fragmentation(self) -> float:
+        """Reserved-but-unallocated over reserved bytes of the device allocator (0 on the CPU)."""
+        if self.device.type != "cuda":
+            return 0.0
+        reserved = torch.cuda.memory_reserved(self.device)
+        return (reserved - torch.cuda.memory_allocated(self.device)) / reserved if reserved else 0.0
+
+    def _release_fragmented_memory(self) -> None:
+        threshold = self.config.cache.memory_fragmentation_threshold
+        if threshold is not None and self.allocator_fragmentation() > threshold:
+            torch.cuda.empty_cache()
+
+    def _forward(self, inputs: InputBatch) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            return self.graphs.run(inputs)
+        metadata = self.backend.build_metadata(inputs.attn_batch)
+        with set_forward_context(metadata):
+            return self.model(inputs.input_ids, inputs.positions)   # [T, hidden]
+
+    def forward_dummy(self, num_tokens: int) -> None:
+        """One prefill of `num_tokens` into a scratch KV cache, for memory profiling."""
+        num_blocks = -(-num_tokens // self.block_size)
+        scratch = allocate_kv_caches(self.backend, self.arch, num_blocks, self.block_size, self.dtype, self.device)
+        layers = self.model.attention_layers()
+        for layer, cache in zip(layers, scratch):
+            layer.kv_cache = cache
+        batch = AttentionBatch([num_tokens], [0], [list(range(num_blocks))], self.block_size, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.arange(num_tokens, device=self.device)
+        with set_forward_context(self.backend.build_metadata(batch)):
+            hidden = self.model(ids, pos)
+        rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+        self.model.compute_logits(hidden[-rows:])
+        for layer in layers:
+            layer.kv_cache = None
+
+    def _sample(self, seqs: list[ScheduledSequence], inputs: InputBatch, hidden: torch.Tensor,
+                out: ModelRunnerOutput) -> None:
+        rows = [i for i, s in enumerate(seqs) if s.sample]
+        if not rows:
+            return
+        sampling = [seqs[i] for i in rows]
+        logits = self.model.compute_logits(hidden[inputs.last_token_index(rows)])   # [N, V]
+        batch = SamplingBatch.build(
+            [s.params for s in sampling], [s.prompt_token_ids for s in sampling],
+            [s.output_token_ids for s in sampling], [self._generator(s) for s in sampling],
+            self.vocab_size, self.device)
+        result = self.sampler(logits, batch)
+        token_ids = result.token_ids.tolist()
+        for s, tok in zip(sampling, token_ids):
+            out.sampled_token_ids[s.request_id] = tok
+        if result.logprobs is not None:
+            for s, pos in zip(sampling, result.logprobs.to_position_logprobs()):
+                if s.params.logprobs is not None:
+                    out.logprobs[s.request_id] = pos
+
+    def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:
+        if seq.params.seed is None or seq.params.is_greedy:
+            return None
+        gen = self.generators.get(seq.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(seq.params.seed)
+            self.generators[seq.request_id] = gen
+        return gen
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSequence], inputs: InputBatch, hidden: torch.Tensor,
+                         out: ModelRunnerOutput) -> None:
+        for i, s in enumerate(seqs):
+            if not s.want_prompt_logprobs:
+                continue
+            prompt_len = len(s.prompt_token_ids)
+            # Row j of this chunk predicts prompt token start + j + 1; stop at the prompt's end.
+            n = min(s.num_tokens, prompt_len - 1 - s.start_position)
+            if n <= 0:
+                continue
+            start = inputs.query_start_loc[i]
+            logits = self.model.compute_logits(hidden[start:start + n])
+            targets = torch.tensor(s.prompt_token_ids[s.start_position + 1:s.start_position + 1 + n],
+                                   device=self.device)
+            out.prompt_logprobs[s.request_id] = compute_prompt_logprobs(logits, targets, s.params.prompt_logprobs)
+

@@ -1,0 +1,143 @@
+"""SamplingBatch: the per-step sampling parameters of N rows, as device tensors.
+
+In: WireSamplingParams, prompt/output token ids and per-request torch.Generators, one per row.
+Out: small [N] tensors (temperature, top-k, top-p, min-p), optional penalty tensors, and
+host-side flags that let the sampler skip whole stages without reading the device.
+
+Built every step for up to max_num_seqs rows, so it stays cheap: every scalar parameter
+travels in one packed host->device copy, stages nobody uses get `None`, and penalty tensors
+cover only the rows that use penalties (and only read prompt tokens for repetition penalty).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenforge.core.outputs import WireSamplingParams
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass(slots=True)
+class PenaltyTensors:
+    """Penalty inputs for the `rows` that use a penalty (all rows when `rows` is None)."""
+
+    rows: torch.Tensor | None              # [P] int64 row indices into the batch
+    repetition: torch.Tensor | None        # [P, 1] float; None when no row uses it
+    seen_mask: torch.Tensor | None         # [P, V] bool: token in prompt or output
+    frequency: torch.Tensor | None         # [P, 1] float; None when no row uses presence/frequency
+    presence: torch.Tensor | None          # [P, 1] float
+    output_counts: torch.Tensor | None     # [P, V] float: occurrences in the output
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    num_rows: int
+    vocab_size: int
+    all_greedy: bool
+    all_random: bool
+    greedy_mask: torch.Tensor | None       # [N] bool; None when all rows share one mode
+    temperature: torch.Tensor | None       # [N, 1] float; greedy rows hold 1.0; None if all greedy
+    top_k: torch.Tensor | None             # [N, 1] int64, disabled = vocab_size; None if unused
+    top_p: torch.Tensor | None             # [N, 1] float, disabled = 1.0; None if unused
+    min_p: torch.Tensor | None             # [N, 1] float, disabled = 0.0; None if unused
+    max_top_k: int                         # largest enabled top-k (host int), 0 when unused
+    penalties: PenaltyTensors | None
+    generators: list[tuple[int, torch.Generator]]   # (row, generator) for seeded random rows
+    num_logprobs: list[int | None]         # per row: top-N requested, None = no logprobs
+    max_num_logprobs: int | None           # None when no row asked for logprobs
+
+    @classmethod
+    def build(cls, params: list[WireSamplingParams], prompt_ids: list[list[int]],
+              output_ids: list[list[int]], generators: list[torch.Generator | None],
+              vocab_size: int, device: torch.device | str) -> SamplingBatch:
+        n = len(params)
+        assert n == len(prompt_ids) == len(output_ids) == len(generators) and n > 0
+        greedy = [p.temperature < _GREEDY_EPS for p in params]
+        all_greedy, all_random = all(greedy), not any(greedy)
+        # One packed [N, 4] host tensor -> one copy. Greedy rows get neutral values so that
+        # only random rows decide which masking stages run.
+        packed = [_row_values(p, g, vocab_size) for p, g in zip(params, greedy)]
+        use_k = any(r[1] < vocab_size for r in packed)
+        use_p = any(r[2] < 1.0 for r in packed)
+        use_min_p = any(r[3] > 0.0 for r in packed)
+        scalars = None
+        if not all_greedy:
+            scalars = torch.tensor(packed, dtype=torch.float32).to(device, non_blocking=True)  # [N, 4]
+        num_logprobs = [p.logprobs for p in params]
+        requested = [k for k in num_logprobs if k is not None]
+        return cls(
+            num_rows=n, vocab_size=vocab_size, all_greedy=all_greedy, all_random=all_random,
+            greedy_mask=None if all_greedy or all_random else torch.tensor(greedy, device=device),
+            temperature=None if scalars is None else scalars[:, 0:1],
+            top_k=scalars[:, 1:2].long() if use_k else None,
+            top_p=scalars[:, 2:3] if use_p else None,
+            min_p=scalars[:, 3:4] if use_min_p else None,
+            max_top_k=max((int(r[1]) for r in packed if r[1] < vocab_size), default=0),
+            penalties=_build_penalties(params, prompt_ids, output_ids, vocab_size, device),
+            generators=[(i, g) for i, g in enumerate(generators) if g is not None and not greedy[i]],
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max(requested) if requested else None,
+        )
+
+    @property
+    def needs_masks(self) -> bool:
+        return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+
+def _row_values(p: WireSamplingParams, greedy: bool, vocab_size: int) -> tuple[float, float, float, float]:
+    if greedy:
+        return (1.0, float(vocab_size), 1.0, 0.0)
+    top_k = vocab_size if p.top_k <= 0 else min(p.top_k, vocab_size)
+    return (p.temperature, float(top_k), p.top_p, p.min_p)   # top-k <= 2**24 is exact in fp32
+
+
+def _build_penalties(params: list[WireSamplingParams], prompt_ids: list[list[int]],
+                     output_ids: list[list[int]], vocab_size: int,
+                     device: torch.device | str) -> PenaltyTensors | None:
+    rep_rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+    freq_rows = [i for i, p in enumerate(params) if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0]
+    if not rep_rows and not freq_rows:
+        return None
+    rows = sorted(set(rep_rows) | set(freq_rows))
+    counts = _count_tokens([output_ids[i] for i in rows], vocab_size, device)   # [P, V]
+    seen = None
+    if rep_rows:
+        seen = counts > 0
+        prompt_rows = [j for j, i in enumerate(rows) if params[i].repetition_penalty != 1.0]
+        flat_rows, flat_ids = _flatten([prompt_ids[rows[j]] for j in prompt_rows], prompt_rows, device)
+        seen[flat_rows, flat_ids] = True
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True).unsqueeze(1)
+
+    return PenaltyTensors(
+        rows=None if len(rows) == len(params) else torch.tensor(rows, device=device),
+        repetition=column([params[i].repetition_penalty for i in rows]) if rep_rows else None,
+        seen_mask=seen,
+        frequency=column([params[i].frequency_penalty for i in rows]) if freq_rows else None,
+        presence=column([params[i].presence_penalty for i in rows]) if freq_rows else None,
+        output_counts=counts if freq_rows else None,
+    )
+
+
+def _flatten(lists: list[list[int]], row_ids: list[int],
+             device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row index per token, token ids), both [sum(len)] int64, from ragged token lists."""
+    lengths = torch.tensor([len(ids) for ids in lists], dtype=torch.long)
+    flat_ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
+    flat_rows = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lengths)
+    return flat_rows.to(device, non_blocking=True), flat_ids.to(device, non_blocking=True)
+
+
+def _count_tokens(lists: list[list[int]], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    counts = torch.zeros(len(lists), vocab_size, dtype=torch.float32, device=device)   # [P, V]
+    flat_rows, flat_ids = _flatten(lists, list(range(len(lists))), device)
+    counts.index_put_((flat_rows, flat_ids), torch.ones((), device=device).expand(flat_ids.numel()),
+                      accumulate=True)
+    return counts

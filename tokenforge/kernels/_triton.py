@@ -1,0 +1,58 @@
+"""Import Triton when it is installed; otherwise stand-ins so kernel modules still import.
+
+CPU-only installs (CI, laptops) have no Triton. Kernel modules do `from ._triton import triton, tl`
+and decorate with `@triton.jit` as usual; without Triton the decorator returns the plain function
+and `tl.*` annotations resolve to placeholders, so the module imports and its torch reference
+functions work. Launching a kernel without Triton raises through `require_triton()`.
+"""
+
+import types
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only install
+    HAS_TRITON = False
+
+    def _jit(fn=None, **_kwargs):
+        return fn if fn is not None else (lambda f: f)
+
+    def _cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    def _next_power_of_2(n: int) -> int:
+        return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+    triton = types.SimpleNamespace(jit=_jit, cdiv=_cdiv, next_power_of_2=_next_power_of_2)
+
+    class _Placeholder(types.SimpleNamespace):
+        def __getattr__(self, _name: str) -> type:
+            return object  # annotations such as `tl.constexpr` only need to evaluate
+
+    tl = _Placeholder()
+
+
+def require_triton(*tensors) -> None:
+    """Raise a clear error when a Triton kernel cannot run here."""
+    if not HAS_TRITON:
+        raise RuntimeError("Triton is not installed: use the torch reference path on this machine")
+    for t in tensors:
+        if not t.is_cuda and not _interpreting():
+            raise RuntimeError(f"Triton kernels need CUDA tensors, got a tensor on {t.device}")
+
+
+def _interpreting() -> bool:
+    # TRITON_INTERPRET=1 runs kernels on the CPU through numpy: used to debug without a GPU.
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()

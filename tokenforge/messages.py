@@ -1,0 +1,125 @@
+"""Every message that crosses a boundary: frontend <-> engine core, and engine -> user.
+
+Engine-core messages are msgspec structs, so they travel as msgpack over ZMQ (never pickle).
+User-facing outputs (`RequestOutput`, `CompletionOutput`, `Logprob`) mirror vLLM's names.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"          # EOS, a stop token id or a stop string
+    LENGTH = "length"      # max_tokens or max_model_len
+    ABORT = "abort"        # client went away or the server aborted it
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class WireSamplingParams(msgspec.Struct, frozen=True):
+    """SamplingParams as they travel to the engine core (the core needs no stop strings)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+
+class EngineCoreRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: WireSamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+
+
+class PositionLogprobs(msgspec.Struct, frozen=True):
+    """Logprobs at one position: the chosen token first, then the top-N (which may repeat it)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    ranks: list[int]           # 1-based rank of each token in the distribution
+
+
+class EngineCoreOutput(msgspec.Struct, frozen=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None   # first prompt token has none
+    finish_reason: str | None = None     # a FinishReason value
+    stop_token_id: int | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineStats(msgspec.Struct):
+    """A snapshot the server exports as Prometheus metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0                 # used blocks / total blocks
+    kv_fragmentation: float = 0.0         # unused slots in partly filled blocks / allocated slots
+    prefix_cache_queries: int = 0         # tokens looked up (cumulative)
+    prefix_cache_hits: int = 0            # tokens found (cumulative)
+    num_preemptions: int = 0              # cumulative
+    num_kv_blocks: int = 0
+    num_free_blocks: int = 0
+    allocator_fragmentation: float = 0.0  # device allocator: reserved-but-unallocated / reserved
+
+
+# ---- user-facing outputs (vLLM-shaped) ----------------------------------------------------------
+
+@dataclass(slots=True)
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
