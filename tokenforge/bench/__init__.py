@@ -1,0 +1,91 @@
+"""`tokenforge bench NAME`: the benchmarks of shared/BENCHMARKING.md.
+
+Each bench is a module with `add_args(parser)` and `main(args)`. It checks correctness first,
+measures the hardware ceilings and the HF transformers peer in the same run, prints a table last
+and writes `bench/results/<date>-<device>-<workload>.json` (copied to `--out`).
+
+    ceilings    HBM read bandwidth and bf16 matmul rate (or the CPU's)
+    cpu         W6: bundled SmolLM2 on the CPU, fp32 and bf16, against HF in the same run
+    latency     W1: batch 1, 128 in / 256 out; ms/token p50/p99 and % of roofline
+    throughput  W2 (1000 x 256/256, MFU) or W3 (--workload W3: 500 x 2048/128), batch-size sweep
+    prefix      W5: shared 2048-token prefixes, prefix cache on against off
+    serve       W4: HTTP streaming load (tokenforge.bench.serve)
+    kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import sys
+
+BENCHES: dict[str, str] = {
+    "ceilings": "measure HBM read bandwidth and bf16 matmul TFLOP/s (CPU: GB/s and GFLOP/s)",
+    "cpu": "W6: bundled SmolLM2 on the CPU (fp32 and bf16) against HF transformers",
+    "latency": "W1: batch-1 decode, ms/token p50/p99, fraction of the roofline",
+    "throughput": "W2 (default) or W3 offline throughput, MFU, HF baseline, batch-size sweep plot",
+    "prefix": "W5: shared-prefix throughput with the prefix cache on and off",
+    "serve": "W4: HTTP streaming serving load (TTFT, TPOT, ITL)",
+    "kernels": "kernel micro-benchmarks against their torch references",
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"tokenforge.bench.{name}")
+
+
+def add_bench_args(subparsers, add_engine_args=None) -> argparse.ArgumentParser:
+    """Add `bench NAME [...]` to a CLI's subparsers.
+
+    `add_engine_args(parser)`, when given, adds the CLI's own engine flags (with their playbook
+    aliases) to every bench; without it each bench adds a fallback set. Each NAME sets
+    `args.func(args, engine_kwargs=None) -> int`, where `engine_kwargs(args)` maps those flags to
+    `LLM(...)` keyword arguments.
+    """
+    bench = subparsers.add_parser("bench", help="run a benchmark (see BENCHMARKING.md)",
+                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    names = bench.add_subparsers(dest="bench", metavar="NAME", required=True)
+    for name, text in BENCHES.items():
+        p = names.add_parser(name, help=text, description=text)
+        try:
+            module = _module(name)
+        except ImportError as e:      # serve/kernels may not exist yet; say so when it is run
+            p.set_defaults(func=_unavailable(name, e))
+            continue
+        add_args = getattr(module, "add_args", None)
+        if add_args is None:
+            p.add_argument("--out", default=None)
+            p.add_argument("rest", nargs=argparse.REMAINDER)
+        elif len(inspect.signature(add_args).parameters) >= 2:
+            add_args(p, add_engine_args)
+        else:
+            add_args(p)
+        p.set_defaults(func=_runner(module.main))
+    return bench
+
+
+def _runner(bench_main):
+    def run(args: argparse.Namespace, engine_kwargs=None) -> int:
+        args.engine_kwargs_fn = engine_kwargs
+        rc = bench_main(args)
+        return rc if isinstance(rc, int) else 0
+    return run
+
+
+def _unavailable(name: str, error: ImportError):
+    def fail(args: argparse.Namespace) -> int:
+        raise SystemExit(f"tokenforge bench {name} is not available: {error}")
+    return fail
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tokenforge.bench NAME ...`, the same as `tokenforge bench NAME ...`."""
+    try:      # the CLI's engine flags, aliases included, so both spellings behave the same
+        from tokenforge.cli import add_engine_args, engine_kwargs  # noqa: PLC0415
+    except ImportError:
+        add_engine_args = engine_kwargs = None
+    parser = argparse.ArgumentParser(prog="tokenforge")
+    add_bench_args(parser.add_subparsers(dest="command", required=True), add_engine_args)
+    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
+    return args.func(args, engine_kwargs)

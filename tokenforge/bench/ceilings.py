@@ -93,6 +93,12 @@ def describe(ceilings: dict) -> str:
     return f"read {bw:.2f} TB/s, matmul {mm:.0f} TFLOP/s"
 
 
+def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
+    p.add_argument("--out", default=None, help="also copy the results JSON to this folder")
+    p.add_argument("--results-dir", default=None, help="results folder (default bench/results)")
+    p.add_argument("--quick-ceilings", action="store_true", help="tiny CPU probes (smoke runs only)")
+
+
 def main(args: argparse.Namespace) -> dict:
     """`tokenforge bench ceilings`: just the hardware limits."""
     from tokenforge.bench import report  # noqa: PLC0415 - keep the module import light

@@ -17,34 +17,53 @@ import torch
 
 from tokenforge.bench import workloads
 
-# Engine keyword arguments the benches pass through, when given on the command line.
+# Engine flags of the fallback set (used when the CLI does not hand its own to the benches).
 ENGINE_ARGS = ("load_format", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
                "gpu_memory_utilization", "enforce_eager", "attention_backend", "max_model_len", "block_size")
 
 
-def add_common_args(p: argparse.ArgumentParser, *, model: str | None, dtype: str, num_prompts: int,
-                    input_len: int, output_len: int, repeats: int) -> None:
-    p.add_argument("--out", default=None, help="also copy the results JSON (and plots) to this folder")
-    p.add_argument("--results-dir", default=None, help="results folder (default bench/results)")
-    p.add_argument("--model", default=model, help=f"model name, HF dir or config.json (default {model or 'bundled'})")
-    p.add_argument("--load-format", default=None, help="auto | dummy (default: dummy for a config, auto otherwise)")
-    p.add_argument("--dtype", default=dtype, help=f"compute dtype (default {dtype})")
-    p.add_argument("--num-prompts", type=int, default=num_prompts)
-    p.add_argument("--input-len", type=int, default=input_len)
-    p.add_argument("--output-len", type=int, default=output_len)
-    p.add_argument("--repeats", type=int, default=repeats, help="timed runs; the median is reported")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and the dummy weights")
-    p.add_argument("--no-baseline", action="store_true", help="skip HF transformers in this run")
-    p.add_argument("--quick-ceilings", action="store_true", help="tiny ceiling probes (smoke runs only)")
-    p.add_argument("--max-num-seqs", type=int, default=None)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-memory", default=None, help="absolute KV budget, e.g. 60GiB")
-    p.add_argument("--gpu-memory-utilization", type=float, default=None)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
-    p.add_argument("--attention-backend", default=None, help="auto | triton | torch")
-    p.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+def add_common_args(p: argparse.ArgumentParser, add_engine_args=None, *, model: str | None, dtype: str,
+                    num_prompts: int | None, input_len: int | None, output_len: int | None, repeats: int) -> None:
+    """The flags every bench shares, then the engine flags (the CLI's when given) with the bench's
+    defaults for model and dtype."""
+    g = p.add_argument_group("bench")
+    g.add_argument("--out", default=None, help="also copy the results JSON (and plots) to this folder")
+    g.add_argument("--results-dir", default=None, help="results folder (default bench/results)")
+    g.add_argument("--num-prompts", type=int, default=num_prompts)
+    g.add_argument("--input-len", type=int, default=input_len)
+    g.add_argument("--output-len", type=int, default=output_len)
+    g.add_argument("--repeats", type=int, default=repeats, help="timed runs; the median is reported")
+    g.add_argument("--no-baseline", action="store_true", help="skip HF transformers in this run")
+    g.add_argument("--hf-variants", default=None,
+                   help="HF generate variants to try, best reported (default: eager,static on GPU; eager on CPU)")
+    g.add_argument("--quick-ceilings", action="store_true", help="tiny ceiling probes (smoke runs only)")
+    (add_engine_args or add_fallback_engine_args)(p)
+    # load_format None: dummy weights for a config without weights, the real loader otherwise.
+    p.set_defaults(model=model, dtype=dtype, load_format=None)
+
+
+def add_fallback_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="model name, HF dir or config.json")
+    g.add_argument("--load-format", default=None, help="auto | dummy (default: dummy for a config, auto otherwise)")
+    g.add_argument("--dtype", default=None)
+    g.add_argument("--seed", type=int, default=0, help="seed of the random prompts and the dummy weights")
+    g.add_argument("--max-num-seqs", type=int, default=None)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", default=None, help="absolute KV budget, e.g. 60GiB")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=None)
+    g.add_argument("--attention-backend", default=None, help="auto | triton | torch")
+    g.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+
+
+def hf_variants(args: argparse.Namespace) -> list[str | None] | None:
+    """'eager,static' -> [None, 'static'] (None = HF's default dynamic cache)."""
+    if not getattr(args, "hf_variants", None):
+        return None
+    return [None if v.strip() == "eager" else v.strip() for v in args.hf_variants.split(",") if v.strip()]
 
 
 def device() -> str:
@@ -68,12 +87,14 @@ def _has_weights(model: str | None) -> bool:
 
 
 def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
-    kwargs = {"model": args.model, "dtype": args.dtype, "seed": args.seed,
-              "load_format": args.load_format or default_load_format(args.model)}
-    for name in ENGINE_ARGS:
-        value = getattr(args, name, None)
-        if value is not None:
-            kwargs[name] = value
+    """`LLM(...)` keyword arguments: the CLI's mapping of its flags when it gave one, else ours."""
+    to_kwargs = getattr(args, "engine_kwargs_fn", None)
+    if to_kwargs is not None:
+        kwargs = to_kwargs(args)
+    else:
+        kwargs = {"model": args.model, "dtype": args.dtype, "seed": args.seed}
+        kwargs.update({n: getattr(args, n) for n in ENGINE_ARGS if getattr(args, n, None) is not None})
+    kwargs["load_format"] = args.load_format or default_load_format(args.model)
     kwargs.update(overrides)
     return kwargs
 
@@ -102,6 +123,9 @@ def free_llm(llm) -> None:
 
 
 def vocab_size(llm, model: str | None) -> int:
+    runtime = getattr(llm, "runtime", None)    # the engine's own answer, when it gives one
+    if getattr(runtime, "vocab_size", None):
+        return runtime.vocab_size
     cfg = workloads.load_config_dict(model)
     if cfg is not None:
         return cfg["vocab_size"]
@@ -149,6 +173,13 @@ class Timing:
 
     seconds: list[float] = field(default_factory=list)
     deterministic: bool = True
+    prefix_hit_tokens: list[int] = field(default_factory=list)
+    itl_ms: list[float] = field(default_factory=list)     # gaps between a request's tokens, all runs
+    ttft_ms: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        return {"runs_s": self.seconds, "median_s": self.median, "spread": self.spread,
+                "deterministic": self.deterministic, "prefix_hit_tokens": self.prefix_hit_tokens}
 
     @property
     def median(self) -> float:
@@ -160,20 +191,23 @@ class Timing:
 
 
 def run_checked(llm, prompts: list[list[int]], output_len: int, repeats: int, label: str) -> tuple[Timing, list]:
-    """Check before timing, then time `repeats` runs of all prompts at once.
+    """Check before timing, then time `repeats` runs of all prompts submitted at once.
 
+    Every run gets its own `cache_salt`, so a run never reuses the prefix-cache blocks of an
+    earlier run (that would flatter every run after the first); prompts within a run still share.
     The check runs a small subset twice: lengths must be the forced ones and greedy output must
     repeat. Timed runs are compared with each other too (same batch, so same kernels); a change
-    there is reported in `Timing.deterministic` rather than thrown away after minutes of work.
+    there is flagged in `Timing.deterministic` rather than thrown away after minutes of work.
     """
-    params = sampling_params(output_len)
     subset = prompts[: min(len(prompts), 8)]
-    first, _ = timed_generate(llm, subset, params)
-    second, _ = timed_generate(llm, subset, params)
+    first, _ = timed_generate(llm, subset, sampling_params(output_len, cache_salt=f"{label}-check-0"))
+    second, _ = timed_generate(llm, subset, sampling_params(output_len, cache_salt=f"{label}-check-1"))
     check_lengths(first, output_len, label)
     check_same(token_ids(first), token_ids(second), f"{label} warm-up")
     timing, reference = Timing(), None
     for r in range(max(1, repeats)):
+        hits0 = prefix_hits(llm)
+        params = sampling_params(output_len, cache_salt=f"{label}-run-{r}")
         outs, seconds = timed_generate(llm, prompts, params)
         check_lengths(outs, output_len, label)
         ids = token_ids(outs)
@@ -183,8 +217,33 @@ def run_checked(llm, prompts: list[list[int]], output_len: int, repeats: int, la
             timing.deterministic = False
             print(f"WARNING {label}: greedy outputs of run {r} differ from run 0", flush=True)
         timing.seconds.append(seconds)
+        timing.prefix_hit_tokens.append(prefix_hits(llm) - hits0)
+        record_token_times(timing, outs)
         print(f"{label}: run {r}: {seconds:.3f} s", flush=True)
     return timing, outs
+
+
+def record_token_times(timing: Timing, outs) -> None:
+    """Per-token gaps from the engine's per-request `metrics["token_times"]` stamps, if present."""
+    for o in outs:
+        metrics = getattr(o, "metrics", None) or {}
+        times = metrics.get("token_times") or []
+        timing.itl_ms += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+        if metrics.get("first_token_time") and metrics.get("arrival_time"):
+            timing.ttft_ms.append((metrics["first_token_time"] - metrics["arrival_time"]) * 1e3)
+
+
+def percentiles(values: list[float], qs: tuple[int, ...] = (50, 99)) -> dict[int, float | None]:
+    if not values:
+        return {q: None for q in qs}
+    ordered = sorted(values)
+    # nearest-rank: the smallest value with at least q% of the values at or below it
+    return {q: ordered[max(0, min(len(ordered) - 1, -(-q * len(ordered) // 100) - 1))] for q in qs}
+
+
+def prefix_hits(llm) -> int:
+    stats = llm.get_stats() if hasattr(llm, "get_stats") else None
+    return int(getattr(stats, "prefix_cache_hits", 0) or 0)
 
 
 def rates(num_prompts: int, input_len: float, output_len: int, seconds: float) -> dict:

@@ -67,14 +67,20 @@ def new_result(workload: str, model: str | None, dtype: str) -> dict:
         "dtype": dtype,
         "device": device_name(),
         **git_commit(),
-        "command": " ".join(["tokenforge", *sys.argv[1:]]) if _called_as_cli() else " ".join(sys.argv),
+        "command": command_line(),
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "torch": torch.__version__,
     }
 
 
-def _called_as_cli() -> bool:
-    return Path(sys.argv[0]).name == "tokenforge"
+def command_line() -> str:
+    """The command as a user would type it again."""
+    program = Path(sys.argv[0]).name
+    if program == "tokenforge":
+        return " ".join(["tokenforge", *sys.argv[1:]])
+    if program == "__main__.py" and "bench" in Path(sys.argv[0]).parent.name:
+        return " ".join(["python -m tokenforge.bench", *sys.argv[1:]])
+    return " ".join(sys.argv)
 
 
 def result_filename(result: dict) -> str:

@@ -53,7 +53,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[BlockHash] = field(default_factory=list)   # of full blocks, grown lazily
     num_cached_tokens: int = 0                          # prefix-cache hit at the first schedule
-    num_prompt_logprobs_emitted: int = 0                # prompt positions already sent (entry 0 = None)
+    num_prompt_logprobs_emitted: int = 1                # prompt positions covered (0 never has any)
     num_preemptions: int = 0
     stop_token_id: int | None = None                    # the stop_token_ids member that ended it
 

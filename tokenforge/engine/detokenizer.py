@@ -27,7 +27,7 @@ _REPLACEMENT = "\ufffd"
 _INITIAL_CONTEXT = 5
 # A UTF-8 character spans at most 4 byte tokens; a longer run that still ends in U+FFFD is
 # genuinely invalid bytes, so emit it rather than let the window grow without bound.
-_MAX_PENDING_TOKENS = 8
+_MAX_PENDING_TOKENS = 6
 
 
 class Tokenizer(Protocol):
@@ -55,22 +55,32 @@ class IncrementalDetokenizer:
         self._ids: list[int] = context             # a sliding window, trimmed as it advances
         self._prefix_offset = 0
         self._read_offset = len(context)
-        self._full_text = ""                       # all decoded output text, stop-truncated
-        self._emitted = 0                          # chars of _full_text handed out so far
+        # Final text is a list of released deltas; `_pending` is decoded text not yet released
+        # (a held-back stop-string prefix). Stop strings can only start inside `_pending`,
+        # so every search and trim below is O(pending), never O(output length).
+        self._released: list[str] = []
+        self._pending = ""
         self._max_stop_len = max((len(s) for s in self.stop), default=0)
 
     @property
     def text(self) -> str:
         """The output text that is final: never a held-back stop-string prefix."""
-        return self._full_text[:self._emitted]
+        if len(self._released) > 1:
+            self._released[:] = ["".join(self._released)]
+        return self._released[0] if self._released else ""
 
     def update(self, new_token_ids: list[int]) -> str:
         """Add new tokens; return the text that became final (may be empty)."""
         if self.finished or not new_token_ids:
             return ""
-        self.num_output_tokens += len(new_token_ids)
-        self._ids.extend(new_token_ids)
-        self._append(self._decode_window(force=False))
+        # One token at a time: a pending incomplete character then spans at most 4 tokens,
+        # which keeps the window short and lets complete text out as early as possible.
+        for token_id in new_token_ids:
+            self.num_output_tokens += 1
+            self._ids.append(token_id)
+            self._append(self._decode_window(force=False))
+            if self.finished:
+                break
         return self._release(hold_back=not self.finished)
 
     def flush(self) -> str:
@@ -94,46 +104,46 @@ class IncrementalDetokenizer:
         incomplete = window_text.endswith(_REPLACEMENT) and pending <= _MAX_PENDING_TOKENS
         if len(window_text) <= len(prefix_text) or (incomplete and not force):
             return ""   # no new character is complete yet (or only special tokens were skipped)
-        # The new tokens become the next window's left context; drop what lies before it.
-        del self._ids[:self._read_offset]
+        # The new tokens become the next window's left context (at most _INITIAL_CONTEXT of
+        # them); drop what lies before it.
+        del self._ids[:max(self._read_offset, len(self._ids) - _INITIAL_CONTEXT)]
         self._prefix_offset, self._read_offset = 0, len(self._ids)
         return window_text[len(prefix_text):]
 
     def _append(self, new_text: str) -> None:
         if not new_text:
             return
-        start = len(self._full_text)
-        self._full_text += new_text
+        start = len(self._pending)
+        self._pending += new_text
         if self.stop and self.num_output_tokens > self.min_tokens:
             self._check_stop(start)
 
     def _check_stop(self, new_start: int) -> None:
-        # A stop string ending in the new text starts at most max_stop_len - 1 chars before it.
-        search_from = max(0, new_start - self._max_stop_len + 1)
+        # Only a stop string that ends inside the new text is new; one ending earlier was
+        # either caught before or deliberately ignored (min_tokens).
         best: tuple[int, str] | None = None
         for s in self.stop:
-            idx = self._full_text.find(s, search_from)
+            idx = self._pending.find(s, max(0, new_start - len(s) + 1))
             if idx != -1 and (best is None or idx < best[0]):
                 best = (idx, s)
         if best is None:
             return
         idx, s = best
-        self._full_text = self._full_text[:idx + len(s) if self.include_stop_str_in_output else idx]
+        self._pending = self._pending[:idx + len(s) if self.include_stop_str_in_output else idx]
         self.stop_string = s
         self.finished = True
 
     def _release(self, hold_back: bool) -> str:
-        end = len(self._full_text)
-        if hold_back and self.stop:
-            end -= self._stop_prefix_suffix_len()
-        end = max(end, self._emitted)
-        delta = self._full_text[self._emitted:end]
-        self._emitted = end
+        keep = self._stop_prefix_suffix_len() if hold_back and self.stop else 0
+        cut = len(self._pending) - keep
+        delta, self._pending = self._pending[:cut], self._pending[cut:]
+        if delta:
+            self._released.append(delta)
         return delta
 
     def _stop_prefix_suffix_len(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        text = self._full_text
+        text = self._pending
         for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
             tail = text[-length:]
             if any(s.startswith(tail) for s in self.stop if len(s) > length):

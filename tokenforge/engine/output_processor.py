@@ -63,7 +63,8 @@ class OutputProcessor:
         for i, core in enumerate(processed.core_requests):
             detok = IncrementalDetokenizer(
                 self.tokenizer, processed.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output)
+                stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens)
             children[core.request_id] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
                                                cumulative_logprob=0.0 if params.logprobs is not None else None)
             self._child_to_parent[core.request_id] = processed.request_id

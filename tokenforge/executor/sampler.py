@@ -4,7 +4,7 @@ Order: penalties -> greedy argmax | (temperature -> top-k -> top-p -> min-p -> s
 Everything stays on the device; the only host reads are the caller's `.tolist()` calls.
 
 Sampling uses the exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. picks token i with
-probability probs[i]. Unseeded rows share one batched draw; a row with its own generator draws
+probability probs[i], without a host sync (unlike torch.multinomial's checks). Unseeded rows share one batched draw; a row with its own generator draws
 its own q of shape [V], so its token depends only on its logits and its generator, never on the
 rest of the batch.
 
@@ -132,17 +132,19 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def sample_from_probs(probs: torch.Tensor, generators: list[tuple[int, torch.Generator]]) -> torch.Tensor:
-    """argmax(probs / q), q ~ Exp(1): a categorical draw, with per-row generators where given."""
-    q = torch.empty_like(probs).exponential_()                                    # [N, V]
+    """argmax(probs / q), q ~ Exp(1): a categorical draw, with per-row generators where given.
+
+    q = -log(u) with u ~ U[0, 1): u < 1 keeps q > 0, so masked tokens (p = 0) score 0, never
+    NaN. (torch.rand is also several times faster than exponential_ on the CPU.)
+    """
+    u = torch.rand(probs.shape, device=probs.device)                              # [N, V]
     if generators:
         vocab = probs.shape[-1]
-        # Fresh [V] tensors: the draw must not depend on where the row sits in the batch.
-        own = [torch.empty(vocab, device=probs.device).exponential_(generator=g) for _, g in generators]
+        # Fresh [V] draws: a row's noise must not depend on where it sits in the batch.
+        own = [torch.rand(vocab, device=probs.device, generator=g) for _, g in generators]
         rows = torch.tensor([row for row, _ in generators], device=probs.device)
-        q.index_copy_(0, rows, torch.stack(own))
-    # q can be exactly 0 on some backends: 0/0 would be NaN, which argmax would pick.
-    q.clamp_(min=torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+        u.index_copy_(0, rows, torch.stack(own))
+    return (probs / u.log_().neg_()).argmax(dim=-1)
 
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int,

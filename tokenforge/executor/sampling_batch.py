@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -130,7 +131,8 @@ def _flatten(lists: list[list[int]], row_ids: list[int],
              device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """(row index per token, token ids), both [sum(len)] int64, from ragged token lists."""
     lengths = torch.tensor([len(ids) for ids in lists], dtype=torch.long)
-    flat_ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.long)
+    total = int(lengths.sum())
+    flat_ids = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total))
     flat_rows = torch.repeat_interleave(torch.tensor(row_ids, dtype=torch.long), lengths)
     return flat_rows.to(device, non_blocking=True), flat_ids.to(device, non_blocking=True)
 

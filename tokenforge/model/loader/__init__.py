@@ -1,0 +1,148 @@
+"""Model loading: resolve where the weights come from, build the model on its device, fill it.
+
+In: `model` (None = the bundled GGUF, a .gguf file, an HF directory, a config.json, or a shipped
+config name), `load_format` (auto | gguf | safetensors | dummy), dtype, device, seed.
+Out: `LoadedModel(model, arch_config, source_path, checksum_hint)`. The checksum hint is a cheap
+content fingerprint (sizes plus the first and last MiB of each weight file), enough to notice a
+swapped checkpoint without hashing gigabytes at start-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.loader.dummy_loader import (
+    initialize_dummy_weights,
+    read_config_json,
+    shipped_config_names,
+    shipped_config_path,
+)
+from tokenforge.model.loader.gguf_file import GGUFFile
+from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, find_bundled_gguf, gguf_weights
+from tokenforge.model.loader.safetensors_loader import read_hf_config, safetensors_files, safetensors_weights
+from tokenforge.model.models import get_model_class
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+_FINGERPRINT_BYTES = 1 << 20
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """The model path does not exist (a ValueError too, so config validation can treat it alike)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    kind: str           # gguf | safetensors | dummy
+    path: Path          # the .gguf file, the HF directory, or the config .json
+    config_kind: str    # where the architecture comes from: gguf | hf_dir | json
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    arch_config: ArchConfig
+    source_path: Path
+    checksum_hint: str
+    load_seconds: float = 0.0
+
+
+def resolve_model_source(model: str | Path | None, load_format: str = "auto") -> ModelSource:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    dummy = load_format == "dummy"
+    if model is None:
+        return _from_gguf(find_bundled_gguf(), load_format)
+    path = Path(model).expanduser()
+    if not path.exists():
+        shipped = shipped_config_path(str(model))
+        if shipped is None:
+            raise ModelNotFoundError(f"model path {str(path)!r} does not exist (nor is it a shipped config name: "
+                                     f"{', '.join(shipped_config_names())})")
+        path = shipped
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path, load_format)
+    if path.is_dir() and (path / "config.json").is_file():
+        _require_format(load_format, ("auto", "safetensors", "dummy"), path)
+        return ModelSource("dummy" if dummy else "safetensors", path.resolve(), "hf_dir")
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _from_gguf(ggufs[0], load_format)
+        raise ValueError(f"model directory {str(path)!r} has no config.json (and not exactly one .gguf file)")
+    if path.suffix == ".json":
+        if not dummy:
+            raise ValueError(f"{str(path)!r} is an architecture config without weights: "
+                             "pass load_format='dummy' (--load-format dummy) for random weights")
+        return ModelSource("dummy", path.resolve(), "json")
+    raise ValueError(f"cannot tell how to load {str(path)!r}: expected a .gguf file, an HF directory with "
+                     "config.json, or (with load_format='dummy') a config .json")
+
+
+def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
+               seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+    start = time.perf_counter()
+    source = resolve_model_source(model, load_format)
+    gguf = GGUFFile(source.path) if source.config_kind == "gguf" else None
+    config = _read_arch_config(source, gguf)
+    with torch.device(device):
+        net = get_model_class(config.architecture)(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+    if source.kind == "dummy":
+        initialize_dummy_weights(net, seed)
+    elif gguf is not None:
+        net.load_weights(gguf_weights(gguf, config))
+    else:
+        net.load_weights(safetensors_weights(source.path))
+    net.eval()
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s) in %.2f s", source.path, source.kind, config.architecture, seconds)
+    return LoadedModel(net, config, source.path, _checksum_hint(source, seed), seconds)
+
+
+def _from_gguf(path: Path, load_format: str) -> ModelSource:
+    _require_format(load_format, ("auto", "gguf", "dummy"), path)
+    return ModelSource("dummy" if load_format == "dummy" else "gguf", path.resolve(), "gguf")
+
+
+def _require_format(load_format: str, allowed: tuple[str, ...], path: Path) -> None:
+    if load_format not in allowed:
+        raise ValueError(f"load_format {load_format!r} does not fit {str(path)!r} (allowed here: {', '.join(allowed)})")
+
+
+def _read_arch_config(source: ModelSource, gguf: GGUFFile | None) -> ArchConfig:
+    if gguf is not None:
+        return arch_config_from_gguf(gguf)
+    if source.config_kind == "hf_dir":
+        return read_hf_config(source.path)
+    return read_config_json(source.path)
+
+
+def _checksum_hint(source: ModelSource, seed: int) -> str:
+    h = hashlib.sha256(source.kind.encode())
+    if source.kind == "dummy":
+        config = source.path / "config.json" if source.path.is_dir() else source.path
+        h.update(config.read_bytes() if config.suffix == ".json" else str(config.stat().st_size).encode())
+        h.update(f"seed={seed}".encode())
+        return h.hexdigest()[:16]
+    files = [source.path] if source.kind == "gguf" else safetensors_files(source.path)
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(_FINGERPRINT_BYTES))
+            f.seek(max(0, size - _FINGERPRINT_BYTES))
+            h.update(f.read(_FINGERPRINT_BYTES))
+    return h.hexdigest()[:16]
+
+
+__all__ = ["LOAD_FORMATS", "LoadedModel", "ModelNotFoundError", "ModelSource", "find_bundled_gguf", "load_model",
+           "resolve_model_source"]

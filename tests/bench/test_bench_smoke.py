@@ -1,0 +1,79 @@
+"""Smoke runs of `tokenforge bench` on the CPU with a tiny dummy model: the harness logic, the
+checks, the JSON keys and the plot, not the speed (benchmarks measure speed, tests don't)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from tokenforge.bench import add_bench_args, main, report, workloads
+
+TINY = "tiny-llama"     # a shipped config (tokenforge/model/configs), dummy weights
+COMMON = ["--dtype", "float32", "--quick-ceilings", "--repeats", "1", "--max-num-batched-tokens", "64"]
+
+
+def _run(tmp_path, name: str, *argv: str) -> dict:
+    main([name, "--results-dir", str(tmp_path / "results"), "--out", str(tmp_path / "out"), *argv])
+    (path,) = (tmp_path / "results").glob(f"*-{report.device_short()}-*.json")
+    assert (tmp_path / "out" / path.name).is_file()
+    result = json.loads(path.read_text())
+    for key in ("workload", "model", "dtype", "device", "commit", "command", "date", "ceilings", "tokenforge"):
+        assert key in result, key
+    assert set(result["ceilings"]) >= {"read_bw_tbps", "matmul_tflops"}
+    return result
+
+
+def test_cli_lists_every_bench():
+    parser = argparse.ArgumentParser(prog="tokenforge")
+    add_bench_args(parser.add_subparsers(dest="command"))
+    for name in ("cpu", "latency", "throughput", "prefix", "serve", "kernels", "ceilings"):
+        args = parser.parse_args(["bench", name] + (["--out", "x"] if name not in ("serve", "kernels") else []))
+        assert callable(args.func)
+
+
+def test_llama_8b_arithmetic_matches_benchmarking_md():
+    cfg = {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "vocab_size": 128256, "model_type": "llama"}
+    shape = workloads.ModelShape.from_config(cfg)
+    assert shape.decode_bytes_per_token("bfloat16", 0) / 1e9 == pytest.approx(15.0, abs=0.05)
+    assert 4.28e12 / shape.decode_bytes_per_token("bfloat16", 256) == pytest.approx(284, abs=1)
+    assert 806e12 / shape.matmul_flops_per_token() / 2 == pytest.approx(27_000, rel=0.02)
+
+
+def test_shared_prefix_prompts_share_exactly_the_prefix():
+    prompts = workloads.shared_prefix_prompts(3, 4, 16, 5, vocab=100, seed=1)
+    assert len(prompts) == 12 and all(len(p) == 21 for p in prompts)
+    groups = {tuple(p[:16]) for p in prompts}
+    assert len(groups) == 3 and len({tuple(p[16:]) for p in prompts}) == 12
+
+
+def test_latency_smoke(tmp_path):
+    r = _run(tmp_path, "latency", "--model", TINY, "--input-len", "8", "--output-len", "6", "--no-baseline", *COMMON)
+    assert r["workload"] == "W1" and r["tokenforge"]["output_tok_s"] > 0
+    assert r["tokenforge"]["ms_per_token_p50"] is not None and 0 < r["roofline_frac"]
+
+
+def test_throughput_smoke_with_tiny_hf_baseline(tmp_path):
+    r = _run(tmp_path, "throughput", "--model", TINY, "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
+             "--sweep", "1,4", "--baseline-batch-size", "3", *COMMON)
+    assert r["workload"] == "W2" and r["tokenforge"]["deterministic"]
+    assert r["baseline"]["output_tok_s"] > 0 and r["mfu"] > 0
+    assert [p["batch_size"] for p in r["sweep"]] == [1, 4]
+    assert (tmp_path / "out" / (report.result_filename(r).replace(".json", "-sweep.png"))).is_file()
+
+
+def test_prefix_smoke(tmp_path):
+    r = _run(tmp_path, "prefix", "--model", TINY, "--num-groups", "2", "--group-size", "3", "--prefix-len", "32",
+             "--input-len", "8", "--output-len", "4", "--block-size", "16", *COMMON)
+    assert r["workload"] == "W5" and r["speedup"] > 0
+    assert r["tokenforge"]["prefix_hit_rate"] > 0           # the groups' later members hit the cache
+    assert r["baseline"]["prefix_hit_tokens"] == [0]
+
+
+def test_cpu_smoke(tmp_path):
+    r = _run(tmp_path, "cpu", "--model", TINY, "--num-prompts", "3", "--min-input", "4", "--max-input", "12",
+             "--output-len", "4", *COMMON)
+    assert r["workload"] == "W6" and r["ratio"] > 0
+    assert r["bf16"]["tokenforge"]["output_tok_s"] > 0 and "perplexity" in r["bf16"]

@@ -1,0 +1,110 @@
+"""TritonAttentionBackend: metadata building (CPU) and forward / CUDA-graph replay (GPU)."""
+
+import pytest
+import torch
+
+from tokenforge.kernels.paged_attention import paged_attention_ref
+from tokenforge.model.attention.backend import AttentionBatch
+from tokenforge.model.attention.triton_backend import DecodeMetadataBuffers, TritonAttentionBackend
+
+CPU = torch.device("cpu")
+
+
+def _expected_slots(batch: AttentionBatch) -> list[int]:
+    bs = batch.block_size
+    return [t[p // bs] * bs + p % bs
+            for t, c, q in zip(batch.block_tables, batch.context_lens, batch.query_lens) for p in range(c, c + q)]
+
+
+def test_build_metadata_mixed_batch():
+    batch = AttentionBatch(query_lens=[3, 1, 5], context_lens=[0, 9, 16], block_tables=[[4], [2, 7, 1], [0, 3, 5, 6, 8, 9]],
+                           block_size=4, device=CPU)
+    meta = TritonAttentionBackend().build_metadata(batch)
+    assert meta.slot_mapping.tolist() == _expected_slots(batch)
+    assert meta.query_start_loc.tolist() == [0, 3, 4, 9]
+    assert meta.seq_lens.tolist() == [3, 10, 21] and meta.context_lens.tolist() == [0, 9, 16]
+    assert meta.block_tables.shape == (3, 6) and meta.block_tables[1].tolist() == [2, 7, 1, 0, 0, 0]
+    assert (meta.num_seqs, meta.num_tokens, meta.max_query_len, meta.max_seq_len) == (3, 9, 5, 21)
+    assert not meta.is_decode_only
+    decode = AttentionBatch([1, 1], [4, 0], [[3, 2], [5]], 4, CPU)
+    assert TritonAttentionBackend().build_metadata(decode).is_decode_only
+
+
+def test_decode_buffers_fill_pads_and_keeps_addresses():
+    buffers = DecodeMetadataBuffers(max_batch_size=8, max_blocks_per_seq=4, device=CPU)
+    backend = TritonAttentionBackend()
+    first = AttentionBatch([1, 1, 1], [5, 0, 12], [[1, 2], [3], [4, 5, 6, 7]], 4, CPU)
+    meta = backend.build_metadata(first, out=buffers, padded_batch_size=4)
+    ptrs = (meta.slot_mapping.data_ptr(), meta.seq_lens.data_ptr(), meta.block_tables.data_ptr())
+    assert meta.slot_mapping.tolist() == _expected_slots(first) + [-1]
+    assert meta.seq_lens.tolist() == [6, 1, 13, 0] and meta.context_lens.tolist() == [5, 0, 12, 0]
+    assert meta.block_tables.tolist()[2] == [4, 5, 6, 7] and meta.query_start_loc.tolist() == [0, 1, 2, 3, 4]
+    second = AttentionBatch([1], [2], [[9]], 4, CPU)
+    meta2 = buffers.fill(second, padded_batch_size=4)
+    assert (meta2.slot_mapping.data_ptr(), meta2.seq_lens.data_ptr(), meta2.block_tables.data_ptr()) == ptrs
+    assert meta2.slot_mapping.tolist() == [38, -1, -1, -1] and meta2.seq_lens.tolist() == [3, 0, 0, 0]
+    assert meta2.is_decode_only and meta2.num_seqs == 4
+    with pytest.raises(AssertionError):
+        buffers.fill(AttentionBatch([2], [0], [[1]], 4, CPU))
+
+
+def _run_forward(device, dtype, query_lens, context_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16):
+    """Random batch through backend.forward (stores k/v, then attends); returns (out, reference)."""
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 2
+    perm = torch.randperm(num_blocks).tolist()
+    tables, used = [], 0
+    for s in seq_lens:
+        n = -(-s // block_size)
+        tables.append(perm[used: used + n])
+        used += n
+    backend = TritonAttentionBackend()
+    kv = torch.randn(backend.kv_cache_shape(num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    batch = AttentionBatch(query_lens, context_lens, tables, block_size, device)
+    meta = backend.build_metadata(batch)
+    t = sum(query_lens)
+    q = torch.randn(t, num_q_heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(t, num_kv_heads, head_dim, dtype=dtype, device=device)
+    v = torch.randn(t, num_kv_heads, head_dim, dtype=dtype, device=device)
+    out = backend.forward(q, k, v, kv, meta, 0.125)
+    ref = paged_attention_ref(q, kv, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.125)
+    stored = kv.flatten(1, 2)[:, meta.slot_mapping.long()]       # [2, T, Hkv, D]
+    assert torch.equal(stored[0], k) and torch.equal(stored[1], v)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_mixed_and_decode(device, dtype, rel_err, tol):
+    if dtype == torch.bfloat16 and device.type == "cpu":
+        pytest.skip("the Triton interpreter does not emulate bf16 dots")
+    out, ref = _run_forward(device, dtype, [7, 1, 20, 1], [0, 40, 13, 0])
+    assert rel_err(out, ref) <= tol(dtype)
+    out, ref = _run_forward(device, dtype, [1, 1, 1], [300, 5, 77])
+    assert rel_err(out, ref) <= tol(dtype)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
+def test_decode_cuda_graph_replay_with_refilled_buffers(rel_err, tol):
+    device, dtype, bs, hq, hkv, d = torch.device("cuda"), torch.bfloat16, 16, 8, 2, 128
+    backend = TritonAttentionBackend()
+    kv = torch.randn(backend.kv_cache_shape(400, bs, hkv, d), dtype=dtype, device=device)
+    buffers = DecodeMetadataBuffers(max_batch_size=8, max_blocks_per_seq=64, device=device)
+    q = torch.randn(4, hq, d, dtype=dtype, device=device)
+    k, v = torch.randn(4, hkv, d, dtype=dtype, device=device), torch.randn(4, hkv, d, dtype=dtype, device=device)
+
+    def batch(ctx: list[int]) -> AttentionBatch:
+        tables = [list(range(60 * i, 60 * i + (c + bs) // bs)) for i, c in enumerate(ctx)]
+        return AttentionBatch([1] * len(ctx), ctx, tables, bs, device)
+
+    meta = backend.build_metadata(batch([10, 20, 30, 40]), out=buffers, padded_batch_size=4)
+    backend.forward(q, k, v, kv, meta, 0.1)                     # warm up (compiles) outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(q, k, v, kv, meta, 0.1)
+    for ctx in ([900, 3, 511, 64], [17, 700]):                  # new lengths, then a smaller padded batch
+        meta = backend.build_metadata(batch(ctx), out=buffers, padded_batch_size=4)
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        ref = paged_attention_ref(q, kv, meta.block_tables, meta.query_start_loc, meta.seq_lens, 0.1)
+        assert rel_err(out[: len(ctx)], ref[: len(ctx)]) <= tol(dtype)
+        assert out[len(ctx):].abs().max() == 0                  # padding rows

@@ -1,0 +1,60 @@
+"""Fixtures for model tests: a tiny paged-KV driver (what the model runner does, minus scheduling)
+and the HF reference for the bundled GGUF (slow to load, so built once per session)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenforge.model.attention import AttentionBatch, TorchAttentionBackend
+from tokenforge.model.forward_context import set_forward_context
+
+
+class PagedDriver:
+    """Feeds chunks of sequences through a model with a paged KV cache and a block table per sequence.
+
+    Blocks are handed out in shuffled order so block tables are not the identity.
+    """
+
+    def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 256, seed: int = 0) -> None:
+        self.model, self.block_size = model, block_size
+        self.backend = TorchAttentionBackend()
+        cfg = model.config
+        dtype = next(model.parameters()).dtype
+        for layer in model.attention_layers():
+            shape = self.backend.kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+            layer.kv_cache = torch.zeros(shape, dtype=dtype)
+            layer.backend = self.backend
+        self.free = list(range(num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+        self.lens: dict[str, int] = {}
+
+    @torch.inference_mode()
+    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
+        """chunks: (seq_id, new token ids). Returns per chunk its logits [len, V] (fp32)."""
+        ids, positions, q_lens, ctx_lens, tables = [], [], [], [], []
+        for seq_id, tokens in chunks:
+            ctx = self.lens.get(seq_id, 0)
+            table = self.tables.setdefault(seq_id, [])
+            while len(table) * self.block_size < ctx + len(tokens):
+                table.append(self.free.pop())
+            ids += tokens
+            positions += range(ctx, ctx + len(tokens))
+            q_lens.append(len(tokens))
+            ctx_lens.append(ctx)
+            tables.append(list(table))
+            self.lens[seq_id] = ctx + len(tokens)
+        batch = AttentionBatch(q_lens, ctx_lens, tables, self.block_size, torch.device("cpu"))
+        metadata = self.backend.build_metadata(batch)
+        with set_forward_context(metadata):
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+        logits = self.model.compute_logits(hidden).float()
+        return list(logits.split(q_lens))
+
+
+@pytest.fixture
+def paged_driver():
+    return PagedDriver

@@ -1,0 +1,267 @@
+"""The scheduler: which tokens of which requests to compute each step.
+
+In: `EngineCoreRequest`s (add_request), aborts, and each step's `ModelRunnerOutput`.
+Out: a `SchedulerOutput` per step (schedule) and `EngineCoreOutput`s (update_from_output).
+
+It schedules tokens, not phases: running requests first (decodes and unfinished prefill chunks),
+then waiting ones in FCFS order, under a token budget (`max_num_batched_tokens`) and a sequence
+budget (`max_num_seqs`). Long prompts are chunked to the budget left. When the pool runs dry it
+preempts the newest running request by recompute: its blocks are freed and it goes back to the
+front of the queue, to recompute prompt + output later, token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+
+from tokenforge.config import CacheConfig, SchedulerConfig
+from tokenforge.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenforge.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from tokenforge.core.request import Request, RequestStatus
+from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, PositionLogprobs
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_kv_blocks: int) -> None:
+        self.config = scheduler_config
+        self.block_size = cache_config.block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        # A sequence can never outgrow the pool either; stopping it there avoids a request that
+        # preempts itself forever.
+        self.max_len = min(scheduler_config.max_model_len, num_kv_blocks * cache_config.block_size)
+        self.requests: dict[str, Request] = {}     # every unfinished request
+        self.waiting: deque[Request] = deque()     # WAITING and PREEMPTED, in service order
+        self.running: list[Request] = []           # in admission order: the newest is last
+        self._finished_ids: list[str] = []         # finished or aborted since the last schedule()
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        n, max_len = len(req.prompt_token_ids), self.config.max_model_len
+        if n == 0:
+            raise ValueError(f"request {req.request_id!r}: the prompt is empty")
+        if n > max_len:
+            raise ValueError(f"request {req.request_id!r}: the prompt has {n} tokens, "
+                             f"more than max_model_len={max_len}")
+        need = cdiv(n, self.block_size)
+        if need > self.num_kv_blocks:
+            raise ValueError(
+                f"request {req.request_id!r}: the prompt of {n} tokens needs {need} KV blocks of "
+                f"{self.block_size} tokens, but the KV cache has only {self.num_kv_blocks} blocks "
+                f"({self.num_kv_blocks * self.block_size} tokens)")
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        request = Request.from_engine_core_request(req)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """Remove requests wherever they are and free their blocks now; unknown ids are ignored."""
+        was_running = was_waiting = False
+        now = time.time()
+        for rid in request_ids:
+            req = self.requests.pop(rid, None)
+            if req is None:
+                continue
+            was_running |= req.status == RequestStatus.RUNNING
+            was_waiting |= req.status != RequestStatus.RUNNING
+            req.status, req.finished_time = RequestStatus.FINISHED_ABORTED, now
+            self.kv.free(req)
+            self._finished_ids.append(rid)
+        # One filtering pass each, so aborting k of n requests costs O(n), not O(k * n).
+        if was_running:
+            self.running = [r for r in self.running if not r.is_finished]
+        if was_waiting:
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def get_num_running(self) -> int:
+        return len(self.running)
+
+    def get_num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
+
+    def get_stats(self) -> EngineStats:
+        pool = self.kv.pool
+        return EngineStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_usage=pool.usage, kv_fragmentation=self.kv.fragmentation,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
+            num_kv_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks)
+
+    # ---- schedule ------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_request_ids=self._finished_ids)
+        self._finished_ids = []
+        decodes: list[ScheduledSequence] = []
+        prefills: list[ScheduledSequence] = []
+        budget = self._schedule_running(self.config.max_num_batched_tokens, decodes, prefills,
+                                        out.preempted_request_ids)
+        # Blocks ran out this step: admitting new work would only preempt it again.
+        if not out.preempted_request_ids:
+            self._schedule_waiting(budget, decodes, prefills)
+        decodes.extend(prefills)
+        out.sequences = decodes
+        return out
+
+    def _schedule_running(self, budget: int, decodes: list[ScheduledSequence],
+                          prefills: list[ScheduledSequence], preempted: list[str]) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            assert n > 0, f"running request {req.request_id} has nothing to compute"
+            if not self._allocate_or_preempt(req, n, preempted):
+                break
+            self._add_sequence(req, n, decodes, prefills)
+            budget -= n
+            i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
+        """Allocate n slots for a running request, preempting the newest running requests (LIFO)
+        until it fits. False when the request had to preempt itself."""
+        while self.kv.allocate_slots(req, n) is None:
+            # The victim is never one scheduled earlier this step: those sit before `req`.
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _schedule_waiting(self, budget: int, decodes: list[ScheduledSequence],
+                          prefills: list[ScheduledSequence]) -> None:
+        now: float | None = None
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            n = min(req.num_tokens - num_hit, budget)
+            if self.kv.allocate_slots(req, n, hit_blocks) is None:
+                break                          # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            self.kv.record_prefix_lookup(req, num_hit)
+            req.num_computed_tokens = num_hit
+            req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now = now or time.time()
+                req.num_cached_tokens = num_hit
+            self.running.append(req)
+            self._add_sequence(req, n, decodes, prefills)
+            budget -= n
+
+    def _add_sequence(self, req: Request, n: int, decodes: list[ScheduledSequence],
+                      prefills: list[ScheduledSequence]) -> None:
+        start, tokens = req.num_computed_tokens, req.all_token_ids
+        seq = ScheduledSequence(
+            request_id=req.request_id, token_ids=tokens[start:start + n],
+            start_position=start, block_table=self.kv.block_table(req),
+            sample=start + n == len(tokens), params=req.params,
+            prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
+            want_prompt_logprobs=(req.params.prompt_logprobs is not None
+                                  and self._wants_prompt_logprobs(req, start)))
+        (decodes if n == 1 else prefills).append(seq)
+
+    @staticmethod
+    def _wants_prompt_logprobs(req: Request, start: int) -> bool:
+        """Asked for, not yet all sent, and this chunk starts inside the prompt."""
+        n_prompt = req.num_prompt_tokens
+        return (req.params.prompt_logprobs is not None and not req.output_token_ids
+                and start < n_prompt and req.num_prompt_logprobs_emitted < n_prompt)
+
+    # ---- update --------------------------------------------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs: list[EngineCoreOutput] = []
+        now = time.time()
+        any_finished = False
+        for seq in scheduler_output.sequences:
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue                       # aborted while the step ran
+            req.num_computed_tokens += len(seq.token_ids)
+            self.kv.cache_blocks(req)
+            prompt_lps = (self._take_prompt_logprobs(req, seq, model_runner_output)
+                          if seq.want_prompt_logprobs else None)
+            if not seq.sample:
+                if prompt_lps:
+                    outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=prompt_lps,
+                                                    num_cached_tokens=req.num_cached_tokens))
+                continue
+            token = model_runner_output.sampled_token_ids[req.request_id]
+            req.append_output_token(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status, now)
+                any_finished = True
+            logprobs = model_runner_output.logprobs.get(req.request_id)
+            outputs.append(EngineCoreOutput(
+                req.request_id, [token], [logprobs] if logprobs is not None else None,
+                prompt_logprobs=prompt_lps,
+                finish_reason=status.finish_reason.value if status is not None else None,
+                stop_token_id=req.stop_token_id, num_cached_tokens=req.num_cached_tokens))
+        if any_finished:
+            self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.params
+        num_out = len(req.output_token_ids)
+        if num_out >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_token_id = token
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= params.max_tokens or req.num_tokens >= self.max_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
+        req.status, req.finished_time = status, now
+        self.kv.free(req)
+        del self.requests[req.request_id]
+        self._finished_ids.append(req.request_id)
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request, seq: ScheduledSequence,
+                              runner_output: ModelRunnerOutput) -> list[PositionLogprobs | None] | None:
+        """This chunk's prompt logprobs, aligned to prompt positions and never sent twice.
+
+        The runner's list for a chunk starting at s holds, at index j, the logprobs of prompt token
+        s + j + 1 (scored by the logits at position s + j); entries past the prompt are ignored.
+        Prompt token 0 is never scored and never sent (the frontend puts None first). Positions a
+        recomputed chunk (after a preemption) already sent are skipped; any position the runner
+        did not score is sent as None, so the frontend's list stays aligned with the prompt.
+        """
+        scored = runner_output.prompt_logprobs.get(req.request_id, ())
+        start = seq.start_position
+        first = req.num_prompt_logprobs_emitted
+        last = min(start + len(scored), req.num_prompt_tokens - 1)
+        entries = [scored[q - start - 1] if q > start else None for q in range(first, last + 1)]
+        req.num_prompt_logprobs_emitted = max(first, last + 1)
+        return entries or None

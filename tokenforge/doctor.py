@@ -1,0 +1,65 @@
+"""`tokenforge doctor`: what fits, before start-up.
+
+In: a model (read for its shape only, no weights loaded) and a memory budget. Out: a short
+report of parameters and weight bytes, KV bytes per token, and how many tokens and full-length
+sequences fit in what is left. Like cli.py, it may see every package.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenforge.config import parse_size
+from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.loader import read_arch_config
+
+_ACTIVATION_RESERVE = 0.1   # share of the budget kept for activations and the allocator
+
+
+def _machine_memory() -> tuple[int, str]:
+    try:
+        import torch  # noqa: PLC0415
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory, torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "CPU RAM"
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def plan(arch: ArchConfig, memory: int, dtype: str, block_size: int, max_model_len: int) -> dict:
+    weights = arch.weight_bytes(dtype)
+    kv_per_token = arch.kv_bytes_per_token(dtype)
+    left = int(memory * (1 - _ACTIVATION_RESERVE)) - weights
+    tokens = max(0, left // kv_per_token // block_size * block_size)
+    return {"parameters": arch.num_parameters(), "weight_bytes": weights, "kv_bytes_per_token": kv_per_token,
+            "kv_budget_bytes": max(0, left), "kv_tokens": tokens, "full_length_sequences": tokens // max_model_len}
+
+
+def run_doctor(model: str | None, load_format: str, memory: str | None, dtype: str, block_size: int,
+               max_model_len: int | None) -> str:
+    arch = read_arch_config(model, load_format)
+    if dtype == "auto":
+        dtype = "float32" if memory is None and _machine_memory()[1] == "CPU RAM" else "bfloat16"
+    budget, where = (parse_size(memory), "given") if memory else _machine_memory()
+    length = max_model_len or arch.max_position_embeddings
+    p = plan(arch, budget, dtype, block_size, length)
+    lines = [
+        f"model         {model or 'bundled SmolLM2-135M-Instruct'} ({arch.architecture})",
+        f"parameters    {p['parameters'] / 1e9:.3f} B  -> weights {_gib(p['weight_bytes'])} in {dtype}",
+        f"KV per token  {p['kv_bytes_per_token'] / 1024:.1f} KiB ({arch.num_hidden_layers} layers x "
+        f"{arch.num_key_value_heads} KV heads x {arch.head_dim} dims x K,V)",
+        f"memory        {_gib(budget)} ({where}); {int(_ACTIVATION_RESERVE * 100)}% kept for activations",
+        f"KV budget     {_gib(p['kv_budget_bytes'])} -> {p['kv_tokens']:,} tokens",
+        f"sequences     {p['full_length_sequences']:,} concurrent at the full length {length:,}",
+    ]
+    if p["kv_tokens"] == 0:
+        lines.append("verdict       does not fit: use a smaller dtype, a quantized model or more memory")
+    elif p["full_length_sequences"] == 0:
+        lines.append(f"verdict       fits, but not one full-length sequence: lower --max-model-len "
+                     f"below {p['kv_tokens']:,}")
+    return "\n".join(lines)

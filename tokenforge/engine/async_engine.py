@@ -1,0 +1,258 @@
+"""AsyncEngine: the serving frontend's engine, for one asyncio event loop.
+
+In: prompts (text or token ids) with SamplingParams, from many concurrent HTTP handlers. Out: an
+async iterator of delta RequestOutputs per request. Tokenization, validation (Processor) and
+detokenization with stop strings (OutputProcessor) run here in the main process; scheduling
+and the model run in the engine-core process (core_process.py) behind EngineCoreClient.
+
+One background task reads the core's messages and routes each RequestOutput to its request's
+queue. A request whose consumer goes away (client disconnect, timeout, cancellation) is aborted
+in the core from the generator's `finally`, so its KV blocks are freed by the next step. If the
+core dies, every in-flight request gets EngineDeadError and `is_healthy` turns False at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+from tokenforge.config import EngineConfig, RuntimeInfo
+from tokenforge.engine.core_client import EngineCoreClient, EngineDeadError
+from tokenforge.engine.core_process import DEFAULT_CORE, Fatal, Rejected, Stats, StepOutputs
+from tokenforge.engine.output_processor import OutputProcessor
+from tokenforge.engine.processor import Processor
+from tokenforge.messages import EngineStats, RequestOutput
+from tokenforge.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
+
+
+class RequestStream:
+    """One request's delta outputs, in order. Iterate it; leaving its `with` block (or calling
+    `abort()`) before it finished aborts the request in the engine core."""
+
+    def __init__(self, engine: AsyncEngine, request_id: str, arrival_time: float, child_ids: list[str]) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.arrival_time = arrival_time
+        self.child_ids = child_ids
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.first_step_start: float | None = None
+        self.finished = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+    def __enter__(self) -> RequestStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, runtime: RuntimeInfo, tokenizer, client: EngineCoreClient) -> None:
+        self.config = config
+        self.runtime = runtime
+        self.tokenizer = tokenizer
+        self.client = client
+        self.processor = Processor(config, runtime, tokenizer)
+        self.output_processor = OutputProcessor(tokenizer, stream_deltas=True)
+        self._streams: dict[str, RequestStream] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._num_seqs = 0
+        self._stats = EngineStats(num_kv_blocks=runtime.num_kv_blocks, num_free_blocks=runtime.num_kv_blocks)
+        self._stats_waiters: list[asyncio.Future] = []
+        self._death_callbacks: list[Callable[[str], None]] = []
+        self._output_task: asyncio.Task | None = None
+        self.dead_reason: str | None = None
+
+    @classmethod
+    async def start(cls, config: EngineConfig, *, core_path: str = DEFAULT_CORE, tokenizer=None,
+                    ready_timeout: float | None = None) -> AsyncEngine:
+        """Spawn the engine core and, while it loads the model, load the tokenizer here."""
+        client = EngineCoreClient(config, core_path=core_path)
+        client.spawn()
+        try:
+            tokenizer_task = None
+            if tokenizer is None:
+                from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415
+
+                tokenizer_task = asyncio.create_task(asyncio.to_thread(
+                    load_engine_tokenizer, config.model.model, config.load.load_format))
+            ready = await client.wait_ready(ready_timeout)
+            if tokenizer_task is not None:
+                tokenizer = await tokenizer_task
+        except BaseException:
+            client.shutdown()
+            raise
+        runtime = RuntimeInfo(num_kv_blocks=ready.num_kv_blocks, vocab_size=ready.vocab_size,
+                              eos_token_ids=tuple(tokenizer.eos_token_ids), max_model_len=ready.max_model_len)
+        engine = cls(config.with_max_model_len(ready.max_model_len), runtime, tokenizer, client)
+        engine._begin()
+        return engine
+
+    def _begin(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._output_task = loop.create_task(self._route_outputs(), name="engine-output-router")
+        self.client.watch(self._mark_dead, loop)
+
+    # ---- public API ------------------------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None
+
+    @property
+    def num_unfinished_seqs(self) -> int:
+        """Sequences admitted and not yet finished (n per request): the server's queue depth."""
+        return self._num_seqs
+
+    @property
+    def engine_pid(self) -> int | None:
+        return self.client.process.pid if self.client.process is not None else None
+
+    def on_death(self, callback: Callable[[str], None]) -> None:
+        self._death_callbacks.append(callback)
+
+    def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                    cache_salt: str | None = None) -> RequestStream:
+        """Validate, tokenize and submit now (ValueError for a bad request); outputs arrive on the
+        returned stream. Use it as a context manager so an abandoned request is aborted."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        arrival = time.time()
+        processed = self.processor.process(prompt, params, request_id, cache_salt=cache_salt, arrival_time=arrival)
+        stream = RequestStream(self, request_id, arrival, [r.request_id for r in processed.core_requests])
+        self.output_processor.add_request(processed, params, arrival)
+        self._streams[request_id] = stream
+        for child_id in stream.child_ids:
+            self._child_to_parent[child_id] = request_id
+        self._num_seqs += len(stream.child_ids)
+        self.client.add_requests(processed.core_requests)
+        return stream
+
+    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield delta RequestOutputs until the request finishes. Raises ValueError for a bad
+        request (before or after it reaches the core) and EngineDeadError if the core dies."""
+        with self.add_request(prompt, params, request_id, cache_salt) as stream:
+            async for output in stream:
+                yield output
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request here and free its sequences in the core (idempotent)."""
+        stream = self._forget(request_id)
+        if stream is None:
+            return
+        stream.finished = True
+        child_ids = self.output_processor.abort_request(request_id)
+        if child_ids and self.dead_reason is None:
+            self.client.abort_requests(child_ids)
+
+    async def get_stats(self, timeout: float = 2.0) -> EngineStats:
+        """A fresh snapshot from the core, or the last one if it does not answer in time."""
+        if self.dead_reason is not None:
+            return self._stats
+        waiter = asyncio.get_running_loop().create_future()
+        self._stats_waiters.append(waiter)
+        self.client.request_stats()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except asyncio.TimeoutError:
+            return self._stats
+
+    @property
+    def last_stats(self) -> EngineStats:
+        return self._stats
+
+    async def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        await asyncio.to_thread(self.client.shutdown)
+
+    # ---- the output router --------------------------------------------------------------------
+    async def _route_outputs(self) -> None:
+        while True:
+            message = await self.client.recv()
+            try:
+                self._handle(message)
+            except Exception as err:   # noqa: BLE001 - a routing bug must not hang every request
+                logger.exception("failed to process engine outputs")
+                self._mark_dead(f"frontend failed to process engine outputs: {err}")
+                return
+
+    def _handle(self, message) -> None:
+        if isinstance(message, StepOutputs):
+            self._handle_step(message)
+        elif isinstance(message, Stats):
+            self._stats = message.stats
+            waiters, self._stats_waiters = self._stats_waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(message.stats)
+        elif isinstance(message, Rejected):
+            parent = self._child_to_parent.get(message.request_id)
+            if parent is not None:
+                self._streams[parent].queue.put_nowait(ValueError(message.message))
+        elif isinstance(message, Fatal):
+            self._mark_dead(message.message)
+
+    def _handle_step(self, message: StepOutputs) -> None:
+        for out in message.outputs:
+            parent = self._child_to_parent.get(out.request_id)
+            if parent is not None and self._streams[parent].first_step_start is None:
+                self._streams[parent].first_step_start = message.step_start
+        processed = self.output_processor.process_outputs(message.outputs)
+        if processed.abort_ids:
+            self.client.abort_requests(processed.abort_ids)
+        for output in processed.request_outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            # Approximate queue time: until the step that produced the first token began.
+            output.metrics["queue_time"] = max(0.0, (stream.first_step_start or stream.arrival_time)
+                                               - stream.arrival_time)
+            stream.queue.put_nowait(output)
+            if output.finished:
+                self._forget(output.request_id)
+
+    def _forget(self, request_id: str) -> RequestStream | None:
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            for child_id in stream.child_ids:
+                self._child_to_parent.pop(child_id, None)
+            self._num_seqs -= len(stream.child_ids)
+        return stream
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
+        logger.error("engine is dead: %s", reason)
+        self.dead_reason = reason
+        for stream in self._streams.values():
+            stream.queue.put_nowait(EngineDeadError(reason))
+        for waiter in self._stats_waiters:
+            if not waiter.done():
+                waiter.set_result(self._stats)
+        for callback in self._death_callbacks:
+            callback(reason)

@@ -1,0 +1,136 @@
+"""EngineCoreClient: the frontend's handle on the engine-core process.
+
+It spawns the process (multiprocessing "spawn": no forked CUDA or thread state), binds two ipc
+sockets in a private temp dir, sends InputMessages and receives OutputMessages (core_process.py).
+A watcher thread waits on the process sentinel, so a dead core is noticed at once rather than at
+the next request. The config crosses as msgpack bytes; nothing here is pickled onto a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenforge.config import EngineConfig
+from tokenforge.engine.core_process import (DEFAULT_CORE, AbortRequests, AddRequests, Fatal, InputMessage,
+                                            OutputMessage, Ready, ShutdownRequest, StatsRequest,
+                                            run_engine_core)
+from tokenforge.messages import EngineCoreRequest
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine-core process exited or crashed; nothing more can be served."""
+
+
+class EngineCoreClient:
+    def __init__(self, config: EngineConfig, *, core_path: str = DEFAULT_CORE) -> None:
+        self.config = config
+        self.core_path = core_path
+        self._dir = tempfile.mkdtemp(prefix="tokenforge-")
+        self.input_address = f"ipc://{os.path.join(self._dir, 'input.sock')}"
+        self.output_address = f"ipc://{os.path.join(self._dir, 'output.sock')}"
+        self._sync_context = zmq.Context()
+        self._async_context = zmq.asyncio.Context()
+        self._input = self._sync_context.socket(zmq.PUSH)
+        self._input.bind(self.input_address)
+        self._output = self._async_context.socket(zmq.PULL)
+        self._output.bind(self.output_address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.ready: Ready | None = None
+        self.dead_reason: str | None = None
+        self._closing = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def spawn(self) -> None:
+        # Not a daemon: the core may start its own workers (one per GPU rank).
+        context = multiprocessing.get_context("spawn")
+        config_bytes = msgspec.msgpack.encode(self.config)
+        self.process = context.Process(
+            target=run_engine_core, name="tokenforge-engine-core",
+            args=(config_bytes, self.input_address, self.output_address, os.getpid(), self.core_path,
+                  logging.getLogger().getEffectiveLevel()))
+        self.process.start()
+        logger.info("engine core process started (pid %d)", self.process.pid)
+
+    async def wait_ready(self, timeout: float | None = None) -> Ready:
+        """Wait for the core's Ready; raise EngineDeadError if it failed or exited first."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            if await self._output.poll(200, zmq.POLLIN):
+                message = self._decoder.decode(await self._output.recv())
+                if isinstance(message, Ready):
+                    self.ready = message
+                    return message
+                if isinstance(message, Fatal):
+                    raise EngineDeadError(message.message)
+                continue
+            if not self.process.is_alive():
+                raise EngineDeadError(f"engine core process exited with code {self.process.exitcode} during start-up")
+            if deadline is not None and loop.time() > deadline:
+                raise EngineDeadError(f"engine core not ready after {timeout} s")
+
+    def watch(self, on_death: Callable[[str], None], loop: asyncio.AbstractEventLoop) -> None:
+        """Call `on_death(reason)` on `loop` as soon as the process exits unexpectedly."""
+        def wait() -> None:
+            multiprocessing.connection.wait([self.process.sentinel])
+            if not self._closing:
+                reason = f"engine core process died (exit code {self.process.exitcode})"
+                loop.call_soon_threadsafe(on_death, reason)
+
+        threading.Thread(target=wait, name="engine-core-watcher", daemon=True).start()
+
+    def is_alive(self) -> bool:
+        return self.process is not None and self.process.is_alive()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._closing = True
+        if self.process is not None and self.process.is_alive():
+            try:
+                self.send(ShutdownRequest())
+            except zmq.ZMQError:
+                pass
+            self.process.join(timeout)
+            if self.process.is_alive():
+                logger.warning("engine core did not stop within %.0f s; killing it", timeout)
+                self.process.kill()
+                self.process.join(2.0)
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._sync_context.term()
+        self._async_context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    # ---- messages ---------------------------------------------------------------------------------
+    def send(self, message: InputMessage) -> None:
+        # A sync PUSH never blocks here in practice (the HWM is far above any backlog), so
+        # aborts can be sent from `finally` blocks of cancelled tasks without awaiting.
+        self._input.send(self._encoder.encode(message), copy=False)
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        self.send(AddRequests(requests))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.send(AbortRequests(request_ids))
+
+    def request_stats(self) -> None:
+        self.send(StatsRequest())
+
+    async def recv(self) -> OutputMessage:
+        return self._decoder.decode(await self._output.recv())

@@ -1,0 +1,214 @@
+"""The engine-core process: EngineCore behind two ZMQ sockets, typed msgpack both ways.
+
+In (PULL, from the frontend): AddRequests, AbortRequests, StatsRequest, ShutdownRequest.
+Out (PUSH, to the frontend): Ready once the model is loaded (or Fatal if that failed), then
+StepOutputs per engine step, Rejected for a request the core refused, and Stats snapshots
+(periodically while busy, on going idle, and on request).
+
+The loop: drain the input socket (blocking briefly only when idle), step while there is work,
+push what the step produced. Aborts are drained before every step, so an aborted request's KV
+blocks are free by the next step. Nothing on these sockets is ever pickled: every frame is a
+msgspec struct from this module. The process exits when told to, when its parent dies, or, with
+a Fatal message, when a step raises.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import sys
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from tokenforge.config import EngineConfig
+from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CORE = "tokenforge.engine.engine_core:EngineCore"
+_IDLE_POLL_MS = 100          # how long an idle core blocks on its input before re-checking its parent
+_STATS_INTERVAL_S = 0.5      # how often a busy core volunteers a stats snapshot
+
+
+# ---- frontend -> core ---------------------------------------------------------------------------
+
+class AddRequests(msgspec.Struct, tag="add"):
+    requests: list[EngineCoreRequest]
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[str]
+
+
+class StatsRequest(msgspec.Struct, tag="stats_request"):
+    pass
+
+
+class ShutdownRequest(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+InputMessage = AddRequests | AbortRequests | StatsRequest | ShutdownRequest
+
+
+# ---- core -> frontend ---------------------------------------------------------------------------
+
+class Ready(msgspec.Struct, tag="ready"):
+    pid: int
+    num_kv_blocks: int
+    vocab_size: int
+    max_model_len: int
+
+
+class StepOutputs(msgspec.Struct, tag="outputs"):
+    outputs: list[EngineCoreOutput]
+    step_start: float            # time.time() when the step that produced them began
+
+
+class Rejected(msgspec.Struct, tag="rejected"):
+    request_id: str              # a child (engine-core) request id
+    message: str
+
+
+class Stats(msgspec.Struct, tag="stats"):
+    stats: EngineStats
+
+
+class Fatal(msgspec.Struct, tag="fatal"):
+    message: str
+
+
+OutputMessage = Ready | StepOutputs | Rejected | Stats | Fatal
+
+
+def load_core_class(path: str):
+    """'package.module:Class' -> the class (tests substitute a fake core this way)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class CoreLoop:
+    def __init__(self, core, input_socket: zmq.Socket, output_socket: zmq.Socket, parent_pid: int) -> None:
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+        self.parent_pid = parent_pid
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.poller = zmq.Poller()
+        self.poller.register(input_socket, zmq.POLLIN)
+        self.stopping = False
+        self.last_stats = 0.0
+
+    def send(self, message: OutputMessage) -> None:
+        self.output.send(self.encoder.encode(message), copy=False)
+
+    def run(self) -> None:
+        was_busy = False
+        while not self.stopping:
+            busy = self.core.has_unfinished_requests()
+            self.drain(timeout_ms=0 if busy else _IDLE_POLL_MS)
+            if self.stopping:
+                break
+            if self.core.has_unfinished_requests():
+                self.step()
+                was_busy = True
+                if time.monotonic() - self.last_stats > _STATS_INTERVAL_S:
+                    self.send_stats()
+            elif was_busy:
+                self.send_stats()     # the idle snapshot: 0 running, blocks returned
+                was_busy = False
+            if os.getppid() != self.parent_pid:
+                logger.warning("engine core: parent process %d is gone, exiting", self.parent_pid)
+                break
+
+    def drain(self, timeout_ms: int) -> None:
+        if not self.poller.poll(timeout_ms):
+            return
+        while True:
+            try:
+                frame = self.input.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.handle(self.decoder.decode(frame.buffer))
+
+    def handle(self, message: InputMessage) -> None:
+        if isinstance(message, AddRequests):
+            for request in message.requests:
+                try:
+                    self.core.add_request(request)
+                except ValueError as err:
+                    self.send(Rejected(request.request_id, str(err)))
+        elif isinstance(message, AbortRequests):
+            self.core.abort_requests(message.request_ids)
+        elif isinstance(message, StatsRequest):
+            self.send_stats()
+        elif isinstance(message, ShutdownRequest):
+            self.stopping = True
+
+    def step(self) -> None:
+        start = time.time()
+        outputs = self.core.step()
+        if outputs:
+            self.send(StepOutputs(outputs, start))
+
+    def send_stats(self) -> None:
+        self.last_stats = time.monotonic()
+        self.send(Stats(self.core.get_stats()))
+
+
+def _ready_message(core) -> Ready:
+    runtime = getattr(core, "runtime", None)
+    if runtime is not None:
+        return Ready(os.getpid(), runtime.num_kv_blocks, runtime.vocab_size, runtime.max_model_len)
+    return Ready(os.getpid(), core.num_kv_blocks, core.vocab_size, core.max_model_len)
+
+
+def run_engine_core(config_bytes: bytes, input_address: str, output_address: str, parent_pid: int,
+                    core_path: str = DEFAULT_CORE, log_level: int = logging.INFO) -> None:
+    """The child process's entry point. The config arrives as msgpack bytes, not a pickle."""
+    # The frontend owns shutdown: Ctrl-C on the terminal or a SIGTERM to the process group must
+    # not kill the core while the server is still draining in-flight requests.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    context = zmq.Context()
+    input_socket = context.socket(zmq.PULL)
+    input_socket.connect(input_address)
+    output_socket = context.socket(zmq.PUSH)
+    output_socket.connect(output_address)
+    encoder = msgspec.msgpack.Encoder()
+    exit_code = 0
+    core = None
+    try:
+        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        try:
+            core = load_core_class(core_path)(config)
+        except Exception as err:   # noqa: BLE001 - any load failure is reported, not raised
+            logger.exception("engine core failed to start")
+            output_socket.send(encoder.encode(Fatal(f"engine core failed to start: {err}")))
+            exit_code = 1
+            return
+        output_socket.send(encoder.encode(_ready_message(core)))
+        CoreLoop(core, input_socket, output_socket, parent_pid).run()
+    except Exception:   # noqa: BLE001 - a crashed step must reach the frontend as a message
+        message = traceback.format_exc()
+        logger.error("engine core crashed:\n%s", message)
+        output_socket.send(encoder.encode(Fatal(f"engine core crashed: {message.strip().splitlines()[-1]}")))
+        exit_code = 1
+    finally:
+        if core is not None:
+            try:
+                core.shutdown()
+            except Exception:   # noqa: BLE001
+                logger.exception("engine core shutdown failed")
+        output_socket.close(linger=1000)   # let the last message (Fatal or stats) reach the frontend
+        input_socket.close(linger=0)
+        context.term()
+        if exit_code:
+            sys.exit(exit_code)

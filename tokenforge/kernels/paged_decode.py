@@ -1,0 +1,159 @@
+"""Decode attention (one query per sequence) over the paged KV cache: split-KV, GQA-grouped.
+
+In: q [B, Hq, D], kv_cache [2, num_blocks, block_size, Hkv, D], block_tables [B, max_blocks]
+int32, seq_lens [B] int32 (the new token's k/v already stored; seq_len 0 = padding row).
+Out: out [B, Hq, D].
+
+One program per (sequence, kv head, split). The GROUP query heads that share a kv head are the
+rows of one tile, so each K/V tile is read from HBM once per group, and the tile is a tensor-core
+dot ([GROUP_PAD, D] x [D, BLOCK_N]). Splits (flash-decoding) give a batch-1 decode enough
+programs to pull full bandwidth; each split writes a partial output and its log-sum-exp, and a
+second kernel merges them. CUDA-graph safe: the grid is (B, Hkv, num_splits) for a given batch
+size; each program derives its key range from seq_lens on the device and exits early when its
+split is empty, so nothing depends on host-side lengths.
+"""
+
+import torch
+
+from ._triton import cdiv, next_power_of_2, require_triton, tl, triton
+
+_LOG2E = 1.4426950408889634
+_SM_COUNT: dict[int, int] = {}
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, num_splits,
+    stride_qb, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
+    stride_bt, stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    if not SINGLE_SPLIT:
+        if tile_lo >= num_tiles:  # this split has no keys (short sequence or padding row)
+            return
+
+    rows = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kvh * GROUP + rows                                  # [GROUP_PAD] query heads
+    row_mask = rows < GROUP
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None], other=0.0)              # [GROUP_PAD, D]
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)        # running max (log2 units)
+    l = tl.zeros([GROUP_PAD], tl.float32)                       # running sum of exp2
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    k_base = kv_ptr + kvh * stride_c_head
+    bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    for t in range(tile_lo, tile_hi):
+        pos = t * BLOCK_N + tl.arange(0, BLOCK_N)               # [BLOCK_N] key positions
+        valid = pos < seq_len
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        off = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
+        k = tl.load(k_base + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale          # [GROUP_PAD, BLOCK_N]
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    l_safe = tl.where(l > 0.0, l, 1.0)                          # seq_len 0 (padding) -> zeros
+    acc = acc / l_safe[:, None]
+    if SINGLE_SPLIT:
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+    else:
+        # partials: part_out [B, Hq, num_splits, D], part_lse [B, Hq, num_splits] (log2 units)
+        part_row = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+        tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask[:, None])
+        tl.store(part_lse_ptr + part_row, m + tl.log2(l_safe), mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b)
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), 1)
+    active = tl.cdiv(num_tiles, tiles_per_split)                # splits that wrote partials
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM)
+    smask = s < active
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits
+    lse = tl.load(part_lse_ptr + row + s, mask=smask, other=float("-inf"))
+    w = tl.where(smask, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)   # [SPLITS_PAD]
+    parts = tl.load(part_out_ptr + (row + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
+    den = tl.sum(w, axis=0)
+    o = tl.sum(parts * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + d, o.to(out_ptr.dtype.element_ty))
+
+
+def choose_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+    """Splits per (sequence, kv head) so that the grid fills the GPU about 4 times over.
+
+    Depends only on the batch size (never on lengths), so a CUDA graph captured for a batch
+    size keeps a valid grid; programs of unused splits exit at once.
+    """
+    if device.type != "cuda":
+        return 4
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    programs = max(1, batch_size * num_kv_heads)
+    return max(1, min(64, next_power_of_2(cdiv(4 * _SM_COUNT[idx], programs))))
+
+
+def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                     seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
+                     out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
+                     num_stages: int = 2) -> torch.Tensor:
+    """q [B, Hq, D] -> out [B, Hq, D], attending to seq_lens[b] cached keys of each sequence."""
+    require_triton(q, kv_cache)
+    batch, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    assert q.stride(-1) == 1 and kv_cache.is_contiguous() and head_dim == next_power_of_2(head_dim)
+    if out is None:
+        out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    splits = num_splits or choose_num_splits(batch, num_kv_heads, q.device)
+    single = splits == 1
+    if single:
+        part_out = part_lse = out                               # unused
+    else:
+        part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, num_kv_heads, splits)](
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E, splits,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, SINGLE_SPLIT=single,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if not single:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            part_out, part_lse, seq_lens, out, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(splits), num_warps=4,
+        )
+    return out

@@ -1,0 +1,149 @@
+"""Varlen causal prefill attention over the paged KV cache (prefix hits and chunks included).
+
+In: q [T, Hq, D] (sequences back to back), kv_cache [2, num_blocks, block_size, Hkv, D] holding
+every key of each sequence (cached context and the new tokens, already stored), block_tables
+[B, max_blocks] int32, query_start_loc [B+1] int32, seq_lens [B] int32.
+Out: out [T, Hq, D]. Sequence i's queries sit at absolute positions
+seq_lens[i] - q_len_i .. seq_lens[i] - 1 and each sees every key up to its own position.
+
+Tiling (flash-attention 2 style): a program owns BLOCK_Q consecutive queries of one sequence
+times the GROUP query heads of one kv head (rows = BLOCK_Q * GROUP_PAD), so every K/V tile is
+read once per group. Key tiles fully below the block's first query run without a causal mask;
+only the diagonal tiles build one. Programs map to (sequence, query block) with a binary search
+over `query_start_loc // BLOCK_Q + i`, a monotone upper bound, so the grid needs only T and B
+and no host-side lengths.
+"""
+
+import torch
+
+from ._triton import cdiv, next_power_of_2, require_triton, tl, triton
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest i with query_start_loc[i] // BLOCK_Q + i <= pid."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if start <= pid:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
+                 stride_c_kv, stride_c_block, stride_c_slot,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    pos = t * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BLOCK_N] key positions
+    valid = pos < seq_len
+    block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+    off = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
+    k = tl.load(k_base + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)   # [BLOCK_N, D]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale              # [BLOCK_M, BLOCK_N]
+    if CAUSAL_MASK:
+        s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
+    stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq = _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    q_block = pid - (q_start // BLOCK_Q + seq)
+    if q_block * BLOCK_Q >= q_len:                              # slack program of the upper bound
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q_block * BLOCK_Q + rows // GROUP_PAD              # query index within the sequence
+    heads = kvh * GROUP + rows % GROUP_PAD
+    row_mask = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+    tok = (q_start + q_idx).to(tl.int64)
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=row_mask[:, None], other=0.0)              # [BLOCK_M, D]
+    q_pos = ctx_len + q_idx                                     # absolute query positions
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_base = kv_ptr + kvh * stride_c_head
+    bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # keys below the block's first query are visible to every row: no mask needed
+    first_q_pos = ctx_len + q_block * BLOCK_Q
+    full_tiles = first_q_pos // BLOCK_N
+    for t in range(0, full_tiles):
+        acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
+                                 stride_c_kv, stride_c_block, stride_c_slot,
+                                 BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+    kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)         # one past the block's last key
+    for t in range(full_tiles, tl.cdiv(kv_end, BLOCK_N)):
+        acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
+                                 stride_c_kv, stride_c_block, stride_c_slot,
+                                 BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+
+    acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def prefill_config(group_pad: int, head_dim: int, max_query_len: int | None) -> tuple[int, int, int, int]:
+    """(BLOCK_Q, BLOCK_N, num_warps, num_stages): 128-row tiles for long queries, 64 for short."""
+    rows = 128 if (max_query_len is None or max_query_len * group_pad >= 128) else 64
+    block_q = max(1, rows // group_pad)
+    block_n = 64 if head_dim <= 128 else 32
+    return block_q, block_n, 8 if rows * head_dim >= 128 * 128 else 4, 2
+
+
+def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                      max_query_len: int | None = None, out: torch.Tensor | None = None,
+                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """Causal attention for T new tokens of B sequences over their paged K/V; out [T, Hq, D]."""
+    require_triton(q, kv_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
+    num_seqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    assert q.stride(-1) == 1 and kv_cache.is_contiguous() and head_dim == next_power_of_2(head_dim)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group_pad = next_power_of_2(group)
+    block_q, block_n, num_warps, num_stages = config or prefill_config(group_pad, head_dim, max_query_len)
+    grid = (cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
+    _prefill_kernel[grid](
+        q, kv_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E, num_seqs,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

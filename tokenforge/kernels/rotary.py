@@ -1,0 +1,140 @@
+"""Rotary position embedding (neox / HF half-rotation layout), applied in place to q and k.
+
+In: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous; views of a fused qkv output are fine),
+positions [T] int, cos_sin_cache [max_pos, D] fp32 holding cos in [:, :D/2] and sin in
+[:, D/2:] (built by `build_rope_cache`, which is where llama3 scaling lives).
+Out: q and k rotated in place. Optionally the same launch also stores the rotated k and v into
+the paged KV cache (saves a kernel per layer in decode, where launches dominate).
+"""
+
+import math
+
+import torch
+
+from ._triton import next_power_of_2, require_triton, tl, triton
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency rescaling: slow down low frequencies, keep high ones, blend between."""
+    factor = scaling["factor"]
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    # smooth = 0 at the low-frequency edge (wavelen = old_len / low), 1 at the high edge
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_inv_freq(head_dim: int, base: float, rope_scaling: dict | None = None) -> torch.Tensor:
+    """The D/2 rotary frequencies [D/2] (fp64), with llama3 rescaling applied when configured."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    if kind == "linear":
+        return inv_freq / rope_scaling["factor"]
+    if kind not in ("default", None):
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: default, linear, llama3)")
+    return inv_freq
+
+
+def build_rope_cache(head_dim: int, max_position: int, base: float = 10000.0,
+                     rope_scaling: dict | None = None, device: torch.device | str | None = None) -> torch.Tensor:
+    """cos_sin_cache [max_position, head_dim] fp32: cos(pos * f) | sin(pos * f) for D/2 freqs."""
+    inv_freq = rope_inv_freq(head_dim, base, rope_scaling)
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float64), inv_freq)   # [max_pos, D/2]
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1).float().to(device)
+
+
+def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference (out of place): HF `q * cos + rotate_half(q) * sin`, in fp32."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()]                     # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]        # [T, 1, D/2]
+
+    def rotate(x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.float()[..., :half], x.float()[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+@triton.jit
+def _rotate_heads(ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                  HALF: tl.constexpr):
+    h = tl.arange(0, HEADS_PAD)
+    d = tl.arange(0, HALF)
+    mask = (h < NUM_HEADS)[:, None]
+    p1 = ptr + h[:, None] * stride_h + d[None, :]            # [HEADS_PAD, HALF]
+    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+    y1 = x1 * cos[None, :] - x2 * sin[None, :]
+    y2 = x2 * cos[None, :] + x1 * sin[None, :]
+    tl.store(p1, y1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(p1 + HALF, y2.to(ptr.dtype.element_ty), mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _rotary_kernel(
+    q_ptr, k_ptr, pos_ptr, cache_ptr,
+    v_ptr, kv_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
+    stride_vt, stride_vh, stride_c_kv, stride_c_slot, stride_c_head,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
+    HALF: tl.constexpr, STORE_KV: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cache_ptr + pos * stride_cache + d)
+    sin = tl.load(cache_ptr + pos * stride_cache + HALF + d)
+    _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos, sin, NUM_Q_HEADS, Q_PAD, HALF)
+    k1, k2 = _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin, NUM_KV_HEADS, KV_PAD, HALF)
+    if STORE_KV:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            h = tl.arange(0, KV_PAD)
+            mask = (h < NUM_KV_HEADS)[:, None]
+            dst = kv_ptr + slot * stride_c_slot + h[:, None] * stride_c_head + d[None, :]
+            tl.store(dst, k1.to(kv_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, k2.to(kv_ptr.dtype.element_ty), mask=mask)
+            src = v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
+            v1 = tl.load(src, mask=mask)
+            v2 = tl.load(src + HALF, mask=mask)
+            tl.store(dst + stride_c_kv, v1.to(kv_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + stride_c_kv + HALF, v2.to(kv_ptr.dtype.element_ty), mask=mask)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                 v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
+                 slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] in place; returns (q, k).
+
+    With v, kv_cache and slot_mapping given, also stores the rotated k and v into the cache
+    (same contract as `kv_store.store_kv`), so attention can skip its own store.
+    """
+    require_triton(q, k, cos_sin_cache)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
+    assert cos_sin_cache.shape[-1] == head_dim and head_dim == next_power_of_2(head_dim)
+    store = kv_cache is not None
+    if store:
+        assert v is not None and slot_mapping is not None and kv_cache.is_contiguous()
+    else:
+        v, kv_cache, slot_mapping = k, k, positions          # unused placeholders
+    if num_tokens == 0:
+        return q, k
+    _rotary_kernel[(num_tokens,)](
+        q, k, positions, cos_sin_cache, v, kv_cache, slot_mapping,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
+        v.stride(0), v.stride(1),
+        kv_cache.stride(0) if store else 0, kv_cache.stride(2) if store else 0,
+        kv_cache.stride(3) if store else 0,
+        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_PAD=next_power_of_2(num_q_heads),
+        KV_PAD=next_power_of_2(num_kv_heads), HALF=head_dim // 2, STORE_KV=store,
+        num_warps=4,
+    )
+    return q, k

@@ -1,0 +1,178 @@
+"""The torch attention backend: the reference implementation and the CPU hot path.
+
+In: an `AttentionBatch` once per step (-> `TorchAttentionMetadata`, shared by every layer), then
+per layer q [T, Hq, D], k/v [T, Hkv, D] and the layer's KV tensor
+[2, num_blocks, block_size, Hkv, D]. Out: [T, Hq, D].
+
+Per layer it writes the new k/v into the cache at `slot_mapping`, then attends:
+- all decode sequences (one query each) together in ONE scaled_dot_product_attention call, over
+  K/V gathered block-wise from the cache and padded to the longest context, with an additive key
+  mask. GQA costs nothing there: the Hq/Hkv query heads that share a kv head become that head's
+  query rows, so K/V are never expanded;
+- each prefill chunk on its own, causal with an offset of `context_len` (its queries sit after
+  the cached context); a chunk with no cached context attends to its own k/v without a gather.
+Everything index-like (block ids, masks) is built once per step in `build_metadata`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from tokenforge.model.attention.backend import AttentionBatch
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    rows: slice | torch.Tensor          # query rows of the decode sequences in the batch
+    block_ids: torch.Tensor             # [B * max_blocks] padded block tables, flattened
+    batch_size: int
+    max_blocks: int
+    max_len: int                        # longest sequence; keys past it are never read
+    key_mask: torch.Tensor | None       # [B, 1, 1, max_len] float (0 / -inf); None if all lengths equal
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    start: int                          # query rows start:end
+    end: int
+    context_len: int
+    seq_len: int
+    block_ids: torch.Tensor | None      # [num_blocks] covering seq_len; None: no cached context
+    mask: torch.Tensor | None           # [query_len, seq_len] float causal-with-offset; None: no context
+
+
+@dataclass(slots=True)
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor          # [T] int64 flat cache slot of each new token
+    num_tokens: int
+    decode: DecodeGroup | None = None
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def build_metadata(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        bs, device = batch.block_size, batch.device
+        starts = _cumsum(batch.query_lens)
+        slots: list[int] = []
+        decode_idx: list[int] = []
+        prefills: list[PrefillChunk] = []
+        for i, (q_len, ctx, table) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
+            seq_len = ctx + q_len
+            if len(table) * bs < seq_len:
+                raise ValueError(f"sequence {i}: block table covers {len(table) * bs} tokens, needs {seq_len}")
+            slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, seq_len))
+            if q_len == 1:
+                decode_idx.append(i)
+            elif q_len > 1:
+                prefills.append(_prefill_chunk(starts[i], q_len, ctx, table, bs, device))
+        return TorchAttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_tokens=starts[-1],
+            decode=_decode_group(batch, decode_idx, starts, device) if decode_idx else None,
+            prefills=prefills,
+        )
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+        num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        flat = kv_cache.view(2, -1, num_kv_heads, head_dim)     # [2, num_slots, Hkv, D]
+        flat[0].index_copy_(0, metadata.slot_mapping, k)
+        flat[1].index_copy_(0, metadata.slot_mapping, v)
+        d = metadata.decode
+        if d is not None and not metadata.prefills and d.batch_size == q.shape[0]:
+            return _decode(q, kv_cache, d, scale)               # pure decode step: no extra copy
+        out = torch.empty_like(q)
+        if d is not None:
+            out[d.rows] = _decode(q[d.rows], kv_cache, d, scale)
+        for p in metadata.prefills:
+            out[p.start:p.end] = _prefill(q, k, v, kv_cache, p, scale)
+        return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One causal sequence with no cache (profiling runs): q [T, Hq, D], k/v [T, Hkv, D]."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                         is_causal=True, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float) -> torch.Tensor:
+    """q [B, Hq, D] -> [B, Hq, D], attending over each sequence's cached keys."""
+    _, _, bs, num_kv_heads, head_dim = kv_cache.shape
+    batch, num_heads = d.batch_size, q.shape[1]
+    kv = kv_cache.index_select(1, d.block_ids)                   # [2, B * max_blocks, bs, Hkv, D]
+    kv = kv.view(2, batch, d.max_blocks * bs, num_kv_heads, head_dim)[:, :, : d.max_len]
+    keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
+    # Query heads sharing a kv head act as that head's query rows: [B, Hkv, Hq/Hkv, D].
+    grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    if d.key_mask is not None and d.key_mask.dtype != q.dtype:
+        d.key_mask = d.key_mask.to(q.dtype)     # once per step: SDPA wants the query's dtype
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=d.key_mask, scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+             p: PrefillChunk, scale: float) -> torch.Tensor:
+    """This chunk's rows of q [T, Hq, D] -> [query_len, Hq, D]."""
+    query = q[p.start:p.end].transpose(0, 1)                     # [Hq, Lq, D]
+    if p.block_ids is None:
+        keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
+        kv = kv_cache.index_select(1, p.block_ids).view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len]
+        keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)   # [Hkv, S, D]
+        if p.mask.dtype != q.dtype:
+            p.mask = p.mask.to(q.dtype)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _cumsum(lens: list[int]) -> list[int]:
+    out = [0]
+    for n in lens:
+        out.append(out[-1] + n)
+    return out
+
+
+def _prefill_chunk(start: int, q_len: int, ctx: int, table: list[int], bs: int,
+                   device: torch.device) -> PrefillChunk:
+    seq_len = ctx + q_len
+    if ctx == 0:
+        return PrefillChunk(start, start + q_len, 0, seq_len, None, None)
+    num_blocks = -(-seq_len // bs)
+    # Query i sits at absolute position ctx + i and sees keys 0 .. ctx + i.
+    key_pos = torch.arange(seq_len, device=device)
+    query_pos = torch.arange(ctx, seq_len, device=device)
+    mask = torch.zeros(q_len, seq_len, device=device).masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    block_ids = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
+    return PrefillChunk(start, start + q_len, ctx, seq_len, block_ids, mask)
+
+
+def _decode_group(batch: AttentionBatch, idx: list[int], starts: list[int], device: torch.device) -> DecodeGroup:
+    bs = batch.block_size
+    seq_lens = [batch.context_lens[i] + 1 for i in idx]
+    max_len = max(seq_lens)
+    max_blocks = -(-max_len // bs)
+    padded = [batch.block_tables[i][:max_blocks] + [0] * (max_blocks - min(max_blocks, len(batch.block_tables[i])))
+              for i in idx]
+    block_ids = torch.tensor(padded, dtype=torch.int64, device=device).view(-1)
+    key_mask = None
+    if min(seq_lens) != max_len:
+        lens = torch.tensor(seq_lens, device=device)
+        key_mask = torch.zeros(len(idx), 1, 1, max_len, device=device)
+        key_mask.masked_fill_((torch.arange(max_len, device=device)[None, :] >= lens[:, None])[:, None, None, :],
+                              float("-inf"))
+    rows_list = [starts[i] for i in idx]
+    contiguous = rows_list == list(range(rows_list[0], rows_list[0] + len(idx)))
+    rows = (slice(rows_list[0], rows_list[0] + len(idx)) if contiguous
+            else torch.tensor(rows_list, dtype=torch.int64, device=device))
+    return DecodeGroup(rows, block_ids, len(idx), max_blocks, max_len, key_mask)

@@ -1,0 +1,1 @@
+"""Shipped architecture configs (HF config.json files) for `--load-format dummy`."""

@@ -1,0 +1,18 @@
+"""SiluAndMul: the SwiGLU gate, silu(gate) * up over a fused [T, 2I] gate_up output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenforge.model.layers.kernel_dispatch import triton_ops
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = triton_ops(x.device)
+        if ops is not None:
+            return ops.silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)       # [T, I] each
+        return F.silu(gate) * up

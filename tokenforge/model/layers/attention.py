@@ -1,0 +1,41 @@
+"""Attention layer: the model's view of the paged KV cache.
+
+It reads the step's metadata from the forward context and its own `kv_cache` tensor (assigned by
+the model runner after it allocates the cache), and hands both to the backend. With no metadata
+(`set_forward_context(None)`, e.g. a memory-profiling run before the cache exists) the whole
+batch is treated as one causal sequence and nothing is cached.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenforge.model.attention.backend import AttentionBackend
+from tokenforge.model.attention.torch_backend import TorchAttentionBackend, causal_attention
+from tokenforge.model.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
+                 backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+        self.layer_idx = layer_idx
+        self.backend: AttentionBackend = backend or TorchAttentionBackend()
+        # [2, num_blocks, block_size, Hkv, D]; a plain attribute, not a buffer: the runner owns it.
+        self.kv_cache = torch.empty(0)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:
+            out = causal_attention(q, k, v, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def extra_repr(self) -> str:
+        return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, backend={self.backend.name}")

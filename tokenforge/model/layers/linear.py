@@ -1,0 +1,132 @@
+"""Linear layers that know their tensor-parallel shard.
+
+Each parameter carries `weight_loader(param, loaded, shard_id=None)`, which takes the full
+checkpoint tensor and copies this rank's slice into place; fused layers (qkv, gate_up) take a
+shard_id naming which checkpoint tensor is arriving. Weights are [out, in] as in HF checkpoints.
+
+Column-parallel layers split the output dim across ranks (no communication); row-parallel layers
+split the input dim and all-reduce the partial sums.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenforge.model.layers.parallel import all_reduce, divide, new_parameter
+
+
+def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if param_slice.shape != loaded.shape:
+        raise ValueError(f"{what}: expected a checkpoint slice of shape {tuple(param_slice.shape)}, "
+                         f"got {tuple(loaded.shape)}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b, W split by output rows across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.output_size_per_rank = divide(output_size, tp_size)
+        self.weight = new_parameter(self.output_size_per_rank, input_size, dtype=params_dtype,
+                                    weight_loader=self.weight_loader)
+        self.bias = (new_parameter(self.output_size_per_rank, dtype=params_dtype, weight_loader=self.weight_loader)
+                     if bias else None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        size = param.shape[0]
+        part = loaded.narrow(0, self.tp_rank * size, size)
+        _check_shape(param.data, part, type(self).__name__)
+        param.data.copy_(part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)     # [T, out_per_rank]
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate_up_proj).
+
+    shard_id is the index into `output_sizes` of the checkpoint tensor being loaded.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, params_dtype, tp_rank, tp_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        assert isinstance(shard_id, int), "MergedColumnParallelLinear needs an int shard_id"
+        offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
+        size = divide(self.output_sizes[shard_id], self.tp_size)
+        part = loaded.narrow(0, self.tp_rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, part, f"{type(self).__name__} shard {shard_id}")
+        target.copy_(part)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; output rows are [q | k | v] for this rank's heads.
+
+    When there are fewer kv heads than ranks, kv heads are replicated so every rank has one.
+    shard_id is "q", "k" or "v".
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size)
+        replicated = num_kv_heads < tp_size
+        self.num_kv_heads = 1 if replicated else divide(num_kv_heads, tp_size)
+        self.kv_replicas = divide(tp_size, num_kv_heads) if replicated else 1
+        output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output, bias, params_dtype, tp_rank, tp_size)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim       # per rank
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim    # per rank
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
+                   "v": (self.q_size + self.kv_size, self.kv_size)}
+        assert shard_id in offsets, f"QKVParallelLinear shard_id must be q, k or v, got {shard_id!r}"
+        offset, size = offsets[shard_id]
+        source_rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        part = loaded.narrow(0, source_rank * size, size)
+        target = param.data.narrow(0, offset, size)
+        _check_shape(target, part, f"QKVParallelLinear shard {shard_id}")
+        target.copy_(part)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b, W split by input columns across ranks; partial sums all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.input_size_per_rank = divide(input_size, tp_size)
+        self.weight = new_parameter(output_size, self.input_size_per_rank, dtype=params_dtype,
+                                    weight_loader=self.weight_loader)
+        self.bias = new_parameter(output_size, dtype=params_dtype, weight_loader=self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        part = loaded
+        if param.dim() == 2:    # the bias is not split: rank 0 adds it once
+            size = param.shape[1]
+            part = loaded.narrow(1, self.tp_rank * size, size)
+        _check_shape(param.data, part, type(self).__name__)
+        param.data.copy_(part)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        y = F.linear(x, self.weight, bias)              # [T, out]
+        return all_reduce(y) if self.tp_size > 1 else y

@@ -1,0 +1,46 @@
+"""Tensor-parallel helpers shared by the layers: shard arithmetic and the two collectives.
+
+Today tp_size is 1 and the collectives are never called; with tp_size > 1 they use the default
+torch.distributed process group, which `tokenforge.distributed` sets up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def divide(numerator: int, denominator: int) -> int:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)
+    return x
+
+
+def all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
+    """[..., N] on each rank -> [..., tp_size * N] in rank order."""
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def new_parameter(*shape: int, dtype: torch.dtype | None, weight_loader) -> nn.Parameter:
+    """An uninitialised parameter on the current default device, carrying its weight_loader.
+
+    Uninitialised on purpose: the loader (or the dummy initialiser) writes every value, and
+    default nn.Linear init would cost seconds on a large model.
+    """
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype))
+    param.weight_loader = weight_loader
+    return param
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    assert shard_id is None, "an unsharded parameter takes no shard_id"
+    if param.shape != loaded.shape:
+        raise ValueError(f"weight shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)

@@ -1,0 +1,170 @@
+"""The Llama-family decoder: one class serves Llama, Mistral and Qwen2 (differences live in ArchConfig:
+q/k/v bias, rope scaling, tied embeddings).
+
+In: input_ids [T] and positions [T] for a flat varlen batch (no batch dim), with the step's
+attention metadata in the forward context. Out: hidden states [T, H]; `compute_logits` turns the
+rows that sample into logits [N, V]. Module and parameter names follow HF checkpoints, with q/k/v
+fused into `qkv_proj` and gate/up into `gate_up_proj`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.layers import (
+    Attention,
+    LMHead,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabEmbedding,
+)
+
+# checkpoint name fragment -> (our fused parameter fragment, shard id)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype: torch.dtype | None,
+                 tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
+                                          cfg.num_key_value_heads, cfg.attention_bias, dtype, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, False, dtype, tp_rank, tp_size)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.rotary_emb = rotary
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, layer_idx)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)                      # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))           # [T, H]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype | None, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, dtype, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, dtype, tp_rank, tp_size)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, rotary: RotaryEmbedding, layer_idx: int, dtype: torch.dtype | None,
+                 tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, rotary, layer_idx, dtype, tp_rank, tp_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(cfg, dtype, tp_rank, tp_size)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add before it.
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype | None, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp_rank, tp_size)
+        # One cos/sin table shared by every layer.
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, rotary, i, dtype, tp_rank, tp_size) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None     # [T, H]
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2. Build under `with torch.device(device):` to allocate there."""
+
+    def __init__(self, config: ArchConfig, dtype: torch.dtype | None = None, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, dtype, tp_rank, tp_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids [T], positions [T] -> hidden [T, H]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> logits [N, V] (model dtype)."""
+        return self.lm_head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named checkpoint tensors into our (fused, sharded) parameters.
+
+        Returns the names of our parameters that were written; raises if any is left unwritten.
+        """
+        params = dict(self.named_parameters())
+        shards: dict[str, set] = {}
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            target, shard_id = _target_of(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            param = params[target]
+            param.weight_loader(param, tensor, shard_id) if shard_id is not None else param.weight_loader(param, tensor)
+            shards.setdefault(target, set()).add(shard_id)
+        missing = [n for n in params if len(shards.get(n, ())) < _num_shards(n)]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {', '.join(missing[:8])}"
+                             f"{' ...' if len(missing) > 8 else ''}")
+        loaded = set(shards)
+        return loaded
+
+
+def _num_shards(param_name: str) -> int:
+    return sum(1 for _, fused, _ in _STACKED if fused in param_name) or 1
+
+
+def _target_of(name: str) -> tuple[str, str | int | None]:
+    for fragment, fused, shard_id in _STACKED:
+        if fragment in name:
+            return name.replace(fragment, fused), shard_id
+    return name, None

@@ -1,0 +1,227 @@
+"""The OpenAI-compatible HTTP server: routes, middleware, and the process lifecycle.
+
+build_app(engine, settings) wires the routes onto an AsyncEngine (or anything with its public
+API). run_server(args) starts the engine core, then uvicorn, and returns the exit code:
+- SIGTERM/SIGINT: stop admitting (503, then the port closes), let in-flight requests finish
+  within --shutdown-timeout, stop the engine, exit 0.
+- engine core death: /health and every request answer 503 at once, in-flight requests get an
+  error, and after a short grace (so probes can see the 503) the server exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenforge import __version__
+from tokenforge.config import EngineConfig
+from tokenforge.server.auth import APIKeyMiddleware
+from tokenforge.server.chat_template import ChatTemplateRenderer
+from tokenforge.server.errors import bad_request, install_error_handlers, model_not_found, unavailable
+from tokenforge.server.metrics import CONTENT_TYPE, ServerMetrics
+from tokenforge.server.middleware import BodyLimitMiddleware, ServiceStateMiddleware
+from tokenforge.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenforge.server.serving_chat import create_chat_completion, render_prompt
+from tokenforge.server.serving_common import ServingContext
+from tokenforge.server.serving_completions import create_completion
+from tokenforge.server.settings import ServerSettings
+
+logger = logging.getLogger(__name__)
+
+BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEATH_GRACE_S = 1.0      # keep answering 503 this long after the engine died, then exit
+
+
+class ServerState:
+    """Why the server is not admitting requests (None while it is)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.draining = False
+        self.exit_code = 0
+
+    def unavailable_reason(self) -> str | None:
+        if not self.engine.is_healthy:
+            return f"The engine is not running: {self.engine.dead_reason}"
+        if self.draining:
+            return "The server is shutting down and admits no new requests."
+        return None
+
+
+def default_model_name(model: str | None) -> str:
+    if model is None:
+        return BUNDLED_MODEL_NAME
+    name = os.path.basename(os.path.normpath(model))
+    for suffix in (".gguf", ".json"):
+        name = name.removesuffix(suffix)
+    return name or model
+
+
+def build_app(engine, settings: ServerSettings, *, model_name: str | None = None,
+              state: ServerState | None = None) -> FastAPI:
+    state = state or ServerState(engine)
+    name = model_name or settings.served_model_name or default_model_name(engine.config.model.model)
+    ctx = ServingContext(engine, settings, ServerMetrics(name), name,
+                         ChatTemplateRenderer(engine.tokenizer, settings.chat_template))
+    app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.")
+    app.state.ctx = ctx
+    app.state.server_state = state
+    _add_openai_routes(app, ctx)
+    _add_service_routes(app, ctx, state)
+    install_error_handlers(app)
+    # Starlette wraps in reverse order: the state gate runs first, then auth, then the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    app.add_middleware(ServiceStateMiddleware, unavailable_reason=state.unavailable_reason)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    def model_card() -> dict:
+        return {"id": ctx.model_name, "object": "model", "created": int(app.state.started), "owned_by": "tokenforge",
+                "root": ctx.engine.config.model.model or ctx.model_name, "parent": None,
+                "max_model_len": ctx.max_model_len}
+
+    app.state.started = time.time()
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def get_model(model_id: str) -> dict:
+        if model_id != ctx.model_name:
+            raise model_not_found(model_id)
+        return model_card()
+
+
+def _add_service_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        reason = state.unavailable_reason()
+        if reason is not None:
+            return unavailable(reason).response()
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        ctx.metrics.update_engine(await ctx.engine.get_stats(timeout=1.0))
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            ids = render_prompt(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)["prompt_token_ids"]
+        elif body.prompt is not None:
+            ids = ctx.engine.tokenizer.encode(body.prompt)
+        else:
+            raise bad_request("give either 'prompt' or 'messages'", param="prompt")
+        return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
+            raise bad_request(f"tokens must be token ids in [0, {ctx.vocab_size})", param="tokens")
+        return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
+
+
+# ---- the process --------------------------------------------------------------------------------------
+
+class _Server(uvicorn.Server):
+    """uvicorn, with signals that drain (503 + finish in flight) and no re-raised signal, so a
+    graceful stop exits 0 rather than dying of the SIGTERM it handled."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+            return
+        if not self.state.draining:
+            logger.info("%s: draining; in-flight requests have %.0f s to finish",
+                        signal.Signals(sig).name, self.config.timeout_graceful_shutdown or 0)
+        self.state.draining = True
+        self.should_exit = True
+
+
+def _on_engine_death(server: _Server, state: ServerState, reason: str) -> None:
+    logger.error("engine core died (%s): answering 503 and exiting with code 1", reason)
+    state.exit_code = 1
+
+    def stop() -> None:
+        server.should_exit = True
+
+    asyncio.get_running_loop().call_later(_DEATH_GRACE_S, stop)
+
+
+async def serve(config: EngineConfig, settings: ServerSettings, **engine_options) -> int:
+    """Start the engine core and the HTTP server; return the process exit code. `engine_options`
+    go to AsyncEngine.start (tests pass a fake core_path and tokenizer)."""
+    from tokenforge.engine.async_engine import AsyncEngine, EngineDeadError  # noqa: PLC0415
+
+    try:
+        engine = await AsyncEngine.start(config, **engine_options)
+    except EngineDeadError as err:
+        logger.error("%s", err)
+        return 1
+    state = ServerState(engine)
+    app = build_app(engine, settings, state=state)
+    uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                               access_log=settings.access_log, lifespan="off",
+                               timeout_graceful_shutdown=settings.shutdown_timeout)
+    server = _Server(uv_config, state)
+    engine.on_death(lambda reason: _on_engine_death(server, state, reason))
+    logger.info("serving %s (engine core pid %s) on http://%s:%d", app.state.ctx.model_name, engine.engine_pid,
+                settings.host, settings.port)
+    try:
+        await server.serve()
+    finally:
+        await engine.shutdown()
+    return state.exit_code
+
+
+def run_server(args, engine_config: EngineConfig | None = None) -> int:
+    """The CLI entry: `tokenforge serve`. Returns the exit code (0 after a graceful stop)."""
+    from tokenforge.server.cli_args import engine_config_from_args  # noqa: PLC0415
+
+    settings = ServerSettings.from_args(args)
+    config = engine_config or engine_config_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config, settings))

@@ -1,0 +1,110 @@
+"""Prometheus metrics, named like vLLM's with the prefix `tokenforge:`.
+
+Engine gauges and cumulative counters come from EngineStats snapshots (the core's view); the
+per-request histograms and token counters are observed here, where requests start and finish.
+Each server owns its own registry, so several apps in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               disable_created_metrics, generate_latest)
+
+from tokenforge.messages import EngineStats, RequestOutput
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+disable_created_metrics()   # the *_created samples only add noise to every scrape
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
+                0.5, 0.75, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"tokenforge:{name}", doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"tokenforge:{name}", doc, labels + list(extra), registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"tokenforge:{name}", doc, labels, buckets=buckets, registry=self.registry)
+
+        self.running = gauge("num_requests_running", "Sequences running in the engine.")
+        self.waiting = gauge("num_requests_waiting", "Sequences waiting in the engine.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0 to 1).")
+        self.kv_fragmentation = gauge("kv_cache_fragmentation", "Unused slots in partly filled blocks / allocated slots.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter("request_success", "Finished completions, by finish reason.", ("finished_reason",))
+        self.ttft = histogram("time_to_first_token_seconds", "Time to the first token.", _LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between successive output chunks.", _ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
+        self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first scheduled step.", _LATENCY_BUCKETS)
+        self._last_cumulative = (0, 0, 0)
+        for metric in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
+                       self.generation_tokens):
+            metric.labels(model_name)   # exported as 0 before the first request
+
+    def update_engine(self, stats: EngineStats) -> None:
+        m = self.model_name
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_usage)
+        self.kv_fragmentation.labels(m).set(stats.kv_fragmentation)
+        # The core reports running totals; Prometheus counters only increase, so add the growth.
+        now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+        for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now,
+                                     self._last_cumulative):
+            if new > old:
+                counter.labels(m).inc(new - old)
+        self._last_cumulative = tuple(max(n, o) for n, o in zip(now, self._last_cumulative))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Observes one request's outputs as they arrive: TTFT, inter-chunk latency, totals."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.time()
+        self.last: float | None = None
+        self.prompt_tokens = 0
+
+    def observe(self, output: RequestOutput) -> None:
+        now = time.time()
+        m = self.metrics.model_name
+        new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if new_tokens:
+            if self.last is None:
+                arrival = output.metrics.get("arrival_time") or self.start
+                self.metrics.ttft.labels(m).observe(max(0.0, now - arrival))
+                self.metrics.queue_time.labels(m).observe(output.metrics.get("queue_time", 0.0))
+                self.prompt_tokens = len(output.prompt_token_ids)
+                self.metrics.prompt_tokens.labels(m).inc(self.prompt_tokens)
+            else:
+                self.metrics.itl.labels(m).observe(now - self.last)
+            self.last = now
+            self.metrics.generation_tokens.labels(m).inc(new_tokens)
+        for completion in output.outputs:
+            if completion.finish_reason is not None:
+                self.metrics.request_success.labels(m, str(completion.finish_reason)).inc()
+        if output.finished:
+            arrival = output.metrics.get("arrival_time") or self.start
+            self.metrics.e2e.labels(m).observe(max(0.0, now - arrival))

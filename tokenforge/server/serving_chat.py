@@ -1,0 +1,195 @@
+"""POST /v1/chat/completions: messages -> chat template -> generation, streaming or not.
+
+The stream is OpenAI's: per choice a first chunk with `role: assistant`, then content deltas,
+then a chunk with an empty delta and the finish_reason; with stream_options.include_usage a last
+chunk with empty choices and the usage; then [DONE]. A text-only model refuses image, audio,
+video and file parts with 400 (the playbook's multimodal flag).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenforge.messages import CompletionOutput, Logprob, RequestOutput
+from tokenforge.server.chat_template import TemplateError
+from tokenforge.server.errors import bad_request
+from tokenforge.server.protocol import ChatCompletionRequest, ChatMessage
+from tokenforge.server.serving_common import (ServingContext, build_sampling_params, cancel_on_disconnect,
+                                              deadline_of, merge_streams, new_id, now_s, request_salt, submit,
+                                              token_text, usage)
+from tokenforge.server.streaming import EngineEventStream, sse
+
+MULTIMODAL_PARTS = frozenset({"image_url", "image", "input_image", "image_file", "input_audio", "audio_url",
+                              "audio", "video_url", "video", "file", "input_file"})
+
+
+def template_messages(messages: list[ChatMessage], model_name: str) -> list[dict]:
+    """Validate message content and flatten text parts, as the chat template expects."""
+    if not messages:
+        raise bad_request("messages must contain at least one message", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                where = f"messages[{i}].content[{j}]"
+                if part.type in MULTIMODAL_PARTS:
+                    raise bad_request(f"model {model_name} accepts text only: {where} is of type {part.type!r}",
+                                      param="messages", code="unsupported_content")
+                if part.type != "text":
+                    raise bad_request(f"{where} has unsupported type {part.type!r}", param="messages")
+                if part.text is None:
+                    raise bad_request(f"{where} of type 'text' needs a 'text' field", param="messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
+        if message.name is not None:
+            entry["name"] = message.name
+        out.append(entry)
+    return out
+
+
+def render_prompt(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
+                  template: str | None = None, template_kwargs: dict | None = None) -> dict:
+    """Messages -> {"prompt": text, "prompt_token_ids": ids}, tokenized as LLM.chat does."""
+    if template is not None and not ctx.settings.trust_request_chat_template:
+        raise bad_request("a chat_template in the request is refused: the server was not started with "
+                          "--trust-request-chat-template", param="chat_template")
+    try:
+        text = ctx.renderer.render(template_messages(messages, ctx.model_name),
+                                   add_generation_prompt=add_generation_prompt, template=template,
+                                   template_kwargs=template_kwargs)
+    except TemplateError as err:
+        raise bad_request(str(err), param="messages") from err
+    return {"prompt": text, "prompt_token_ids": ctx.engine.tokenizer.encode(text, add_special_tokens=False)}
+
+
+@dataclass(slots=True)
+class _Choice:
+    content: str = ""
+    num_tokens: int = 0
+    finish_reason: str | None = None
+    logprobs: list | None = None
+
+
+class ChatBuilder:
+    def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
+                 top_logprobs: int | None) -> None:
+        self.ctx = ctx
+        self.req = req
+        self.request_id = request_id
+        self.top_logprobs = top_logprobs
+        self.created = now_s()
+        self.choices = {i: _Choice(logprobs=[] if top_logprobs is not None else None) for i in range(req.n)}
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def _base(self) -> dict:
+        return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.ctx.model_name, "system_fingerprint": None}
+
+    def _absorb(self, output: RequestOutput, tracker) -> list[tuple[int, CompletionOutput, list | None]]:
+        tracker.observe(output)
+        self.prompt_tokens = len(output.prompt_token_ids)
+        self.cached_tokens = output.num_cached_tokens
+        deltas = []
+        for completion in output.outputs:
+            choice = self.choices[completion.index]
+            choice.content += completion.text
+            choice.num_tokens += len(completion.token_ids)
+            choice.finish_reason = completion.finish_reason or choice.finish_reason
+            logprobs = self._logprobs(completion) if choice.logprobs is not None else None
+            if logprobs:
+                choice.logprobs.extend(logprobs)
+            deltas.append((completion.index, completion, logprobs))
+        return deltas
+
+    def _logprobs(self, completion: CompletionOutput) -> list[dict]:
+        tokenizer = self.ctx.engine.tokenizer
+        entries = []
+        for token_id, position in zip(completion.token_ids, completion.logprobs or []):
+            chosen = position.get(token_id) or Logprob(float("-inf"))
+            ranked = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            top = [_token_entry(token_text(tokenizer, t, lp.decoded_token), lp.logprob)
+                   for t, lp in ranked[:self.top_logprobs]]
+            entries.append({**_token_entry(token_text(tokenizer, token_id, chosen.decoded_token), chosen.logprob),
+                            "top_logprobs": top})
+        return entries
+
+    def _usage(self) -> dict:
+        return usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices.values()), self.cached_tokens)
+
+    async def collect(self, outputs: AsyncIterator) -> dict:
+        tracker = self.ctx.metrics.tracker()
+        async for _, output in outputs:
+            self._absorb(output, tracker)
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.content},
+                    "logprobs": None if c.logprobs is None else {"content": c.logprobs},
+                    "finish_reason": c.finish_reason}
+                   for i, c in sorted(self.choices.items())]
+        return {**self._base(), "object": "chat.completion", "choices": choices, "usage": self._usage()}
+
+    async def stream(self, outputs: AsyncIterator) -> AsyncIterator[str]:
+        tracker = self.ctx.metrics.tracker()
+        include_usage = bool(self.req.stream_options and self.req.stream_options.include_usage)
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(index: int, delta: dict, logprobs=None, finish_reason=None) -> str:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            return sse({**self._base(), "choices": [choice], **extra})
+
+        for index in range(self.req.n):
+            yield chunk(index, {"role": "assistant", "content": ""})
+        async for _, output in outputs:
+            for index, completion, logprobs in self._absorb(output, tracker):
+                if completion.text or logprobs:
+                    yield chunk(index, {"content": completion.text}, {"content": logprobs} if logprobs else None)
+                if completion.finish_reason is not None:
+                    yield chunk(index, {}, None, completion.finish_reason)
+        if include_usage:
+            yield sse({**self._base(), "choices": [], "usage": self._usage()})
+
+
+def _token_entry(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob if logprob > -1e38 else -9999.0,
+            "bytes": list(token.encode("utf-8"))}
+
+
+def _check_unsupported(req: ChatCompletionRequest) -> None:
+    if req.tools:
+        raise bad_request("tools are not supported by this server", param="tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice is not supported by this server", param="tool_choice")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than 'text' is not supported", param="response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+
+
+async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
+    ctx.check_model(req.model)
+    _check_unsupported(req)
+    prompt = render_prompt(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
+                           template=req.chat_template, template_kwargs=req.chat_template_kwargs)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_logprobs)
+    builder = ChatBuilder(ctx, req, new_id("chatcmpl"), top_logprobs)
+    stack = contextlib.ExitStack()
+    try:
+        streams = submit(ctx, [prompt], params, builder.request_id, request_salt(request, req.cache_salt), stack)
+    except BaseException:
+        stack.close()
+        raise
+    outputs = merge_streams(ctx, streams, deadline_of(ctx))
+    if req.stream:
+        return EngineEventStream(builder.stream(outputs), stack.close)
+    with stack:
+        body = await cancel_on_disconnect(request, builder.collect(outputs))
+    return JSONResponse(body)

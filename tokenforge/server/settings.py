@@ -1,0 +1,75 @@
+"""ServerSettings: the HTTP edge's own options (the engine's live in EngineConfig).
+
+Built once from the CLI namespace (`from_args`), validated, frozen. The one environment variable
+the server reads, TOKENFORGE_API_KEY, is read here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from tokenforge.config import parse_size
+
+API_KEY_ENV = "TOKENFORGE_API_KEY"
+DEFAULT_MAX_BODY = 8 * 2**20
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: tuple[str, ...] = ()
+    served_model_name: str | None = None        # None: derived from the model path
+    max_queued_requests: int = 256              # sequences waiting beyond max_num_seqs; past it, 429
+    max_tokens_limit: int | None = None         # a request asking for more gets 400
+    max_n: int = 8
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    request_timeout: float | None = None        # seconds; None = no limit
+    shutdown_timeout: float = 30.0              # seconds to finish in-flight requests on SIGTERM
+    trust_request_chat_template: bool = False
+    chat_template: str | None = None            # a template string or a path to one
+    log_level: str = "info"
+    access_log: bool = False
+
+    def validate(self) -> ServerSettings:
+        def check(cond: bool, message: str) -> None:
+            if not cond:
+                raise ValueError(message)
+
+        check(0 <= self.port <= 65535, f"port must be in [0, 65535], got {self.port}")
+        check(self.max_queued_requests >= 0, f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        check(self.max_tokens_limit is None or self.max_tokens_limit >= 1,
+              f"max_tokens_limit must be >= 1, got {self.max_tokens_limit}")
+        check(self.max_n >= 1, f"max_n must be >= 1, got {self.max_n}")
+        check(self.max_body_bytes >= 1024, f"max_body_size must be at least 1 KiB, got {self.max_body_bytes} bytes")
+        check(self.request_timeout is None or self.request_timeout > 0,
+              f"request_timeout must be positive, got {self.request_timeout}")
+        check(self.shutdown_timeout >= 0, f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        check(all(self.api_keys), "an API key must not be empty")
+        return self
+
+    @staticmethod
+    def from_args(args) -> ServerSettings:
+        """From an argparse namespace with the flags of cli_args.add_server_args."""
+        keys = list(getattr(args, "api_key", None) or [])
+        if not keys and os.environ.get(API_KEY_ENV):
+            keys = [os.environ[API_KEY_ENV]]
+        defaults = ServerSettings()
+        body = getattr(args, "max_body_size", None)
+        return ServerSettings(
+            host=getattr(args, "host", defaults.host),
+            port=getattr(args, "port", defaults.port),
+            api_keys=tuple(keys),
+            served_model_name=getattr(args, "served_model_name", None),
+            max_queued_requests=getattr(args, "max_queued_requests", defaults.max_queued_requests),
+            max_tokens_limit=getattr(args, "max_tokens_limit", None),
+            max_n=getattr(args, "max_n", defaults.max_n),
+            max_body_bytes=parse_size(body) if body is not None else defaults.max_body_bytes,
+            request_timeout=getattr(args, "request_timeout", None),
+            shutdown_timeout=getattr(args, "shutdown_timeout", defaults.shutdown_timeout),
+            trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
+            chat_template=getattr(args, "chat_template", None),
+            log_level=getattr(args, "log_level", defaults.log_level) or defaults.log_level,
+            access_log=bool(getattr(args, "access_log", False)),
+        ).validate()
