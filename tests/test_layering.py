@@ -32,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "router": {"engine", "messages", "config", "sampling_params"},
     "train": {"model", "distributed", "config"},
     "cli": {EVERYTHING},
+    "doctor": {EVERYTHING},
     "bench": {EVERYTHING},
     ROOT: {EVERYTHING},
 }

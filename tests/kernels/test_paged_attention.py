@@ -51,9 +51,18 @@ def test_prefill_single_long_sequence(device, paged_problem, rel_err, tol):
     assert rel_err(out, paged_attention_ref(q, kv, tables, qsl, seq_lens, 0.088)) <= tol(dtype)
 
 
+DECODE_VARIANTS = [
+    {},                                                          # heuristic split count
+    {"num_splits": 1},                                           # one program per group, no reduce
+    {"num_splits": 7},
+    {"num_splits": 7, "min_tiles_per_split": 3, "early_v": True},
+    {"num_splits": 5, "min_tiles_per_split": 2, "fused_reduce": True},
+]
+
+
 @pytest.mark.parametrize("hq,hkv,d,bs,dtype", CASES)
-@pytest.mark.parametrize("num_splits", [None, 1, 7])
-def test_decode_split_kv(device, paged_problem, rel_err, tol, hq, hkv, d, bs, dtype, num_splits):
+@pytest.mark.parametrize("variant", DECODE_VARIANTS, ids=lambda v: "-".join(f"{k}={x}" for k, x in v.items()) or "default")
+def test_decode_split_kv(device, paged_problem, rel_err, tol, hq, hkv, d, bs, dtype, variant):
     """Long contexts (several splits), short ones (empty splits exit) and a padding row."""
     _skip_interpreted_bf16(device, dtype)
     torch.manual_seed(hq + d + bs)
@@ -61,7 +70,7 @@ def test_decode_split_kv(device, paged_problem, rel_err, tol, hq, hkv, d, bs, dt
     q, kv, tables, _, seq_lens, _ = paged_problem(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype, device)
     seq_lens[1] = 0                                             # padding row -> zeros
     out = torch.full_like(q, float("nan"))
-    decode_attention(q, kv, tables, seq_lens, d ** -0.5, num_splits=num_splits, out=out)
+    decode_attention(q, kv, tables, seq_lens, d ** -0.5, out=out, **variant)
     qsl = torch.arange(len(ctx) + 1, dtype=torch.int32, device=device)
     ref = paged_attention_ref(q, kv, tables, qsl, seq_lens, d ** -0.5)
     assert rel_err(out, ref) <= tol(dtype)
@@ -84,3 +93,20 @@ def test_decode_equals_prefill_on_decode_rows(device, paged_problem, rel_err):
     a = decode_attention(q, kv, tables, seq_lens, 0.125, num_splits=3)
     b = prefill_attention(q, kv, tables, qsl, seq_lens, 0.125)
     assert rel_err(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,dtype", [CASES[1], CASES[3], CASES[4]])
+def test_decode_fused_reduce(device, paged_problem, rel_err, tol, hq, hkv, d, bs, dtype):
+    """The last split merges in-kernel; tickets reset, so repeated launches stay right."""
+    _skip_interpreted_bf16(device, dtype)
+    ctx = [_scale(2500), 0, 3, _scale(900), 40]
+    q, kv, tables, _, seq_lens, _ = paged_problem(ctx, [1] * len(ctx), hq, hkv, d, bs, dtype, device)
+    seq_lens[4] = 0                                             # padding row -> zeros
+    qsl = torch.arange(len(ctx) + 1, dtype=torch.int32, device=device)
+    ref = paged_attention_ref(q, kv, tables, qsl, seq_lens, d ** -0.5)
+    for splits, min_tiles in ((None, 1), (5, 1), (16, 2), (16, 2)):
+        out = torch.full_like(q, float("nan"))
+        decode_attention(q, kv, tables, seq_lens, d ** -0.5, num_splits=splits, out=out, fused_reduce=True,
+                         min_tiles_per_split=min_tiles)
+        assert rel_err(out, ref) <= tol(dtype)
+        assert out[4].abs().max() == 0

@@ -17,17 +17,21 @@ sys.path[:0] = [_HERE, os.path.dirname(os.path.dirname(_HERE))]   # fakes, and t
 
 from fakes import FakeEngineCore, FakeTokenizer  # noqa: E402
 
+from tokenforge.cli import add_engine_args, engine_kwargs  # noqa: E402
+from tokenforge.config import EngineConfig  # noqa: E402
 from tokenforge.server.app import serve  # noqa: E402
-from tokenforge.server.cli_args import add_engine_args, add_server_args, engine_config_from_args  # noqa: E402
+from tokenforge.server.cli_args import add_server_args  # noqa: E402
 from tokenforge.server.settings import ServerSettings  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    args = add_server_args(add_engine_args(parser)).parse_args()
+    add_engine_args(parser)
+    args = add_server_args(parser).parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     core_path = f"{FakeEngineCore.__module__}:FakeEngineCore"
-    return asyncio.run(serve(engine_config_from_args(args), ServerSettings.from_args(args),
+    config = EngineConfig.from_kwargs(**engine_kwargs(args))
+    return asyncio.run(serve(config, ServerSettings.from_args(args),
                              core_path=core_path, tokenizer=FakeTokenizer()))
 
 

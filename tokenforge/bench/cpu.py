@@ -66,7 +66,7 @@ def measure_tokenforge(args: argparse.Namespace, dtype: str, prompts: list[list[
     timing, outs = harness.run_checked(llm, prompts, args.output_len, args.repeats, f"tokenforge-{dtype}")
     ppl_ids = perplexity_ids(llm, vocab, args.seed)
     ppl = tokenforge_perplexity(llm, ppl_ids)
-    harness.free_llm(llm)
+    harness.shutdown(llm)
     n_in = sum(len(p) for p in prompts) / len(prompts)
     figures = {**harness.rates(len(prompts), n_in, args.output_len, timing.median), **timing.summary(),
                "perplexity": ppl}
@@ -102,6 +102,7 @@ def main(args: argparse.Namespace) -> dict:
     result["ceilings"] = ceilings.measure_ceilings("cpu", args.quick_ceilings)
     result["threads"] = torch.get_num_threads()
     tf32 = measure_tokenforge(args, "float32", None)
+    harness.release_memory()
     prompts = tf32["prompts"]
     result["workload_args"] = {"num_prompts": len(prompts), "input_len": [args.min_input, args.max_input],
                                "mean_input_len": sum(map(len, prompts)) / len(prompts), "output_len": args.output_len}
@@ -118,7 +119,7 @@ def main(args: argparse.Namespace) -> dict:
     if not args.no_bf16:
         result["bf16"] = run_bf16(args, prompts, model, tf32)
     del model
-    hf_baseline.release_memory()
+    harness.release_memory()
     report.save(result, args)
     print_summary(result)
     return result
@@ -126,6 +127,7 @@ def main(args: argparse.Namespace) -> dict:
 
 def run_bf16(args: argparse.Namespace, prompts: list[list[int]], model, tf32: dict) -> dict:
     tf16 = measure_tokenforge(args, "bfloat16", prompts)
+    harness.release_memory()
     out = {"tokenforge": tf16["figures"]}
     ppl32, ppl16 = tf32["figures"]["perplexity"], tf16["figures"]["perplexity"]
     if ppl32 is None and model is not None:   # the engine gave no prompt logprobs: ask HF instead

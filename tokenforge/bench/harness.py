@@ -109,15 +109,18 @@ def build_llm(args: argparse.Namespace, **overrides):
     return llm
 
 
-def free_llm(llm) -> None:
-    """Release an engine's device memory so the next one (or HF) can have it."""
+def shutdown(llm) -> None:
+    """Stop an engine's workers, if it has any. Its memory returns once the caller's last
+    reference is gone: build and use an engine inside one function, then `release_memory()`."""
     for name in ("shutdown", "close"):
         fn = getattr(llm, name, None)
         if callable(fn):
             fn()
-            break
-    del llm
-    gc.collect()
+            return
+
+
+def release_memory() -> None:
+    gc.collect()    # engines hold reference cycles (core <-> runner); collect before emptying
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 

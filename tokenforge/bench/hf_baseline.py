@@ -9,7 +9,6 @@ Lengths are forced: EOS is disabled and `min_new_tokens == max_new_tokens`.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import time
 from pathlib import Path
@@ -73,13 +72,6 @@ def perplexity(model, ids: list[int]) -> float:
     logits = model(input_ids=x).logits[0, :-1].float()                         # [n - 1, vocab]
     nll = torch.nn.functional.cross_entropy(logits, x[0, 1:])
     return float(torch.exp(nll))
-
-
-def release_memory() -> None:
-    """After the caller dropped its model: return the device memory for the next engine."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +148,6 @@ def baseline_from_config(cfg: dict, dtype: str, prompts: list[list[int]], output
         result = {"name": f"hf-bs{batch_size}", "output_tok_s": None, "error": "out of memory"}
     finally:
         del model
-        release_memory()
+        harness.release_memory()
     result.pop("_ids", None)
     return result

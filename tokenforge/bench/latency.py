@@ -40,6 +40,13 @@ def tokenforge_figures(timing: harness.Timing, num_prompts: int, input_len: int,
     }
 
 
+def measure(args: argparse.Namespace, prompts: list[list[int]]) -> harness.Timing:
+    llm = harness.build_llm(args)
+    timing, _ = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
+    harness.shutdown(llm)
+    return timing
+
+
 def main(args: argparse.Namespace) -> dict:
     result = report.new_result("W1", args.model, args.dtype)
     result["ceilings"] = ceilings.measure_ceilings(harness.device(), args.quick_ceilings)
@@ -58,9 +65,8 @@ def main(args: argparse.Namespace) -> dict:
             cfg, args.dtype, prompts, args.output_len, batch_size=args.num_prompts, seed=args.seed,
             variants=harness.hf_variants(args))
 
-    llm = harness.build_llm(args)
-    timing, _ = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
-    harness.free_llm(llm)
+    timing = measure(args, prompts)
+    harness.release_memory()
     tf = tokenforge_figures(timing, args.num_prompts, args.input_len, args.output_len)
     result["tokenforge"] = tf
     result["roofline"] = roofline(shape, args.dtype, result["ceilings"]["read_bw_tbps"],

@@ -28,7 +28,7 @@ def run_variant(args: argparse.Namespace, prompts: list[list[int]], caching: boo
     queries0 = getattr(llm.get_stats(), "prefix_cache_queries", 0)
     timing, outs = harness.run_checked(llm, prompts, args.output_len, args.repeats, label)
     queries = getattr(llm.get_stats(), "prefix_cache_queries", 0) - queries0
-    harness.free_llm(llm)
+    harness.shutdown(llm)
     input_len = args.prefix_len + args.input_len
     figures = {**harness.rates(len(prompts), input_len, args.output_len, timing.median), **timing.summary()}
     itl = harness.percentiles(timing.itl_ms)
@@ -50,7 +50,9 @@ def main(args: argparse.Namespace) -> dict:
                                "prefix_len": args.prefix_len, "unique_len": args.input_len,
                                "output_len": args.output_len}
     on, on_ids = run_variant(args, prompts, caching=True)
+    harness.release_memory()      # the first engine is gone; give its GPU memory to the second
     off, off_ids = run_variant(args, prompts, caching=False)
+    harness.release_memory()
     hit_tokens = on["prefix_hit_tokens"][0] if on["prefix_hit_tokens"] else 0
     on["prefix_hit_rate"] = hit_tokens / sum(len(p) for p in prompts)
     result["tokenforge"] = on

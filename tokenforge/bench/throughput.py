@@ -77,6 +77,14 @@ def sweep(llm, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]
     return points
 
 
+def measure(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[harness.Timing, list[dict]]:
+    llm = harness.build_llm(args)
+    timing, _ = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
+    points = sweep(llm, prompts, args) if args.sweep else []
+    harness.shutdown(llm)
+    return timing, points
+
+
 def main(args: argparse.Namespace) -> dict:
     resolve_workload(args)
     result = report.new_result(args.workload, args.model, args.dtype)
@@ -92,13 +100,11 @@ def main(args: argparse.Namespace) -> dict:
     if not args.no_baseline:      # HF first and freed, so tokenforge sizes its KV from the whole GPU
         result["baseline"] = run_baseline(cfg, prompts, args)
 
-    llm = harness.build_llm(args)
-    timing, _ = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
+    timing, points = measure(args, prompts)
+    harness.release_memory()
     tf = {**harness.rates(args.num_prompts, args.input_len, args.output_len, timing.median), **timing.summary()}
     itl = harness.percentiles(timing.itl_ms)
     tf["ms_per_token_p50"], tf["ms_per_token_p99"] = itl[50], itl[99]
-    points = sweep(llm, prompts, args) if args.sweep else []
-    harness.free_llm(llm)
 
     result["tokenforge"] = tf
     result.update(efficiency(shape, tf, args, result["ceilings"]["matmul_tflops"]))

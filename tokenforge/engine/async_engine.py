@@ -31,6 +31,15 @@ logger = logging.getLogger(__name__)
 __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
 
+def _load_tokenizer(config: EngineConfig):
+    from tokenforge.engine import tokenization  # noqa: PLC0415 - transformers is slow to import
+
+    load = getattr(tokenization, "load_engine_tokenizer", None)
+    if load is not None:
+        return load(config.model.model, config.load.load_format)
+    return tokenization.load_tokenizer(config.model.model)
+
+
 class RequestStream:
     """One request's delta outputs, in order. Iterate it; leaving its `with` block (or calling
     `abort()`) before it finished aborts the request in the engine core."""
@@ -94,10 +103,7 @@ class AsyncEngine:
         try:
             tokenizer_task = None
             if tokenizer is None:
-                from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415
-
-                tokenizer_task = asyncio.create_task(asyncio.to_thread(
-                    load_engine_tokenizer, config.model.model, config.load.load_format))
+                tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, config))
             ready = await client.wait_ready(ready_timeout)
             if tokenizer_task is not None:
                 tokenizer = await tokenizer_task

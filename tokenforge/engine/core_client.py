@@ -24,7 +24,7 @@ import zmq.asyncio
 
 from tokenforge.config import EngineConfig
 from tokenforge.engine.core_process import (DEFAULT_CORE, AbortRequests, AddRequests, Fatal, InputMessage,
-                                            OutputMessage, Ready, ShutdownRequest, StatsRequest,
+                                            OutputMessage, Ready, ShutdownRequest, StatsRequest, encode_config,
                                             run_engine_core)
 from tokenforge.messages import EngineCoreRequest
 
@@ -59,7 +59,7 @@ class EngineCoreClient:
     def spawn(self) -> None:
         # Not a daemon: the core may start its own workers (one per GPU rank).
         context = multiprocessing.get_context("spawn")
-        config_bytes = msgspec.msgpack.encode(self.config)
+        config_bytes = encode_config(self.config)
         self.process = context.Process(
             target=run_engine_core, name="tokenforge-engine-core",
             args=(config_bytes, self.input_address, self.output_address, os.getpid(), self.core_path,

@@ -14,6 +14,7 @@ a Fatal message, when a step raises.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import os
@@ -84,6 +85,17 @@ class Fatal(msgspec.Struct, tag="fatal"):
 
 
 OutputMessage = Ready | StepOutputs | Rejected | Stats | Fatal
+
+
+def encode_config(config: EngineConfig) -> bytes:
+    """The config as msgpack (plain maps of its sub-configs): it crosses to the child unpickled."""
+    return msgspec.msgpack.encode(dataclasses.asdict(config))
+
+
+def decode_config(data: bytes) -> EngineConfig:
+    # Rebuilt field by field rather than type-checked: it was validated in the parent already.
+    groups = msgspec.msgpack.decode(data)
+    return EngineConfig(**{name: type(getattr(EngineConfig(), name))(**values) for name, values in groups.items()})
 
 
 def load_core_class(path: str):
@@ -186,7 +198,7 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
     exit_code = 0
     core = None
     try:
-        config = msgspec.msgpack.decode(config_bytes, type=EngineConfig)
+        config = decode_config(config_bytes)
         try:
             core = load_core_class(core_path)(config)
         except Exception as err:   # noqa: BLE001 - any load failure is reported, not raised

@@ -18,7 +18,7 @@ from tokenforge.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-CPU_DEFAULT_KV_BYTES = 2 * 2**30
+CPU_DEFAULT_KV_BYTES = 2**30
 
 
 @dataclass(slots=True)

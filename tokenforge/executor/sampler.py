@@ -79,7 +79,7 @@ class Sampler(torch.nn.Module):
         probs = torch.softmax(logits, dim=-1)                                    # [N, V]
         if batch.min_p is not None:
             probs = apply_min_p(probs, batch.min_p)
-        return sample_from_probs(probs, batch.generators)
+        return sample_from_probs(probs, batch.generators, batch.generator_rows)
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> torch.Tensor:
@@ -131,7 +131,8 @@ def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def sample_from_probs(probs: torch.Tensor, generators: list[tuple[int, torch.Generator]]) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator],
+                      generator_rows: torch.Tensor | None) -> torch.Tensor:
     """argmax(probs / q), q ~ Exp(1): a categorical draw, with per-row generators where given.
 
     q = -log(u) with u ~ U[0, 1): u < 1 keeps q > 0, so masked tokens (p = 0) score 0, never
@@ -141,9 +142,8 @@ def sample_from_probs(probs: torch.Tensor, generators: list[tuple[int, torch.Gen
     if generators:
         vocab = probs.shape[-1]
         # Fresh [V] draws: a row's noise must not depend on where it sits in the batch.
-        own = [torch.rand(vocab, device=probs.device, generator=g) for _, g in generators]
-        rows = torch.tensor([row for row, _ in generators], device=probs.device)
-        u.index_copy_(0, rows, torch.stack(own))
+        own = [torch.rand(vocab, device=probs.device, generator=g) for g in generators]
+        u.index_copy_(0, generator_rows, torch.stack(own))
     return (probs / u.log_().neg_()).argmax(dim=-1)
 
 

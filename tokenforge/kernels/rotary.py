@@ -61,18 +61,22 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_h, cos, sin, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                  HALF: tl.constexpr):
+def _load_halves(ptr, stride_h, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, HALF)
     mask = (h < NUM_HEADS)[:, None]
     p1 = ptr + h[:, None] * stride_h + d[None, :]            # [HEADS_PAD, HALF]
-    x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
-    y1 = x1 * cos[None, :] - x2 * sin[None, :]
-    y2 = x2 * cos[None, :] + x1 * sin[None, :]
-    tl.store(p1, y1.to(ptr.dtype.element_ty), mask=mask)
-    tl.store(p1 + HALF, y2.to(ptr.dtype.element_ty), mask=mask)
+    return tl.load(p1, mask=mask, other=0.0), tl.load(p1 + HALF, mask=mask, other=0.0), p1, mask
+
+
+@triton.jit
+def _rotate_store(x1, x2, p1, mask, cos, sin, HALF: tl.constexpr):
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    y1 = (x1 * cos[None, :] - x2 * sin[None, :]).to(p1.dtype.element_ty)
+    y2 = (x2 * cos[None, :] + x1 * sin[None, :]).to(p1.dtype.element_ty)
+    tl.store(p1, y1, mask=mask)
+    tl.store(p1 + HALF, y2, mask=mask)
     return y1, y2
 
 
@@ -86,25 +90,27 @@ def _rotary_kernel(
     HALF: tl.constexpr, STORE_KV: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
+    # independent loads first (q, k, position, slot), then the position-dependent cos/sin:
+    # at decode sizes the kernel's time is its chain of memory round trips
+    q1, q2, q_p, q_mask = _load_halves(q_ptr + token * stride_qt, stride_qh, NUM_Q_HEADS, Q_PAD, HALF)
+    k1, k2, k_p, k_mask = _load_halves(k_ptr + token * stride_kt, stride_kh, NUM_KV_HEADS, KV_PAD, HALF)
+    if STORE_KV:
+        v1, v2, _, _ = _load_halves(v_ptr + token * stride_vt, stride_vh, NUM_KV_HEADS, KV_PAD, HALF)
+        slot = tl.load(slot_ptr + token).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
     d = tl.arange(0, HALF)
     cos = tl.load(cache_ptr + pos * stride_cache + d)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + d)
-    _rotate_heads(q_ptr + token * stride_qt, stride_qh, cos, sin, NUM_Q_HEADS, Q_PAD, HALF)
-    k1, k2 = _rotate_heads(k_ptr + token * stride_kt, stride_kh, cos, sin, NUM_KV_HEADS, KV_PAD, HALF)
+    _rotate_store(q1, q2, q_p, q_mask, cos, sin, HALF)
+    k1, k2 = _rotate_store(k1, k2, k_p, k_mask, cos, sin, HALF)
     if STORE_KV:
-        slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
             h = tl.arange(0, KV_PAD)
-            mask = (h < NUM_KV_HEADS)[:, None]
             dst = kv_ptr + slot * stride_c_slot + h[:, None] * stride_c_head + d[None, :]
-            tl.store(dst, k1.to(kv_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + HALF, k2.to(kv_ptr.dtype.element_ty), mask=mask)
-            src = v_ptr + token * stride_vt + h[:, None] * stride_vh + d[None, :]
-            v1 = tl.load(src, mask=mask)
-            v2 = tl.load(src + HALF, mask=mask)
-            tl.store(dst + stride_c_kv, v1.to(kv_ptr.dtype.element_ty), mask=mask)
-            tl.store(dst + stride_c_kv + HALF, v2.to(kv_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst, k1.to(kv_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(dst + HALF, k2.to(kv_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(dst + stride_c_kv, v1.to(kv_ptr.dtype.element_ty), mask=k_mask)
+            tl.store(dst + stride_c_kv + HALF, v2.to(kv_ptr.dtype.element_ty), mask=k_mask)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,

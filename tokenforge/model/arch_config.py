@@ -80,7 +80,7 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            sliding_window=_sliding_window(cfg),
+            sliding_window=_sliding_window(cfg, arch),
         ).validated()
 
     def validated(self) -> ArchConfig:
@@ -160,8 +160,8 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _sliding_window(cfg: dict[str, Any]) -> int | None:
-    if cfg.get("model_type") == "qwen2" and not cfg.get("use_sliding_window", False):
+def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
         return None
     window = cfg.get("sliding_window")
     return int(window) if window else None

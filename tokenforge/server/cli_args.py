@@ -1,6 +1,8 @@
-"""Command-line flags of `tokenforge serve`: add_server_args for the HTTP edge, and (for the
-stand-alone launcher `python -m tokenforge.server`) add_engine_args, generated from EngineConfig
-so every engine option has a flag without a second list to keep in sync.
+"""Command-line flags of `tokenforge serve`.
+
+cli.py calls add_serve_parser(subparsers, add_engine_args, epilog): the serve subcommand gets the
+shared engine flags plus the HTTP edge's own (add_server_args). A server flag that the engine
+flags already define (--max-tokens-limit / --max-inference-steps) is not added twice.
 """
 
 from __future__ import annotations
@@ -12,12 +14,35 @@ from tokenforge.config import EngineConfig
 from tokenforge.server.settings import API_KEY_ENV, ServerSettings
 
 _SUBCONFIGS = ("model", "cache", "scheduler", "parallel", "load", "device")
-_SIZE_FIELDS = {"kv_cache_memory"}         # accept "8GiB"
+
+
+def add_serve_parser(subparsers, add_engine_args, epilog: str | None = None) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (default: the bundled SmolLM2 on 127.0.0.1:8000)",
+        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser)
+    add_server_args(parser)
+    parser.set_defaults(func=_run_serve)
+    return parser
+
+
+def _run_serve(args: argparse.Namespace, engine_kwargs) -> int:
+    from tokenforge.server.app import run_server  # noqa: PLC0415 - keep `tokenforge --help` fast
+
+    return run_server(args, EngineConfig.from_kwargs(**engine_kwargs(args)))
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     d = ServerSettings()
-    g = parser.add_argument_group("server")
+    group = parser.add_argument_group("server")
+
+    class _Group:   # skips flags the parser already has (shared with the engine flags)
+        @staticmethod
+        def add_argument(*flags, **kwargs):
+            if not any(flag in parser._option_string_actions for flag in flags):
+                group.add_argument(*flags, **kwargs)
+
+    g = _Group()
     g.add_argument("--host", default=d.host, help="address to bind (default %(default)s: local only)")
     g.add_argument("--port", type=int, default=d.port, help="port (default %(default)s; 0 picks a free one)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
@@ -41,38 +66,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template in requests (rendered in a Jinja sandbox); refused by default")
     g.add_argument("--chat-template", default=None, help="a chat template (file or string) to use instead of the model's")
-    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    g.add_argument("--log-level", default=d.log_level, type=str.lower,
+                   choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
     return parser
 
 
-def _engine_fields() -> dict[str, dataclasses.Field]:
-    return {f.name: f for name in _SUBCONFIGS
-            for f in dataclasses.fields(type(getattr(EngineConfig(), name)))}
-
-
-def _arg_type(field: dataclasses.Field):
-    annotation = str(field.type)
-    if field.name in _SIZE_FIELDS:
-        return str
-    for name, kind in (("bool", bool), ("int", int), ("float", float)):
-        if annotation.startswith(name):
-            return kind
-    return str
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """One flag per EngineConfig field (--max-num-seqs, --num-kv-blocks, ...); absent flags keep
-    the config's defaults."""
-    g = parser.add_argument_group("engine")
-    for name, field in _engine_fields().items():
-        kind = _arg_type(field)
-        flag = "--" + name.replace("_", "-")
-        if kind is bool:
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-        else:
-            g.add_argument(flag, type=kind, default=argparse.SUPPRESS, help=f"engine: {name} (default {field.default})")
-    return parser
+def _engine_fields() -> set[str]:
+    return {f.name for name in _SUBCONFIGS for f in dataclasses.fields(type(getattr(EngineConfig(), name)))}
 
 
 def engine_config_from_args(args) -> EngineConfig:

@@ -81,14 +81,20 @@ def timed_out(seconds: float) -> APIError:
                     code="request_timeout")
 
 
-def from_value_error(err: ValueError) -> APIError:
-    """A ValueError from parameter or prompt validation: its message names the field first."""
+def from_value_error(err: ValueError, default_param: str | None = None) -> APIError:
+    """A ValueError from parameter or prompt validation. SamplingParams messages start with the
+    field's name; anything else (prompt checks) is attributed to `default_param`."""
     message = str(err) or "invalid request"
-    param = message.split(" ", 1)[0] if " must " in message else None
+    first = message.split(" ", 1)[0]
+    param = first if first in _PARAM_NAMES else default_param
     code = "context_length_exceeded" if "max_model_len" in message else None
-    if param is None and message.startswith("prompt"):
-        param = "prompt"
     return bad_request(message, param=param, code=code)
+
+
+_PARAM_NAMES = frozenset({
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "prompt_logprobs",
+})
 
 
 # ---- handlers ---------------------------------------------------------------------------------------

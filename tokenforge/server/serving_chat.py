@@ -183,7 +183,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     builder = ChatBuilder(ctx, req, new_id("chatcmpl"), top_logprobs)
     stack = contextlib.ExitStack()
     try:
-        streams = submit(ctx, [prompt], params, builder.request_id, request_salt(request, req.cache_salt), stack)
+        streams = submit(ctx, [prompt], params, builder.request_id, request_salt(request, req.cache_salt), stack,
+                         prompt_param="messages")
     except BaseException:
         stack.close()
         raise

@@ -127,7 +127,7 @@ def _top_k(top_k: int | None, vocab_size: int) -> int:
 # ---- submitting and collecting ---------------------------------------------------------------------
 
 def submit(ctx: ServingContext, prompts: list, params: SamplingParams, request_id: str,
-           salt: str | None, stack: contextlib.ExitStack) -> list[RequestStream]:
+           salt: str | None, stack: contextlib.ExitStack, prompt_param: str = "prompt") -> list[RequestStream]:
     """Submit every prompt, or none: a bad prompt aborts those already submitted (via `stack`)."""
     ctx.admit(len(prompts) * params.n)
     streams = []
@@ -136,7 +136,7 @@ def submit(ctx: ServingContext, prompts: list, params: SamplingParams, request_i
         try:
             streams.append(stack.enter_context(ctx.engine.add_request(prompt, params, child_id, salt)))
         except ValueError as err:
-            raise from_value_error(err) from err
+            raise from_value_error(err, prompt_param) from err
         except EngineDeadError as err:
             raise unavailable(str(err), code="engine_dead") from err
     return streams

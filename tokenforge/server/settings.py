@@ -70,6 +70,6 @@ class ServerSettings:
             shutdown_timeout=getattr(args, "shutdown_timeout", defaults.shutdown_timeout),
             trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
             chat_template=getattr(args, "chat_template", None),
-            log_level=getattr(args, "log_level", defaults.log_level) or defaults.log_level,
+            log_level=(getattr(args, "log_level", None) or defaults.log_level).lower(),
             access_log=bool(getattr(args, "access_log", False)),
         ).validate()

@@ -114,6 +114,10 @@ class DecodeMetadataBuffers:
 class TritonAttentionBackend:
     name = "triton"
 
+    def __init__(self, decode_fused_reduce: bool = False):
+        # fused reduce: the last split merges partials in-kernel (one launch instead of two)
+        self.decode_fused_reduce = decode_fused_reduce
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
@@ -145,6 +149,7 @@ class TritonAttentionBackend:
             store_kv(k, v, kv_cache, metadata.slot_mapping)
         if metadata.is_decode_only:
             assert q.shape[0] == metadata.num_seqs, "decode q rows must match the (padded) batch"
-            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
+            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
+                                    fused_reduce=self.decode_fused_reduce)
         return prefill_attention(q, kv_cache, metadata.block_tables, metadata.query_start_loc,
                                  metadata.seq_lens, scale, max_query_len=metadata.max_query_len)

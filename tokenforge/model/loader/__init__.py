@@ -88,6 +88,12 @@ def resolve_model_source(model: str | Path | None, load_format: str = "auto") ->
                      "config.json, or (with load_format='dummy') a config .json")
 
 
+def read_arch_config(model: str | Path | None, load_format: str = "auto") -> ArchConfig:
+    """The architecture of a model source without loading its weights (for doctor and sizing)."""
+    source = resolve_model_source(model, load_format)
+    return _read_arch_config(source, GGUFFile(source.path) if source.config_kind == "gguf" else None)
+
+
 def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
                seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
     start = time.perf_counter()
@@ -145,4 +151,4 @@ def _checksum_hint(source: ModelSource, seed: int) -> str:
 
 
 __all__ = ["LOAD_FORMATS", "LoadedModel", "ModelNotFoundError", "ModelSource", "find_bundled_gguf", "load_model",
-           "resolve_model_source"]
+           "read_arch_config", "resolve_model_source"]

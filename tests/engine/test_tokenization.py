@@ -1,0 +1,128 @@
+"""Our tokenizer wrapper against HF's tokenizer for the bundled GGUF: ids, decoding, chat template,
+the conversion cache, and loading from an HF directory."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tokenforge.engine.tokenization import SyntheticTokenizer, Tokenizer, load_engine_tokenizer, load_tokenizer
+
+pytestmark = pytest.mark.slow
+
+TEXTS = [
+    "Hello, world!",
+    "",
+    "  leading and trailing spaces   ",
+    "机器学习是人工智能的一个分支。你好，世界！",
+    "Emoji: 🎉🚀👩‍👩‍👧‍👦 and flags 🇫🇷",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n\n\tprint(fib(10))",
+    "Numbers 1234567890 3.14159 -42 1e-5",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "Ünïcödé café naïve résumé — “quotes” ‘single’ …",
+    "tabs\tand\r\nwindows newlines\n\n\n",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}],
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! 😊"},
+     {"role": "user", "content": "写一首诗"}],
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("tokenforge-cache")
+
+
+@pytest.fixture(scope="module")
+def ours(cache_dir) -> Tokenizer:
+    start = time.perf_counter()
+    tok = load_tokenizer(None, cache_dir=cache_dir)
+    print(f"\n[tokenforge] GGUF tokenizer, first load (conversion): {time.perf_counter() - start:.2f} s")
+    return tok
+
+
+@pytest.fixture(scope="module")
+def hf(hf_reference):
+    return hf_reference[0]      # HF's own GGUF tokenizer (session fixture in tests/engine/conftest.py)
+
+
+def test_cached_load_is_fast_and_identical(ours, cache_dir):
+    start = time.perf_counter()
+    again = load_tokenizer(None, cache_dir=cache_dir)
+    elapsed = time.perf_counter() - start
+    print(f"\n[tokenforge] GGUF tokenizer, cached load: {elapsed:.2f} s")
+    assert elapsed < 3.0
+    assert again.encode(TEXTS[3]) == ours.encode(TEXTS[3]) and again.vocab_size == ours.vocab_size
+
+
+def test_ids_match_hf(ours, hf):
+    for text in TEXTS:
+        assert ours.encode(text) == hf(text).input_ids, text
+        assert ours.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False).input_ids
+
+
+def test_decode_round_trips(ours, hf):
+    for text in TEXTS:
+        ids = ours.encode(text)
+        assert ours.decode(ids) == hf.decode(ids, skip_special_tokens=True)
+        assert ours.decode(ids, skip_special_tokens=False) == hf.decode(ids)
+    assert ours.decode(ours.encode(TEXTS[5])) == TEXTS[5]
+
+
+def test_special_ids(ours):
+    assert ours.eos_token_ids == (2,) and ours.bos_token_id == 1 and ours.vocab_size == 49152
+    assert ours.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
+
+
+def test_chat_template_matches_hf(ours, hf):
+    for messages in CONVERSATIONS:
+        for add in (True, False):
+            expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add)
+            assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
+
+
+def test_hf_directory_with_generation_config(ours, tmp_path):
+    ours.hf.save_pretrained(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.eos_token_ids == (2, 0)
+    assert tok.encode(TEXTS[4]) == ours.encode(TEXTS[4])
+    assert tok.apply_chat_template(CONVERSATIONS[0]) == ours.apply_chat_template(CONVERSATIONS[0])
+
+
+def test_template_sandbox_and_errors(ours):
+    ours.chat_template = "{{ messages | tojson }}{{ ''.__class__.__mro__ }}"
+    with pytest.raises(ValueError, match="chat template error"):
+        ours.apply_chat_template(CONVERSATIONS[0])
+    ours.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match="roles must alternate"):
+        ours.apply_chat_template(CONVERSATIONS[0])
+    ours.chat_template = "{{ messages[0] | tojson }}"
+    assert ours.apply_chat_template([{"role": "user", "content": "é<b>", "name": None}]) == \
+        '{"role": "user", "content": "é<b>"}'
+    ours.chat_template = ours.hf.chat_template
+
+
+def test_missing_source():
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer("/no/such/model")
+
+
+def test_engine_tokenizer_for_bare_dummy_configs(tmp_path):
+    tok = load_engine_tokenizer("llama-3.1-8b", "dummy")
+    assert isinstance(tok, SyntheticTokenizer)
+    assert tok.vocab_size == 128256 and tok.eos_token_ids == (128001, 128008, 128009)
+    assert tok.decode(tok.encode("héllo")) == "héllo" and tok.decode([104, 105, 128001, 5000]) == "hi<5000>"
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|user|>\nx\n<|assistant|>\n"
+    (tmp_path / "config.json").write_text('{"vocab_size": 300, "eos_token_id": 2}')
+    assert load_engine_tokenizer(str(tmp_path), "dummy").vocab_size == 300
+    assert load_engine_tokenizer(str(tmp_path / "config.json"), "dummy").eos_token_ids == (2,)
+
+
+def test_engine_tokenizer_for_dummy_bundled_model_is_the_real_one(ours, cache_dir):
+    tok = load_engine_tokenizer(None, "dummy", cache_dir=cache_dir)
+    assert isinstance(tok, Tokenizer) and tok.vocab_size == ours.vocab_size

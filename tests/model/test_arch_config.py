@@ -1,0 +1,52 @@
+"""ArchConfig parsing (HF 4.x and 5.x spellings), errors, and the size helpers."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenforge.model.arch_config import ArchConfig, RopeScaling
+from tokenforge.model.loader.dummy_loader import read_config_json, shipped_config_path
+from tokenforge.model.models import get_model_class
+
+_BASE = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100}
+
+
+def test_llama3_rope_both_spellings():
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    v4 = ArchConfig.from_hf_config({**_BASE, "rope_theta": 5e5, "rope_scaling": scaling})
+    v5 = ArchConfig.from_hf_config({**_BASE, "rope_parameters": {**scaling, "rope_theta": 5e5}})
+    assert v4 == v5
+    assert v4.rope_theta == 5e5 and v4.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 8192)
+    assert v4.head_dim == 16
+
+
+def test_qwen2_always_has_qkv_bias():
+    cfg = ArchConfig.from_hf_config({**_BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096})
+    assert cfg.attention_bias and cfg.sliding_window is None    # use_sliding_window defaults to false
+
+
+def test_unknown_architecture_lists_supported():
+    with pytest.raises(ValueError, match="unsupported model architecture.*GPT2LMHeadModel.*LlamaForCausalLM, "
+                                         "MistralForCausalLM, Qwen2ForCausalLM"):
+        ArchConfig.from_hf_config({**_BASE, "architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
+        get_model_class("FalconForCausalLM")
+
+
+def test_unsupported_rope_type():
+    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+        ArchConfig.from_hf_config({**_BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_shipped_configs_sizes():
+    llama8b = read_config_json(shipped_config_path("llama-3.1-8b"))
+    assert llama8b.num_parameters() == 8_030_261_248            # the published count
+    assert llama8b.kv_bytes_per_token("bfloat16") == 2 * 32 * 8 * 128 * 2
+    assert llama8b.rope_scaling.rope_type == "llama3" and llama8b.max_position_embeddings == 131072
+    qwen = read_config_json(shipped_config_path("qwen2.5-7b"))
+    assert qwen.attention_bias and qwen.max_position_embeddings == 32768 and not qwen.tie_word_embeddings
+    small = read_config_json(shipped_config_path("llama-3.2-1b"))
+    assert small.tie_word_embeddings and small.num_parameters() == 1_235_814_400
+    assert small.weight_bytes("float32") == 4 * small.num_parameters()

@@ -1,0 +1,197 @@
+"""The HTTP edge, transport and lifecycle against a live server whose engine core is a fake
+(fakes.py): fast, deterministic, and independent of the model."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from .bad_inputs import cases, check_error_body, encode
+from .servers import fake_server
+from .fakes import VOCAB
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key or "none", max_retries=0)
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", headers=server.headers).text
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize("case", cases(256, VOCAB), ids=lambda c: c[0])
+def test_bad_input(fake, case):
+    _, method, path, body, status, param = case
+    headers = {**fake.headers, "Content-Type": "application/json"}
+    response = httpx.request(method, fake.url + path, content=encode(body), headers=headers, timeout=30)
+    check_error_body(response, status, param)
+
+
+def test_health_after_bad_inputs(fake):
+    for _, method, path, body, _, _ in cases(256, VOCAB):
+        httpx.request(method, fake.url + path, content=encode(body), headers=fake.headers, timeout=30)
+    assert httpx.get(fake.url + "/health").status_code == 200
+    out = _client(fake).completions.create(model="SmolLM2-135M-Instruct", prompt="abc", max_tokens=3)
+    assert out.choices[0].text == "def"
+
+
+def test_auth(fake):
+    url = fake.url + "/v1/models"
+    none = httpx.get(url)
+    check_error_body(none, 401, None)
+    assert none.json()["error"]["code"] == "invalid_api_key"
+    check_error_body(httpx.get(url, headers={"Authorization": "Bearer sk-wrong"}), 401, None)
+    check_error_body(httpx.get(url, headers={"Authorization": "Basic sk-test"}), 401, None)
+    assert httpx.get(url, headers=fake.headers).status_code == 200
+    assert httpx.get(fake.url + "/health").status_code == 200          # open without a key
+    check_error_body(httpx.get(fake.url + "/metrics"), 401, None)       # everything else is not
+    check_error_body(httpx.get(fake.url + "/openapi.json"), 401, None)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=fake.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+
+
+def test_completion_shapes(fake):
+    client = _client(fake)
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=["ab", "hijklm"], n=2,
+                                    max_tokens=4, logprobs=2, stop=["f"])
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert out.choices[0].text == "cde" and out.choices[0].finish_reason == "stop"
+    assert out.choices[2].text == "ghij" and out.choices[2].finish_reason == "length"
+    assert out.usage.prompt_tokens == 8 and out.usage.completion_tokens == 4 * 4   # "f" ends choices 0, 1
+    lp = out.choices[2].logprobs
+    assert lp.tokens == list("ghij") and lp.text_offset == [0, 1, 2, 3]
+    assert lp.token_logprobs == [-0.25] * 4 and len(lp.top_logprobs[0]) == 2
+    echoed = client.completions.create(model="SmolLM2-135M-Instruct", prompt="xy", max_tokens=2, echo=True)
+    assert echoed.choices[0].text == "xycd"
+
+
+def test_chat_stream_format(fake):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "n": 2, "stream": True,
+            "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1}
+    with httpx.stream("POST", fake.url + "/v1/chat/completions", json=body, headers=fake.headers) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == "uvw"
+        assert [c["finish_reason"] for c in mine][-1] == "length" and mine[-1]["delta"] == {}
+        assert all(c["finish_reason"] is None for c in mine[:-1])
+        assert mine[1]["logprobs"]["content"][0]["token"] == "u"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+def test_tokenize_detokenize_version(fake):
+    tok = httpx.post(fake.url + "/tokenize", json={"prompt": "abc"}, headers=fake.headers).json()
+    assert tok == {"count": 3, "max_model_len": 256, "tokens": [97, 98, 99]}
+    detok = httpx.post(fake.url + "/detokenize", json={"tokens": [97, 98]}, headers=fake.headers).json()
+    assert detok == {"prompt": "ab"}
+    assert "version" in httpx.get(fake.url + "/version", headers=fake.headers).json()
+    chat = httpx.post(fake.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]},
+                      headers=fake.headers).json()
+    assert chat["count"] == len("<user>hi\n<assistant>")
+
+
+def test_disconnects_free_everything(fake):
+    """Streams dropped mid-way are aborted in the core: nothing stays running afterwards."""
+    def stream(drop: bool) -> None:
+        body = {"prompt": "go", "max_tokens": 150, "stream": True}
+        with httpx.stream("POST", fake.url + "/v1/completions", json=body, headers=fake.headers, timeout=60) as r:
+            assert r.status_code == 200
+            for i, _ in enumerate(r.iter_lines()):
+                if drop and i > 4:
+                    return
+
+    threads = [threading.Thread(target=stream, args=(i % 3 == 0,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _metric(fake, "tokenforge:num_requests_running") > 0:
+        time.sleep(0.1)
+    assert _metric(fake, "tokenforge:num_requests_running") == 0
+    assert _metric(fake, "tokenforge:kv_cache_usage_perc") == 0
+
+
+def test_overload_and_sigterm_drain():
+    server = fake_server("--max-num-seqs", "1", "--max-queued-requests", "0", env={"TOKENFORGE_FAKE_STEP_S": "0.02"})
+    try:
+        body = {"prompt": "go", "max_tokens": 60, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            busy = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            check_error_body(busy, 429, None)
+            assert busy.headers["retry-after"] == "1"
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            try:
+                refused = httpx.get(server.url + "/health", timeout=2).status_code
+            except httpx.HTTPError:
+                refused = "refused"
+            assert refused in (503, "refused")
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
+def test_timeout_then_engine_crash():
+    server = fake_server("--request-timeout", "0.3", env={"TOKENFORGE_FAKE_STEP_S": "0.02"})
+    try:
+        slow = httpx.post(server.url + "/v1/completions", json={"prompt": "go", "max_tokens": 100})
+        check_error_body(slow, 408, None)
+        rejected = httpx.post(server.url + "/v1/completions", json={"prompt": "REJECT me", "max_tokens": 2})
+        check_error_body(rejected, 400, None)
+        assert httpx.get(server.url + "/health").status_code == 200
+        crashed = httpx.post(server.url + "/v1/completions", json={"prompt": "CRASH", "max_tokens": 2})
+        check_error_body(crashed, 503, None)
+        check_error_body(httpx.get(server.url + "/health"), 503, None)
+        assert server.proc.wait(15) == 1
+    finally:
+        server.stop()
+
+
+def test_killed_engine_process():
+    server = fake_server(env={"TOKENFORGE_FAKE_STEP_S": "0.02"})
+    try:
+        body = {"prompt": "go", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server_pid_engine = server.engine_pid()
+            killed_at = time.monotonic()
+            import os
+            os.kill(server_pid_engine, signal.SIGKILL)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert "error" in json.loads(events[-2][6:])
+        status = None
+        while time.monotonic() - killed_at < 5:
+            try:
+                status = httpx.get(server.url + "/health", timeout=1).status_code
+            except httpx.HTTPError:
+                status = "gone"
+            if status != 200:
+                break
+            time.sleep(0.05)
+        assert status in (503, "gone")
+        assert server.proc.wait(15) != 0
+    finally:
+        server.stop()

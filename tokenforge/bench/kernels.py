@@ -1,0 +1,338 @@
+"""Kernel micro-benchmark: decode/prefill attention and the fused ops at Llama-3.1-8B shapes.
+
+In: an output folder. Out: `kernels.json` there (ceilings, every timing, achieved GB/s or
+TFLOP/s) and a short table on stdout. Run: `python -m tokenforge.bench.kernels OUT_DIR`.
+
+Method (shared/BENCHMARKING.md): the HBM read ceiling is measured in the same run; each case is
+warmed up (Triton compiles outside the timing), captured in a CUDA graph and replayed, and the
+median of the replays is reported. Memory-bound cases rotate over enough copies of their inputs
+(one KV cache per "layer") that the data is well beyond the 60 MB L2, as in a real decode step
+where the weights evict the KV between layers. `smoke=True` runs tiny shapes on the CPU through
+Triton's interpreter (TRITON_INTERPRET=1) to check the script itself; its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tokenforge.kernels.activation import silu_and_mul
+from tokenforge.kernels.kv_store import store_kv
+from tokenforge.kernels.paged_attention import choose_num_splits, decode_attention, prefill_attention
+from tokenforge.kernels.rms_norm import fused_add_rms_norm, rms_norm
+from tokenforge.kernels.rotary import apply_rotary, build_rope_cache
+
+HQ, HKV, D, BS, HIDDEN, INTER = 32, 8, 128, 16, 4096, 14336
+DT = torch.bfloat16
+
+
+def guarded(fn: Callable[[], list[dict]], label: str) -> list[dict]:
+    """Run one benchmark section; a failure becomes an error row instead of ending the run."""
+    try:
+        t0 = time.perf_counter()
+        rows = fn()
+        print(f"[{label}] {time.perf_counter() - t0:.1f}s: {json.dumps(rows)[:600]}", flush=True)
+        return rows
+    except Exception as exc:  # noqa: BLE001 - a broken variant must not cost the rest of the run
+        print(f"ERROR in {label}: {exc!r}", flush=True)
+        return [{"section": label, "error": repr(exc)[:500]}]
+
+
+def time_call(fn: Callable[[], None], device: torch.device, repeats: int = 20) -> float:
+    """Median seconds per call of fn, replayed as a CUDA graph (launch gaps as in the engine)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+    fn(), fn()                                                   # compile + warm
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def hbm_read_bandwidth(device: torch.device, gib: float = 4.0) -> float:
+    """Bytes/s of `x.sum(dtype=float32)` over a bf16 tensor (BENCHMARKING.md's read ceiling)."""
+    x = torch.randn(int(gib * 2**30) // 2, dtype=DT, device=device)
+    if device.type != "cuda":
+        return float("nan")
+    for _ in range(3):
+        x.sum(dtype=torch.float32)
+    times = []
+    for _ in range(10):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x.sum(dtype=torch.float32)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return x.numel() * 2 / statistics.median(times)
+
+
+def _layers_for(bytes_per_layer: int, target: int = 512 * 2**20, cap: int = 128) -> int:
+    return max(2, min(cap, math.ceil(target / max(bytes_per_layer, 1))))
+
+
+def _paged_caches(batch: int, seq_len: int, layers: int, device: torch.device):
+    """`layers` random KV caches plus one shuffled block table [batch, blocks] shared by them."""
+    per_seq = -(-seq_len // BS)
+    num_blocks = batch * per_seq
+    caches = [torch.randn(2, num_blocks, BS, HKV, D, dtype=DT, device=device) for _ in range(layers)]
+    tables = torch.randperm(num_blocks, device=device).to(torch.int32).view(batch, per_seq)
+    return caches, tables
+
+
+def bench_decode(batch: int, ctx: int, variants: dict[str, dict], device, bw: float, max_layers: int) -> list[dict]:
+    kv_bytes = batch * ctx * HKV * D * 2 * 2
+    layers = _layers_for(kv_bytes, cap=max_layers)
+    caches, tables = _paged_caches(batch, ctx, layers, device)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+    q = torch.randn(batch, HQ, D, dtype=DT, device=device)
+    out = torch.empty_like(q)
+    rows = []
+    for name, kw in variants.items():
+        def run(kw=kw):
+            for cache in caches:
+                decode_attention(q, cache, tables, seq_lens, D ** -0.5, out=out, **kw)
+        try:
+            sec = time_call(run, device) / layers
+        except Exception as exc:  # noqa: BLE001
+            print(f"ERROR decode B={batch} ctx={ctx} {name}: {exc!r}", flush=True)
+            continue
+        rows.append({"batch": batch, "ctx": ctx, "variant": name, "kwargs": kw, "layers": layers,
+                     "us": sec * 1e6, "GBps": kv_bytes / sec / 1e9, "frac_of_read_bw": kv_bytes / sec / bw})
+    del caches
+    return rows
+
+
+def _prefill_flops(ctx_lens: list[int], q_lens: list[int]) -> float:
+    # QK^T and PV: 2 * 2 * D FLOPs per (query head, visible key) pair
+    pairs = sum(q * c + q * (q + 1) / 2 for c, q in zip(ctx_lens, q_lens))
+    return 4 * HQ * D * pairs
+
+
+def bench_prefill(name: str, ctx_lens: list[int], q_lens: list[int], configs: dict, device) -> list[dict]:
+    seq_lens_l = [c + q for c, q in zip(ctx_lens, q_lens)]
+    per_seq = max(-(-s // BS) for s in seq_lens_l)
+    caches, tables = _paged_caches(len(q_lens), per_seq * BS, 1, device)
+    seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
+    q = torch.randn(sum(q_lens), HQ, D, dtype=DT, device=device)
+    flops = _prefill_flops(ctx_lens, q_lens)
+    rows = []
+    for cname, cfg in configs.items():
+        try:
+            sec = time_call(lambda cfg=cfg: prefill_attention(q, caches[0], tables, qsl, seq_lens, D ** -0.5,
+                                                              max_query_len=max(q_lens), config=cfg), device)
+        except Exception as exc:  # noqa: BLE001
+            print(f"ERROR prefill {name} {cname}: {exc!r}", flush=True)
+            continue
+        rows.append({"case": name, "config": cname, "us": sec * 1e6, "TFLOPs": flops / sec / 1e12})
+    if device.type == "cuda" and all(c == 0 for c in ctx_lens) and len(set(q_lens)) == 1:
+        b, s = len(q_lens), q_lens[0]                            # peer: torch SDPA on dense K/V
+        qd = torch.randn(b, HQ, s, D, dtype=DT, device=device)
+        kd = torch.randn(b, HQ, s, D, dtype=DT, device=device)
+        vd = torch.randn(b, HQ, s, D, dtype=DT, device=device)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        sec = time_call(lambda: sdpa(qd, kd, vd, is_causal=True), device)
+        rows.append({"case": name, "config": "torch_sdpa_dense", "us": sec * 1e6, "TFLOPs": flops / sec / 1e12})
+    return rows
+
+
+def _op_cases(tokens: int, device) -> dict[str, tuple[Callable[[], Callable[[], None]], int]]:
+    """name -> (factory making a fresh input set and returning its call, bytes moved per call)."""
+    cos_sin = build_rope_cache(D, 8192, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                               device=device)
+    w = torch.randn(HIDDEN, dtype=DT, device=device)
+
+    def norm():
+        x = torch.randn(tokens, HIDDEN, dtype=DT, device=device)
+        return lambda: rms_norm(x, w, 1e-5, out=x)
+
+    def add_norm():
+        x, r = (torch.randn(tokens, HIDDEN, dtype=DT, device=device) for _ in range(2))
+        return lambda: fused_add_rms_norm(x, r, w, 1e-5, out=x)
+
+    def torch_add_norm():
+        x, r = (torch.randn(tokens, HIDDEN, dtype=DT, device=device) for _ in range(2))
+
+        def run():
+            h = x + r
+            hf = h.float()
+            return w * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(DT)
+        return run
+
+    def rope_store():
+        qkv = torch.randn(tokens, (HQ + 2 * HKV) * D, dtype=DT, device=device)
+        q, k, v = qkv.split([HQ * D, HKV * D, HKV * D], dim=-1)
+        q, k, v = q.view(tokens, HQ, D), k.view(tokens, HKV, D), v.view(tokens, HKV, D)
+        pos = torch.randint(0, 8192, (tokens,), device=device)
+        kv = torch.randn(2, -(-tokens // BS) + 1, BS, HKV, D, dtype=DT, device=device)
+        slots = torch.arange(tokens, dtype=torch.int32, device=device)
+        return lambda: apply_rotary(q, k, pos, cos_sin, v=v, kv_cache=kv, slot_mapping=slots)
+
+    def kv_store():
+        k, v = (torch.randn(tokens, HKV, D, dtype=DT, device=device) for _ in range(2))
+        kv = torch.randn(2, -(-tokens // BS) + 1, BS, HKV, D, dtype=DT, device=device)
+        slots = torch.arange(tokens, dtype=torch.int32, device=device)
+        return lambda: store_kv(k, v, kv, slots)
+
+    def silu():
+        x = torch.randn(tokens, 2 * INTER, dtype=DT, device=device)
+        out = torch.empty(tokens, INTER, dtype=DT, device=device)
+        return lambda: silu_and_mul(x, out=out)
+
+    def torch_silu():
+        x = torch.randn(tokens, 2 * INTER, dtype=DT, device=device)
+        return lambda: torch.nn.functional.silu(x[:, :INTER]) * x[:, INTER:]
+
+    th, tq, tkv = tokens * HIDDEN * 2, tokens * HQ * D * 2, tokens * HKV * D * 2
+    return {
+        "rms_norm": (norm, 2 * th), "fused_add_rms_norm": (add_norm, 4 * th),
+        "torch_add_rms_norm": (torch_add_norm, 3 * th),
+        "rotary+kv_store": (rope_store, 2 * tq + 2 * tkv + 3 * tkv), "kv_store": (kv_store, 4 * tkv),
+        "silu_and_mul": (silu, 3 * tokens * INTER * 2), "torch_silu_mul": (torch_silu, 3 * tokens * INTER * 2),
+    }
+
+
+def bench_ops(tokens: int, device, bw: float) -> list[dict]:
+    rows = []
+    for name, (factory, nbytes) in _op_cases(tokens, device).items():
+        sets = [factory() for _ in range(max(2, min(64, _layers_for(nbytes, 256 * 2**20))))]
+
+        def run(sets=sets):
+            for call in sets:
+                call()
+        try:
+            sec = time_call(run, device) / len(sets)
+        except Exception as exc:  # noqa: BLE001
+            print(f"ERROR op {name} T={tokens}: {exc!r}", flush=True)
+            continue
+        rows.append({"op": name, "tokens": tokens, "us": sec * 1e6, "GBps": nbytes / sec / 1e9,
+                     "frac_of_read_bw": nbytes / sec / bw})
+    return rows
+
+
+def bench_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
+    """Every non-GEMM kernel of a batch-1 Llama-3.1-8B decode step, 32 layers, one graph."""
+    caches, tables = _paged_caches(1, ctx + 1, layers, device)
+    seq_lens = torch.full((1,), ctx + 1, dtype=torch.int32, device=device)
+    cos_sin = build_rope_cache(D, 8192, 500000.0, device=device)
+    w = torch.randn(HIDDEN, dtype=DT, device=device)
+    x, res = torch.randn(1, HIDDEN, dtype=DT, device=device), torch.randn(1, HIDDEN, dtype=DT, device=device)
+    qkv = torch.randn(1, (HQ + 2 * HKV) * D, dtype=DT, device=device)
+    q, k, v = (t.view(1, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=-1))
+    gate_up = torch.randn(1, 2 * INTER, dtype=DT, device=device)
+    pos, slots = torch.tensor([ctx], device=device), torch.tensor([ctx], dtype=torch.int32, device=device)
+    variants = {"no_attention": None, "default": {}, "fused+min2": {"fused_reduce": True, "min_tiles_per_split": 2},
+                "n32+fused+min2": {"block_n": 32, "fused_reduce": True, "min_tiles_per_split": 2},
+                "splits=1": {"num_splits": 1}}
+    rows = []
+    for name, kw in variants.items():
+        def step(kw=kw):
+            for cache in caches:
+                fused_add_rms_norm(x, res, w, 1e-5, out=x)
+                apply_rotary(q, k, pos, cos_sin, v=v, kv_cache=cache, slot_mapping=slots)
+                if kw is not None:
+                    decode_attention(q, cache, tables, seq_lens, D ** -0.5, **kw)
+                fused_add_rms_norm(x, res, w, 1e-5, out=x)
+                silu_and_mul(gate_up)
+        sec = time_call(step, device)
+        rows.append({"ctx": ctx, "variant": name, "layers": layers, "us_per_token": sec * 1e6})
+    return rows
+
+
+def main(out_dir: str, smoke: bool = False) -> dict:
+    device = torch.device("cpu" if smoke else "cuda")
+    torch.manual_seed(0)
+    bw = hbm_read_bandwidth(device, gib=0.01 if smoke else 4.0)
+    result: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu-interpreter",
+                    "torch": torch.__version__, "hbm_read_GBps": bw / 1e9, "decode": [], "prefill": [], "ops": []}
+    bw = bw if not smoke else 1.0
+    ctxs, batches = ([64], [1, 4]) if smoke else ([384, 512, 4096], [1, 256])
+    for batch in batches:
+        splits = choose_num_splits(batch, HKV, device)
+        if batch == 1:
+            variants = {"default": {}, "early_v": {"early_v": True}, "min_tiles=2": {"min_tiles_per_split": 2},
+                        "min_tiles=4": {"min_tiles_per_split": 4}, "fused": {"fused_reduce": True},
+                        "fused+min2": {"fused_reduce": True, "min_tiles_per_split": 2},
+                        "n32": {"block_n": 32}, "n32+early_v": {"block_n": 32, "early_v": True},
+                        "n32+fused+min2": {"block_n": 32, "fused_reduce": True, "min_tiles_per_split": 2},
+                        "n32+fused+min4+ev": {"block_n": 32, "fused_reduce": True, "min_tiles_per_split": 4,
+                                              "early_v": True},
+                        "splits=1": {"num_splits": 1}, "splits=1,n32": {"num_splits": 1, "block_n": 32},
+                        "splits=16": {"num_splits": 16}}
+        else:
+            variants = {"default": {}, "n128": {"block_n": 128}, "early_v": {"early_v": True},
+                        "warps=8": {"num_warps": 8}, "stages=2": {"num_stages": 2}}
+        for ctx in ctxs:
+            result["decode"] += guarded(lambda: bench_decode(batch, ctx, variants, device, bw, 4 if smoke else 128),
+                                        f"decode B={batch} ctx={ctx}")
+            result["decode"][-1]["heuristic_splits"] = splits
+            _save(out_dir, result)
+    cfgs = {"default": None, "q32_n64_w8_s3": (32, 64, 8, 3), "q16_n64_w4_s3": (16, 64, 4, 3),
+            "q16_n128_w4_s2": (16, 128, 4, 2), "q16_n32_w4_s2": (16, 32, 4, 2), "q16_n64_w8_s2": (16, 64, 8, 2),
+            "q8_n64_w4_s2": (8, 64, 4, 2)}
+    prefill_cases = ([("1x64", [0], [64])] if smoke else
+                     [("1x2048", [0], [2048]), ("8x512", [0] * 8, [512] * 8), ("chunk512_ctx3584", [3584], [512])])
+    for name, ctx_l, q_l in prefill_cases:
+        result["prefill"] += guarded(lambda: bench_prefill(name, ctx_l, q_l, cfgs, device), f"prefill {name}")
+        _save(out_dir, result)
+    for tokens in ([1, 3] if smoke else [1, 256, 2048]):
+        result["ops"] += guarded(lambda: bench_ops(tokens, device, bw), f"ops T={tokens}")
+    result["decode_step_nongemm"] = guarded(lambda: bench_decode_step(64 if smoke else 384, device, 2 if smoke else 32),
+                                            "decode step")
+    _save(out_dir, result)
+    _print_table(result)
+    return result
+
+
+def _save(out_dir: str, result: dict) -> None:
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "kernels.json").write_text(json.dumps(result, indent=1))
+
+
+def _print_table(r: dict) -> None:
+    print(f"\n{r['device']}  HBM read {r['hbm_read_GBps']:.0f} GB/s")
+    for row in r["decode"]:
+        if "error" in row:
+            continue
+        print(f"decode B={row['batch']:<4} ctx={row['ctx']:<5} {row['variant']:<14} {row['us']:8.2f} us "
+              f"{row['GBps']:7.0f} GB/s  {100 * row['frac_of_read_bw']:5.1f}%")
+    for row in r["prefill"]:
+        if "error" in row:
+            continue
+        print(f"prefill {row['case']:<17} {row['config']:<17} {row['us']:9.1f} us {row['TFLOPs']:6.1f} TFLOP/s")
+    for row in r["ops"]:
+        if "error" in row:
+            continue
+        print(f"op {row['op']:<20} T={row['tokens']:<5} {row['us']:8.2f} us {row['GBps']:7.0f} GB/s "
+              f"{100 * row['frac_of_read_bw']:5.1f}%")
+    for row in r["decode_step_nongemm"]:
+        if "error" in row:
+            continue
+        print(f"B=1 decode step non-GEMM kernels, ctx {row['ctx']}, attention {row['variant']}: "
+              f"{row['us_per_token']:.1f} us/token")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results", smoke="--smoke" in sys.argv)

