@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tokenforge.kernels._triton import set_pdl
 from tokenforge.kernels.paged_attention import paged_attention_ref
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.attention.triton_backend import DecodeMetadataBuffers, TritonAttentionBackend
@@ -84,10 +85,19 @@ def test_forward_mixed_and_decode(device, dtype, rel_err, tol):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("fused_reduce", [False, True])
-def test_decode_cuda_graph_replay_with_refilled_buffers(rel_err, tol, fused_reduce):
+@pytest.mark.parametrize("pdl", [None, False], ids=["pdl-default", "pdl-off"])
+def test_decode_cuda_graph_replay_with_refilled_buffers(rel_err, tol, pdl):
+    set_pdl(pdl)
+    try:
+        _graph_replay_case(rel_err, tol)
+    finally:
+        set_pdl(None)
+
+
+def _graph_replay_case(rel_err, tol):
+    """Capture store + decode once, then replay with new lengths and a smaller padded batch."""
     device, dtype, bs, hq, hkv, d = torch.device("cuda"), torch.bfloat16, 16, 8, 2, 128
-    backend = TritonAttentionBackend(decode_fused_reduce=fused_reduce)
+    backend = TritonAttentionBackend()
     kv = torch.randn(backend.kv_cache_shape(400, bs, hkv, d), dtype=dtype, device=device)
     buffers = DecodeMetadataBuffers(max_batch_size=8, max_blocks_per_seq=64, device=device)
     q = torch.randn(4, hq, d, dtype=dtype, device=device)

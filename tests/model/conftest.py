@@ -18,14 +18,15 @@ class PagedDriver:
     Blocks are handed out in shuffled order so block tables are not the identity.
     """
 
-    def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 256, seed: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, block_size: int = 4, num_blocks: int = 256, seed: int = 0,
+                 backend=None) -> None:
         self.model, self.block_size = model, block_size
-        self.backend = TorchAttentionBackend()
+        self.backend = backend or TorchAttentionBackend()
         cfg = model.config
-        dtype = next(model.parameters()).dtype
+        dtype, self.device = next(model.parameters()).dtype, next(model.parameters()).device
         for layer in model.attention_layers():
             shape = self.backend.kv_cache_shape(num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-            layer.kv_cache = torch.zeros(shape, dtype=dtype)
+            layer.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             layer.backend = self.backend
         self.free = list(range(num_blocks))
         random.Random(seed).shuffle(self.free)
@@ -47,10 +48,10 @@ class PagedDriver:
             ctx_lens.append(ctx)
             tables.append(list(table))
             self.lens[seq_id] = ctx + len(tokens)
-        batch = AttentionBatch(q_lens, ctx_lens, tables, self.block_size, torch.device("cpu"))
+        batch = AttentionBatch(q_lens, ctx_lens, tables, self.block_size, self.device)
         metadata = self.backend.build_metadata(batch)
         with set_forward_context(metadata):
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions))
+            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device))
         logits = self.model.compute_logits(hidden).float()
         return list(logits.split(q_lens))
 

@@ -55,3 +55,17 @@ def test_dummy_weights_are_seeded_and_runnable():
     assert a.checksum_hint == b.checksum_hint != c.checksum_hint
     assert c.model.model.norm.weight.dtype == torch.bfloat16 and bool((c.model.model.norm.weight == 1).all())
     assert len(a.model.attention_layers()) == a.arch_config.num_hidden_layers
+
+
+def test_model_frees_without_the_garbage_collector():
+    import gc
+    import weakref
+
+    gc.disable()    # weight loaders must not tie parameters and layers into reference cycles
+    try:
+        loaded = load_model("tiny-llama", "dummy", torch.float32, "cpu")
+        ref = weakref.ref(loaded.model)
+        del loaded
+        assert ref() is None
+    finally:
+        gc.enable()

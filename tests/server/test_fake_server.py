@@ -195,3 +195,45 @@ def test_killed_engine_process():
         assert server.proc.wait(15) != 0
     finally:
         server.stop()
+
+
+METRICS = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "kv_cache_fragmentation",
+           "prefix_cache_queries_total", "prefix_cache_hits_total", "num_preemptions_total", "prompt_tokens_total",
+           "generation_tokens_total", "request_success_total", "time_to_first_token_seconds_bucket",
+           "inter_token_latency_seconds_bucket", "e2e_request_latency_seconds_bucket",
+           "request_queue_time_seconds_bucket"]
+
+
+def test_metric_names(fake):
+    _client(fake).completions.create(model="SmolLM2-135M-Instruct", prompt="abc", max_tokens=3)
+    text = httpx.get(fake.url + "/metrics", headers=fake.headers).text
+    for name in METRICS:
+        assert re.search(rf"^tokenforge:{name}{{", text, re.M), name
+    assert 'finished_reason="length"' in text
+
+
+def test_non_streaming_disconnect_aborts(fake):
+    before = _metric(fake, "tokenforge:generation_tokens_total")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(fake.url + "/v1/completions", json={"prompt": "go", "max_tokens": 200, "ignore_eos": True},
+                   headers=fake.headers, timeout=0.2)
+    time.sleep(0.05)
+    assert _metric(fake, "tokenforge:num_requests_running") == 0
+    generated = _metric(fake, "tokenforge:generation_tokens_total")
+    time.sleep(0.2)
+    assert _metric(fake, "tokenforge:generation_tokens_total") == generated
+    assert generated - before < 200     # it was cut short, not finished
+
+
+def test_schemathesis_finds_no_server_errors(fake):
+    pytest.importorskip("schemathesis")
+    import shutil
+    import subprocess
+
+    st = shutil.which("st") or shutil.which("schemathesis")
+    if st is None:
+        pytest.skip("schemathesis CLI not on PATH")
+    result = subprocess.run([st, "run", fake.url + "/openapi.json", "--checks", "not_a_server_error",
+                             "--max-examples", "25", "-H", f"Authorization: Bearer {fake.api_key}"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]

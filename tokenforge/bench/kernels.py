@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from tokenforge.kernels._triton import set_pdl
 from tokenforge.kernels.activation import silu_and_mul
 from tokenforge.kernels.kv_store import store_kv
 from tokenforge.kernels.paged_attention import choose_num_splits, decode_attention, prefill_attention
@@ -109,14 +111,20 @@ def bench_decode(batch: int, ctx: int, variants: dict[str, dict], device, bw: fl
     out = torch.empty_like(q)
     rows = []
     for name, kw in variants.items():
+        kw = dict(kw)
+        pdl = kw.pop("_pdl", None)
+
         def run(kw=kw):
             for cache in caches:
                 decode_attention(q, cache, tables, seq_lens, D ** -0.5, out=out, **kw)
         try:
+            set_pdl(pdl)
             sec = time_call(run, device) / layers
         except Exception as exc:  # noqa: BLE001
             print(f"ERROR decode B={batch} ctx={ctx} {name}: {exc!r}", flush=True)
             continue
+        finally:
+            set_pdl(None)
         rows.append({"batch": batch, "ctx": ctx, "variant": name, "kwargs": kw, "layers": layers,
                      "us": sec * 1e6, "GBps": kv_bytes / sec / 1e9, "frac_of_read_bw": kv_bytes / sec / bw})
     del caches
@@ -214,7 +222,15 @@ def _op_cases(tokens: int, device) -> dict[str, tuple[Callable[[], Callable[[], 
     }
 
 
-def bench_ops(tokens: int, device, bw: float) -> list[dict]:
+def bench_ops(tokens: int, device, bw: float, pdl: bool | None = None) -> list[dict]:
+    set_pdl(pdl)
+    try:
+        return _bench_ops(tokens, device, bw, "" if pdl is None else f",pdl={pdl}")
+    finally:
+        set_pdl(None)
+
+
+def _bench_ops(tokens: int, device, bw: float, tag: str) -> list[dict]:
     rows = []
     for name, (factory, nbytes) in _op_cases(tokens, device).items():
         sets = [factory() for _ in range(max(2, min(64, _layers_for(nbytes, 256 * 2**20))))]
@@ -227,7 +243,7 @@ def bench_ops(tokens: int, device, bw: float) -> list[dict]:
         except Exception as exc:  # noqa: BLE001
             print(f"ERROR op {name} T={tokens}: {exc!r}", flush=True)
             continue
-        rows.append({"op": name, "tokens": tokens, "us": sec * 1e6, "GBps": nbytes / sec / 1e9,
+        rows.append({"op": name + tag, "tokens": tokens, "us": sec * 1e6, "GBps": nbytes / sec / 1e9,
                      "frac_of_read_bw": nbytes / sec / bw})
     return rows
 
@@ -243,11 +259,10 @@ def bench_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
     q, k, v = (t.view(1, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=-1))
     gate_up = torch.randn(1, 2 * INTER, dtype=DT, device=device)
     pos, slots = torch.tensor([ctx], device=device), torch.tensor([ctx], dtype=torch.int32, device=device)
-    variants = {"no_attention": None, "default": {}, "fused+min2": {"fused_reduce": True, "min_tiles_per_split": 2},
-                "n32+fused+min2": {"block_n": 32, "fused_reduce": True, "min_tiles_per_split": 2},
-                "splits=1": {"num_splits": 1}}
+    variants = {"no_attention": None, "default": {}}
     rows = []
-    for name, kw in variants.items():
+    for (name, kw), pdl in [(v, p) for p in (None, False) for v in variants.items()]:
+        name = name + ("" if pdl is None else ",pdl_off")
         def step(kw=kw):
             for cache in caches:
                 fused_add_rms_norm(x, res, w, 1e-5, out=x)
@@ -256,8 +271,65 @@ def bench_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
                     decode_attention(q, cache, tables, seq_lens, D ** -0.5, **kw)
                 fused_add_rms_norm(x, res, w, 1e-5, out=x)
                 silu_and_mul(gate_up)
-        sec = time_call(step, device)
+        set_pdl(pdl)
+        try:
+            sec = time_call(step, device)
+        finally:
+            set_pdl(None)
         rows.append({"ctx": ctx, "variant": name, "layers": layers, "us_per_token": sec * 1e6})
+    return rows
+
+
+def bench_full_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
+    """A batch-1 Llama-3.1-8B decode step with real-size weights (cuBLAS linears) and our kernels.
+
+    Embedding lookup and sampling are left out. Variants: the GEMM walk alone; with our kernels
+    (PDL default); with our kernels and PDL off. Answers how much the non-GEMM kernels cost in situ.
+    """
+    def weight(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, dtype=DT, device=device).mul_(in_f ** -0.5)
+
+    f = torch.nn.functional
+    w_qkv = [weight((HQ + 2 * HKV) * D, HIDDEN) for _ in range(layers)]
+    w_o = [weight(HIDDEN, HQ * D) for _ in range(layers)]
+    w_gu = [weight(2 * INTER, HIDDEN) for _ in range(layers)]
+    w_down = [weight(HIDDEN, INTER) for _ in range(layers)]
+    lm_head = weight(128256 if layers == 32 else 1024, HIDDEN)
+    caches, tables = _paged_caches(1, ctx + 1, layers, device)
+    seq_lens = torch.full((1,), ctx + 1, dtype=torch.int32, device=device)
+    cos_sin = build_rope_cache(D, 8192, 500000.0, device=device)
+    norm_w = torch.ones(HIDDEN, dtype=DT, device=device)
+    x, res = torch.randn(1, HIDDEN, dtype=DT, device=device), torch.zeros(1, HIDDEN, dtype=DT, device=device)
+    pos, slots = torch.tensor([ctx], device=device), torch.tensor([ctx], dtype=torch.int32, device=device)
+
+    def step(kernels: bool):
+        h = x.clone()
+        for i in range(layers):
+            if kernels:
+                fused_add_rms_norm(h, res, norm_w, 1e-5, out=h)
+            qkv = f.linear(h, w_qkv[i])                              # [1, 6144]
+            q = qkv[:, : HQ * D].view(1, HQ, D)
+            if kernels:
+                k, v = qkv[:, HQ * D: (HQ + HKV) * D].view(1, HKV, D), qkv[:, (HQ + HKV) * D:].view(1, HKV, D)
+                apply_rotary(q, k, pos, cos_sin, v=v, kv_cache=caches[i], slot_mapping=slots)
+                q = decode_attention(q, caches[i], tables, seq_lens, D ** -0.5)
+            h = f.linear(q.reshape(1, HQ * D), w_o[i])
+            if kernels:
+                fused_add_rms_norm(h, res, norm_w, 1e-5, out=h)
+            gu = f.linear(h, w_gu[i])
+            h = f.linear(silu_and_mul(gu) if kernels else gu[:, :INTER], w_down[i])
+        if kernels:
+            h = rms_norm(h, norm_w, 1e-5)
+        return f.linear(h, lm_head)
+
+    rows = []
+    for name, kernels, pdl in (("gemm_only", False, None), ("full", True, None), ("full,pdl_off", True, False)):
+        set_pdl(pdl)
+        try:
+            sec = time_call(lambda kernels=kernels: step(kernels), device)
+        finally:
+            set_pdl(None)
+        rows.append({"ctx": ctx, "variant": name, "ms_per_token": sec * 1e3, "tok_per_s": 1 / sec})
     return rows
 
 
@@ -266,32 +338,20 @@ def main(out_dir: str, smoke: bool = False) -> dict:
     torch.manual_seed(0)
     bw = hbm_read_bandwidth(device, gib=0.01 if smoke else 4.0)
     result: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu-interpreter",
+                    "command": f"python -m tokenforge.bench.kernels {out_dir}", "git_commit": _git_commit(),
                     "torch": torch.__version__, "hbm_read_GBps": bw / 1e9, "decode": [], "prefill": [], "ops": []}
     bw = bw if not smoke else 1.0
     ctxs, batches = ([64], [1, 4]) if smoke else ([384, 512, 4096], [1, 256])
     for batch in batches:
         splits = choose_num_splits(batch, HKV, device)
-        if batch == 1:
-            variants = {"default": {}, "early_v": {"early_v": True}, "min_tiles=2": {"min_tiles_per_split": 2},
-                        "min_tiles=4": {"min_tiles_per_split": 4}, "fused": {"fused_reduce": True},
-                        "fused+min2": {"fused_reduce": True, "min_tiles_per_split": 2},
-                        "n32": {"block_n": 32}, "n32+early_v": {"block_n": 32, "early_v": True},
-                        "n32+fused+min2": {"block_n": 32, "fused_reduce": True, "min_tiles_per_split": 2},
-                        "n32+fused+min4+ev": {"block_n": 32, "fused_reduce": True, "min_tiles_per_split": 4,
-                                              "early_v": True},
-                        "splits=1": {"num_splits": 1}, "splits=1,n32": {"num_splits": 1, "block_n": 32},
-                        "splits=16": {"num_splits": 16}}
-        else:
-            variants = {"default": {}, "n128": {"block_n": 128}, "early_v": {"early_v": True},
-                        "warps=8": {"num_warps": 8}, "stages=2": {"num_stages": 2}}
+        variants = {"default": {}, "pdl_off": {"_pdl": False}}
+        variants |= {"n32": {"block_n": 32}, "splits=16": {"num_splits": 16}} if batch == 1 else {"n128": {"block_n": 128}}
         for ctx in ctxs:
             result["decode"] += guarded(lambda: bench_decode(batch, ctx, variants, device, bw, 4 if smoke else 128),
                                         f"decode B={batch} ctx={ctx}")
             result["decode"][-1]["heuristic_splits"] = splits
             _save(out_dir, result)
-    cfgs = {"default": None, "q32_n64_w8_s3": (32, 64, 8, 3), "q16_n64_w4_s3": (16, 64, 4, 3),
-            "q16_n128_w4_s2": (16, 128, 4, 2), "q16_n32_w4_s2": (16, 32, 4, 2), "q16_n64_w8_s2": (16, 64, 8, 2),
-            "q8_n64_w4_s2": (8, 64, 4, 2)}
+    cfgs = {"default": None, "q32_n64_w8_s3": (32, 64, 8, 3), "q16_n32_w4_s2": (16, 32, 4, 2)}
     prefill_cases = ([("1x64", [0], [64])] if smoke else
                      [("1x2048", [0], [2048]), ("8x512", [0] * 8, [512] * 8), ("chunk512_ctx3584", [3584], [512])])
     for name, ctx_l, q_l in prefill_cases:
@@ -299,11 +359,22 @@ def main(out_dir: str, smoke: bool = False) -> dict:
         _save(out_dir, result)
     for tokens in ([1, 3] if smoke else [1, 256, 2048]):
         result["ops"] += guarded(lambda: bench_ops(tokens, device, bw), f"ops T={tokens}")
+    result["ops"] += guarded(lambda: bench_ops(1, device, bw, pdl=False), "ops T=1 pdl off")
+    result["decode_step_full"] = guarded(lambda: bench_full_decode_step(64 if smoke else 384, device,
+                                                                          2 if smoke else 32), "full step")
+    _save(out_dir, result)
     result["decode_step_nongemm"] = guarded(lambda: bench_decode_step(64 if smoke else 384, device, 2 if smoke else 32),
                                             "decode step")
     _save(out_dir, result)
     _print_table(result)
     return result
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _save(out_dir: str, result: dict) -> None:
@@ -312,27 +383,24 @@ def _save(out_dir: str, result: dict) -> None:
 
 
 def _print_table(r: dict) -> None:
+    def ok(key: str) -> list[dict]:
+        return [row for row in r.get(key, []) if "error" not in row]
+
     print(f"\n{r['device']}  HBM read {r['hbm_read_GBps']:.0f} GB/s")
-    for row in r["decode"]:
-        if "error" in row:
-            continue
+    for row in ok("decode"):
         print(f"decode B={row['batch']:<4} ctx={row['ctx']:<5} {row['variant']:<14} {row['us']:8.2f} us "
               f"{row['GBps']:7.0f} GB/s  {100 * row['frac_of_read_bw']:5.1f}%")
-    for row in r["prefill"]:
-        if "error" in row:
-            continue
+    for row in ok("prefill"):
         print(f"prefill {row['case']:<17} {row['config']:<17} {row['us']:9.1f} us {row['TFLOPs']:6.1f} TFLOP/s")
-    for row in r["ops"]:
-        if "error" in row:
-            continue
+    for row in ok("ops"):
         print(f"op {row['op']:<20} T={row['tokens']:<5} {row['us']:8.2f} us {row['GBps']:7.0f} GB/s "
               f"{100 * row['frac_of_read_bw']:5.1f}%")
-    for row in r["decode_step_nongemm"]:
-        if "error" in row:
-            continue
+    for row in ok("decode_step_nongemm"):
         print(f"B=1 decode step non-GEMM kernels, ctx {row['ctx']}, attention {row['variant']}: "
               f"{row['us_per_token']:.1f} us/token")
-
+    for row in ok("decode_step_full"):
+        print(f"B=1 decode step with GEMMs, ctx {row['ctx']}, {row['variant']:<13}: "
+              f"{row['ms_per_token']:.3f} ms/token = {row['tok_per_s']:.1f} tok/s")
 
 if __name__ == "__main__":
     main(sys.argv[1] if len(sys.argv) > 1 else "bench/results", smoke="--smoke" in sys.argv)

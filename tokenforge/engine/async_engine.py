@@ -32,12 +32,9 @@ __all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
 
 
 def _load_tokenizer(config: EngineConfig):
-    from tokenforge.engine import tokenization  # noqa: PLC0415 - transformers is slow to import
+    from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - slow import
 
-    load = getattr(tokenization, "load_engine_tokenizer", None)
-    if load is not None:
-        return load(config.model.model, config.load.load_format)
-    return tokenization.load_tokenizer(config.model.model)
+    return load_engine_tokenizer(config.model.model, config.load.load_format)
 
 
 class RequestStream:

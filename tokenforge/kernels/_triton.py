@@ -50,6 +50,34 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+_pdl_setting: bool | None = None          # None: on where the GPU supports it (sm90+)
+_pdl_capable: dict[int, bool] = {}
+
+
+def set_pdl(enabled: bool | None) -> None:
+    """Force programmatic dependent launch on or off (None restores the default: on for sm90+).
+
+    With PDL each kernel may be launched while its predecessor drains; the kernel waits
+    (griddepcontrol.wait) before touching memory, so results are unchanged and only the launch
+    latency overlaps. The setting is read at launch, so a captured CUDA graph keeps the setting
+    it was captured with.
+    """
+    global _pdl_setting
+    _pdl_setting = enabled
+
+
+def use_pdl(t) -> bool:
+    """Whether kernels launched on t's device use PDL."""
+    if not (HAS_TRITON and t.is_cuda) or _pdl_setting is False:
+        return False
+    idx = t.device.index if t.device.index is not None else 0
+    if idx not in _pdl_capable:
+        import torch
+
+        _pdl_capable[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _pdl_capable[idx]
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

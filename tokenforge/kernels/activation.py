@@ -6,7 +6,7 @@ Out: a new [T, I] tensor (or `out`). One read, one write, computed in fp32.
 
 import torch
 
-from ._triton import require_triton, tl, triton
+from ._triton import require_triton, tl, triton, use_pdl
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
@@ -15,7 +15,10 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -37,6 +40,7 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = 1024
     if x2.shape[0] > 0:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, num_warps=4,
+            x2, out2, x2.stride(0), out2.stride(0), inter, BLOCK=block, USE_PDL=use_pdl(x), num_warps=4,
+            launch_pdl=use_pdl(x),
         )
     return out

@@ -8,7 +8,7 @@ Out: nothing; kv_cache is written in place.
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -25,8 +25,11 @@ def _store_kv_kernel(
     k_ptr, v_ptr, cache_ptr, slot_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_c_kv, stride_c_slot, stride_c_head,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
     if slot < 0:  # padding token: nothing to store
@@ -55,6 +58,6 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapp
         k, v, kv_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(2), kv_cache.stride(3),
-        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PAD=next_power_of_2(num_heads),
-        num_warps=4 if num_heads * head_dim >= 1024 else 2,
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, HEADS_PAD=next_power_of_2(num_heads), USE_PDL=use_pdl(k),
+        num_warps=4 if num_heads * head_dim >= 1024 else 2, launch_pdl=use_pdl(k),
     )

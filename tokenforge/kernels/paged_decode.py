@@ -8,49 +8,43 @@ One program per (sequence, kv head, split). The GROUP query heads that share a k
 rows of one tile, so each K/V tile is read from HBM once per group, and the tile is a tensor-core
 dot ([GROUP_PAD, D] x [D, BLOCK_N]). Splits (flash-decoding) give a batch-1 decode enough
 programs to pull full bandwidth; each split writes a partial output and its log-sum-exp, and a
-second kernel merges them. CUDA-graph safe: the grid is (B, Hkv, num_splits) for a given batch
-size; each program derives its key range from seq_lens on the device and exits early when its
-split is empty, so nothing depends on host-side lengths.
+second kernel merges them (a sequence that fits one split is written directly and the merge
+skips it; a batch big enough to fill the GPU gets one split and no second launch).
+CUDA-graph safe: the grid is (B, Hkv, num_splits) for a given batch size; each program derives
+its key range from seq_lens on the device and exits early when its split is empty, so nothing
+depends on host-side lengths. Measured choices (H200, bench/NOTES.md): BLOCK_N 64, 4 warps,
+2 stages with splits / 3 stages without. An in-kernel merge by the last split (atomic ticket)
+was tried and was slower at every batch-1 length, so it is not here.
 """
 
 import torch
 
-from ._triton import cdiv, next_power_of_2, require_triton, tl, triton
+from ._triton import cdiv, next_power_of_2, require_triton, tl, triton, use_pdl
 
 _LOG2E = 1.4426950408889634
 _SM_COUNT: dict[int, int] = {}
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MAX_COUNTERS = 1 << 16          # batch * kv heads per launch with the fused reduce
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    """Zeroed int32 tickets, one per (sequence, kv head); each launch leaves them zero again.
-
-    Allocated once per device and never freed, so captured CUDA graphs keep a valid address.
-    """
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    qk_scale, num_splits, min_tiles,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, num_splits,
     stride_qb, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, FUSED_REDUCE: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, EARLY_V: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait for the previous kernel, let the next one launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    # at least min_tiles per split: short sequences use fewer splits (less merging)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles)
-    active = tl.cdiv(num_tiles, tiles_per_split)                # splits with keys
+    tiles_per_split = tl.cdiv(num_tiles, num_splits)
+    active = tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1))  # splits with keys
     tile_lo = split * tiles_per_split
     tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
     if not SINGLE_SPLIT:
@@ -76,16 +70,13 @@ def _decode_split_kernel(
         block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
         k = tl.load(k_base + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
-        if EARLY_V:  # issue the V load before the dot: K and V latencies overlap
-            v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale          # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        if not EARLY_V:
-            v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
@@ -101,31 +92,16 @@ def _decode_split_kernel(
         part_row = (b.to(tl.int64) * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
         tl.store(part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_mask[:, None])
         tl.store(part_lse_ptr + part_row, m + tl.log2(l_safe), mask=row_mask)
-        if FUSED_REDUCE:
-            # the last split to finish merges all partials (saves the reduce launch)
-            counter = counter_ptr + b * tl.num_programs(1) + kvh
-            tl.debug_barrier()                                  # every thread's partials before the release
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == active - 1:
-                tl.store(counter, 0)                            # reset for the next launch / graph replay
-                for g in tl.static_range(GROUP):                # heads independent: their loads overlap
-                    head = kvh * GROUP + g
-                    _merge_head(part_out_ptr, part_lse_ptr, (b.to(tl.int64) * GROUP * tl.num_programs(1) + head)
-                                * num_splits, active, out_ptr + b.to(tl.int64) * stride_ob + head * stride_oh,
-                                SPLITS_PAD, HEAD_DIM, ".cg")
 
 
 @triton.jit
-def _merge_head(part_out_ptr, part_lse_ptr, row0, active, o_ptr,
-                SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, CACHE: tl.constexpr):
+def _merge_head(part_out_ptr, part_lse_ptr, row0, active, o_ptr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Log-sum-exp merge of one head's `active` partials (rows row0 .. row0+active-1) into o_ptr."""
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     smask = s < active
-    # CACHE=".cg" in the fused path: read at L2, where the other programs' partials landed
-    lse = tl.load(part_lse_ptr + row0 + s, mask=smask, other=float("-inf"), cache_modifier=CACHE)
-    parts = tl.load(part_out_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0,
-                    cache_modifier=CACHE)                       # [SPLITS_PAD, D]
+    lse = tl.load(part_lse_ptr + row0 + s, mask=smask, other=float("-inf"))
+    parts = tl.load(part_out_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
     w = tl.where(smask, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)
     den = tl.sum(w, axis=0)
     o = tl.sum(parts * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
@@ -134,19 +110,21 @@ def _merge_head(part_out_ptr, part_lse_ptr, row0, active, o_ptr,
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits, min_tiles, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, num_splits), min_tiles)
-    active = tl.cdiv(num_tiles, tiles_per_split)                # splits that wrote partials
+    active = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))  # splits that wrote partials
     if active <= 1:                                             # the split kernel wrote the output
         return
     _merge_head(part_out_ptr, part_lse_ptr, (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits, active,
-                out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, SPLITS_PAD, HEAD_DIM, "")
+                out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, SPLITS_PAD, HEAD_DIM)
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
@@ -167,15 +145,8 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int | None = None, fused_reduce: bool = False, min_tiles_per_split: int = 1,
-                     early_v: bool = False) -> torch.Tensor:
-    """q [B, Hq, D] -> out [B, Hq, D], attending to seq_lens[b] cached keys of each sequence.
-
-    fused_reduce: the last split of each (sequence, kv head) merges the partials itself (an
-    atomic ticket per group) instead of a second kernel launch.
-    min_tiles_per_split: each split covers at least this many BLOCK_N tiles, so short
-    sequences use fewer splits; a sequence that fits one split skips the merge entirely.
-    """
+                     num_stages: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D] -> out [B, Hq, D], attending to seq_lens[b] cached keys of each sequence."""
     require_triton(q, kv_cache)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -187,9 +158,6 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
         return out
     splits = num_splits or choose_num_splits(batch, num_kv_heads, q.device)
     single = splits == 1
-    fused = fused_reduce and not single
-    counters = _split_counters(q.device) if fused else seq_lens   # placeholder when unused
-    assert not fused or batch * num_kv_heads <= _MAX_COUNTERS
     if num_stages is None:  # measured: 3 stages pay when a program walks many tiles (large batch)
         num_stages = 3 if single else 2
     if single:
@@ -197,20 +165,19 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     else:
         part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, counters,
-        scale * _LOG2E, splits, max(1, min_tiles_per_split),
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, scale * _LOG2E, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, SINGLE_SPLIT=single, FUSED_REDUCE=fused,
-        SPLITS_PAD=next_power_of_2(splits) if fused else 1, EARLY_V=early_v,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n, SINGLE_SPLIT=single, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
-    if not single and not fused:
+    if not single:
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part_out, part_lse, seq_lens, out, splits, max(1, min_tiles_per_split), out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(splits), num_warps=4,
+            part_out, part_lse, seq_lens, out, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(splits), USE_PDL=pdl,
+            num_warps=4, launch_pdl=pdl,
         )
     return out

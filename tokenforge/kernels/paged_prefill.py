@@ -16,7 +16,7 @@ and no host-side lengths.
 
 import torch
 
-from ._triton import cdiv, next_power_of_2, require_triton, tl, triton
+from ._triton import cdiv, next_power_of_2, require_triton, tl, triton, use_pdl
 
 _LOG2E = 1.4426950408889634
 
@@ -65,8 +65,11 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -146,6 +149,6 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        USE_PDL=use_pdl(q), num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl(q),
     )
     return out

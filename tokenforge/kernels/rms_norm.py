@@ -9,7 +9,7 @@ before the norm, the variance is in fp32, and the normed value is rounded before
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,8 +28,11 @@ def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torc
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
     stride_x, stride_r, stride_o, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -61,7 +64,8 @@ def _launch(x, residual, weight, eps, out):
     if x2.shape[0] > 0:
         _rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, out2, x2.stride(0), res2.stride(0), out2.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, USE_PDL=use_pdl(x), num_warps=num_warps,
+            launch_pdl=use_pdl(x),
         )
     return out
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -87,8 +87,11 @@ def _rotary_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     stride_vt, stride_vh, stride_c_kv, stride_c_slot, stride_c_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-    HALF: tl.constexpr, STORE_KV: tl.constexpr,
+    HALF: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     # independent loads first (q, k, position, slot), then the position-dependent cos/sin:
     # at decode sizes the kernel's time is its chain of memory round trips
@@ -140,7 +143,7 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         kv_cache.stride(0) if store else 0, kv_cache.stride(2) if store else 0,
         kv_cache.stride(3) if store else 0,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_PAD=next_power_of_2(num_q_heads),
-        KV_PAD=next_power_of_2(num_kv_heads), HALF=head_dim // 2, STORE_KV=store,
-        num_warps=4,
+        KV_PAD=next_power_of_2(num_kv_heads), HALF=head_dim // 2, STORE_KV=store, USE_PDL=use_pdl(q),
+        num_warps=4, launch_pdl=use_pdl(q),
     )
     return q, k

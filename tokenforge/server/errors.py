@@ -107,6 +107,8 @@ def _describe_validation(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     if first.get("type") == "json_invalid":
         return f"The request body is not valid JSON: {first.get('msg', '')}", None
+    if not loc:   # the body as a whole: missing, or not a JSON object
+        return "The request body must be a JSON object (send Content-Type: application/json).", None
     where = ".".join(loc)
     message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid request")
     if len(errors) > 1:

@@ -198,6 +198,8 @@ async def cancel_on_disconnect(request: Request, awaitable: Awaitable):
         watcher.cancel()
         if not work.done():
             work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work      # let its cleanup (aborts) run before the request is answered
     if work.cancelled():
         raise APIError("client disconnected", status=499, type="client_disconnected")
     return work.result()

@@ -61,8 +61,9 @@ class CompletionBuilder:
         return {"id": self.request_id, "object": "text_completion", "created": self.created,
                 "model": self.ctx.model_name}
 
-    def _absorb(self, prompt_index: int, output: RequestOutput, tracker) -> list[tuple[int, CompletionOutput, str]]:
-        """Fold one delta output into the totals; return (choice index, delta, text to send)."""
+    def _absorb(self, prompt_index: int, output: RequestOutput, tracker) -> list[tuple]:
+        """Fold one delta output into the totals; per completion, return (choice index, delta,
+        text to send, logprobs to send)."""
         tracker.observe(output)
         self.totals.prompt_tokens[prompt_index] = len(output.prompt_token_ids)
         self.totals.cached_tokens[prompt_index] = output.num_cached_tokens

@@ -19,6 +19,11 @@ only on the padded batch size. Rows past the real batch are padding: seq_len 0, 
 store) and an all-zero attention output. The decode launch depends only on shapes (batch size,
 heads): the split count is a function of the batch size and each program reads its lengths on
 the device, so one capture per batch size serves every sequence length.
+
+Kernels launch with programmatic dependent launch on sm90+ (see kernels/_triton.py `set_pdl`):
+that is captured into graphs too, and hides most of each small kernel's launch latency.
+`forward(..., kv_stored=True)` skips the k/v store when `kernels.rotary.apply_rotary` already
+stored them (its fused variant), which saves one launch per layer.
 """
 
 from __future__ import annotations
@@ -114,10 +119,6 @@ class DecodeMetadataBuffers:
 class TritonAttentionBackend:
     name = "triton"
 
-    def __init__(self, decode_fused_reduce: bool = False):
-        # fused reduce: the last split merges partials in-kernel (one launch instead of two)
-        self.decode_fused_reduce = decode_fused_reduce
-
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
@@ -149,7 +150,6 @@ class TritonAttentionBackend:
             store_kv(k, v, kv_cache, metadata.slot_mapping)
         if metadata.is_decode_only:
             assert q.shape[0] == metadata.num_seqs, "decode q rows must match the (padded) batch"
-            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
-                                    fused_reduce=self.decode_fused_reduce)
+            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
         return prefill_attention(q, kv_cache, metadata.block_tables, metadata.query_start_loc,
                                  metadata.seq_lens, scale, max_query_len=metadata.max_query_len)

@@ -6,6 +6,9 @@ torch.distributed process group, which `tokenforge.distributed` sets up.
 
 from __future__ import annotations
 
+import inspect
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -35,8 +38,24 @@ def new_parameter(*shape: int, dtype: torch.dtype | None, weight_loader) -> nn.P
     default nn.Linear init would cost seconds on a large model.
     """
     param = nn.Parameter(torch.empty(*shape, dtype=dtype))
-    param.weight_loader = weight_loader
+    param.weight_loader = _without_cycle(weight_loader)
     return param
+
+
+def _without_cycle(loader):
+    """A layer's bound-method loader stored on its own parameter would form a reference cycle
+    (layer -> param -> method -> layer), so a deleted model's GPU memory would wait for the
+    garbage collector. Hold the method weakly instead."""
+    if not inspect.ismethod(loader):
+        return loader
+    ref = weakref.WeakMethod(loader)
+
+    def weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        method = ref()
+        assert method is not None, "weight_loader called after its layer was freed"
+        method(param, loaded, shard_id)
+
+    return weight_loader
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
