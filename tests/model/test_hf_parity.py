@@ -34,7 +34,8 @@ def _qwen2():
     return Qwen2ForCausalLM(Qwen2Config(**_COMMON, tie_word_embeddings=False))
 
 
-@pytest.fixture(scope="module", params=[_llama, _llama_tied, _mistral, _qwen2], ids=["llama3", "llama-tied", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=[_llama, _llama_tied, _mistral, _qwen2],
+                ids=["llama3", "llama-tied", "mistral", "qwen2"])
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = request.param().eval()

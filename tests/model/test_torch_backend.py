@@ -6,9 +6,13 @@ import random
 
 import torch
 
-from tokenforge.model.attention import AttentionBatch, TorchAttentionBackend, get_attention_backend
-from tokenforge.model.layers.attention import Attention
+from tokenforge.model.attention import (
+    AttentionBatch,
+    TorchAttentionBackend,
+    get_attention_backend,
+)
 from tokenforge.model.forward_context import set_forward_context
+from tokenforge.model.layers.attention import Attention
 
 HQ, HKV, D, BS, NUM_BLOCKS = 6, 2, 8, 4, 64
 

@@ -28,7 +28,11 @@ from tokenforge.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineDeadError", "RequestAbortedError", "RequestStream"]
+
+
+class RequestAbortedError(RuntimeError):
+    """The server aborted the request (for example, its drain time ran out on shutdown)."""
 
 
 def _load_tokenizer(config: EngineConfig):
@@ -171,6 +175,17 @@ class AsyncEngine:
         child_ids = self.output_processor.abort_request(request_id)
         if child_ids and self.dead_reason is None:
             self.client.abort_requests(child_ids)
+
+    def abort_all(self, reason: str) -> int:
+        """Abort every in-flight request; each one's stream raises RequestAbortedError(reason).
+        Returns how many were aborted (the server calls this when its drain time is up)."""
+        request_ids = list(self._streams)
+        for request_id in request_ids:
+            stream = self._streams[request_id]
+            self.abort(request_id)
+            stream.finished = False          # let the consumer read the error below
+            stream.queue.put_nowait(RequestAbortedError(reason))
+        return len(request_ids)
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
         """A fresh snapshot from the core, or the last one if it does not answer in time."""

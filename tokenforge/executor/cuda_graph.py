@@ -5,8 +5,9 @@ replaying the graph captured for the smallest bucket >= B. Buckets are captured 
 so the smaller graphs reuse the first one's memory pool. Padded rows carry slot -1 (the KV store
 writes nowhere) and a length-1 context, so they cost almost nothing and touch no real block.
 
-The attention backend supplies the persistent metadata buffers (`make_decode_buffers`), so
-replays see the step's block tables and lengths without any allocation or host sync.
+The Triton backend's `DecodeMetadataBuffers` hold the persistent metadata (slot mapping, lengths,
+block tables): each replay refills them in place with one host-to-device copy, so replays see
+the step's block tables and lengths without any allocation or host sync.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import time
 
 import torch
 
+from tokenforge.model.attention.backend import AttentionBatch
+from tokenforge.model.attention.triton_backend import DecodeMetadataBuffers
 from tokenforge.model.forward_context import set_forward_context
 
 logger = logging.getLogger(__name__)
@@ -36,7 +39,7 @@ class CudaGraphRunner:
         device = runner.device
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-        self.buffers = runner.backend.make_decode_buffers(self.max_batch, max_blocks, runner.block_size, device)
+        self.buffers = DecodeMetadataBuffers(self.max_batch, max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -54,7 +57,6 @@ class CudaGraphRunner:
         from tqdm.auto import tqdm  # noqa: PLC0415
 
         start = time.perf_counter()
-        self.buffers.fill_padding(self.max_batch)
         with torch.inference_mode():
             for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", leave=False):
                 self._capture_one(size)
@@ -64,7 +66,8 @@ class CudaGraphRunner:
 
     def _capture_one(self, size: int) -> None:
         model = self.runner.model
-        metadata = self.buffers.metadata(size)
+        empty = AttentionBatch([], [], [], self.runner.block_size, self.runner.device)
+        metadata = self.buffers.fill(empty, padded_batch_size=size)   # all padding rows
         with set_forward_context(metadata):
             for _ in range(2):   # warm up: Triton autotuning and lazy init happen outside capture
                 model(self.input_ids[:size], self.positions[:size])
@@ -82,6 +85,6 @@ class CudaGraphRunner:
         size = self._bucket(n)
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.buffers.fill(inputs.attn_batch, size)
+        self.buffers.fill(inputs.attn_batch, padded_batch_size=size)
         self.graphs[size].replay()
         return self.outputs[size][:n]

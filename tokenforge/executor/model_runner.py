@@ -74,7 +74,7 @@ class ModelRunner:
                                             self.dtype, self.device)
         for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
             layer.kv_cache = cache
-        if self.device.type == "cuda" and not self.config.device.enforce_eager:
+        if self.device.type == "cuda" and self.backend.name == "triton" and not self.config.device.enforce_eager:
             self.graphs = CudaGraphRunner(self, num_blocks)
             self.graphs.capture()
 
