@@ -48,7 +48,7 @@ def _prompt_logprobs(llm: LLM, prompts: list[dict]) -> list[list[float]]:
     ("llama-3.2-1b", "bfloat16", 5e-2),
 ])
 def test_triton_matches_torch_backend(model, dtype, tol):
-    prompts = _prompts(4, 1000, lo=10, hi=200)
+    prompts = _prompts(4, 500, lo=10, hi=200)
     results = {}
     for backend in ("torch", "triton"):
         llm = _llm(model, dtype=dtype, attention_backend=backend, enforce_eager=True)
@@ -61,7 +61,7 @@ def test_triton_matches_torch_backend(model, dtype, tol):
 
 
 def test_cuda_graphs_match_eager():
-    prompts = _prompts(12, 1000, seed=1)
+    prompts = _prompts(12, 500, seed=1)
     params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
     tokens = {}
     for eager in (True, False):
@@ -74,7 +74,7 @@ def test_cuda_graphs_match_eager():
 
 
 def test_chunked_prefill_and_prefix_hits_match_full_prefill():
-    prompts = _prompts(4, 1000, seed=2, lo=150, hi=400)
+    prompts = _prompts(4, 500, seed=2, lo=150, hi=400)
     full = _llm("tiny-llama", dtype="float32", enable_prefix_caching=False)
     reference = _prompt_logprobs(full, prompts)
     first_tok = full.generate(prompts, SamplingParams(max_tokens=1, logprobs=3, temperature=0), use_tqdm=False)

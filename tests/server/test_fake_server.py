@@ -153,6 +153,22 @@ def test_overload_and_sigterm_drain():
         server.stop()
 
 
+def test_drain_timeout_ends_streams_cleanly():
+    server = fake_server("--shutdown-timeout", "0.5", env={"TOKENFORGE_FAKE_STEP_S": "0.02"})
+    try:
+        body = {"prompt": "go", "max_tokens": 200, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            server.proc.send_signal(signal.SIGTERM)
+            events = [line for line in lines if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "aborted"
+        assert server.proc.wait(30) == 0
+    finally:
+        server.stop()
+
+
 def test_timeout_then_engine_crash():
     server = fake_server("--request-timeout", "0.3", env={"TOKENFORGE_FAKE_STEP_S": "0.02"})
     try:

@@ -196,9 +196,9 @@ def test_bench_serve_smoke(live, capsys):
 
 
 def test_sigterm_finishes_in_flight_stream():
-    server = start("--max-num-seqs", "4", "--num-kv-blocks", "64")
+    server = start("--max-num-seqs", "4", "--num-kv-blocks", "64", "--shutdown-timeout", "120")
     try:
-        body = {"prompt": PROMPT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        body = {"prompt": PROMPT, "max_tokens": 24, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
             lines = r.iter_lines()
             for line in lines:

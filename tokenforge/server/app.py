@@ -39,13 +39,15 @@ logger = logging.getLogger(__name__)
 
 BUNDLED_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEATH_GRACE_S = 1.0      # keep answering 503 this long after the engine died, then exit
+_DRAIN_SLACK_S = 5.0      # after the drain timeout, time for aborted streams to send their last event
 
 
 class ServerState:
-    """Why the server is not admitting requests (None while it is)."""
+    """Why the server is not admitting requests (None while it is), and the drain on shutdown."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, shutdown_timeout: float = 30.0) -> None:
         self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
         self.draining = False
         self.exit_code = 0
 
@@ -55,6 +57,19 @@ class ServerState:
         if self.draining:
             return "The server is shutting down and admits no new requests."
         return None
+
+    def start_drain(self) -> None:
+        """Stop admitting; when the drain time is up, end what is still running with an error
+        event (rather than letting uvicorn cut the connections mid-stream)."""
+        if self.draining:
+            return
+        self.draining = True
+        asyncio.get_running_loop().call_later(self.shutdown_timeout, self._drain_expired)
+
+    def _drain_expired(self) -> None:
+        count = self.engine.abort_all("the server's shutdown timeout expired")
+        if count:
+            logger.warning("shutdown timeout: aborted %d in-flight request(s)", count)
 
 
 def default_model_name(model: str | None) -> str:
@@ -176,8 +191,9 @@ class _Server(uvicorn.Server):
             return
         if not self.state.draining:
             logger.info("%s: draining; in-flight requests have %.0f s to finish",
-                        signal.Signals(sig).name, self.config.timeout_graceful_shutdown or 0)
-        self.state.draining = True
+                        signal.Signals(sig).name, self.state.shutdown_timeout)
+            # A signal handler may interrupt the loop anywhere: schedule, do not touch it here.
+            asyncio.get_event_loop().call_soon_threadsafe(self.state.start_drain)
         self.should_exit = True
 
 
@@ -201,11 +217,13 @@ async def serve(config: EngineConfig, settings: ServerSettings, **engine_options
     except EngineDeadError as err:
         logger.error("%s", err)
         return 1
-    state = ServerState(engine)
+    state = ServerState(engine, settings.shutdown_timeout)
     app = build_app(engine, settings, state=state)
+    # uvicorn's own limit is a backstop: at shutdown_timeout the state aborts what is left,
+    # and those streams end with an error event a moment later.
     uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                access_log=settings.access_log, lifespan="off",
-                               timeout_graceful_shutdown=settings.shutdown_timeout)
+                               timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
     server = _Server(uv_config, state)
     engine.on_death(lambda reason: _on_engine_death(server, state, reason))
     logger.info("serving %s (engine core pid %s) on http://%s:%d", app.state.ctx.model_name, engine.engine_pid,

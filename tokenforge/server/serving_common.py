@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tokenforge.engine.async_engine import EngineDeadError, RequestStream
+from tokenforge.engine.async_engine import EngineDeadError, RequestAbortedError, RequestStream
 from tokenforge.messages import RequestOutput
 from tokenforge.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenforge.server.auth import prefix_cache_salt
@@ -176,6 +176,8 @@ async def merge_streams(ctx: ServingContext, streams: list[RequestStream],
         raise from_value_error(err) from err
     except EngineDeadError as err:
         raise unavailable(f"the engine failed while serving this request: {err}", code="engine_dead") from err
+    except RequestAbortedError as err:
+        raise unavailable(f"the request was aborted: {err}", code="aborted") from err
     finally:
         for task in pending:
             task.cancel()
