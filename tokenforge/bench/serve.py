@@ -3,6 +3,8 @@
     tokenforge serve --model llama-3.1-8b --load-format dummy &
     tokenforge bench serve --url http://127.0.0.1:8000 --request-rate 16 --num-prompts 300 \
         --input-len 1024 --output-len 1024
+    # or let the bench start (and stop) the server itself:
+    tokenforge bench serve --launch "--model llama-3.1-8b --load-format dummy --max-num-seqs 256"
 
 Each request is a streamed /v1/completions call with random token-id prompts, `ignore_eos` and
 max_tokens = output length, so lengths are forced. Inter-arrival gaps are exponential with mean
@@ -16,10 +18,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import random
+import shlex
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -27,7 +34,8 @@ import httpx
 
 DEFAULTS = {"url": "http://127.0.0.1:8000", "api_key": None, "model": None, "num_prompts": 300,
             "request_rate": 16.0, "input_len": 1024, "output_len": 1024, "seed": 0, "max_concurrency": None,
-            "token_id_range": "100,30000", "out": None, "results_dir": None, "timeout": 3600.0}
+            "token_id_range": "100,30000", "out": None, "results_dir": None, "timeout": 3600.0,
+            "launch": None}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +53,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-id-range", default=DEFAULTS["token_id_range"],
                    help="random prompt ids are drawn from [lo, hi) (avoids special tokens)")
     g.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="per-request timeout, seconds")
+    g.add_argument("--launch", default=None, metavar="SERVE_FLAGS",
+                   help="start `tokenforge serve SERVE_FLAGS` on a free port for the run (instead of --url)")
     g.add_argument("--out", default=None, help="also write the results JSON here")
     g.add_argument("--results-dir", default=None, help="write the results JSON here (e.g. bench/results)")
 
@@ -99,14 +109,14 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_
     return result
 
 
-async def _run(args, model: str, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
+async def _run(args, url: str, model: str, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
     rng = random.Random(_opt(args, "seed") + 1)
     rate = float(_opt(args, "request_rate"))
     limit = _opt(args, "max_concurrency")
     gate = asyncio.Semaphore(limit) if limit else None
     headers = {"Authorization": f"Bearer {args.api_key}"} if getattr(args, "api_key", None) else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=_opt(args, "url"), headers=headers, limits=limits,
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
                                  timeout=_opt(args, "timeout")) as client:
         async def gated(prompt):
             if gate is None:
@@ -165,15 +175,49 @@ def _print(result: dict) -> None:
                 f"{result['input_len']} in / {result['output_len']} out", ["metric", "mean", "p50", "p99"], rows)
 
 
+@contextlib.contextmanager
+def _launched(flags: str | None, url: str, startup_timeout: float = 1800.0):
+    """Yield the URL to benchmark: `url`, or that of a server started with `flags` and stopped after."""
+    if flags is None:
+        yield url
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "tokenforge.cli", "serve", *shlex.split(flags), "--port", str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while not _healthy(url):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the launched server did not become healthy (exit code {proc.poll()})")
+            time.sleep(1.0)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(120)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def main(args: argparse.Namespace) -> dict:
-    url = _opt(args, "url")
+    with _launched(getattr(args, "launch", None), _opt(args, "url")) as url:
+        return _bench(args, url)
+
+
+def _bench(args: argparse.Namespace, url: str) -> dict:
     headers = {"Authorization": f"Bearer {args.api_key}"} if getattr(args, "api_key", None) else {}
     model = getattr(args, "model", None) or httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
     lo, hi = (int(x) for x in str(_opt(args, "token_id_range")).split(","))
     rng = random.Random(_opt(args, "seed"))
     input_len = _opt(args, "input_len")
     prompts = [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(_opt(args, "num_prompts"))]
-    results, duration = asyncio.run(_run(args, model, prompts))
+    results, duration = asyncio.run(_run(args, url, model, prompts))
     result = {"workload": "W4", "url": url, "served_model": model, "num_prompts": len(prompts),
               "request_rate": _opt(args, "request_rate"), "input_len": input_len,
               "output_len": _opt(args, "output_len"), **summarize(results, duration, input_len)}

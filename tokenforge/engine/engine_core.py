@@ -67,5 +67,11 @@ class EngineCore:
         stats.allocator_fragmentation = self.executor.allocator_fragmentation()
         return stats
 
+    def start_profile(self) -> None:
+        self.executor.start_profile()
+
+    def stop_profile(self) -> str:
+        return self.executor.stop_profile()
+
     def shutdown(self) -> None:
         self.executor.shutdown()

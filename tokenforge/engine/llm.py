@@ -69,6 +69,14 @@ class LLM:
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 
+    def start_profile(self) -> None:
+        """Profile the following generate() calls with torch.profiler (needs profile_dir=...)."""
+        self.engine.start_profile()
+
+    def stop_profile(self) -> str:
+        """Write the trace under profile_dir and return the kernel-time summary table."""
+        return self.engine.stop_profile()
+
     def get_tokenizer(self):
         return self.tokenizer
 

@@ -50,5 +50,31 @@ class Executor:
     def allocator_fragmentation(self) -> float:
         return self.runner.allocator_fragmentation()
 
+    def start_profile(self) -> None:
+        """torch.profiler over the following steps; traces go to `--profile-dir`."""
+        import torch  # noqa: PLC0415
+
+        profile_dir = self.runner.config.device.profile_dir
+        if not profile_dir:
+            raise ValueError("profiling needs a profile directory (--profile-dir / profile_dir=...)")
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self._profiler = torch.profiler.profile(
+            activities=activities, on_trace_ready=torch.profiler.tensorboard_trace_handler(profile_dir))
+        self._profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop profiling, write the trace, and return the top of the kernel-time table."""
+        profiler, self._profiler = getattr(self, "_profiler", None), None
+        if profiler is None:
+            return ""
+        profiler.stop()
+        sort = "self_cuda_time_total" if self.runner.device.type == "cuda" else "self_cpu_time_total"
+        table = profiler.key_averages().table(sort_by=sort, row_limit=25)
+        with open(os.path.join(self.runner.config.device.profile_dir, "summary.txt"), "w", encoding="utf-8") as f:
+            f.write(table)
+        return table
+
     def shutdown(self) -> None:
         self.runner = None

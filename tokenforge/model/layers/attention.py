@@ -14,6 +14,7 @@ from torch import nn
 from tokenforge.model.attention.backend import AttentionBackend
 from tokenforge.model.attention.torch_backend import TorchAttentionBackend, causal_attention
 from tokenforge.model.forward_context import get_forward_context
+from tokenforge.model.layers.kernel_dispatch import triton_ops
 
 
 class Attention(nn.Module):
@@ -35,6 +36,21 @@ class Attention(nn.Module):
         else:
             out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def forward_with_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            rotary: nn.Module) -> torch.Tensor:
+        """Rotary then attention. On the Triton path one kernel rotates q/k and stores k/v into the
+        cache, so attention skips its own store: one launch per layer fewer on every step."""
+        metadata = get_forward_context().attn_metadata
+        ops = triton_ops(q.device)
+        if (metadata is not None and ops is not None and getattr(self.backend, "name", "") == "triton"
+                and self.head_dim & (self.head_dim - 1) == 0):
+            ops.apply_rotary(q, k, positions, rotary.cos_sin_cache, v=v, kv_cache=self.kv_cache,
+                             slot_mapping=metadata.slot_mapping)
+            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_stored=True)
+            return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        q, k = rotary(positions, q, k)
+        return self.forward(q, k, v)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "

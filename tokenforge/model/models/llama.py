@@ -57,8 +57,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))           # [T, H]
+        return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb))   # [T, H]
 
 
 class LlamaMLP(nn.Module):
