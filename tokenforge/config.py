@@ -149,15 +149,17 @@ class EngineConfig:
     def from_kwargs(**kwargs) -> EngineConfig:
         """Route flat keyword arguments (as `LLM(...)` and the CLI take them) to the sub-configs."""
         groups: dict[str, dict] = {name: {} for name in ("model", "cache", "scheduler", "parallel", "load", "device")}
-        owners = {f.name: name for name, cls in _SUBCONFIGS.items() for f in dataclasses.fields(cls)}
+        owners = {f.name: name for name, cls in reversed(_SUBCONFIGS.items()) for f in dataclasses.fields(cls)}
+        # max_model_len is asked for once (ModelConfig); the scheduler's copy is the resolved value
+        # that EngineCore fills in with with_max_model_len() once the model's limit is known.
         for key, value in kwargs.items():
             if key not in owners:
                 raise TypeError(f"unknown engine argument {key!r}")
             groups[owners[key]][key] = value
         if "kv_cache_memory" in groups["cache"]:
             groups["cache"]["kv_cache_memory"] = parse_size(groups["cache"]["kv_cache_memory"])
-        if "max_model_len" in groups["model"]:
-            groups["scheduler"]["max_model_len"] = groups["model"]["max_model_len"] or 2048
+        if groups["model"].get("max_model_len") is not None:
+            groups["scheduler"]["max_model_len"] = groups["model"]["max_model_len"]
         return EngineConfig(**{name: _SUBCONFIGS[name](**vals) for name, vals in groups.items()}).validate()
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:

@@ -13,7 +13,12 @@ import math
 import os
 import time
 
-from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, PositionLogprobs
+from tokenforge.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    PositionLogprobs,
+)
 
 EOS = 256
 VOCAB = 260

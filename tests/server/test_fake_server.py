@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from .bad_inputs import cases, check_error_body, encode
-from .servers import fake_server
 from .fakes import VOCAB
+from .servers import fake_server
 
 
 def _client(server) -> openai.OpenAI:
@@ -24,7 +24,7 @@ def _client(server) -> openai.OpenAI:
 
 def _metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics", headers=server.headers).text
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 
@@ -224,7 +224,7 @@ def test_metric_names(fake):
     _client(fake).completions.create(model="SmolLM2-135M-Instruct", prompt="abc", max_tokens=3)
     text = httpx.get(fake.url + "/metrics", headers=fake.headers).text
     for name in METRICS:
-        assert re.search(rf"^tokenforge:{name}{{", text, re.M), name
+        assert re.search(rf"^tokenforge:{name}{{", text, re.MULTILINE), name
     assert 'finished_reason="length"' in text
 
 

@@ -57,7 +57,7 @@ def client(live):
 
 def metric(server, name: str, key: str = KEY) -> float:
     text = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {key}"}).text
-    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
     assert match, f"{name} missing from /metrics"
     return float(match.group(1))
 

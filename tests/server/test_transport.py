@@ -5,11 +5,28 @@ from __future__ import annotations
 import msgspec
 
 from tokenforge.config import EngineConfig
-from tokenforge.engine.core_process import (AbortRequests, AddRequests, Fatal, InputMessage, OutputMessage, Ready,
-                                            Rejected, ShutdownRequest, Stats, StatsRequest, StepOutputs,
-                                            decode_config, encode_config)
-from tokenforge.messages import (EngineCoreOutput, EngineCoreRequest, EngineStats, PositionLogprobs,
-                                 WireSamplingParams)
+from tokenforge.engine.core_process import (
+    AbortRequests,
+    AddRequests,
+    Fatal,
+    InputMessage,
+    OutputMessage,
+    Ready,
+    Rejected,
+    ShutdownRequest,
+    Stats,
+    StatsRequest,
+    StepOutputs,
+    decode_config,
+    encode_config,
+)
+from tokenforge.messages import (
+    EngineCoreOutput,
+    EngineCoreRequest,
+    EngineStats,
+    PositionLogprobs,
+    WireSamplingParams,
+)
 
 
 def test_messages_round_trip():

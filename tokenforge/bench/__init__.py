@@ -1,8 +1,8 @@
 """`tokenforge bench NAME`: the benchmarks of shared/BENCHMARKING.md.
 
-Each bench is a module with `add_args(parser)` and `main(args)`. It checks correctness first,
-measures the hardware ceilings and the HF transformers peer in the same run, prints a table last
-and writes `bench/results/<date>-<device>-<workload>.json` (copied to `--out`).
+Each bench is a module with `add_args(parser[, add_engine_args])` and `main(args)`. It checks
+correctness first, measures the hardware ceilings and the HF transformers peer in the same run,
+prints a table last and writes `bench/results/<date>-<device>-<workload>.json` (copied to `--out`).
 
     ceilings    HBM read bandwidth and bf16 matmul rate (or the CPU's)
     cpu         W6: bundled SmolLM2 on the CPU, fp32 and bf16, against HF in the same run

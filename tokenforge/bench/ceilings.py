@@ -44,17 +44,13 @@ def _wall_median_s(fn, warmup: int, repeats: int) -> float:
 def gpu_read_bandwidth_tbps(size_bytes: int = 4 * GIB) -> float:
     x = torch.ones(size_bytes // 2, dtype=torch.bfloat16, device="cuda")  # [n]
     ms = _cuda_median_ms(lambda: x.sum(dtype=torch.float32))
-    del x
-    torch.cuda.empty_cache()
-    return size_bytes / (ms * 1e-3) / 1e12
+    return size_bytes / (ms * 1e-3) / 1e12    # x is freed on return; the caller empties the cache
 
 
 def gpu_matmul_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")  # [n, n]
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")  # [n, n]
     ms = _cuda_median_ms(lambda: a @ b)
-    del a, b
-    torch.cuda.empty_cache()
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
@@ -75,7 +71,9 @@ def cpu_matmul_tflops(n: int = 1024, dtype: torch.dtype = torch.float32, repeats
 def measure_ceilings(device: str, quick: bool = False) -> dict:
     """The ceilings for `device` ("cuda" or "cpu"); `quick` shrinks the CPU probes for smoke runs."""
     if device == "cuda":
-        return {"read_bw_tbps": gpu_read_bandwidth_tbps(), "matmul_tflops": gpu_matmul_tflops()}
+        out = {"read_bw_tbps": gpu_read_bandwidth_tbps(), "matmul_tflops": gpu_matmul_tflops()}
+        torch.cuda.empty_cache()    # leave the whole GPU to the engine and the HF peer
+        return out
     size, n, reps = (32 * 2**20, 256, 2) if quick else (256 * 2**20, 1024, 5)
     out = {
         "read_bw_tbps": cpu_read_bandwidth_tbps(size, reps),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -231,7 +232,7 @@ def record_token_times(timing: Timing, outs) -> None:
     for o in outs:
         metrics = getattr(o, "metrics", None) or {}
         times = metrics.get("token_times") or []
-        timing.itl_ms += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+        timing.itl_ms += [(b - a) * 1e3 for a, b in itertools.pairwise(times)]
         if metrics.get("first_token_time") and metrics.get("arrival_time"):
             timing.ttft_ms.append((metrics["first_token_time"] - metrics["arrival_time"]) * 1e3)
 

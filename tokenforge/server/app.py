@@ -26,10 +26,20 @@ from tokenforge import __version__
 from tokenforge.config import EngineConfig
 from tokenforge.server.auth import APIKeyMiddleware
 from tokenforge.server.chat_template import ChatTemplateRenderer
-from tokenforge.server.errors import bad_request, install_error_handlers, model_not_found, unavailable
+from tokenforge.server.errors import (
+    bad_request,
+    install_error_handlers,
+    model_not_found,
+    unavailable,
+)
 from tokenforge.server.metrics import CONTENT_TYPE, ServerMetrics
 from tokenforge.server.middleware import BodyLimitMiddleware, ServiceStateMiddleware
-from tokenforge.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenforge.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tokenforge.server.serving_chat import create_chat_completion, render_prompt
 from tokenforge.server.serving_common import ServingContext
 from tokenforge.server.serving_completions import create_completion

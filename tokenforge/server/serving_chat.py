@@ -19,9 +19,19 @@ from tokenforge.messages import CompletionOutput, Logprob, RequestOutput
 from tokenforge.server.chat_template import TemplateError
 from tokenforge.server.errors import bad_request
 from tokenforge.server.protocol import ChatCompletionRequest, ChatMessage
-from tokenforge.server.serving_common import (ServingContext, build_sampling_params, cancel_on_disconnect,
-                                              deadline_of, merge_streams, new_id, now_s, request_salt, submit,
-                                              token_text, usage)
+from tokenforge.server.serving_common import (
+    ServingContext,
+    build_sampling_params,
+    cancel_on_disconnect,
+    deadline_of,
+    merge_streams,
+    new_id,
+    now_s,
+    request_salt,
+    submit,
+    token_text,
+    usage,
+)
 from tokenforge.server.streaming import EngineEventStream, sse
 
 MULTIMODAL_PARTS = frozenset({"image_url", "image", "input_image", "image_file", "input_audio", "audio_url",

@@ -15,13 +15,24 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from tokenforge.engine.async_engine import EngineDeadError, RequestAbortedError, RequestStream
+from tokenforge.engine.async_engine import (
+    EngineDeadError,
+    RequestAbortedError,
+    RequestStream,
+)
 from tokenforge.messages import RequestOutput
 from tokenforge.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenforge.server.auth import prefix_cache_salt
 from tokenforge.server.chat_template import ChatTemplateRenderer
-from tokenforge.server.errors import (APIError, bad_request, from_value_error, model_not_found, overloaded,
-                                      timed_out, unavailable)
+from tokenforge.server.errors import (
+    APIError,
+    bad_request,
+    from_value_error,
+    model_not_found,
+    overloaded,
+    timed_out,
+    unavailable,
+)
 from tokenforge.server.metrics import ServerMetrics
 from tokenforge.server.protocol import SamplingFields
 from tokenforge.server.settings import ServerSettings

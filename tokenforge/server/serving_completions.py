@@ -16,9 +16,19 @@ from fastapi.responses import JSONResponse, Response
 from tokenforge.messages import CompletionOutput, Logprob, RequestOutput
 from tokenforge.server.errors import bad_request
 from tokenforge.server.protocol import CompletionRequest
-from tokenforge.server.serving_common import (ServingContext, build_sampling_params, cancel_on_disconnect,
-                                              deadline_of, merge_streams, new_id, now_s, request_salt, submit,
-                                              token_text, usage)
+from tokenforge.server.serving_common import (
+    ServingContext,
+    build_sampling_params,
+    cancel_on_disconnect,
+    deadline_of,
+    merge_streams,
+    new_id,
+    now_s,
+    request_salt,
+    submit,
+    token_text,
+    usage,
+)
 from tokenforge.server.streaming import EngineEventStream, sse
 
 
