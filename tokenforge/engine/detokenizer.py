@@ -52,6 +52,7 @@ class IncrementalDetokenizer:
         self.finished = False
         self.num_output_tokens = 0
         context = list(prompt_token_ids[-_INITIAL_CONTEXT:])
+        self.initial_context = list(context)       # the left context a one-shot decode should use too
         self._ids: list[int] = context             # a sliding window, trimmed as it advances
         self._prefix_offset = 0
         self._read_offset = len(context)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from tokenforge.config import EngineConfig
+from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
 from tokenforge.executor.executor import Executor
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -51,12 +52,23 @@ class EngineCore:
             self.scheduler.abort_requests(request_ids)
 
     def step(self) -> list[EngineCoreOutput]:
+        return self.finish_step(self.launch_step())
+
+    def launch_step(self) -> tuple[SchedulerOutput, object]:
+        """Schedule and queue one step on the device. The caller may do host work (such as
+        detokenizing the previous step's outputs) before `finish_step`, overlapping the GPU."""
         scheduler_output = self.scheduler.schedule()
-        if scheduler_output.is_empty:
-            if scheduler_output.finished_request_ids:
-                self.executor.execute(scheduler_output)   # lets the runner drop per-request state
+        if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
+            return scheduler_output, None
+        return scheduler_output, self.executor.launch(scheduler_output)
+
+    def finish_step(self, launched: tuple[SchedulerOutput, object]) -> list[EngineCoreOutput]:
+        scheduler_output, handle = launched
+        if handle is None:
             return []
-        runner_output = self.executor.execute(scheduler_output)
+        runner_output = self.executor.collect(handle)
+        if scheduler_output.is_empty:
+            return []
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:

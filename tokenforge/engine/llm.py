@@ -92,8 +92,12 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(processed), use_tqdm)
         try:
+            pending = []
             while outputs.has_unfinished():
-                step = outputs.process_outputs(self.engine.step())
+                # Detokenize step N-1's outputs while step N runs on the device.
+                launched = self.engine.launch_step()
+                step = outputs.process_outputs(pending)
+                pending = self.engine.finish_step(launched)
                 self.engine.abort_requests(step.abort_ids)
                 for out in step.request_outputs:
                     finished[out.request_id] = out

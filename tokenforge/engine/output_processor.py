@@ -31,6 +31,8 @@ class _Child:
     sent_text: int = 0
     sent_logprobs: int = 0
     reported_finish: bool = False
+    lazy: bool = False            # no streaming and no stop strings: decode once, at the finish
+    final_text: str | None = None
 
 
 @dataclass(slots=True)
@@ -66,7 +68,8 @@ class OutputProcessor:
                 stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
                 min_tokens=params.min_tokens)
             children[core.request_id] = _Child(i, detok, logprobs=[] if params.logprobs is not None else None,
-                                               cumulative_logprob=0.0 if params.logprobs is not None else None)
+                                               cumulative_logprob=0.0 if params.logprobs is not None else None,
+                                               lazy=not self.stream_deltas and not params.stop)
             self._child_to_parent[core.request_id] = processed.request_id
         self._parents[processed.request_id] = _Parent(
             processed, params, children, time.time() if arrival_time is None else arrival_time)
@@ -120,6 +123,13 @@ class OutputProcessor:
             for pos in out.new_logprobs:
                 child.logprobs.append(self._to_logprob_dict(pos))
                 child.cumulative_logprob += pos.logprobs[0]
+        if child.lazy:
+            # Nobody reads the text before the finish and no stop string needs it: one full
+            # decode at the end replaces a windowed decode per token (the hot path at 256 seqs).
+            if out.finished:
+                child.final_text = self._decode_with_context(child)
+                child.finish_reason, child.stop_reason = out.finish_reason, out.stop_token_id
+            return False
         child.detokenizer.update(out.new_token_ids)
         if child.detokenizer.stop_string is not None:
             child.finish_reason = FinishReason.STOP.value
@@ -130,6 +140,17 @@ class OutputProcessor:
             child.finish_reason = out.finish_reason
             child.stop_reason = out.stop_token_id
         return False
+
+    def _decode_with_context(self, child: _Child) -> str:
+        """The output text as the incremental detokenizer would build it: decoded after a few
+        prompt tokens of left context, so tokenizers that strip a leading space agree."""
+        skip = child.detokenizer.skip_special_tokens
+        context = child.detokenizer.initial_context
+        prefix = self.tokenizer.decode(context, skip_special_tokens=skip)
+        full = self.tokenizer.decode(context + child.token_ids, skip_special_tokens=skip)
+        if full.startswith(prefix):
+            return full[len(prefix):]
+        return self.tokenizer.decode(child.token_ids, skip_special_tokens=skip)
 
     def _to_logprob_dict(self, pos: PositionLogprobs) -> dict[int, Logprob]:
         entry: dict[int, Logprob] = {}
@@ -159,9 +180,9 @@ class OutputProcessor:
                      "token_times": parent.token_times})
 
     def _completion(self, child: _Child) -> CompletionOutput | None:
-        text = child.detokenizer.text
+        text = child.final_text if child.lazy else child.detokenizer.text
         if not self.stream_deltas:
-            return CompletionOutput(child.index, text, list(child.token_ids), child.cumulative_logprob,
+            return CompletionOutput(child.index, text or "", list(child.token_ids), child.cumulative_logprob,
                                     child.logprobs, child.finish_reason, child.stop_reason)
         if (child.sent_tokens == len(child.token_ids) and child.sent_text == len(text)
                 and (child.finish_reason is None or child.reported_finish)):

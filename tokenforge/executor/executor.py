@@ -47,6 +47,13 @@ class Executor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
 
+    def launch(self, scheduler_output: SchedulerOutput):
+        """Queue a step on the device; `collect` waits for it. Host work in between overlaps it."""
+        return self.runner.launch(scheduler_output)
+
+    def collect(self, handle) -> ModelRunnerOutput:
+        return self.runner.collect(handle)
+
     def allocator_fragmentation(self) -> float:
         return self.runner.allocator_fragmentation()
 

@@ -10,6 +10,7 @@ per step. Per-request seeded generators live here, keyed by request id, and die 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,13 +19,24 @@ from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, Schedule
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.executor.input_batch import InputBatch, build_inputs
 from tokenforge.executor.kv_cache import allocate_kv_caches
-from tokenforge.executor.sampler import Sampler, SamplingBatch, compute_prompt_logprobs
+from tokenforge.executor.sampler import Sampler, SamplerOutput, SamplingBatch, compute_prompt_logprobs
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.loader import load_model
 
 logger = logging.getLogger(__name__)
+
+@dataclass(slots=True)
+class StepInFlight:
+    """A launched step: device tensors not yet copied back to the host."""
+
+    sequences: list[ScheduledSequence]
+    inputs: InputBatch | None = None
+    hidden: torch.Tensor | None = None          # [T, hidden]
+    sampling: list[ScheduledSequence] = field(default_factory=list)
+    sampler_output: SamplerOutput | None = None
+
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -79,17 +91,36 @@ class ModelRunner:
             self.graphs.capture()
 
     # ---- one step -------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepInFlight:
+        """Queue the step's device work (forward + sampling) without waiting for it."""
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
+        step = StepInFlight(sched.sequences)
         if sched.is_empty:
-            return ModelRunnerOutput()
-        inputs = build_inputs(sched.sequences, self.block_size, self.device)
-        hidden = self._forward(inputs)
+            return step
+        step.inputs = build_inputs(sched.sequences, self.block_size, self.device)
+        step.hidden = self._forward(step.inputs)
+        self._sample(step)
+        return step
+
+    @torch.inference_mode()
+    def collect(self, step: StepInFlight) -> ModelRunnerOutput:
+        """Wait for a launched step and turn its results into lists (the one host sync)."""
         out = ModelRunnerOutput()
-        self._sample(sched.sequences, inputs, hidden, out)
-        self._prompt_logprobs(sched.sequences, inputs, hidden, out)
+        if step.inputs is None:
+            return out
+        if step.sampler_output is not None:
+            for s, tok in zip(step.sampling, step.sampler_output.token_ids.tolist()):
+                out.sampled_token_ids[s.request_id] = tok
+            if step.sampler_output.logprobs is not None:
+                for s, pos in zip(step.sampling, step.sampler_output.logprobs.to_position_logprobs()):
+                    if s.params.logprobs is not None:
+                        out.logprobs[s.request_id] = pos
+        self._prompt_logprobs(step.sequences, step.inputs, step.hidden, out)
         self._release_fragmented_memory()
         return out
 
@@ -129,25 +160,17 @@ class ModelRunner:
         for layer in layers:
             layer.kv_cache = None
 
-    def _sample(self, seqs: list[ScheduledSequence], inputs: InputBatch, hidden: torch.Tensor,
-                out: ModelRunnerOutput) -> None:
-        rows = [i for i, s in enumerate(seqs) if s.sample]
+    def _sample(self, step: StepInFlight) -> None:
+        rows = [i for i, s in enumerate(step.sequences) if s.sample]
         if not rows:
             return
-        sampling = [seqs[i] for i in rows]
-        logits = self.model.compute_logits(hidden[inputs.last_token_index(rows)])   # [N, V]
+        step.sampling = [step.sequences[i] for i in rows]
+        logits = self.model.compute_logits(step.hidden[step.inputs.last_token_index(rows)])   # [N, V]
         batch = SamplingBatch.build(
-            [s.params for s in sampling], [s.prompt_token_ids for s in sampling],
-            [s.output_token_ids for s in sampling], [self._generator(s) for s in sampling],
+            [s.params for s in step.sampling], [s.prompt_token_ids for s in step.sampling],
+            [s.output_token_ids for s in step.sampling], [self._generator(s) for s in step.sampling],
             self.vocab_size, self.device)
-        result = self.sampler(logits, batch)
-        token_ids = result.token_ids.tolist()
-        for s, tok in zip(sampling, token_ids):
-            out.sampled_token_ids[s.request_id] = tok
-        if result.logprobs is not None:
-            for s, pos in zip(sampling, result.logprobs.to_position_logprobs()):
-                if s.params.logprobs is not None:
-                    out.logprobs[s.request_id] = pos
+        step.sampler_output = self.sampler(logits, batch)
 
     def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:
         if seq.params.seed is None or seq.params.is_greedy:
