@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenforge.model.attention.backend import AttentionBatch
+from tokenforge.model.attention.decode_workspace import DecodeWorkspaces
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class DecodeGroup:
     max_blocks: int
     max_len: int                        # longest sequence; keys past it are never read
     key_mask: torch.Tensor | None       # [B, 1, 1, max_len] float (0 / -inf); None if all lengths equal
+    context_lens: torch.Tensor | None = None   # [B] int64: where each sequence's new token sits
 
 
 @dataclass(slots=True)
@@ -55,6 +57,10 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self, use_workspaces: bool = True) -> None:
+        # On the CPU, decode steps read K/V from persistent contiguous mirrors (decode_workspace.py).
+        self.workspaces = DecodeWorkspaces() if use_workspaces else None
+
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
@@ -73,11 +79,14 @@ class TorchAttentionBackend:
                 decode_idx.append(i)
             elif q_len > 1:
                 prefills.append(_prefill_chunk(starts[i], q_len, ctx, table, bs, device))
+        decode = _decode_group(batch, decode_idx, starts, device) if decode_idx else None
+        if decode is not None and self.workspaces is not None and device.type == "cpu":
+            contexts = [batch.context_lens[i] for i in decode_idx]
+            self.workspaces.plan([batch.block_tables[i] for i in decode_idx], contexts)
+            decode.context_lens = torch.tensor(contexts, dtype=torch.int64, device=device)
         return TorchAttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_tokens=starts[-1],
-            decode=_decode_group(batch, decode_idx, starts, device) if decode_idx else None,
-            prefills=prefills,
+            num_tokens=starts[-1], decode=decode, prefills=prefills,
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -88,13 +97,28 @@ class TorchAttentionBackend:
         flat[1].index_copy_(0, metadata.slot_mapping, v)
         d = metadata.decode
         if d is not None and not metadata.prefills and d.batch_size == q.shape[0]:
-            return _decode(q, kv_cache, d, scale)               # pure decode step: no extra copy
+            return self._decode(q, k, v, kv_cache, d, scale)    # pure decode step: no extra copy
         out = torch.empty_like(q)
         if d is not None:
-            out[d.rows] = _decode(q[d.rows], kv_cache, d, scale)
+            out[d.rows] = self._decode(q[d.rows], k[d.rows], v[d.rows], kv_cache, d, scale)
         for p in metadata.prefills:
             out[p.start:p.end] = _prefill(q, k, v, kv_cache, p, scale)
         return out
+
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup,
+                scale: float) -> torch.Tensor:
+        if d.context_lens is not None:
+            batch, num_heads, head_dim = q.shape
+            num_kv_heads = k.shape[1]
+            grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+            if d.key_mask is not None and d.key_mask.dtype != q.dtype:
+                d.key_mask = d.key_mask.to(q.dtype)
+            out = self.workspaces.attend(grouped, k, v, kv_cache, d.block_ids, d.context_lens, d.max_len,
+                                         d.key_mask, scale)
+            if out is not None:
+                return out.reshape(batch, num_heads, head_dim)
+        return _decode(q, kv_cache, d, scale)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,0 +1,84 @@
+"""Decode workspaces: contiguous per-layer K/V mirrors of the running decode batch (CPU path).
+
+Why: on the CPU, gathering every decode sequence's K/V out of the paged cache costs more than the
+attention itself, and it is repeated by every layer at every step although each step adds only
+one token per sequence. A workspace keeps the gathered K/V of the decode batch, head-major and
+contiguous ([2, B, Hkv, capacity, D]) per layer; a step that continues the previous one (same
+sequences, in the same order, each one token further, block tables only grown) appends the new
+token in place, and anything else rebuilds it with one gather. The paged cache stays the source
+of truth: every new token is written there too, so a rebuild is always possible.
+
+In: the step's decode block tables and context lengths (`plan`, once per step), then per layer
+the grouped queries and the new k/v (`attend`). Out: attention output, or None when the
+workspace would exceed its memory cap (the caller then gathers as usual).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+MAX_BYTES_PER_LAYER = 64 * 2**20
+_GROWTH = 64          # spare token slots per rebuild, so appends rarely outgrow the capacity
+
+
+@dataclass(slots=True)
+class _LayerWorkspace:
+    kv: torch.Tensor      # [2, B, Hkv, capacity, D]
+    step: int             # the step whose token was appended last
+
+
+class DecodeWorkspaces:
+    def __init__(self, max_bytes_per_layer: int = MAX_BYTES_PER_LAYER) -> None:
+        self.max_bytes = max_bytes_per_layer
+        self.step = 0
+        self.continues = False
+        self._prev: list[tuple[list[int], int]] | None = None
+        self._layers: dict[int, _LayerWorkspace] = {}
+
+    def plan(self, tables: list[list[int]], context_lens: list[int]) -> None:
+        """Once per step: does this decode batch continue the previous step's, token for token?"""
+        self.step += 1
+        prev = self._prev
+        self.continues = prev is not None and len(prev) == len(tables) and all(
+            ctx == p_ctx + 1 and table[:len(p_table)] == p_table
+            for table, ctx, (p_table, p_ctx) in zip(tables, context_lens, prev))
+        self._prev = [(list(t), c) for t, c in zip(tables, context_lens)]
+
+    def attend(self, grouped_q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
+               block_ids: torch.Tensor, context_lens: torch.Tensor, max_len: int, key_mask: torch.Tensor | None,
+               scale: float) -> torch.Tensor | None:
+        """grouped_q [B, Hkv, G, D]; k_new/v_new [B, Hkv, D] -> [B, Hkv, G, D], or None past the cap."""
+        batch, num_kv_heads, _, head_dim = grouped_q.shape
+        key = kv_cache.data_ptr()
+        ws = self._layers.get(key)
+        reusable = (ws is not None and self.continues and ws.step == self.step - 1
+                    and ws.kv.shape[1] == batch and ws.kv.shape[3] >= max_len)
+        if reusable:
+            rows = torch.arange(batch, device=k_new.device)
+            ws.kv[0, rows, :, context_lens] = k_new      # [B, Hkv, D] at each sequence's new position
+            ws.kv[1, rows, :, context_lens] = v_new
+        else:
+            ws = self._rebuild(kv_cache, block_ids, batch, max_len)
+            if ws is None:
+                self._layers.pop(key, None)
+                return None
+            self._layers[key] = ws
+        ws.step = self.step
+        keys, values = ws.kv[0, :, :, :max_len], ws.kv[1, :, :, :max_len]     # [B, Hkv, L, D]
+        return F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=key_mask, scale=scale)
+
+    def _rebuild(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, batch: int,
+                 max_len: int) -> _LayerWorkspace | None:
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        capacity = max_len + _GROWTH
+        if 2 * batch * num_kv_heads * capacity * head_dim * kv_cache.element_size() > self.max_bytes:
+            return None
+        max_blocks = block_ids.numel() // batch
+        gathered = kv_cache.index_select(1, block_ids).view(2, batch, max_blocks * block_size, num_kv_heads, head_dim)
+        kv = kv_cache.new_zeros(2, batch, num_kv_heads, capacity, head_dim)
+        length = min(max_len, max_blocks * block_size)
+        kv[:, :, :, :length].copy_(gathered[:, :, :length].transpose(2, 3))
+        return _LayerWorkspace(kv, self.step)
