@@ -23,6 +23,7 @@ from tokenforge.executor.sampler import Sampler, SamplerOutput, SamplingBatch, c
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
+from tokenforge.model.layers.cpu_packed import prepack_linears
 from tokenforge.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,9 @@ class ModelRunner:
         self.model = loaded.model.eval()
         self.arch = loaded.arch_config
         self.vocab_size = self.arch.vocab_size
+        if self.device.type == "cpu":
+            packed = prepack_linears(self.model)
+            logger.info("MKL-prepacked %d CPU linear weights", packed)
 
     def _init_attention(self) -> None:
         name = self.config.device.attention_backend

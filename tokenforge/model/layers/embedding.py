@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenforge.model.layers.parallel import all_gather_last_dim, all_reduce, new_parameter
+from tokenforge.model.layers.cpu_packed import packed_linear
 
 
 class VocabEmbedding(nn.Module):
@@ -47,11 +48,13 @@ class LMHead(VocabEmbedding):
     """hidden [N, H] -> logits [N, V]. With tied embeddings the runner-visible weight is the
     embedding's own Parameter (see `tie_to`)."""
 
+    packed_weight: torch.Tensor | None = None           # MKL-packed copy on the CPU (cpu_packed.py)
+
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)                  # [N, V_per_rank]
+        logits = packed_linear(hidden, self.weight, None, self.packed_weight)   # [N, V_per_rank]
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits, self.tp_size)
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

@@ -11,10 +11,10 @@ split the input dim and all-reduce the partial sums.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenforge.model.layers.parallel import all_reduce, divide, new_parameter
+from tokenforge.model.layers.cpu_packed import packed_linear
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -43,8 +43,10 @@ class ColumnParallelLinear(nn.Module):
         _check_shape(param.data, part, type(self).__name__)
         param.data.copy_(part)
 
+    packed_weight: torch.Tensor | None = None           # MKL-packed copy on the CPU (cpu_packed.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)     # [T, out_per_rank]
+        return packed_linear(x, self.weight, self.bias, self.packed_weight)     # [T, out_per_rank]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -126,7 +128,9 @@ class RowParallelLinear(nn.Module):
         _check_shape(param.data, part, type(self).__name__)
         param.data.copy_(part)
 
+    packed_weight: torch.Tensor | None = None           # MKL-packed copy on the CPU (cpu_packed.py)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = F.linear(x, self.weight, bias)              # [T, out]
+        y = packed_linear(x, self.weight, bias, self.packed_weight)   # [T, out]
         return all_reduce(y) if self.tp_size > 1 else y

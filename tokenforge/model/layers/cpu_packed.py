@@ -1,0 +1,50 @@
+"""MKL-prepacked weights for the CPU float32 linears.
+
+Why: MKL's sgemm repacks the weight matrix on every call. At decode's small row counts that
+repacking costs about as much as the multiply itself; packing once at load time made a 32-row
+SmolLM2 matmul 1.8x faster here, with bit-identical results (same kernel, no repack). The packed
+copy costs one more copy of the linear weights, so it is only made on the CPU, in float32, when
+torch was built with MKL and the weights are small enough (`MAX_PACKED_BYTES`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+MAX_PACKED_BYTES = 4 * 2**30
+_BATCH_HINT = 32      # the row count MKL tunes the packed layout for (decode batches)
+
+
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  packed: torch.Tensor | None) -> torch.Tensor:
+    """F.linear, through the prepacked weight when there is one. x [T, in] -> [T, out]."""
+    if packed is None or x.dim() != 2:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, _BATCH_HINT)
+
+
+def can_prepack() -> bool:
+    return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+def prepack_linears(model: nn.Module) -> int:
+    """Give every module with a `packed_weight` slot an MKL-packed copy of its 2-D float32 CPU
+    weight. Returns the number of packed modules (0 when packing does not apply)."""
+    modules = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    weights = [m.weight for m in modules]
+    if not modules or not can_prepack() or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        return 0
+    total = sum(w.numel() * w.element_size() for w in weights)
+    if total > MAX_PACKED_BYTES:
+        logger.info("not prepacking %.1f GiB of linear weights (limit %.1f GiB)", total / 2**30,
+                    MAX_PACKED_BYTES / 2**30)
+        return 0
+    for module in modules:
+        module.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(module.weight.detach(), _BATCH_HINT)
+    return len(modules)
