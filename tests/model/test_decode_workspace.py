@@ -8,7 +8,7 @@ import torch
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.attention.torch_backend import TorchAttentionBackend
 
-BS, HKV, G, D, NUM_BLOCKS = 4, 2, 3, 8, 160
+BS, HKV, G, D, NUM_BLOCKS = 4, 2, 3, 8, 1200
 
 
 def _step(backend, cache, tables, ctx, q, k, v):
@@ -23,11 +23,11 @@ def test_workspace_matches_gather_path():
     cache_fast = torch.randn(2, NUM_BLOCKS, BS, HKV, D)
     cache_ref = cache_fast.clone()
     free = list(range(NUM_BLOCKS))
-    ctx = [3, 9, 14]
+    ctx = [int(c) for c in torch.randint(1, 60, (20,))]   # 20 sequences: several length groups
     tables = [[free.pop() for _ in range(-(-(c + 1) // BS))] for c in ctx]
-    for step in range(90):
+    for step in range(70):
         if step == 30:                      # a sequence leaves: the batch changes shape
-            ctx.pop(1), tables.pop(1)
+            ctx.pop(5), tables.pop(5)
         if step == 50:                      # a new one joins
             ctx.append(2), tables.append([free.pop()])
         for i, c in enumerate(ctx):         # grow block tables as the scheduler would

@@ -22,6 +22,14 @@ import torch.nn.functional as F
 
 MAX_BYTES_PER_LAYER = 64 * 2**20
 _GROWTH = 64          # spare token slots per rebuild, so appends rarely outgrow the capacity
+_MAX_GROUPS = 4       # attention calls per layer for one decode batch, by descending length
+_MIN_GROUP = 8
+
+
+def _group_bounds(batch: int) -> list[tuple[int, int]]:
+    num = max(1, min(_MAX_GROUPS, batch // _MIN_GROUP))
+    edges = [round(i * batch / num) for i in range(num + 1)]
+    return list(zip(edges[:-1], edges[1:]))
 
 
 @dataclass(slots=True)
@@ -37,38 +45,60 @@ class DecodeWorkspaces:
         self.continues = False
         self._prev: list[tuple[list[int], int]] | None = None
         self._layers: dict[int, _LayerWorkspace] = {}
+        self.order: list[int] = []
+        self._order_t = torch.empty(0, dtype=torch.int64)
+        self.groups: list[tuple[int, int, int]] = []
 
     def plan(self, tables: list[list[int]], context_lens: list[int]) -> None:
-        """Once per step: does this decode batch continue the previous step's, token for token?"""
+        """Once per step: does this decode batch continue the previous step's, token for token?
+        A new batch is laid out longest first and cut into groups, so each group's attention
+        reads only up to its own longest context instead of the whole batch's."""
         self.step += 1
         prev = self._prev
         self.continues = prev is not None and len(prev) == len(tables) and all(
             ctx == p_ctx + 1 and table[:len(p_table)] == p_table
             for table, ctx, (p_table, p_ctx) in zip(tables, context_lens, prev))
         self._prev = [(list(t), c) for t, c in zip(tables, context_lens)]
+        if not self.continues:
+            self.order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
+            self._order_t = torch.tensor(self.order, dtype=torch.int64)
+        bounds = _group_bounds(len(self.order))
+        self.groups = [(start, end, context_lens[self.order[start]] + 1) for start, end in bounds]
 
     def attend(self, grouped_q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, kv_cache: torch.Tensor,
                block_ids: torch.Tensor, context_lens: torch.Tensor, max_len: int, key_mask: torch.Tensor | None,
                scale: float) -> torch.Tensor | None:
         """grouped_q [B, Hkv, G, D]; k_new/v_new [B, Hkv, D] -> [B, Hkv, G, D], or None past the cap."""
-        batch, num_kv_heads, _, head_dim = grouped_q.shape
+        batch = grouped_q.shape[0]
+        order = self._order_t.to(grouped_q.device)
         key = kv_cache.data_ptr()
         ws = self._layers.get(key)
         reusable = (ws is not None and self.continues and ws.step == self.step - 1
                     and ws.kv.shape[1] == batch and ws.kv.shape[3] >= max_len)
         if reusable:
             rows = torch.arange(batch, device=k_new.device)
-            ws.kv[0, rows, :, context_lens] = k_new      # [B, Hkv, D] at each sequence's new position
-            ws.kv[1, rows, :, context_lens] = v_new
+            positions = context_lens[order]
+            ws.kv[0, rows, :, positions] = k_new[order]    # [B, Hkv, D] at each sequence's new position
+            ws.kv[1, rows, :, positions] = v_new[order]
         else:
-            ws = self._rebuild(kv_cache, block_ids, batch, max_len)
+            sorted_blocks = block_ids.view(batch, -1)[order].reshape(-1)
+            ws = self._rebuild(kv_cache, sorted_blocks, batch, max_len)
             if ws is None:
                 self._layers.pop(key, None)
                 return None
             self._layers[key] = ws
         ws.step = self.step
-        keys, values = ws.kv[0, :, :, :max_len], ws.kv[1, :, :, :max_len]     # [B, Hkv, L, D]
-        return F.scaled_dot_product_attention(grouped_q, keys, values, attn_mask=key_mask, scale=scale)
+        q_sorted = grouped_q[order]
+        mask_sorted = key_mask[order] if key_mask is not None else None
+        parts = []
+        for start, end, length in self.groups:
+            keys, values = ws.kv[0, start:end, :, :length], ws.kv[1, start:end, :, :length]   # [b, Hkv, L, D]
+            mask = mask_sorted[start:end, :, :, :length] if mask_sorted is not None else None
+            parts.append(F.scaled_dot_product_attention(q_sorted[start:end], keys, values, attn_mask=mask,
+                                                        scale=scale))
+        out = torch.empty_like(grouped_q)
+        out[order] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        return out
 
     def _rebuild(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, batch: int,
                  max_len: int) -> _LayerWorkspace | None:
