@@ -148,8 +148,13 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
     """This chunk's rows of q [T, Hq, D] -> [query_len, Hq, D]."""
     query = q[p.start:p.end].transpose(0, 1)                     # [Hq, Lq, D]
     if p.block_ids is None:
-        keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)   # [Hkv, Lq, D]
+        # SDPA's fused (flash) path takes no GQA flag; repeating this chunk's few K/V heads is cheaper
+        # than the unfused math path that enable_gqa selects.
+        group = query.shape[0] // keys.shape[0]
+        if group > 1:
+            keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
     else:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         kv = kv_cache.index_select(1, p.block_ids).view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len]
