@@ -40,7 +40,7 @@ class _RefuseNumHeads(argparse.Action):
         parser.error(
             "--num-attention-heads cannot be set: the number of attention heads is fixed by the "
             "checkpoint's weights. To fit memory, lower --max-model-len (shorter context, fewer KV "
-            "blocks per sequence) or --max-num-seqs, or use --kv-cache-dtype fp8 to halve the KV cache.")
+            "blocks per sequence) or --max-num-seqs, or give the KV cache more memory (--kv-cache-memory).")
 
 
 class _KVCacheType(argparse.Action):
@@ -71,7 +71,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-profile", choices=["server", "client"], default="server")
     g.add_argument("--memory-fragmentation-threshold", type=float, default=None)
     g.add_argument("--memory-policy", choices=["pin", "pageable"], default="pin")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "fp8"], default="auto")
+    g.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="fp8 KV is not implemented yet")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     g.add_argument("--use-flash-attention", "--use_flash_attention", dest="attention_backend",

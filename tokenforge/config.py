@@ -70,7 +70,8 @@ class CacheConfig:
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.memory_profile in ("server", "client"),
                f"memory_profile must be server or client, got {self.memory_profile!r}")
-        _check(self.kv_cache_dtype in ("auto", "fp8"), f"kv_cache_dtype must be auto or fp8, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype == "auto",
+               f"kv_cache_dtype must be 'auto' (the model's dtype); fp8 KV is not implemented yet, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,62 @@
+"""The `tokenforge` command: generate on the bundled model, doctor, and the playbook aliases."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tokenforge.cli import build_parser, engine_kwargs, main
+
+
+def _engine_args(argv: list[str]) -> dict:
+    return engine_kwargs(build_parser().parse_args(["generate", "x", *argv]))
+
+
+def test_playbook_aliases_map_to_engine_flags():
+    kw = _engine_args(["--kv-cache-type", "block", "--kv-cache-block-size", "32", "--max-seq-length", "512",
+                       "--max-parallel-batch", "8", "--max-inference-steps", "40", "--memory-limit", "1GiB",
+                       "--bf16", "--enforce-eager"])
+    assert kw["block_size"] == 32 and kw["max_model_len"] == 512 and kw["max_num_seqs"] == 8
+    assert kw["max_tokens_default"] == 40 and kw["kv_cache_memory"] == "1GiB" and kw["dtype"] == "bfloat16"
+    assert kw["enforce_eager"] is True
+    assert _engine_args(["--use-flash-attention"])["attention_backend"] == "triton"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--num-attention-heads", "8"], "fixed by the checkpoint"),
+    (["--kv-cache-type", "contiguous"], "always paged"),
+])
+def test_refused_playbook_flags_explain_why(argv, needle, capsys):
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["generate", "hi", *argv])
+    assert exc.value.code == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_help_documents_the_aliases(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    out = capsys.readouterr().out
+    for alias in ("--max-seq-length", "--kv-cache-block-size", "--max-inference-steps", "--num-attention-heads"):
+        assert alias in out
+
+
+def test_doctor_reports_what_fits(capsys):
+    assert main(["doctor", "--model", "llama-3.1-8b", "--load-format", "dummy", "--memory", "80GiB",
+                 "--max-model-len", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "8.030 B" in out and "128.0 KiB" in out and "concurrent at the full length 8,192" in out
+
+
+def test_missing_model_is_a_clear_error(capsys, tmp_path):
+    assert main(["generate", "hi", "--model", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_generate_on_the_bundled_model():
+    out = subprocess.run([sys.executable, "-m", "tokenforge.cli", "generate", "The capital of France is",
+                          "--max-tokens", "6", "--quiet"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout
