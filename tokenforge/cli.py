@@ -23,6 +23,7 @@ PLAYBOOK_NOTES = """playbook aliases:
   --use-flash-attention         = --attention-backend triton
   --memory-policy pin           pinned host buffers (the default on CUDA)
   --fp16 / --bf16 / --half      = --dtype float16 / bfloat16 / float16
+  --quantization 8bit           = --quantization int8 (dynamic int8 linears, CPU)
   --num-attention-heads         fixed by the checkpoint: refused with an explanation
 """
 
@@ -50,6 +51,14 @@ class _KVCacheType(argparse.Action):
                          "paged ('block'); size blocks with --block-size")
 
 
+def _quantization(value: str) -> str:
+    aliases = {"int8": "int8", "8bit": "int8"}
+    if value not in aliases:
+        raise argparse.ArgumentTypeError(f"{value!r} is not available: int8 (alias 8bit) is implemented; "
+                                         "int4 and fp8 are not yet")
+    return aliases[value]
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file, HF directory, or a shipped config name "
@@ -71,6 +80,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-profile", choices=["server", "client"], default="server")
     g.add_argument("--memory-fragmentation-threshold", type=float, default=None)
     g.add_argument("--memory-policy", choices=["pin", "pageable"], default="pin")
+    g.add_argument("--quantization", default=None, type=_quantization,
+                   help="int8: dynamic int8 linears on the CPU (playbook: --quantization 8bit)")
     g.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="fp8 KV is not implemented yet")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
@@ -98,7 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, device=args.device, num_threads=args.num_threads, seed=args.seed,
         max_tokens_default=args.max_tokens_limit,
-        profile_dir=args.profile_dir)
+        profile_dir=args.profile_dir, quantization=args.quantization)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -40,8 +40,11 @@ class ModelConfig:
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     seed: int = 0
     model_version: str | None = None    # checked against the loaded model's checksum when given
+    quantization: str | None = None     # None | int8 (dynamic int8 linears; CPU)
 
     def validate(self) -> None:
+        _check(self.quantization in (None, "int8"),
+               f"quantization must be int8 (or unset), got {self.quantization!r}; int4 and fp8 are not implemented yet")
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len >= 1,

@@ -16,6 +16,9 @@ import torch
 
 from tokenforge.bench import ceilings, harness, hf_baseline, report, workloads
 
+# The modules tokenforge's dynamic int8 quantizes (model/layers/cpu_packed.py), by HF's names.
+INT8_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+
 # A fixed English passage for the perplexity check (written for this bench).
 PERPLEXITY_TEXT = (
     "The harbour town woke slowly on winter mornings. Fishing boats left before dawn, and by the "
@@ -35,6 +38,7 @@ def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
     p.add_argument("--min-input", type=int, default=8)
     p.add_argument("--max-input", type=int, default=200)
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 path")
+    p.add_argument("--no-int8", action="store_true", help="skip the dynamic int8 path")
     p.add_argument("--no-sequential", action="store_true", help="skip HF's sequential batch-1 run")
 
 
@@ -60,13 +64,15 @@ def tokenforge_perplexity(llm, ids: list[int]) -> float | None:
     return math.exp(-sum(lps) / len(lps))
 
 
-def measure_tokenforge(args: argparse.Namespace, dtype: str, prompts: list[list[int]] | None) -> dict:
+def measure_tokenforge(args: argparse.Namespace, dtype: str, prompts: list[list[int]] | None,
+                       quantization: str | None = None) -> dict:
     """Build the engine in `dtype`, make the prompts if needed, check, time, and measure perplexity."""
-    llm = harness.build_llm(args, dtype=dtype)
+    llm = harness.build_llm(args, dtype=dtype, quantization=quantization)
     vocab = harness.vocab_size(llm, args.model)
     if prompts is None:
         prompts = workloads.random_prompts(args.num_prompts, (args.min_input, args.max_input), vocab, args.seed)
-    timing, outs = harness.run_checked(llm, prompts, args.output_len, args.repeats, f"tokenforge-{dtype}")
+    timing, outs = harness.run_checked(llm, prompts, args.output_len, args.repeats,
+                                       f"tokenforge-{quantization or dtype}")
     ppl_ids = perplexity_ids(llm, vocab, args.seed)
     ppl = tokenforge_perplexity(llm, ppl_ids)
     harness.shutdown(llm)
@@ -119,6 +125,8 @@ def main(args: argparse.Namespace) -> dict:
         if real_weights and seq_ids is not None:
             result["parity"] = {"exact_match": sum(a == b for a, b in zip(tf32["ids"], seq_ids)), "of": len(prompts),
                                 "reference": "HF transformers fp32, sequential batch-1 greedy"}
+    if not args.no_int8:
+        result["int8"] = run_int8(args, prompts, model, tf32)
     if not args.no_bf16:
         result["bf16"] = run_bf16(args, prompts, model, tf32)
     del model
@@ -126,6 +134,27 @@ def main(args: argparse.Namespace) -> dict:
     report.save(result, args)
     print_summary(result)
     return result
+
+
+def run_int8(args: argparse.Namespace, prompts: list[list[int]], model, tf32: dict) -> dict:
+    """Dynamic int8 (q/k/v and gate/up quantized, o/down and lm_head float32) against HF with the
+    same modules quantized by torch.ao's dynamic quantization."""
+    tf8 = measure_tokenforge(args, "float32", prompts, quantization="int8")
+    harness.release_memory()
+    out = {"tokenforge": tf8["figures"], "greedy_match_vs_fp32": sum(a == b for a, b in zip(tf8["ids"], tf32["ids"]))}
+    ppl32, ppl8 = tf32["figures"]["perplexity"], tf8["figures"]["perplexity"]
+    if ppl32 and ppl8:
+        out["perplexity"] = {"fp32": ppl32, "int8": ppl8, "change_pct": (ppl8 / ppl32 - 1) * 100,
+                             "text_tokens": len(tf32["ppl_ids"])}
+    if model is not None:
+        hf8 = hf_baseline.quantize_dynamic_int8(model, INT8_MODULES)
+        padded = hf_baseline.run_baseline(hf8, prompts, args.output_len, len(prompts), [None])
+        padded.pop("_ids")
+        out["baseline"] = {**padded, "name": padded["name"] + "-int8"}
+        out["ratio"] = tf8["figures"]["output_tok_s"] / padded["output_tok_s"]
+        del hf8
+        harness.release_memory()
+    return out
 
 
 def run_bf16(args: argparse.Namespace, prompts: list[list[int]], model, tf32: dict) -> dict:
@@ -155,21 +184,26 @@ def print_summary(r: dict) -> None:
     rows.append(["tokenforge fp32", tf["output_tok_s"], tf["median_s"], _ratio(r.get("ratio"))])
     for name, v in r.get("baseline", {}).get("variants", {}).items():
         rows.append([name, v["output_tok_s"], v["seconds"], None])
-    b16 = r.get("bf16")
-    if b16:
-        rows.append(["tokenforge bf16", b16["tokenforge"]["output_tok_s"], b16["tokenforge"]["median_s"],
-                     _ratio(b16.get("ratio"))])
-        if "baseline" in b16:
-            rows.append([b16["baseline"]["name"], b16["baseline"]["output_tok_s"], b16["baseline"]["seconds"], None])
+    for key in ("int8", "bf16"):
+        _add_variant_rows(rows, key, r.get(key))
     report.print_table(f"W6 cpu  {r['model']}  {r['device']}  threads={r['threads']}",
                        ["variant", "output tok/s", "seconds", "vs HF best"], rows)
     if "parity" in r:
         par = r["parity"]
         print(f"greedy parity with HF (fp32, sequential): {par['exact_match']}/{par['of']} prompts equal")
-    if b16 and "perplexity" in b16:
-        p = b16["perplexity"]
-        print(f"perplexity on {p['text_tokens']} tokens: fp32 {p['fp32']:.3f}, bf16 {p['bf16']:.3f} "
-              f"({p['change_pct']:+.2f}%)")
+    for key in ("int8", "bf16"):
+        p = (r.get(key) or {}).get("perplexity")
+        if p:
+            print(f"perplexity on {p['text_tokens']} tokens: fp32 {p['fp32']:.3f}, {key} {p[key]:.3f} "
+                  f"({p['change_pct']:+.2f}%)")
+
+
+def _add_variant_rows(rows: list, key: str, b16: dict | None) -> None:
+    if b16:
+        rows.append([f"tokenforge {key}", b16["tokenforge"]["output_tok_s"], b16["tokenforge"]["median_s"],
+                     _ratio(b16.get("ratio"))])
+        if "baseline" in b16:
+            rows.append([b16["baseline"]["name"], b16["baseline"]["output_tok_s"], b16["baseline"]["seconds"], None])
 
 
 def _ratio(x: float | None) -> str | None:

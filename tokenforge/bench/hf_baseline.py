@@ -66,6 +66,16 @@ def _forced_length(model):
 
 
 @torch.inference_mode()
+def quantize_dynamic_int8(model, module_suffixes: tuple[str, ...]):
+    """A copy of an HF model with the named nn.Linear modules dynamically quantized to int8."""
+    import copy  # noqa: PLC0415
+
+    names = {name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in module_suffixes}
+    spec = {name: torch.ao.quantization.default_dynamic_qconfig for name in names}
+    return torch.ao.quantization.quantize_dynamic(copy.deepcopy(model), qconfig_spec=spec, dtype=torch.qint8)
+
+
 def perplexity(model, ids: list[int]) -> float:
     """exp of the mean negative log-likelihood of ids[1:] given what precedes each."""
     x = torch.tensor([ids], device=model.device)                              # [1, n]

@@ -23,7 +23,7 @@ from tokenforge.executor.sampler import Sampler, SamplerOutput, SamplingBatch, c
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
-from tokenforge.model.layers.cpu_packed import prepack_linears
+from tokenforge.model.layers.cpu_packed import prepack_linears, quantize_linears_int8
 from tokenforge.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,12 @@ class ModelRunner:
         self.model = loaded.model.eval()
         self.arch = loaded.arch_config
         self.vocab_size = self.arch.vocab_size
+        if self.config.model.quantization == "int8":
+            if self.device.type != "cpu":
+                raise ValueError("quantization='int8' is implemented for the CPU path only so far")
+            logger.info("dynamic int8: %d linear weights quantized", quantize_linears_int8(self.model))
         if self.device.type == "cpu":
-            packed = prepack_linears(self.model)
-            logger.info("MKL-prepacked %d CPU linear weights", packed)
+            logger.info("MKL-prepacked %d CPU linear weights", prepack_linears(self.model))
 
     def _init_attention(self) -> None:
         name = self.config.device.attention_backend

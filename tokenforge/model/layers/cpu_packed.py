@@ -24,7 +24,12 @@ _BATCH_HINT = 32      # the row count MKL tunes the packed layout for (decode ba
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   packed: torch.Tensor | None) -> torch.Tensor:
     """F.linear, through the prepacked weight when there is one. x [T, in] -> [T, out]."""
-    if packed is None or x.dim() != 2:
+    if packed is None:
+        return F.linear(x, weight, bias)
+    if not isinstance(packed, torch.Tensor):          # int8 (fbgemm): the bias is packed with the weight
+        out = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]), packed)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+    if x.dim() != 2:
         return F.linear(x, weight, bias)
     return torch.ops.mkl._mkl_linear(x, packed, weight, bias, _BATCH_HINT)
 
@@ -33,10 +38,31 @@ def can_prepack() -> bool:
     return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
+def quantize_linears_int8(model: nn.Module) -> int:
+    """Dynamic int8 for the CPU: each quantizable linear's weight becomes int8 per output channel
+    (symmetric), packed for fbgemm; activations are quantized per call. The lm_head stays float32
+    (its logits decide every token). Returns the number of quantized modules."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        raise ValueError("int8 quantization needs PyTorch's fbgemm engine (x86 CPUs)")
+    count = 0
+    for module in model.modules():
+        if not getattr(module, "quantizable", False):
+            continue
+        weight = module.weight.detach().float()                          # [out, in]
+        scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8).double()
+        zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
+        qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        bias = module.bias if getattr(module, "bias", None) is not None and module.tp_rank == 0 else None
+        module.packed_weight = torch.ops.quantized.linear_prepack(qweight, bias)
+        module.weight.data = torch.empty(0)       # the int8 copy replaces the float32 weight
+        count += 1
+    return count
+
+
 def prepack_linears(model: nn.Module) -> int:
     """Give every module with a `packed_weight` slot an MKL-packed copy of its 2-D float32 CPU
     weight. Returns the number of packed modules (0 when packing does not apply)."""
-    modules = [m for m in model.modules() if hasattr(m, "packed_weight")]
+    modules = [m for m in model.modules() if hasattr(m, "packed_weight") and m.packed_weight is None]
     weights = [m.weight for m in modules]
     if not modules or not can_prepack() or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
         return 0

@@ -43,7 +43,8 @@ class ColumnParallelLinear(nn.Module):
         _check_shape(param.data, part, type(self).__name__)
         param.data.copy_(part)
 
-    packed_weight: torch.Tensor | None = None           # MKL-packed copy on the CPU (cpu_packed.py)
+    packed_weight: torch.Tensor | None = None           # MKL-packed or int8-packed copy (cpu_packed.py)
+    quantizable = True    # dynamic int8 (cpu_packed.quantize_linears_int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return packed_linear(x, self.weight, self.bias, self.packed_weight)     # [T, out_per_rank]
@@ -128,7 +129,10 @@ class RowParallelLinear(nn.Module):
         _check_shape(param.data, part, type(self).__name__)
         param.data.copy_(part)
 
-    packed_weight: torch.Tensor | None = None           # MKL-packed copy on the CPU (cpu_packed.py)
+    packed_weight: torch.Tensor | None = None           # MKL-packed or int8-packed copy (cpu_packed.py)
+    # o_proj and down_proj read the attention output and the SwiGLU product, whose outlier channels
+    # per-tensor int8 activations lose: on SmolLM2 quantizing them raised perplexity ~50%, not ~1%.
+    quantizable = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
