@@ -174,10 +174,16 @@ class OutputProcessor:
         p = parent.processed
         return RequestOutput(
             request_id=p.request_id, prompt=p.prompt, prompt_token_ids=p.prompt_token_ids,
-            outputs=completions, finished=finished, prompt_logprobs=parent.prompt_logprobs,
+            outputs=completions, finished=finished, prompt_logprobs=self._prompt_logprobs_of(parent),
             num_cached_tokens=parent.num_cached_tokens,
             metrics={"arrival_time": parent.arrival_time, "first_token_time": parent.first_token_time,
                      "token_times": parent.token_times})
+
+    @staticmethod
+    def _prompt_logprobs_of(parent: _Parent) -> list[dict[int, Logprob] | None] | None:
+        if parent.prompt_logprobs is None and parent.params.prompt_logprobs is not None:
+            return [None]   # a one-token prompt: its only token has no logprob
+        return parent.prompt_logprobs
 
     def _completion(self, child: _Child) -> CompletionOutput | None:
         text = child.final_text if child.lazy else child.detokenizer.text

@@ -37,7 +37,8 @@ class InputBatch:
         return torch.tensor([self.query_start_loc[r + 1] - 1 for r in rows], device=self.input_ids.device)
 
 
-def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.device) -> InputBatch:
+def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.device,
+                 pin_memory: bool = True) -> InputBatch:
     ids: list[int] = []
     positions: list[int] = []
     starts = [0]
@@ -48,7 +49,7 @@ def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.d
     attn = AttentionBatch(
         query_lens=[len(s.token_ids) for s in seqs], context_lens=[s.start_position for s in seqs],
         block_tables=[s.block_table for s in seqs], block_size=block_size, device=device)
-    pin = device.type == "cuda"
+    pin = pin_memory and device.type == "cuda"     # --memory-policy pin: async copies from pinned pages
     return InputBatch(
         input_ids=_to_device(ids, device, pin), positions=_to_device(positions, device, pin),
         attn_batch=attn, query_start_loc=starts, is_decode_only=len(ids) == len(seqs))

@@ -109,7 +109,7 @@ class ModelRunner:
         step = StepInFlight(sched.sequences)
         if sched.is_empty:
             return step
-        step.inputs = build_inputs(sched.sequences, self.block_size, self.device)
+        step.inputs = build_inputs(sched.sequences, self.block_size, self.device, self.config.cache.pin_memory)
         step.hidden = self._forward(step.inputs)
         self._sample(step)
         return step
