@@ -261,3 +261,17 @@ def rates(num_prompts: int, input_len: float, output_len: int, seconds: float) -
     return {"output_tok_s": out_tokens / seconds,
             "total_tok_s": (out_tokens + num_prompts * input_len) / seconds,
             "seconds": seconds}
+
+
+def begin(workload: str, args: argparse.Namespace, bench: str, why: str) -> tuple[dict, dict]:
+    """The start every GPU bench shares: a result record, the ceilings measured in this run, and
+    the model's config.json (which `why` needs)."""
+    from tokenforge.bench import ceilings, report  # noqa: PLC0415 - they import this module
+
+    result = report.new_result(workload, args.model, args.dtype)
+    result["ceilings"] = ceilings.measure_ceilings(device(), args.quick_ceilings)
+    print(f"ceilings: {ceilings.describe(result['ceilings'])}", flush=True)
+    cfg = workloads.load_config_dict(args.model)
+    if cfg is None:
+        raise SystemExit(f"bench {bench} needs a model with a config.json ({why}), got {args.model!r}")
+    return result, cfg

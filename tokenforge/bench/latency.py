@@ -48,12 +48,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> harness.Timin
 
 
 def main(args: argparse.Namespace) -> dict:
-    result = report.new_result("W1", args.model, args.dtype)
-    result["ceilings"] = ceilings.measure_ceilings(harness.device(), args.quick_ceilings)
-    print(f"ceilings: {ceilings.describe(result['ceilings'])}", flush=True)
-    cfg = workloads.load_config_dict(args.model)
-    if cfg is None:
-        raise SystemExit(f"bench latency needs a model with a config.json (for the roofline), got {args.model!r}")
+    result, cfg = harness.begin("W1", args, "latency", "for the roofline")
     shape = workloads.ModelShape.from_config(cfg)
     prompts = workloads.random_prompts(args.num_prompts, args.input_len, shape.vocab, args.seed)
     result["workload_args"] = {"num_prompts": args.num_prompts, "input_len": args.input_len,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenforge.bench import ceilings, harness, report, workloads
+from tokenforge.bench import harness, report, workloads
 
 
 def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
@@ -38,12 +38,7 @@ def run_variant(args: argparse.Namespace, prompts: list[list[int]], caching: boo
 
 
 def main(args: argparse.Namespace) -> dict:
-    result = report.new_result("W5", args.model, args.dtype)
-    result["ceilings"] = ceilings.measure_ceilings(harness.device(), args.quick_ceilings)
-    print(f"ceilings: {ceilings.describe(result['ceilings'])}", flush=True)
-    cfg = workloads.load_config_dict(args.model)
-    if cfg is None:
-        raise SystemExit(f"bench prefix needs a model with a config.json, got {args.model!r}")
+    result, cfg = harness.begin("W5", args, "prefix", "for its vocabulary")
     prompts = workloads.shared_prefix_prompts(args.num_groups, args.group_size, args.prefix_len,
                                               args.input_len, cfg["vocab_size"], args.seed)
     result["workload_args"] = {"num_groups": args.num_groups, "group_size": args.group_size,

@@ -87,12 +87,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[harness
 
 def main(args: argparse.Namespace) -> dict:
     resolve_workload(args)
-    result = report.new_result(args.workload, args.model, args.dtype)
-    result["ceilings"] = ceilings.measure_ceilings(harness.device(), args.quick_ceilings)
-    print(f"ceilings: {ceilings.describe(result['ceilings'])}", flush=True)
-    cfg = workloads.load_config_dict(args.model)
-    if cfg is None:
-        raise SystemExit(f"bench throughput needs a model with a config.json (for MFU), got {args.model!r}")
+    result, cfg = harness.begin(args.workload, args, "throughput", "for MFU")
     shape = workloads.ModelShape.from_config(cfg)
     prompts = workloads.random_prompts(args.num_prompts, args.input_len, shape.vocab, args.seed)
     result["workload_args"] = {"num_prompts": args.num_prompts, "input_len": args.input_len,
