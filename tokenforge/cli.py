@@ -89,6 +89,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    action=_StoreConst, const="triton", help=argparse.SUPPRESS)
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
     g.add_argument("--cuda-graphs", dest="enforce_eager", action="store_false", help="CUDA graphs on (default)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule step N+1 while step N runs on the device (default: on for CUDA)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads")
     g.add_argument("--seed", type=int, default=0)
@@ -107,7 +109,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         memory_profile=args.memory_profile, memory_fragmentation_threshold=args.memory_fragmentation_threshold,
         pin_memory=args.memory_policy == "pin", kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, device=args.device, num_threads=args.num_threads, seed=args.seed,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device, num_threads=args.num_threads, seed=args.seed,
         max_tokens_default=args.max_tokens_limit,
         profile_dir=args.profile_dir, quantization=args.quantization)
 

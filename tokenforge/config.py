@@ -83,6 +83,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048               # resolved against the model by EngineConfig.create
     max_tokens_default: int | None = None   # default max_tokens cap (playbook: --max-inference-steps)
+    async_scheduling: bool | None = None    # schedule step N+1 while step N runs; None: on for CUDA
 
     def validate(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")

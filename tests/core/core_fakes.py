@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from tokenforge.config import CacheConfig, SchedulerConfig
 from tokenforge.core.block_pool import BlockPool
-from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenforge.core.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, PositionLogprobs, WireSamplingParams
 
@@ -46,6 +46,7 @@ class FakeRunner:
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.pool = pool                      # when given, check that writes hit private blocks
         self.num_steps = 0
+        self.prev_sampled: dict[str, int] = {}   # the last step's sampled ids ("on the device")
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
@@ -54,6 +55,9 @@ class FakeRunner:
             table = seq.block_table
             for j, tok in enumerate(seq.token_ids):
                 p = seq.start_position + j
+                if tok == PLACEHOLDER_TOKEN_ID:       # as the real runner: the previous step's id
+                    assert j == len(seq.token_ids) - 1, "only the last token may be a placeholder"
+                    tok = self.prev_sampled[seq.request_id]
                 if self.pool is not None:
                     block = self.pool.blocks[table[p // bs]]
                     assert block.ref_cnt == 1 and block.block_hash is None, "write into a shared block"
@@ -69,6 +73,7 @@ class FakeRunner:
                     fake_prompt_logprob(prompt[p + 1]) for p in range(seq.start_position, end)
                     if p + 1 < len(prompt)]
         self.num_steps += 1
+        self.prev_sampled = dict(out.sampled_token_ids)
         return out
 
 
@@ -94,6 +99,7 @@ class RunResult:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     num_cached: dict[str, int] = field(default_factory=dict)
     steps: list[SchedulerOutput] = field(default_factory=list)
+    num_preempted_in_flight: int = 0     # async: tokens that arrived for an already-preempted request
 
 
 def step(sched: Scheduler, runner: FakeRunner, result: RunResult) -> SchedulerOutput:
@@ -105,6 +111,36 @@ def step(sched: Scheduler, runner: FakeRunner, result: RunResult) -> SchedulerOu
     record(result, sched.update_from_output(so, runner.execute(so)))
     result.steps.append(so)
     return so
+
+
+def run_async_to_completion(sched: Scheduler, runner: FakeRunner | None = None,
+                            result: RunResult | None = None, max_steps: int = 10_000) -> RunResult:
+    """EngineCore's async loop: step N+1 is scheduled (and run) before step N's update."""
+    runner = runner or FakeRunner(sched.num_kv_blocks, sched.block_size, sched.kv.pool)
+    result = result or RunResult()
+    in_flight = None
+    for _ in range(max_steps):
+        if in_flight is None and not sched.has_unfinished_requests():
+            break
+        if in_flight is None:
+            so = sched.schedule()
+            in_flight = (so, runner.execute(so))
+        ahead = None
+        if sched.can_schedule_ahead():
+            so = sched.schedule()
+            assert so.total_num_tokens <= sched.config.max_num_batched_tokens
+            if so.sequences:
+                ahead = (so, runner.execute(so))
+        result.num_preempted_in_flight += sum(
+            1 for s in in_flight[0].sequences
+            if s.sample and s.request_id in sched.requests and sched.requests[s.request_id].status.name == "PREEMPTED")
+        record(result, sched.update_from_output(*in_flight))
+        result.steps.append(in_flight[0])
+        in_flight = ahead
+    else:
+        raise AssertionError("the scheduler made no progress")
+    assert_pool_idle(sched)
+    return result
 
 
 def record(result: RunResult, outputs: list[EngineCoreOutput]) -> None:

@@ -99,7 +99,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return
         rid = request.request_id
-        num_full = request.num_computed_tokens // self.block_size
+        # Computed (or queued) tokens whose ids are known: a trailing placeholder is not hashed.
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         start = self._num_registered.get(rid, 0)
         if num_full <= start:
             return

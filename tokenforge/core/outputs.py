@@ -11,11 +11,17 @@ from dataclasses import dataclass, field
 
 from tokenforge.messages import PositionLogprobs, WireSamplingParams
 
+# A token id the host does not know yet: the previous step sampled it and it is still on the
+# device. Only the last token of a scheduled sequence can be one; the runner fills it in on the
+# device from the previous step's sampled ids (async scheduling).
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(slots=True)
 class ScheduledSequence:
     request_id: str
-    token_ids: list[int]            # the tokens to compute this step: all_tokens[start : start + n]
+    token_ids: list[int]            # the tokens to compute this step: all_tokens[start : start + n];
+                                    # the last may be PLACEHOLDER_TOKEN_ID (sampled by the step before)
     start_position: int             # tokens already in the KV cache (num_computed_tokens)
     block_table: list[int]          # block ids covering start_position + len(token_ids) tokens
     sample: bool                    # True when this step ends at the sequence's last known token

@@ -49,7 +49,9 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)       # prompt + output, appended in place
-    num_computed_tokens: int = 0                        # tokens whose KV is in the cache
+    num_computed_tokens: int = 0                        # tokens whose KV is in (or queued for) the cache
+    num_output_placeholders: int = 0                    # sampled on the device, not yet known here
+    needs_sync: bool = False                            # penalties or prompt logprobs: see Scheduler
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[BlockHash] = field(default_factory=list)   # of full blocks, grown lazily
     num_cached_tokens: int = 0                          # prefix-cache hit at the first schedule
@@ -75,6 +77,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,6 +8,14 @@ then waiting ones in FCFS order, under a token budget (`max_num_batched_tokens`)
 budget (`max_num_seqs`). Long prompts are chunked to the budget left. When the pool runs dry it
 preempts the newest running request by recompute: its blocks are freed and it goes back to the
 front of the queue, to recompute prompt + output later, token for token.
+
+Async scheduling: `schedule()` may run again before the previous step's output has arrived
+(the engine does this while the device works). A step advances `num_computed_tokens` when it is
+scheduled, and a sequence that samples leaves a placeholder: the next step computes that
+placeholder token (PLACEHOLDER_TOKEN_ID in `token_ids`; the runner takes its id from the device),
+and `update_from_output` replaces the placeholder with the real token. Requests whose sampling
+reads their own output history (penalties) or that want prompt logprobs need each step's output
+before the next is scheduled: while any is unfinished, `can_schedule_ahead()` is False.
 """
 
 from __future__ import annotations
@@ -18,7 +26,8 @@ from collections.abc import Iterable
 
 from tokenforge.config import CacheConfig, SchedulerConfig
 from tokenforge.core.kv_cache_manager import KVCacheManager, cdiv
-from tokenforge.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from tokenforge.core.outputs import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledSequence,
+                                     SchedulerOutput)
 from tokenforge.core.request import Request, RequestStatus
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, PositionLogprobs
 
@@ -38,6 +47,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()     # WAITING and PREEMPTED, in service order
         self.running: list[Request] = []           # in admission order: the newest is last
         self._finished_ids: list[str] = []         # finished or aborted since the last schedule()
+        self._num_needs_sync = 0                   # unfinished requests with `needs_sync`
         self.num_preemptions = 0
 
     # ---- requests in and out -------------------------------------------------------------------
@@ -58,6 +68,10 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         request = Request.from_engine_core_request(req)
+        p = request.params
+        request.needs_sync = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
+                              or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+        self._num_needs_sync += request.needs_sync
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -73,6 +87,7 @@ class Scheduler:
             was_waiting |= req.status != RequestStatus.RUNNING
             req.status, req.finished_time = RequestStatus.FINISHED_ABORTED, now
             self.kv.free(req)
+            self._num_needs_sync -= req.needs_sync
             self._finished_ids.append(rid)
         # One filtering pass each, so aborting k of n requests costs O(n), not O(k * n).
         if was_running:
@@ -82,6 +97,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether the next step may be scheduled before this one's output is known."""
+        return self._num_needs_sync == 0
 
     def get_num_running(self) -> int:
         return len(self.running)
@@ -122,14 +141,23 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
-            assert n > 0, f"running request {req.request_id} has nothing to compute"
+            # At most one token the host does not know yet: the one the step in flight samples.
+            n = min(req.num_tokens_with_placeholders, req.num_tokens + 1) - req.num_computed_tokens
+            if n <= 0 or (req.num_output_placeholders and self._ends_with_pending_token(req)):
+                i += 1                 # waits for its tokens in flight, or they are its last
+                continue
+            n = min(n, budget)
             if not self._allocate_or_preempt(req, n, preempted):
                 break
             self._add_sequence(req, n, decodes, prefills)
             budget -= n
             i += 1
         return budget
+
+    def _ends_with_pending_token(self, req: Request) -> bool:
+        """True when the tokens still on the device already reach max_tokens or the length cap."""
+        num_out = req.num_output_tokens + req.num_output_placeholders
+        return num_out >= req.params.max_tokens or req.num_tokens_with_placeholders >= self.max_len
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Allocate n slots for a running request, preempting the newest running requests (LIFO)
@@ -156,6 +184,8 @@ class Scheduler:
         now: float | None = None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_output_placeholders:
+                break                          # preempted with a token in flight: next step
             hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hit_blocks) is None:
@@ -174,13 +204,20 @@ class Scheduler:
     def _add_sequence(self, req: Request, n: int, decodes: list[ScheduledSequence],
                       prefills: list[ScheduledSequence]) -> None:
         start, tokens = req.num_computed_tokens, req.all_token_ids
+        end = start + n
+        token_ids = tokens[start:end]
+        if end > len(tokens):     # the token the step in flight samples: the runner fills it in
+            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - len(tokens)))
+        sample = end == req.num_tokens_with_placeholders
         seq = ScheduledSequence(
-            request_id=req.request_id, token_ids=tokens[start:start + n],
+            request_id=req.request_id, token_ids=token_ids,
             start_position=start, block_table=self.kv.block_table(req),
-            sample=start + n == len(tokens), params=req.params,
+            sample=sample, params=req.params,
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             want_prompt_logprobs=(req.params.prompt_logprobs is not None
                                   and self._wants_prompt_logprobs(req, start)))
+        req.num_computed_tokens = end
+        req.num_output_placeholders += sample
         (decodes if n == 1 else prefills).append(seq)
 
     @staticmethod
@@ -194,38 +231,50 @@ class Scheduler:
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Turn a finished step's placeholders into tokens; stop requests that are done.
+
+        A request preempted after this step was scheduled (async scheduling) still receives the
+        token the step sampled for it: the token is valid, only its KV was dropped.
+        """
         outputs: list[EngineCoreOutput] = []
         now = time.time()
-        any_finished = False
+        finished_running = finished_waiting = False
         for seq in scheduler_output.sequences:
             req = self.requests.get(seq.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue                       # aborted while the step ran
-            req.num_computed_tokens += len(seq.token_ids)
-            self.kv.cache_blocks(req)
+            if req is None:
+                continue                       # finished or aborted since it was scheduled
+            running = req.status == RequestStatus.RUNNING
             prompt_lps = (self._take_prompt_logprobs(req, seq, model_runner_output)
                           if seq.want_prompt_logprobs else None)
             if not seq.sample:
+                if running:
+                    self.kv.cache_blocks(req)
                 if prompt_lps:
                     outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=prompt_lps,
                                                     num_cached_tokens=req.num_cached_tokens))
                 continue
             token = model_runner_output.sampled_token_ids[req.request_id]
+            req.num_output_placeholders -= 1
             req.append_output_token(token)
+            if running:
+                self.kv.cache_blocks(req)
             if req.first_token_time is None:
                 req.first_token_time = now
             status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status, now)
-                any_finished = True
+                finished_running |= running
+                finished_waiting |= not running
             logprobs = model_runner_output.logprobs.get(req.request_id)
             outputs.append(EngineCoreOutput(
                 req.request_id, [token], [logprobs] if logprobs is not None else None,
                 prompt_logprobs=prompt_lps,
                 finish_reason=status.finish_reason.value if status is not None else None,
                 stop_token_id=req.stop_token_id, num_cached_tokens=req.num_cached_tokens))
-        if any_finished:
+        if finished_running:
             self.running = [r for r in self.running if r.status == RequestStatus.RUNNING]
+        if finished_waiting:
+            self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return outputs
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
@@ -244,6 +293,7 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         req.status, req.finished_time = status, now
         self.kv.free(req)
+        self._num_needs_sync -= req.needs_sync
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
 

@@ -35,6 +35,10 @@ class EngineCore:
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
         self.num_kv_blocks = self.executor.init_kv_cache(self.config)
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)
+        mode = self.config.scheduler.async_scheduling
+        # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
+        self.async_scheduling = mode if mode is not None else self.executor.is_async_device
+        self._in_flight: tuple[SchedulerOutput, object] | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -52,7 +56,30 @@ class EngineCore:
             self.scheduler.abort_requests(request_ids)
 
     def step(self) -> list[EngineCoreOutput]:
-        return self.finish_step(self.launch_step())
+        """Run the engine one step; returns the outputs of the step that completed.
+
+        With async scheduling, the next step is scheduled and queued on the device before this
+        one's results are read back, so the host work of both (scheduling, input building,
+        output processing by the caller) runs while the device computes.
+        """
+        if not self.async_scheduling:
+            return self.finish_step(self.launch_step())
+        if self._in_flight is None:
+            self._in_flight = self._launch_if_any()
+            if self._in_flight is None:
+                return []
+        ahead = self._launch_if_any() if self.scheduler.can_schedule_ahead() else None
+        done, self._in_flight = self._in_flight, ahead
+        return self.finish_step(done)
+
+    def drain(self) -> list[EngineCoreOutput]:
+        """Wait for the step still in flight (async scheduling) and return its outputs."""
+        done, self._in_flight = self._in_flight, None
+        return self.finish_step(done) if done is not None else []
+
+    def _launch_if_any(self) -> tuple[SchedulerOutput, object] | None:
+        launched = self.launch_step()
+        return None if launched[1] is None else launched
 
     def launch_step(self) -> tuple[SchedulerOutput, object]:
         """Schedule and queue one step on the device. The caller may do host work (such as
@@ -72,7 +99,7 @@ class EngineCore:
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.get_stats()

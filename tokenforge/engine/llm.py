@@ -94,10 +94,14 @@ class LLM:
         try:
             pending = []
             while outputs.has_unfinished():
-                # Detokenize step N-1's outputs while step N runs on the device.
-                launched = self.engine.launch_step()
-                step = outputs.process_outputs(pending)
-                pending = self.engine.finish_step(launched)
+                if self.engine.async_scheduling:
+                    # step() leaves the next step queued on the device: this detokenizes meanwhile.
+                    step = outputs.process_outputs(self.engine.step())
+                else:
+                    # Detokenize step N-1's outputs while step N runs on the device.
+                    launched = self.engine.launch_step()
+                    step = outputs.process_outputs(pending)
+                    pending = self.engine.finish_step(launched)
                 self.engine.abort_requests(step.abort_ids)
                 for out in step.request_outputs:
                     finished[out.request_id] = out
@@ -109,6 +113,8 @@ class LLM:
                 self.engine.abort_requests(outputs.abort_request(req.request_id))
             raise
         finally:
+            # A step scheduled ahead may still be queued; its requests are all finished.
+            self.engine.drain()
             if bar is not None:
                 bar.close()
         return [finished[req.request_id] for req in processed]

@@ -32,6 +32,11 @@ class Executor:
         return self.runner.arch
 
     @property
+    def is_async_device(self) -> bool:
+        """Whether `launch` returns before the device finishes (so host work can overlap it)."""
+        return self.runner.device.type == "cuda"
+
+    @property
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 

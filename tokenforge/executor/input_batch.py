@@ -6,11 +6,11 @@ In: the step's ScheduledSequences. Out: `input_ids` and `positions` tensors [T],
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tokenforge.core.outputs import ScheduledSequence
+from tokenforge.core.outputs import PLACEHOLDER_TOKEN_ID, ScheduledSequence
 from tokenforge.model.attention.backend import AttentionBatch
 
 
@@ -21,6 +21,10 @@ class InputBatch:
     attn_batch: AttentionBatch
     query_start_loc: list[int]       # [B + 1]
     is_decode_only: bool
+    # Async scheduling: input_ids rows holding a placeholder, and the row of the previous step's
+    # sampled ids that fills each (both empty when every token id is known on the host).
+    placeholder_dst: list[int] = field(default_factory=list)
+    placeholder_src: list[int] = field(default_factory=list)
 
     @property
     def num_seqs(self) -> int:
@@ -38,21 +42,32 @@ class InputBatch:
 
 
 def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.device,
-                 pin_memory: bool = True) -> InputBatch:
+                 pin_memory: bool = True, prev_rows: dict[str, int] | None = None) -> InputBatch:
+    """`prev_rows`: request id -> row in the previous step's sampled ids, for placeholders."""
     ids: list[int] = []
     positions: list[int] = []
     starts = [0]
+    dst: list[int] = []
+    src: list[int] = []
     for s in seqs:
         ids.extend(s.token_ids)
         positions.extend(range(s.start_position, s.start_position + len(s.token_ids)))
         starts.append(len(ids))
+        if s.token_ids[-1] == PLACEHOLDER_TOKEN_ID:
+            if prev_rows is None or s.request_id not in prev_rows:
+                raise RuntimeError(f"request {s.request_id}: a placeholder token with no sampled row "
+                                   "in the previous step")
+            ids[-1] = 0
+            dst.append(len(ids) - 1)
+            src.append(prev_rows[s.request_id])
     attn = AttentionBatch(
         query_lens=[len(s.token_ids) for s in seqs], context_lens=[s.start_position for s in seqs],
         block_tables=[s.block_table for s in seqs], block_size=block_size, device=device)
     pin = pin_memory and device.type == "cuda"     # --memory-policy pin: async copies from pinned pages
     return InputBatch(
         input_ids=_to_device(ids, device, pin), positions=_to_device(positions, device, pin),
-        attn_batch=attn, query_start_loc=starts, is_decode_only=len(ids) == len(seqs))
+        attn_batch=attn, query_start_loc=starts, is_decode_only=len(ids) == len(seqs),
+        placeholder_dst=dst, placeholder_src=src)
 
 
 def _to_device(values: list[int], device: torch.device, pin: bool) -> torch.Tensor:

@@ -19,7 +19,8 @@ from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, Schedule
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.executor.input_batch import InputBatch, build_inputs
 from tokenforge.executor.kv_cache import allocate_kv_caches
-from tokenforge.executor.sampler import Sampler, SamplerOutput, SamplingBatch, compute_prompt_logprobs
+from tokenforge.executor.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplingBatch,
+                                        compute_prompt_logprobs)
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
@@ -37,6 +38,9 @@ class StepInFlight:
     hidden: torch.Tensor | None = None          # [T, hidden]
     sampling: list[ScheduledSequence] = field(default_factory=list)
     sampler_output: SamplerOutput | None = None
+    host_token_ids: torch.Tensor | None = None  # [N] sampled ids, copied back asynchronously
+    host_logprobs: LogprobsTensors | None = None
+    copied: torch.cuda.Event | None = None      # recorded after those copies (CUDA only)
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +65,10 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
+        # The last launched step's sampled ids (device) and each sampling request's row in them:
+        # the next step's placeholder tokens are read from here (async scheduling).
+        self._prev_rows: dict[str, int] = {}
+        self._prev_tokens: torch.Tensor | None = None
 
     # ---- init steps -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
@@ -109,10 +117,46 @@ class ModelRunner:
         step = StepInFlight(sched.sequences)
         if sched.is_empty:
             return step
-        step.inputs = build_inputs(sched.sequences, self.block_size, self.device, self.config.cache.pin_memory)
+        step.inputs = build_inputs(sched.sequences, self.block_size, self.device, self.config.cache.pin_memory,
+                                   self._prev_rows)
+        self._fill_placeholders(step.inputs)
         step.hidden = self._forward(step.inputs)
         self._sample(step)
+        self._prev_rows = {s.request_id: i for i, s in enumerate(step.sampling)}
+        self._prev_tokens = step.sampler_output.token_ids if step.sampler_output is not None else None
+        self._copy_back(step)
         return step
+
+    def _fill_placeholders(self, inputs: InputBatch) -> None:
+        """Write the previous step's sampled ids (still on the device) into the placeholder rows."""
+        dst, src = inputs.placeholder_dst, inputs.placeholder_src
+        if not dst:
+            return
+        n = len(dst)
+        if n == inputs.num_tokens and dst == src and src[-1] == n - 1:   # rows kept their order
+            inputs.input_ids = self._prev_tokens[:n]
+            return
+        index = torch.tensor([dst, src], dtype=torch.long)
+        if self.device.type == "cuda":
+            index = index.pin_memory().to(self.device, non_blocking=True)
+        inputs.input_ids.index_copy_(0, index[0], self._prev_tokens.index_select(0, index[1]))
+
+    def _copy_back(self, step: StepInFlight) -> None:
+        """Queue the device-to-host copies of the sampled ids (and logprobs) behind the step."""
+        out = step.sampler_output
+        if out is None:
+            return
+        if self.device.type != "cuda":
+            step.host_token_ids, step.host_logprobs = out.token_ids, out.logprobs
+            return
+        step.host_token_ids = out.token_ids.to("cpu", non_blocking=True)
+        if out.logprobs is not None:
+            lp = out.logprobs
+            step.host_logprobs = LogprobsTensors(
+                lp.token_ids.to("cpu", non_blocking=True), lp.logprobs.to("cpu", non_blocking=True),
+                lp.sampled_rank.to("cpu", non_blocking=True), lp.num_logprobs)
+        step.copied = torch.cuda.Event()
+        step.copied.record()
 
     @torch.inference_mode()
     def collect(self, step: StepInFlight) -> ModelRunnerOutput:
@@ -120,11 +164,14 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if step.inputs is None:
             return out
-        if step.sampler_output is not None:
-            for s, tok in zip(step.sampling, step.sampler_output.token_ids.tolist()):
+        if step.copied is not None:
+            # Waits for this step only: a step queued after it keeps the device busy.
+            step.copied.synchronize()
+        if step.host_token_ids is not None:
+            for s, tok in zip(step.sampling, step.host_token_ids.tolist()):
                 out.sampled_token_ids[s.request_id] = tok
-            if step.sampler_output.logprobs is not None:
-                for s, pos in zip(step.sampling, step.sampler_output.logprobs.to_position_logprobs()):
+            if step.host_logprobs is not None:
+                for s, pos in zip(step.sampling, step.host_logprobs.to_position_logprobs()):
                     if s.params.logprobs is not None:
                         out.logprobs[s.request_id] = pos
         self._prompt_logprobs(step.sequences, step.inputs, step.hidden, out)
