@@ -95,3 +95,28 @@ def test_chunked_prefill_and_prefix_hits_match_full_prefill():
         for tok in la:
             assert abs(la[tok].logprob - lb[tok].logprob) < 1e-3
     _free(cached)
+
+
+@pytest.mark.parametrize("kwargs", [dict(), dict(num_kv_blocks=40, block_size=16)], ids=["roomy", "preempting"])
+def test_async_scheduling_matches_sync(kwargs):
+    """Async scheduling (default on CUDA) against the synchronous loop: same tokens, logprobs and
+    finish reasons, with CUDA graphs, mixed sampling modes, EOS-free and stopping requests."""
+    prompts = _prompts(24, 500, seed=3, lo=20, hi=120)
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=33, temperature=0.8, top_p=0.9, seed=11),
+              SamplingParams(max_tokens=25, temperature=0, logprobs=2, stop_token_ids=[7, 9, 11])] * 8
+    results, preemptions = {}, {}
+    for mode in (False, True):
+        kw = {"kv_cache_memory": None} if kwargs else {}
+        llm = _llm("tiny-llama", dtype="float32", async_scheduling=mode, max_num_seqs=16, **kw, **kwargs)
+        assert llm.engine.async_scheduling is mode
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        results[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                          [sorted(d) for d in (o.outputs[0].logprobs or [])]) for o in outs]
+        stats = llm.get_stats()
+        assert stats.num_free_blocks == stats.num_kv_blocks
+        preemptions[mode] = stats.num_preemptions
+        _free(llm)
+    assert results[True] == results[False]
+    if kwargs:
+        assert preemptions[True] > 0
