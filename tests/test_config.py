@@ -41,3 +41,14 @@ def test_unknown_argument():
 
 def test_parse_size():
     assert parse_size("8GB") == 8 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size(100) == 100
+
+
+def test_batch_limits_default_by_device_and_explicit_values_win():
+    from tokenforge.config import EngineConfig
+
+    cpu = EngineConfig.from_kwargs(device="cpu").scheduler
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (256, 2048)
+    gpu = EngineConfig.from_kwargs(device="cuda").scheduler
+    assert (gpu.max_num_seqs, gpu.max_num_batched_tokens) == (512, 8192)
+    mine = EngineConfig.from_kwargs(device="cuda", max_num_seqs=64, max_num_batched_tokens=None).scheduler
+    assert (mine.max_num_seqs, mine.max_num_batched_tokens) == (64, 8192)

@@ -107,6 +107,12 @@ def build_llm(args: argparse.Namespace, **overrides):
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     print(f"tokenforge: built LLM in {time.perf_counter() - t0:.1f} s with {kwargs}", flush=True)
+    sched = llm.config.scheduler
+    # What the engine resolved (device defaults included), recorded in the result JSON.
+    args.resolved_engine = {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+                            "max_model_len": sched.max_model_len, "num_kv_blocks": llm.engine.num_kv_blocks,
+                            "async_scheduling": llm.engine.async_scheduling}
+    print(f"tokenforge: engine {args.resolved_engine}", flush=True)
     return llm
 
 

@@ -26,13 +26,20 @@ import torch
 
 from tokenforge.kernels._triton import set_pdl
 from tokenforge.kernels.activation import silu_and_mul
+from tokenforge.kernels.gemv import NORM, PLAIN, SILU_MUL, GemvConfig, add_rms_norm_gemv, gemv, silu_mul_gemv
 from tokenforge.kernels.kv_store import store_kv
 from tokenforge.kernels.paged_attention import choose_num_splits, decode_attention, prefill_attention
 from tokenforge.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from tokenforge.kernels.rotary import apply_rotary, build_rope_cache
 
-HQ, HKV, D, BS, HIDDEN, INTER = 32, 8, 128, 16, 4096, 14336
+HQ, HKV, D, BS, HIDDEN, INTER, VOCAB = 32, 8, 128, 16, 4096, 14336, 128256
 DT = torch.bfloat16
+# name -> (N, K, the prologue the model fuses into it)
+GEMV_SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN, NORM), "o": (HIDDEN, HQ * D, PLAIN),
+               "gate_up": (2 * INTER, HIDDEN, NORM), "down": (HIDDEN, INTER, SILU_MUL), "lm_head": (VOCAB, HIDDEN, PLAIN)}
+GEMV_SWEEP = [GemvConfig(1, bn, bk, w) for bn, bk, w in ((2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4),
+                                                          (4, 2048, 8), (8, 512, 4), (8, 1024, 4), (8, 1024, 8),
+                                                          (16, 256, 4), (16, 512, 8))]
 
 
 def guarded(fn: Callable[[], list[dict]], label: str) -> list[dict]:
@@ -281,10 +288,12 @@ def bench_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
 
 
 def bench_full_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
-    """A batch-1 Llama-3.1-8B decode step with real-size weights (cuBLAS linears) and our kernels.
+    """A batch-1 Llama-3.1-8B decode step with real-size weights and our kernels.
 
-    Embedding lookup and sampling are left out. Variants: the GEMM walk alone; with our kernels
-    (PDL default); with our kernels and PDL off. Answers how much the non-GEMM kernels cost in situ.
+    Embedding lookup and sampling are left out. Variants: the cuBLAS GEMM walk alone; cuBLAS with
+    our kernels (PDL default, and off); the fused Triton GEMVs (norm+qkv, o, norm+gate_up,
+    silu+down, lm_head) with our other kernels (PDL default, and off). Answers what the non-GEMM
+    kernels cost in situ and what the GEMVs save.
     """
     def weight(out_f: int, in_f: int) -> torch.Tensor:
         return torch.randn(out_f, in_f, dtype=DT, device=device).mul_(in_f ** -0.5)
@@ -294,7 +303,7 @@ def bench_full_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
     w_o = [weight(HIDDEN, HQ * D) for _ in range(layers)]
     w_gu = [weight(2 * INTER, HIDDEN) for _ in range(layers)]
     w_down = [weight(HIDDEN, INTER) for _ in range(layers)]
-    lm_head = weight(128256 if layers == 32 else 1024, HIDDEN)
+    lm_head = weight(VOCAB if layers == 32 else 1024, HIDDEN)
     caches, tables = _paged_caches(1, ctx + 1, layers, device)
     seq_lens = torch.full((1,), ctx + 1, dtype=torch.int32, device=device)
     cos_sin = build_rope_cache(D, 8192, 500000.0, device=device)
@@ -302,18 +311,19 @@ def bench_full_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
     x, res = torch.randn(1, HIDDEN, dtype=DT, device=device), torch.zeros(1, HIDDEN, dtype=DT, device=device)
     pos, slots = torch.tensor([ctx], device=device), torch.tensor([ctx], dtype=torch.int32, device=device)
 
+    def attention(qkv: torch.Tensor, i: int) -> torch.Tensor:
+        q = qkv[:, : HQ * D].view(1, HQ, D)
+        k, v = qkv[:, HQ * D: (HQ + HKV) * D].view(1, HKV, D), qkv[:, (HQ + HKV) * D:].view(1, HKV, D)
+        apply_rotary(q, k, pos, cos_sin, v=v, kv_cache=caches[i], slot_mapping=slots)
+        return decode_attention(q, caches[i], tables, seq_lens, D ** -0.5).reshape(1, HQ * D)
+
     def step(kernels: bool):
         h = x.clone()
         for i in range(layers):
             if kernels:
                 fused_add_rms_norm(h, res, norm_w, 1e-5, out=h)
             qkv = f.linear(h, w_qkv[i])                              # [1, 6144]
-            q = qkv[:, : HQ * D].view(1, HQ, D)
-            if kernels:
-                k, v = qkv[:, HQ * D: (HQ + HKV) * D].view(1, HKV, D), qkv[:, (HQ + HKV) * D:].view(1, HKV, D)
-                apply_rotary(q, k, pos, cos_sin, v=v, kv_cache=caches[i], slot_mapping=slots)
-                q = decode_attention(q, caches[i], tables, seq_lens, D ** -0.5)
-            h = f.linear(q.reshape(1, HQ * D), w_o[i])
+            h = f.linear(attention(qkv, i) if kernels else qkv[:, : HQ * D], w_o[i])
             if kernels:
                 fused_add_rms_norm(h, res, norm_w, 1e-5, out=h)
             gu = f.linear(h, w_gu[i])
@@ -322,15 +332,89 @@ def bench_full_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
             h = rms_norm(h, norm_w, 1e-5)
         return f.linear(h, lm_head)
 
+    def gemv_step():
+        h, r = x.clone(), None
+        for i in range(layers):
+            qkv, r = add_rms_norm_gemv(h, r, norm_w, 1e-5, w_qkv[i])
+            h = gemv(attention(qkv, i), w_o[i])
+            gu, r = add_rms_norm_gemv(h, r, norm_w, 1e-5, w_gu[i])
+            h = silu_mul_gemv(gu, w_down[i])
+        h, _ = fused_add_rms_norm(h, r, norm_w, 1e-5)
+        return gemv(h, lm_head)
+
     rows = []
-    for name, kernels, pdl in (("gemm_only", False, None), ("full", True, None), ("full,pdl_off", True, False)):
+    for name, fn, pdl in (("gemm_only", lambda: step(False), None), ("full", lambda: step(True), None),
+                          ("full,pdl_off", lambda: step(True), False), ("gemv", gemv_step, None),
+                          ("gemv,pdl_off", gemv_step, False)):
         set_pdl(pdl)
         try:
-            sec = time_call(lambda kernels=kernels: step(kernels), device)
+            sec = time_call(fn, device)
         finally:
             set_pdl(None)
         rows.append({"ctx": ctx, "variant": name, "ms_per_token": sec * 1e3, "tok_per_s": 1 / sec})
     return rows
+
+
+def _gemv_cases(m: int, n: int, k: int, prologue: int, ws: list[torch.Tensor], device, sweep: list) -> dict:
+    """variant name -> one call over every weight copy. cuBLAS F.linear, the unfused pair it
+    replaces (our norm / SiLU kernel + cuBLAS), our plain GEMV per config, our fused GEMV."""
+    f, nw = torch.nn.functional, torch.ones(k, dtype=DT, device=device)
+    x, r = torch.randn(m, k, dtype=DT, device=device), torch.randn(m, k, dtype=DT, device=device)
+    gu = torch.randn(m, 2 * k, dtype=DT, device=device)
+    def tag(cfg: GemvConfig | None) -> str:
+        return "" if cfg is None else str(tuple(cfg[:4])).replace(" ", "")
+
+    cases = {"cublas": lambda: [f.linear(x, w) for w in ws]}
+    for cfg in sweep:
+        cases["gemv" + tag(cfg)] = lambda cfg=cfg: [gemv(x, w, config=cfg) for w in ws]
+    if prologue == NORM:
+        cases["cublas+add_norm"] = lambda: [f.linear(fused_add_rms_norm(x, r, nw, 1e-5)[0], w) for w in ws]
+        for cfg in dict.fromkeys([None] + sweep):
+            cases["add_norm_gemv" + tag(cfg)] = lambda cfg=cfg: [add_rms_norm_gemv(x, r, nw, 1e-5, w, config=cfg)
+                                                                  for w in ws]
+    elif prologue == SILU_MUL:
+        cases["cublas+silu"] = lambda: [f.linear(silu_and_mul(gu), w) for w in ws]
+        for cfg in dict.fromkeys([None] + sweep):
+            cases["silu_gemv" + tag(cfg)] = lambda cfg=cfg: [silu_mul_gemv(gu, w, config=cfg) for w in ws]
+    return cases
+
+
+def bench_gemv(device, bw: float, smoke: bool = False) -> list[dict]:
+    """Per shape and batch size: time per call and % of HBM read bandwidth (weight bytes only)."""
+    rows = []
+    for name, (n, k, prologue) in GEMV_SHAPES.items():
+        n, k = (n // 64, k // 64) if smoke else (n, k)
+        copies = max(2, min(16, _layers_for(n * k * 2, 256 * 2**20)))     # rotate well past the L2
+        ws = [torch.randn(n, k, dtype=DT, device=device).mul_(k ** -0.5) for _ in range(copies)]
+        for m in (1, 2, 4):
+            sweep = (GEMV_SWEEP[:2] if smoke else GEMV_SWEEP) if m == 1 else [None]
+            for variant, fn in _gemv_cases(m, n, k, prologue, ws, device, sweep).items():
+                try:
+                    sec = time_call(fn, device) / copies
+                except Exception as exc:  # noqa: BLE001
+                    print(f"ERROR gemv {name} M={m} {variant}: {exc!r}", flush=True)
+                    continue
+                rows.append({"shape": name, "N": n, "K": k, "M": m, "variant": variant, "us": sec * 1e6,
+                             "frac_of_read_bw": n * k * 2 / sec / bw})
+        del ws
+    return rows
+
+
+def gemv_main(out_dir: str, smoke: bool = False) -> dict:
+    """Only the GEMV table and the full decode step (`python -m tokenforge.bench.kernels OUT --gemv`)."""
+    device = torch.device("cpu" if smoke else "cuda")
+    torch.manual_seed(0)
+    bw = hbm_read_bandwidth(device, gib=0.01 if smoke else 4.0)
+    result: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu-interpreter",
+                    "command": f"python -m tokenforge.bench.kernels {out_dir} --gemv", "git_commit": _git_commit(),
+                    "torch": torch.__version__, "hbm_read_GBps": bw / 1e9}
+    result["gemv"] = guarded(lambda: bench_gemv(device, 1.0 if smoke else bw, smoke), "gemv")
+    _save(out_dir, result)
+    result["decode_step_full"] = guarded(lambda: bench_full_decode_step(64 if smoke else 384, device,
+                                                                          2 if smoke else 32), "full step")
+    _save(out_dir, result)
+    _print_table(result)
+    return result
 
 
 def main(out_dir: str, smoke: bool = False) -> dict:
@@ -395,6 +479,9 @@ def _print_table(r: dict) -> None:
     for row in ok("ops"):
         print(f"op {row['op']:<20} T={row['tokens']:<5} {row['us']:8.2f} us {row['GBps']:7.0f} GB/s "
               f"{100 * row['frac_of_read_bw']:5.1f}%")
+    for row in ok("gemv"):
+        print(f"gemv {row['shape']:<8} M={row['M']} {row['variant']:<32} {row['us']:8.2f} us "
+              f"{100 * row['frac_of_read_bw']:5.1f}%")
     for row in ok("decode_step_nongemm"):
         print(f"B=1 decode step non-GEMM kernels, ctx {row['ctx']}, attention {row['variant']}: "
               f"{row['us_per_token']:.1f} us/token")
@@ -403,4 +490,5 @@ def _print_table(r: dict) -> None:
               f"{row['ms_per_token']:.3f} ms/token = {row['tok_per_s']:.1f} tok/s")
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench/results", smoke="--smoke" in sys.argv)
+    (gemv_main if "--gemv" in sys.argv else main)(sys.argv[1] if len(sys.argv) > 1 else "bench/results",
+                                                  smoke="--smoke" in sys.argv)

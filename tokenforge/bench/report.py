@@ -91,6 +91,8 @@ def result_filename(result: dict) -> str:
 
 def save(result: dict, args: argparse.Namespace) -> list[Path]:
     """Write the result JSON to the results folder and copy it to `--out`; returns the paths."""
+    if getattr(args, "resolved_engine", None):
+        result.setdefault("engine", args.resolved_engine)
     results_dir = Path(getattr(args, "results_dir", None) or DEFAULT_RESULTS_DIR)
     results_dir.mkdir(parents=True, exist_ok=True)
     path = results_dir / result_filename(result)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tokenforge.bench import ceilings, harness, hf_baseline, plot, report, workloads
 
-DEFAULT_SWEEP = "1,8,32,128,256"
+DEFAULT_SWEEP = "1,8,32,128,256,512"
 
 
 def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
