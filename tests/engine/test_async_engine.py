@@ -71,3 +71,17 @@ def test_async_engine_falls_back_to_sync_for_penalties_and_stays_correct(sync_ou
     # a second call reuses the engine: nothing was left in flight
     again = llm.generate(PROMPTS, _params(), use_tqdm=False)
     assert [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in again] == sync_outputs
+
+
+def test_a_prefix_computed_in_the_same_step_is_shared_and_correct():
+    """Blocks are registered when scheduled: a request admitted in the same step as the one that
+    computes its prefix shares those blocks (the KV store of a layer precedes its attention)."""
+    prompt = "The history of the printing press begins in the fifteenth century. " * 8
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    alone = LLM(max_model_len=512).generate(prompt, params, use_tqdm=False)[0]
+    llm = LLM(max_model_len=512)
+    first, second = llm.generate([prompt, prompt + " And"], params, use_tqdm=False)
+    assert second.num_cached_tokens >= 64 and first.num_cached_tokens == 0
+    assert first.outputs[0].token_ids == alone.outputs[0].token_ids
+    reference = LLM(max_model_len=512, enable_prefix_caching=False).generate(prompt + " And", params, use_tqdm=False)
+    assert second.outputs[0].token_ids == reference[0].outputs[0].token_ids

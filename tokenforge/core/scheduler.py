@@ -218,6 +218,10 @@ class Scheduler:
                                   and self._wants_prompt_logprobs(req, start)))
         req.num_computed_tokens = end
         req.num_output_placeholders += sample
+        # Register the blocks this step fills now, not at its update: a request scheduled next
+        # (possibly before this step's output is read back) can hit them, and the device runs
+        # its steps in order, so their KV is written before it is read.
+        self.kv.cache_blocks(req)
         (decodes if n == 1 else prefills).append(seq)
 
     @staticmethod
