@@ -320,3 +320,12 @@ def test_cuda_matches_cpu_without_host_sync():
     cpu = Sampler()(logits, build(params, prompts, outputs))
     assert torch.equal(out.token_ids[:4].cpu(), cpu.token_ids[:4])
     assert torch.allclose(out.logprobs.logprobs[:4].cpu(), cpu.logprobs.logprobs[:4], atol=1e-5)
+
+
+def test_greedy_fast_path_on_bf16_logits_picks_the_float32_argmax_ties_included():
+    torch.manual_seed(0)
+    logits = (torch.randn(16, 5000) * 4).to(torch.bfloat16)      # bf16 rounding makes many ties
+    logits[3, 10] = logits[3, 20] = logits[3].max() + 1              # an exact tie: the first wins
+    out = Sampler()(logits, build([P(temperature=0.0)] * 16, vocab=5000))
+    assert out.logprobs is None
+    assert out.token_ids.tolist() == logits.float().argmax(dim=-1).tolist() and out.token_ids[3] == 10

@@ -54,6 +54,9 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        if batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None:
+            # bf16 -> fp32 is exact, so the argmax of the raw logits is the same token: one launch.
+            return SamplerOutput(logits.argmax(dim=-1), None)
         logits = logits.float()                                                  # [N, V]
         raw_logprobs = None
         if batch.max_num_logprobs is not None:
