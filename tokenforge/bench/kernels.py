@@ -36,10 +36,11 @@ HQ, HKV, D, BS, HIDDEN, INTER, VOCAB = 32, 8, 128, 16, 4096, 14336, 128256
 DT = torch.bfloat16
 # name -> (N, K, the prologue the model fuses into it)
 GEMV_SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN, NORM), "o": (HIDDEN, HQ * D, PLAIN),
-               "gate_up": (2 * INTER, HIDDEN, NORM), "down": (HIDDEN, INTER, SILU_MUL), "lm_head": (VOCAB, HIDDEN, PLAIN)}
-GEMV_SWEEP = [GemvConfig(1, bn, bk, w) for bn, bk, w in ((2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4),
-                                                          (4, 2048, 8), (8, 512, 4), (8, 1024, 4), (8, 1024, 8),
-                                                          (16, 256, 4), (16, 512, 8))]
+               "gate_up": (2 * INTER, HIDDEN, NORM), "down": (HIDDEN, INTER, SILU_MUL),
+               "lm_head": (VOCAB, HIDDEN, PLAIN)}
+GEMV_SWEEP = {1: [GemvConfig(1, bn, bk) for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 512), (8, 1024))],
+              2: [GemvConfig(2, bn, bk) for bn, bk in ((2, 1024), (4, 512), (8, 256))],
+              4: [GemvConfig(4, bn, bk) for bn, bk in ((2, 512), (4, 256), (8, 128))]}
 
 
 def guarded(fn: Callable[[], list[dict]], label: str) -> list[dict]:
@@ -332,20 +333,26 @@ def bench_full_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
             h = rms_norm(h, norm_w, 1e-5)
         return f.linear(h, lm_head)
 
-    def gemv_step():
+    def gemv_step(all_fused: bool):
+        """As the model runs at batch 1 (only qkv takes a fused prologue: gemv.fuses_prologue)."""
         h, r = x.clone(), None
         for i in range(layers):
             qkv, r = add_rms_norm_gemv(h, r, norm_w, 1e-5, w_qkv[i])
             h = gemv(attention(qkv, i), w_o[i])
-            gu, r = add_rms_norm_gemv(h, r, norm_w, 1e-5, w_gu[i])
-            h = silu_mul_gemv(gu, w_down[i])
+            if all_fused:
+                gu, r = add_rms_norm_gemv(h, r, norm_w, 1e-5, w_gu[i])
+                h = silu_mul_gemv(gu, w_down[i])
+            else:
+                h, r = fused_add_rms_norm(h, r, norm_w, 1e-5, out=h)
+                h = gemv(silu_and_mul(gemv(h, w_gu[i])), w_down[i])
         h, _ = fused_add_rms_norm(h, r, norm_w, 1e-5)
         return gemv(h, lm_head)
 
     rows = []
     for name, fn, pdl in (("gemm_only", lambda: step(False), None), ("full", lambda: step(True), None),
-                          ("full,pdl_off", lambda: step(True), False), ("gemv", gemv_step, None),
-                          ("gemv,pdl_off", gemv_step, False)):
+                          ("full,pdl_off", lambda: step(True), False), ("gemv", lambda: gemv_step(False), None),
+                          ("gemv,pdl_off", lambda: gemv_step(False), False),
+                          ("gemv,all_fused", lambda: gemv_step(True), None)):
         set_pdl(pdl)
         try:
             sec = time_call(fn, device)
@@ -387,7 +394,7 @@ def bench_gemv(device, bw: float, smoke: bool = False) -> list[dict]:
         copies = max(2, min(16, _layers_for(n * k * 2, 256 * 2**20)))     # rotate well past the L2
         ws = [torch.randn(n, k, dtype=DT, device=device).mul_(k ** -0.5) for _ in range(copies)]
         for m in (1, 2, 4):
-            sweep = (GEMV_SWEEP[:2] if smoke else GEMV_SWEEP) if m == 1 else [None]
+            sweep = GEMV_SWEEP[m][:2] if smoke else GEMV_SWEEP[m]
             for variant, fn in _gemv_cases(m, n, k, prologue, ws, device, sweep).items():
                 try:
                     sec = time_call(fn, device) / copies

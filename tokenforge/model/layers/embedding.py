@@ -11,8 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenforge.model.layers.parallel import all_gather_last_dim, all_reduce, new_parameter
-from tokenforge.model.layers.cpu_packed import packed_linear
+from tokenforge.model.layers.linear import dense_linear
+from tokenforge.model.layers.parallel import (
+    all_gather_last_dim,
+    all_reduce,
+    new_parameter,
+)
 
 
 class VocabEmbedding(nn.Module):
@@ -54,7 +58,7 @@ class LMHead(VocabEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = packed_linear(hidden, self.weight, None, self.packed_weight)   # [N, V_per_rank]
+        logits = dense_linear(hidden, self.weight, None, self.packed_weight)    # [N, V_per_rank]
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits, self.tp_size)
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

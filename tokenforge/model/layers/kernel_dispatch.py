@@ -1,9 +1,13 @@
-"""Which implementation the fused layers (norm, rotary, activation) use: torch or Triton.
+"""Which implementation the fused layers (norm, rotary, activation, small-batch linears) use.
 
 The torch path is the reference and the CPU path. On CUDA, when `tokenforge.kernels` imports with
 Triton available, the layers call its fused kernels instead. The choice is made per call from the
 tensor's device (a dict lookup), so one model object works on either device, and tests can force
 the torch path with `use_triton_kernels(False)`.
+
+Linears take the Triton GEMVs (`gemv_ops`) only at decode sizes (<= GEMV_MAX_TOKENS rows) with
+16-bit weights and no autograd; everything else keeps cuBLAS (or the CPU's packed weights).
+`use_gemv_kernels(False)` turns off just the GEMVs.
 """
 
 from __future__ import annotations
@@ -16,7 +20,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+GEMV_MAX_TOKENS = 1       # measured on an H200: faster than cuBLAS at M = 1, slower at M = 2-4
+_GEMV_DTYPES = (torch.bfloat16, torch.float16)
+
 _enabled = True
+_gemv_enabled = True
 
 
 def use_triton_kernels(enabled: bool) -> None:
@@ -25,10 +33,16 @@ def use_triton_kernels(enabled: bool) -> None:
     _enabled = enabled
 
 
+def use_gemv_kernels(enabled: bool) -> None:
+    """Allow (default) or forbid the Triton GEMVs alone (the other fused kernels are unaffected)."""
+    global _gemv_enabled
+    _gemv_enabled = enabled
+
+
 @functools.cache
 def _load_triton_ops() -> SimpleNamespace | None:
     try:
-        from tokenforge.kernels import activation, rms_norm, rotary  # noqa: PLC0415 - optional
+        from tokenforge.kernels import activation, gemv, rms_norm, rotary  # noqa: PLC0415 - optional
         from tokenforge.kernels._triton import HAS_TRITON  # noqa: PLC0415
     except ImportError as exc:  # kernels are optional: the torch path always works
         logger.info("Triton kernels unavailable (%s); using torch layers", exc)
@@ -40,6 +54,10 @@ def _load_triton_ops() -> SimpleNamespace | None:
         fused_add_rms_norm=rms_norm.fused_add_rms_norm,
         apply_rotary=rotary.apply_rotary,
         silu_and_mul=activation.silu_and_mul,
+        gemv=gemv.gemv,
+        add_rms_norm_gemv=gemv.add_rms_norm_gemv,
+        silu_mul_gemv=gemv.silu_mul_gemv,
+        fuses_prologue=gemv.fuses_prologue,
     )
 
 
@@ -48,3 +66,12 @@ def triton_ops(device: torch.device) -> SimpleNamespace | None:
     if device.type != "cuda" or not _enabled:
         return None
     return _load_triton_ops()
+
+
+def gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> SimpleNamespace | None:
+    """The Triton namespace when x [T, in] @ weight^T should run as a GEMV, else None (cuBLAS/CPU)."""
+    if (not _gemv_enabled or x.dim() != 2 or x.shape[0] > GEMV_MAX_TOKENS or weight.dtype not in _GEMV_DTYPES
+            or x.dtype != weight.dtype or weight.stride(-1) != 1
+            or (weight.requires_grad and torch.is_grad_enabled())):    # the kernels have no backward
+        return None
+    return triton_ops(x.device)

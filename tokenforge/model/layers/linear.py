@@ -6,6 +6,11 @@ shard_id naming which checkpoint tensor is arriving. Weights are [out, in] as in
 
 Column-parallel layers split the output dim across ranks (no communication); row-parallel layers
 split the input dim and all-reduce the partial sums.
+
+At decode sizes on CUDA the matmul is a Triton GEMV (kernel_dispatch.gemv_ops), and two fusions
+fold the neighbouring elementwise op into it: `forward_normed` (residual add + RMSNorm, then this
+column-parallel projection) and `forward_silu_mul` (SwiGLU, then this row-parallel projection).
+Every other case runs the unfused modules, so results agree up to bf16 rounding.
 """
 
 from __future__ import annotations
@@ -13,8 +18,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenforge.model.layers.parallel import all_reduce, divide, new_parameter
 from tokenforge.model.layers.cpu_packed import packed_linear
+from tokenforge.model.layers.kernel_dispatch import gemv_ops
+from tokenforge.model.layers.parallel import all_reduce, divide, new_parameter
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ weight^T (+ bias): a Triton GEMV at decode sizes on CUDA, else packed_linear."""
+    ops = gemv_ops(x, weight) if packed is None else None
+    return ops.gemv(x, weight, bias) if ops is not None else packed_linear(x, weight, bias, packed)
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -47,7 +60,19 @@ class ColumnParallelLinear(nn.Module):
     quantizable = True    # dynamic int8 (cpu_packed.quantize_linears_int8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, self.weight, self.bias, self.packed_weight)     # [T, out_per_rank]
+        return dense_linear(x, self.weight, self.bias, self.packed_weight)      # [T, out_per_rank]
+
+    def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(norm(x, residual)) -> (y [T, out_per_rank], new residual [T, in]); `norm` is an
+        RMSNorm. With residual None, x is the residual. One fused GEMV at decode sizes."""
+        ops = gemv_ops(x, self.weight) if self.packed_weight is None else None
+        if ops is not None and ops.fuses_prologue(*self.weight.shape):
+            return ops.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        if residual is None:
+            return self(norm(x)), x
+        h, residual = norm(x, residual)
+        return self(h), residual
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -136,5 +161,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = packed_linear(x, self.weight, bias, self.packed_weight)   # [T, out]
+        y = dense_linear(x, self.weight, bias, self.packed_weight)    # [T, out]
+        return all_reduce(y) if self.tp_size > 1 else y
+
+    def forward_silu_mul(self, act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(act_fn(gate_up)) for gate_up [T, 2 * in_per_rank] = [gate | up] and act_fn a
+        SiluAndMul; one fused GEMV at decode sizes."""
+        ops = gemv_ops(gate_up, self.weight) if self.packed_weight is None else None
+        if ops is None or not ops.fuses_prologue(*self.weight.shape):
+            return self(act_fn(gate_up))
+        y = ops.silu_mul_gemv(gate_up, self.weight, self.bias if self.tp_rank == 0 else None)   # [T, out]
         return all_reduce(y) if self.tp_size > 1 else y
