@@ -100,6 +100,22 @@ def engine_kwargs(args: argparse.Namespace, **overrides) -> dict:
     return kwargs
 
 
+def profile_run(llm, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """With --profile-dir: one more (untimed) pass under torch.profiler; the trace goes there and
+    the device-busy fraction to `args.profile` (near 100%: the loop is GPU-bound)."""
+    if not getattr(args, "profile_dir", None):
+        return
+    params = sampling_params(args.output_len, cache_salt="profile")
+    llm.start_profile()
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    table = llm.stop_profile()
+    summary = getattr(llm.engine.executor, "profile_summary", None) or {}
+    args.profile = {**summary, "wall_s": wall, "profile_dir": args.profile_dir}
+    print(table.split("\n\n")[0] if summary else table[:2000], flush=True)
+
+
 def build_llm(args: argparse.Namespace, **overrides):
     from tokenforge import LLM  # noqa: PLC0415 - the engine is heavy; import on use
 

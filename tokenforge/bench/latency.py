@@ -43,6 +43,7 @@ def tokenforge_figures(timing: harness.Timing, num_prompts: int, input_len: int,
 def measure(args: argparse.Namespace, prompts: list[list[int]]) -> harness.Timing:
     llm = harness.build_llm(args)
     timing, _ = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
+    harness.profile_run(llm, prompts, args)
     harness.shutdown(llm)
     return timing
 
@@ -63,6 +64,8 @@ def main(args: argparse.Namespace) -> dict:
     timing = measure(args, prompts)
     harness.release_memory()
     tf = tokenforge_figures(timing, args.num_prompts, args.input_len, args.output_len)
+    if getattr(args, "profile", None):
+        tf["profile"] = args.profile
     result["tokenforge"] = tf
     result["roofline"] = roofline(shape, args.dtype, result["ceilings"]["read_bw_tbps"],
                                   args.input_len, args.output_len)

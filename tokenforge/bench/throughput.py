@@ -80,6 +80,7 @@ def sweep(llm, prompts: list[list[int]], args: argparse.Namespace) -> list[dict]
 def measure(args: argparse.Namespace, prompts: list[list[int]]) -> tuple[harness.Timing, list[dict]]:
     llm = harness.build_llm(args)
     timing, _ = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
+    harness.profile_run(llm, prompts, args)
     points = sweep(llm, prompts, args) if args.sweep else []
     harness.shutdown(llm)
     return timing, points
@@ -100,6 +101,8 @@ def main(args: argparse.Namespace) -> dict:
     tf = {**harness.rates(args.num_prompts, args.input_len, args.output_len, timing.median), **timing.summary()}
     itl = harness.percentiles(timing.itl_ms)
     tf["ms_per_token_p50"], tf["ms_per_token_p99"] = itl[50], itl[99]
+    if getattr(args, "profile", None):
+        tf["profile"] = args.profile
 
     result["tokenforge"] = tf
     result.update(efficiency(shape, tf, args, result["ceilings"]["matmul_tflops"]))

@@ -74,6 +74,7 @@ class Executor:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(
             activities=activities, on_trace_ready=torch.profiler.tensorboard_trace_handler(profile_dir))
+        self.profile_summary: dict | None = None
         self._profiler.start()
 
     def stop_profile(self) -> str:
@@ -84,9 +85,36 @@ class Executor:
         profiler.stop()
         sort = "self_cuda_time_total" if self.runner.device.type == "cuda" else "self_cpu_time_total"
         table = profiler.key_averages().table(sort_by=sort, row_limit=25)
+        self.profile_summary = device_busy(profiler.events())
+        if self.profile_summary:
+            s = self.profile_summary
+            table = (f"device busy {s['busy_ms']:.1f} ms of {s['span_ms']:.1f} ms between the first and the "
+                     f"last kernel ({100 * s['busy_frac']:.1f}%), {s['num_kernels']} device events\n\n{table}")
         with open(os.path.join(self.runner.config.device.profile_dir, "summary.txt"), "w", encoding="utf-8") as f:
             f.write(table)
         return table
 
     def shutdown(self) -> None:
         self.runner = None
+
+
+def device_busy(events) -> dict | None:
+    """How much of the profiled span the GPU was executing something (kernels, copies, graph
+    nodes): the union of the device events' intervals over the first-start..last-end span. Near
+    100% means the host keeps the device fed; host-bound loops show up as gaps."""
+    from torch.autograd import DeviceType  # noqa: PLC0415
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    if not spans:
+        return None
+    busy, cur_start, cur_end = 0.0, spans[0][0], spans[0][1]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    span = max(end for _, end in spans) - spans[0][0]
+    return {"busy_ms": busy / 1e3, "span_ms": span / 1e3, "busy_frac": busy / span if span else 0.0,
+            "num_kernels": len(spans)}
