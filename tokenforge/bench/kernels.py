@@ -1,7 +1,8 @@
 """Kernel micro-benchmark: decode/prefill attention and the fused ops at Llama-3.1-8B shapes.
 
 In: an output folder. Out: `kernels.json` there (ceilings, every timing, achieved GB/s or
-TFLOP/s) and a short table on stdout. Run: `python -m tokenforge.bench.kernels OUT_DIR`.
+TFLOP/s) and a short table on stdout. Run: `python -m tokenforge.bench.kernels OUT_DIR`
+(`--gemv`: only the small-M GEMV table and the whole decode step, from kernels_gemv.py).
 
 Method (shared/BENCHMARKING.md): the HBM read ceiling is measured in the same run; each case is
 warmed up (Triton compiles outside the timing), captured in a CUDA graph and replayed, and the
@@ -26,7 +27,6 @@ import torch
 
 from tokenforge.kernels._triton import set_pdl
 from tokenforge.kernels.activation import silu_and_mul
-from tokenforge.kernels.gemv import NORM, PLAIN, SILU_MUL, GemvConfig, add_rms_norm_gemv, gemv, silu_mul_gemv
 from tokenforge.kernels.kv_store import store_kv
 from tokenforge.kernels.paged_attention import choose_num_splits, decode_attention, prefill_attention
 from tokenforge.kernels.rms_norm import fused_add_rms_norm, rms_norm
@@ -34,13 +34,6 @@ from tokenforge.kernels.rotary import apply_rotary, build_rope_cache
 
 HQ, HKV, D, BS, HIDDEN, INTER, VOCAB = 32, 8, 128, 16, 4096, 14336, 128256
 DT = torch.bfloat16
-# name -> (N, K, the prologue the model fuses into it)
-GEMV_SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN, NORM), "o": (HIDDEN, HQ * D, PLAIN),
-               "gate_up": (2 * INTER, HIDDEN, NORM), "down": (HIDDEN, INTER, SILU_MUL),
-               "lm_head": (VOCAB, HIDDEN, PLAIN)}
-GEMV_SWEEP = {1: [GemvConfig(1, bn, bk) for bn, bk in ((2, 1024), (4, 512), (4, 1024), (8, 512), (8, 1024))],
-              2: [GemvConfig(2, bn, bk) for bn, bk in ((2, 1024), (4, 512), (8, 256))],
-              4: [GemvConfig(4, bn, bk) for bn, bk in ((2, 512), (4, 256), (8, 128))]}
 
 
 def guarded(fn: Callable[[], list[dict]], label: str) -> list[dict]:
@@ -97,11 +90,11 @@ def hbm_read_bandwidth(device: torch.device, gib: float = 4.0) -> float:
     return x.numel() * 2 / statistics.median(times)
 
 
-def _layers_for(bytes_per_layer: int, target: int = 512 * 2**20, cap: int = 128) -> int:
+def layers_for(bytes_per_layer: int, target: int = 512 * 2**20, cap: int = 128) -> int:
     return max(2, min(cap, math.ceil(target / max(bytes_per_layer, 1))))
 
 
-def _paged_caches(batch: int, seq_len: int, layers: int, device: torch.device):
+def paged_caches(batch: int, seq_len: int, layers: int, device: torch.device):
     """`layers` random KV caches plus one shuffled block table [batch, blocks] shared by them."""
     per_seq = -(-seq_len // BS)
     num_blocks = batch * per_seq
@@ -112,8 +105,8 @@ def _paged_caches(batch: int, seq_len: int, layers: int, device: torch.device):
 
 def bench_decode(batch: int, ctx: int, variants: dict[str, dict], device, bw: float, max_layers: int) -> list[dict]:
     kv_bytes = batch * ctx * HKV * D * 2 * 2
-    layers = _layers_for(kv_bytes, cap=max_layers)
-    caches, tables = _paged_caches(batch, ctx, layers, device)
+    layers = layers_for(kv_bytes, cap=max_layers)
+    caches, tables = paged_caches(batch, ctx, layers, device)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
     q = torch.randn(batch, HQ, D, dtype=DT, device=device)
     out = torch.empty_like(q)
@@ -148,7 +141,7 @@ def _prefill_flops(ctx_lens: list[int], q_lens: list[int]) -> float:
 def bench_prefill(name: str, ctx_lens: list[int], q_lens: list[int], configs: dict, device) -> list[dict]:
     seq_lens_l = [c + q for c, q in zip(ctx_lens, q_lens)]
     per_seq = max(-(-s // BS) for s in seq_lens_l)
-    caches, tables = _paged_caches(len(q_lens), per_seq * BS, 1, device)
+    caches, tables = paged_caches(len(q_lens), per_seq * BS, 1, device)
     seq_lens = torch.tensor(seq_lens_l, dtype=torch.int32, device=device)
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32, device=device)
     q = torch.randn(sum(q_lens), HQ, D, dtype=DT, device=device)
@@ -241,7 +234,7 @@ def bench_ops(tokens: int, device, bw: float, pdl: bool | None = None) -> list[d
 def _bench_ops(tokens: int, device, bw: float, tag: str) -> list[dict]:
     rows = []
     for name, (factory, nbytes) in _op_cases(tokens, device).items():
-        sets = [factory() for _ in range(max(2, min(64, _layers_for(nbytes, 256 * 2**20))))]
+        sets = [factory() for _ in range(max(2, min(64, layers_for(nbytes, 256 * 2**20))))]
 
         def run(sets=sets):
             for call in sets:
@@ -258,7 +251,7 @@ def _bench_ops(tokens: int, device, bw: float, tag: str) -> list[dict]:
 
 def bench_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
     """Every non-GEMM kernel of a batch-1 Llama-3.1-8B decode step, 32 layers, one graph."""
-    caches, tables = _paged_caches(1, ctx + 1, layers, device)
+    caches, tables = paged_caches(1, ctx + 1, layers, device)
     seq_lens = torch.full((1,), ctx + 1, dtype=torch.int32, device=device)
     cos_sin = build_rope_cache(D, 8192, 500000.0, device=device)
     w = torch.randn(HIDDEN, dtype=DT, device=device)
@@ -288,149 +281,22 @@ def bench_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
     return rows
 
 
-def bench_full_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
-    """A batch-1 Llama-3.1-8B decode step with real-size weights and our kernels.
-
-    Embedding lookup and sampling are left out. Variants: the cuBLAS GEMM walk alone; cuBLAS with
-    our kernels (PDL default, and off); the fused Triton GEMVs (norm+qkv, o, norm+gate_up,
-    silu+down, lm_head) with our other kernels (PDL default, and off). Answers what the non-GEMM
-    kernels cost in situ and what the GEMVs save.
-    """
-    def weight(out_f: int, in_f: int) -> torch.Tensor:
-        return torch.randn(out_f, in_f, dtype=DT, device=device).mul_(in_f ** -0.5)
-
-    f = torch.nn.functional
-    w_qkv = [weight((HQ + 2 * HKV) * D, HIDDEN) for _ in range(layers)]
-    w_o = [weight(HIDDEN, HQ * D) for _ in range(layers)]
-    w_gu = [weight(2 * INTER, HIDDEN) for _ in range(layers)]
-    w_down = [weight(HIDDEN, INTER) for _ in range(layers)]
-    lm_head = weight(VOCAB if layers == 32 else 1024, HIDDEN)
-    caches, tables = _paged_caches(1, ctx + 1, layers, device)
-    seq_lens = torch.full((1,), ctx + 1, dtype=torch.int32, device=device)
-    cos_sin = build_rope_cache(D, 8192, 500000.0, device=device)
-    norm_w = torch.ones(HIDDEN, dtype=DT, device=device)
-    x, res = torch.randn(1, HIDDEN, dtype=DT, device=device), torch.zeros(1, HIDDEN, dtype=DT, device=device)
-    pos, slots = torch.tensor([ctx], device=device), torch.tensor([ctx], dtype=torch.int32, device=device)
-
-    def attention(qkv: torch.Tensor, i: int) -> torch.Tensor:
-        q = qkv[:, : HQ * D].view(1, HQ, D)
-        k, v = qkv[:, HQ * D: (HQ + HKV) * D].view(1, HKV, D), qkv[:, (HQ + HKV) * D:].view(1, HKV, D)
-        apply_rotary(q, k, pos, cos_sin, v=v, kv_cache=caches[i], slot_mapping=slots)
-        return decode_attention(q, caches[i], tables, seq_lens, D ** -0.5).reshape(1, HQ * D)
-
-    def step(kernels: bool):
-        h = x.clone()
-        for i in range(layers):
-            if kernels:
-                fused_add_rms_norm(h, res, norm_w, 1e-5, out=h)
-            qkv = f.linear(h, w_qkv[i])                              # [1, 6144]
-            h = f.linear(attention(qkv, i) if kernels else qkv[:, : HQ * D], w_o[i])
-            if kernels:
-                fused_add_rms_norm(h, res, norm_w, 1e-5, out=h)
-            gu = f.linear(h, w_gu[i])
-            h = f.linear(silu_and_mul(gu) if kernels else gu[:, :INTER], w_down[i])
-        if kernels:
-            h = rms_norm(h, norm_w, 1e-5)
-        return f.linear(h, lm_head)
-
-    def gemv_step(all_fused: bool):
-        """As the model runs at batch 1 (only qkv takes a fused prologue: gemv.fuses_prologue)."""
-        h, r = x.clone(), None
-        for i in range(layers):
-            qkv, r = add_rms_norm_gemv(h, r, norm_w, 1e-5, w_qkv[i])
-            h = gemv(attention(qkv, i), w_o[i])
-            if all_fused:
-                gu, r = add_rms_norm_gemv(h, r, norm_w, 1e-5, w_gu[i])
-                h = silu_mul_gemv(gu, w_down[i])
-            else:
-                h, r = fused_add_rms_norm(h, r, norm_w, 1e-5, out=h)
-                h = gemv(silu_and_mul(gemv(h, w_gu[i])), w_down[i])
-        h, _ = fused_add_rms_norm(h, r, norm_w, 1e-5)
-        return gemv(h, lm_head)
-
-    rows = []
-    for name, fn, pdl in (("gemm_only", lambda: step(False), None), ("full", lambda: step(True), None),
-                          ("full,pdl_off", lambda: step(True), False), ("gemv", lambda: gemv_step(False), None),
-                          ("gemv,pdl_off", lambda: gemv_step(False), False),
-                          ("gemv,all_fused", lambda: gemv_step(True), None)):
-        set_pdl(pdl)
-        try:
-            sec = time_call(fn, device)
-        finally:
-            set_pdl(None)
-        rows.append({"ctx": ctx, "variant": name, "ms_per_token": sec * 1e3, "tok_per_s": 1 / sec})
-    return rows
-
-
-def _gemv_cases(m: int, n: int, k: int, prologue: int, ws: list[torch.Tensor], device, sweep: list) -> dict:
-    """variant name -> one call over every weight copy. cuBLAS F.linear, the unfused pair it
-    replaces (our norm / SiLU kernel + cuBLAS), our plain GEMV per config, our fused GEMV."""
-    f, nw = torch.nn.functional, torch.ones(k, dtype=DT, device=device)
-    x, r = torch.randn(m, k, dtype=DT, device=device), torch.randn(m, k, dtype=DT, device=device)
-    gu = torch.randn(m, 2 * k, dtype=DT, device=device)
-    def tag(cfg: GemvConfig | None) -> str:
-        return "" if cfg is None else str(tuple(cfg[:4])).replace(" ", "")
-
-    cases = {"cublas": lambda: [f.linear(x, w) for w in ws]}
-    for cfg in sweep:
-        cases["gemv" + tag(cfg)] = lambda cfg=cfg: [gemv(x, w, config=cfg) for w in ws]
-    if prologue == NORM:
-        cases["cublas+add_norm"] = lambda: [f.linear(fused_add_rms_norm(x, r, nw, 1e-5)[0], w) for w in ws]
-        for cfg in dict.fromkeys([None] + sweep):
-            cases["add_norm_gemv" + tag(cfg)] = lambda cfg=cfg: [add_rms_norm_gemv(x, r, nw, 1e-5, w, config=cfg)
-                                                                  for w in ws]
-    elif prologue == SILU_MUL:
-        cases["cublas+silu"] = lambda: [f.linear(silu_and_mul(gu), w) for w in ws]
-        for cfg in dict.fromkeys([None] + sweep):
-            cases["silu_gemv" + tag(cfg)] = lambda cfg=cfg: [silu_mul_gemv(gu, w, config=cfg) for w in ws]
-    return cases
-
-
-def bench_gemv(device, bw: float, smoke: bool = False) -> list[dict]:
-    """Per shape and batch size: time per call and % of HBM read bandwidth (weight bytes only)."""
-    rows = []
-    for name, (n, k, prologue) in GEMV_SHAPES.items():
-        n, k = (n // 64, k // 64) if smoke else (n, k)
-        copies = max(2, min(16, _layers_for(n * k * 2, 256 * 2**20)))     # rotate well past the L2
-        ws = [torch.randn(n, k, dtype=DT, device=device).mul_(k ** -0.5) for _ in range(copies)]
-        for m in (1, 2, 4):
-            sweep = GEMV_SWEEP[m][:2] if smoke else GEMV_SWEEP[m]
-            for variant, fn in _gemv_cases(m, n, k, prologue, ws, device, sweep).items():
-                try:
-                    sec = time_call(fn, device) / copies
-                except Exception as exc:  # noqa: BLE001
-                    print(f"ERROR gemv {name} M={m} {variant}: {exc!r}", flush=True)
-                    continue
-                rows.append({"shape": name, "N": n, "K": k, "M": m, "variant": variant, "us": sec * 1e6,
-                             "frac_of_read_bw": n * k * 2 / sec / bw})
-        del ws
-    return rows
-
-
-def gemv_main(out_dir: str, smoke: bool = False) -> dict:
-    """Only the GEMV table and the full decode step (`python -m tokenforge.bench.kernels OUT --gemv`)."""
+def start_run(out_dir: str, smoke: bool, flags: str = "") -> tuple[torch.device, float, dict]:
+    """(device, measured HBM read bytes/s, the result record) for a kernel bench run."""
     device = torch.device("cpu" if smoke else "cuda")
     torch.manual_seed(0)
     bw = hbm_read_bandwidth(device, gib=0.01 if smoke else 4.0)
     result: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu-interpreter",
-                    "command": f"python -m tokenforge.bench.kernels {out_dir} --gemv", "git_commit": _git_commit(),
+                    "command": f"python -m tokenforge.bench.kernels {out_dir}{flags}", "git_commit": _git_commit(),
                     "torch": torch.__version__, "hbm_read_GBps": bw / 1e9}
-    result["gemv"] = guarded(lambda: bench_gemv(device, 1.0 if smoke else bw, smoke), "gemv")
-    _save(out_dir, result)
-    result["decode_step_full"] = guarded(lambda: bench_full_decode_step(64 if smoke else 384, device,
-                                                                          2 if smoke else 32), "full step")
-    _save(out_dir, result)
-    _print_table(result)
-    return result
+    return device, bw, result
 
 
 def main(out_dir: str, smoke: bool = False) -> dict:
-    device = torch.device("cpu" if smoke else "cuda")
-    torch.manual_seed(0)
-    bw = hbm_read_bandwidth(device, gib=0.01 if smoke else 4.0)
-    result: dict = {"device": torch.cuda.get_device_name() if not smoke else "cpu-interpreter",
-                    "command": f"python -m tokenforge.bench.kernels {out_dir}", "git_commit": _git_commit(),
-                    "torch": torch.__version__, "hbm_read_GBps": bw / 1e9, "decode": [], "prefill": [], "ops": []}
+    from tokenforge.bench.kernels_gemv import bench_full_decode_step  # noqa: PLC0415 - it imports this module
+
+    device, bw, result = start_run(out_dir, smoke)
+    result |= {"decode": [], "prefill": [], "ops": []}
     bw = bw if not smoke else 1.0
     ctxs, batches = ([64], [1, 4]) if smoke else ([384, 512, 4096], [1, 256])
     for batch in batches:
@@ -441,23 +307,23 @@ def main(out_dir: str, smoke: bool = False) -> dict:
             result["decode"] += guarded(lambda: bench_decode(batch, ctx, variants, device, bw, 4 if smoke else 128),
                                         f"decode B={batch} ctx={ctx}")
             result["decode"][-1]["heuristic_splits"] = splits
-            _save(out_dir, result)
+            save_result(out_dir, result)
     cfgs = {"default": None, "q32_n64_w8_s3": (32, 64, 8, 3), "q16_n32_w4_s2": (16, 32, 4, 2)}
     prefill_cases = ([("1x64", [0], [64])] if smoke else
                      [("1x2048", [0], [2048]), ("8x512", [0] * 8, [512] * 8), ("chunk512_ctx3584", [3584], [512])])
     for name, ctx_l, q_l in prefill_cases:
         result["prefill"] += guarded(lambda: bench_prefill(name, ctx_l, q_l, cfgs, device), f"prefill {name}")
-        _save(out_dir, result)
+        save_result(out_dir, result)
     for tokens in ([1, 3] if smoke else [1, 256, 2048]):
         result["ops"] += guarded(lambda: bench_ops(tokens, device, bw), f"ops T={tokens}")
     result["ops"] += guarded(lambda: bench_ops(1, device, bw, pdl=False), "ops T=1 pdl off")
     result["decode_step_full"] = guarded(lambda: bench_full_decode_step(64 if smoke else 384, device,
                                                                           2 if smoke else 32), "full step")
-    _save(out_dir, result)
+    save_result(out_dir, result)
     result["decode_step_nongemm"] = guarded(lambda: bench_decode_step(64 if smoke else 384, device, 2 if smoke else 32),
                                             "decode step")
-    _save(out_dir, result)
-    _print_table(result)
+    save_result(out_dir, result)
+    print_table(result)
     return result
 
 
@@ -468,12 +334,12 @@ def _git_commit() -> str | None:
         return None
 
 
-def _save(out_dir: str, result: dict) -> None:
+def save_result(out_dir: str, result: dict) -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "kernels.json").write_text(json.dumps(result, indent=1))
 
 
-def _print_table(r: dict) -> None:
+def print_table(r: dict) -> None:
     def ok(key: str) -> list[dict]:
         return [row for row in r.get(key, []) if "error" not in row]
 
@@ -497,5 +363,7 @@ def _print_table(r: dict) -> None:
               f"{row['ms_per_token']:.3f} ms/token = {row['tok_per_s']:.1f} tok/s")
 
 if __name__ == "__main__":
-    (gemv_main if "--gemv" in sys.argv else main)(sys.argv[1] if len(sys.argv) > 1 else "bench/results",
-                                                  smoke="--smoke" in sys.argv)
+    if "--gemv" in sys.argv:
+        from tokenforge.bench.kernels_gemv import gemv_main  # noqa: PLC0415
+    run = gemv_main if "--gemv" in sys.argv else main
+    run(sys.argv[1] if len(sys.argv) > 1 else "bench/results", smoke="--smoke" in sys.argv)
