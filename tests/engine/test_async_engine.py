@@ -85,3 +85,28 @@ def test_a_prefix_computed_in_the_same_step_is_shared_and_correct():
     assert first.outputs[0].token_ids == alone.outputs[0].token_ids
     reference = LLM(max_model_len=512, enable_prefix_caching=False).generate(prompt + " And", params, use_tqdm=False)
     assert second.outputs[0].token_ids == reference[0].outputs[0].token_ids
+
+
+def test_an_interrupted_async_generate_leaves_the_engine_clean(monkeypatch):
+    from tokenforge.engine import output_processor
+
+    llm = LLM("tiny-llama", load_format="dummy", device="cpu", max_model_len=256, async_scheduling=True)
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    real, calls = output_processor.OutputProcessor.process_outputs, []
+
+    def flaky(self, outs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real(self, outs)
+
+    monkeypatch.setattr(output_processor.OutputProcessor, "process_outputs", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(output_processor.OutputProcessor, "process_outputs", real)
+    stats = llm.get_stats()
+    assert not llm.engine.has_unfinished_requests()
+    assert stats.num_free_blocks == stats.num_kv_blocks and stats.num_running == stats.num_waiting == 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected

@@ -107,14 +107,17 @@ class LLM:
                     finished[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
+            self.engine.drain()      # a step scheduled ahead may still be queued; its requests are done
         except BaseException:
             # Leave the engine usable: whatever was in flight is aborted and its blocks freed.
             for req in processed:
                 self.engine.abort_requests(outputs.abort_request(req.request_id))
+            try:
+                self.engine.drain()
+            except Exception:  # noqa: BLE001 - the error being raised is the one to report
+                logger.exception("a step in flight failed while unwinding an interrupted generate()")
             raise
         finally:
-            # A step scheduled ahead may still be queued; its requests are all finished.
-            self.engine.drain()
             if bar is not None:
                 bar.close()
         return [finished[req.request_id] for req in processed]
