@@ -111,8 +111,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         memory_profile=args.memory_profile, memory_fragmentation_threshold=args.memory_fragmentation_threshold,
         pin_memory=args.memory_policy == "pin", kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device, num_threads=args.num_threads, seed=args.seed,
-        max_tokens_default=args.max_tokens_limit,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
+        num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
         profile_dir=args.profile_dir, quantization=args.quantization)
 
 

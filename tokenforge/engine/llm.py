@@ -29,7 +29,8 @@ logger = logging.getLogger(__name__)
 
 class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int = 16,
-                 max_model_len: int | None = None, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int | None = None,
+                 max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | str | None = None, seed: int = 0, load_format: str = "auto",
                  **kwargs) -> None:
