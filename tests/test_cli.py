@@ -60,3 +60,12 @@ def test_generate_on_the_bundled_model():
                           "--max-tokens", "6", "--quiet"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+
+
+def test_async_scheduling_and_batch_limits_default_to_the_device():
+    default = _engine_args([])
+    assert default["async_scheduling"] is None                  # auto: on for CUDA
+    assert default["max_num_seqs"] is None and default["max_num_batched_tokens"] is None
+    assert _engine_args(["--no-async-scheduling"])["async_scheduling"] is False
+    assert _engine_args(["--async-scheduling", "--batch-size", "8"]) == {
+        **default, "async_scheduling": True, "max_num_seqs": 8}
