@@ -93,14 +93,30 @@ class SchedulerConfig:
                f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
 
 
+EXECUTOR_BACKENDS = ("auto", "uni", "mp", "torchrun")
+
+
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # auto: one process without parallelism; `torchrun` when launched by it (WORLD_SIZE > 1 in the
+    # environment); else `mp`, one worker process per rank on this host.
+    distributed_executor_backend: str = "auto"
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def validate(self) -> None:
         _check(self.tensor_parallel_size >= 1 and self.pipeline_parallel_size >= 1,
                "tensor_parallel_size and pipeline_parallel_size must be >= 1")
+        _check(self.distributed_executor_backend in EXECUTOR_BACKENDS,
+               f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+               f"got {self.distributed_executor_backend!r}")
+        _check(self.distributed_executor_backend != "uni" or self.world_size == 1,
+               "distributed_executor_backend 'uni' runs one process: it cannot serve "
+               f"tensor_parallel_size x pipeline_parallel_size = {self.world_size}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +214,22 @@ _SUBCONFIGS = {
     "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
     "parallel": ParallelConfig, "load": LoadConfig, "device": DeviceConfig,
 }
+
+
+def encode_config(config: EngineConfig) -> bytes:
+    """The config as msgpack (plain maps of its sub-configs): it crosses to child processes (the
+    engine core, the workers) unpickled."""
+    import msgspec  # noqa: PLC0415
+
+    return msgspec.msgpack.encode(dataclasses.asdict(config))
+
+
+def decode_config(data: bytes) -> EngineConfig:
+    # Rebuilt field by field rather than type-checked: it was validated in the parent already.
+    import msgspec  # noqa: PLC0415
+
+    groups = msgspec.msgpack.decode(data)
+    return EngineConfig(**{name: type(getattr(EngineConfig(), name))(**values) for name, values in groups.items()})
 
 
 @dataclass(frozen=True, slots=True)

@@ -90,6 +90,46 @@ class EngineStats(msgspec.Struct):
     allocator_fragmentation: float = 0.0  # device allocator: reserved-but-unallocated / reserved
 
 
+# ---- engine core (rank 0) -> workers (ranks 1..N-1), once per step ------------------------------
+
+class WorkerSequence(msgspec.Struct, array_like=True):
+    """What a non-driver rank needs of a scheduled sequence: the tokens and where their KV goes.
+    Sampling happens on rank 0 only, so penalties' token lists and sampling params stay there."""
+
+    request_id: str
+    token_ids: list[int]             # the last may be a placeholder (PLACEHOLDER_TOKEN_ID)
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    prompt_logprob_rows: int = 0     # rows of this chunk whose logits rank 0 computes (a TP collective)
+
+
+class WorkerStep(msgspec.Struct, tag="step", array_like=True):
+    sequences: list[WorkerSequence]
+    finished_request_ids: list[str]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+
+class WorkerInitKVCache(msgspec.Struct, tag="init_kv", array_like=True):
+    """Profile memory (a forward pass every rank runs in step), agree on the block count, allocate."""
+
+    max_model_len: int               # resolved against the model by the engine core
+
+
+class WorkerProfile(msgspec.Struct, tag="profile", array_like=True):
+    start: bool
+
+
+class WorkerShutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+WorkerMessage = WorkerStep | WorkerInitKVCache | WorkerProfile | WorkerShutdown
+
+
 # ---- user-facing outputs (vLLM-shaped) ----------------------------------------------------------
 
 @dataclass(slots=True)

@@ -14,7 +14,6 @@ a Fatal message, when a step raises.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import os
@@ -26,7 +25,7 @@ import traceback
 import msgspec
 import zmq
 
-from tokenforge.config import EngineConfig
+from tokenforge.config import EngineConfig, decode_config, encode_config  # noqa: F401 - re-exported
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -85,17 +84,6 @@ class Fatal(msgspec.Struct, tag="fatal"):
 
 
 OutputMessage = Ready | StepOutputs | Rejected | Stats | Fatal
-
-
-def encode_config(config: EngineConfig) -> bytes:
-    """The config as msgpack (plain maps of its sub-configs): it crosses to the child unpickled."""
-    return msgspec.msgpack.encode(dataclasses.asdict(config))
-
-
-def decode_config(data: bytes) -> EngineConfig:
-    # Rebuilt field by field rather than type-checked: it was validated in the parent already.
-    groups = msgspec.msgpack.decode(data)
-    return EngineConfig(**{name: type(getattr(EngineConfig(), name))(**values) for name, values in groups.items()})
 
 
 def load_core_class(path: str):

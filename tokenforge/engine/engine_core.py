@@ -12,7 +12,7 @@ import logging
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
-from tokenforge.executor.executor import Executor
+from tokenforge.executor.factory import create_executor
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
-        self.executor = Executor(config)
+        self.executor = create_executor(config)
         arch = self.executor.arch
         self.config = config.with_max_model_len(
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))

@@ -67,6 +67,16 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def shutdown(self) -> None:
+        """Stop the engine: with tensor/pipeline parallelism, the worker processes exit."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
     def get_stats(self) -> EngineStats:
         return self.engine.get_stats()
 

@@ -36,15 +36,17 @@ class KVSizing:
                 f"({tokens} tokens, {tokens / max_model_len:.1f} concurrent full-length sequences)")
 
 
-def kv_bytes_per_block(arch, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(layers, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one block across this rank's attention layers (its pipeline stage, its TP heads)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_hidden_layers * block_size * arch.num_key_value_heads * arch.head_dim * elem
+    return sum(2 * block_size * layer.num_kv_heads * layer.head_dim * elem for layer in layers)
 
 
-def allocate_kv_caches(backend, arch, num_blocks: int, block_size: int, dtype: torch.dtype,
+def allocate_kv_caches(backend, layers, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
-    shape = backend.kv_cache_shape(num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
+    """One cache per attention layer of this rank, holding only this rank's KV heads."""
+    return [torch.zeros(backend.kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_dim),
+                        dtype=dtype, device=device) for layer in layers]
 
 
 def _model_bytes(model: torch.nn.Module) -> int:
@@ -53,7 +55,7 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 def determine_kv_sizing(runner, config: EngineConfig, max_model_len: int) -> KVSizing:
     cache, sched = config.cache, config.scheduler
-    block_bytes = kv_bytes_per_block(runner.arch, cache.block_size, runner.dtype)
+    block_bytes = kv_bytes_per_block(runner.model.attention_layers(), cache.block_size, runner.dtype)
     weights = _model_bytes(runner.model)
     peak = 0
     if cache.num_kv_blocks is not None:

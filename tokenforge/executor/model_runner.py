@@ -16,6 +16,8 @@ import torch
 
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSequence
+from tokenforge.distributed import parallel_state
+from tokenforge.executor.pipeline import StageComm
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.executor.input_batch import InputBatch, build_inputs
 from tokenforge.executor.kv_cache import allocate_kv_caches
@@ -41,6 +43,7 @@ class StepInFlight:
     host_token_ids: torch.Tensor | None = None  # [N] sampled ids, copied back asynchronously
     host_logprobs: LogprobsTensors | None = None
     copied: torch.cuda.Event | None = None      # recorded after those copies (CUDA only)
+    prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -55,12 +58,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = torch.device(config.device.resolved_device())
+        # This process's place among the ranks (rank 0 of 1 without tensor/pipeline parallelism).
+        self.rank = parallel_state.parallel_rank()
+        self.device = parallel_state.torch_device_for(self.rank, config.device.resolved_device())
         self.dtype = resolve_dtype(config.model.dtype, self.device)
         self.block_size = config.cache.block_size
         self._init_threads()
         self._init_model()
         self._init_attention()
+        self.stages = StageComm(self.rank, self.device, self.dtype, self.arch.hidden_size)
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -76,8 +82,9 @@ class ModelRunner:
             torch.set_num_threads(self.config.device.num_threads)
 
     def _init_model(self) -> None:
+        r = self.rank
         loaded = load_model(self.config.model.model, self.config.load.load_format, self.dtype,
-                            self.device, self.config.model.seed)
+                            self.device, self.config.model.seed, r.tp_rank, r.tp_size, r.pp_rank, r.pp_size)
         self.model = loaded.model.eval()
         self.arch = loaded.arch_config
         self.vocab_size = self.arch.vocab_size
@@ -97,11 +104,12 @@ class ModelRunner:
             layer.backend = self.backend
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.kv_caches = allocate_kv_caches(self.backend, self.arch, num_blocks, self.block_size,
-                                            self.dtype, self.device)
-        for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
+        layers = self.model.attention_layers()
+        self.kv_caches = allocate_kv_caches(self.backend, layers, num_blocks, self.block_size, self.dtype, self.device)
+        for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
-        if self.device.type == "cuda" and self.backend.name == "triton" and not self.config.device.enforce_eager:
+        if (self.device.type == "cuda" and self.backend.name == "triton" and not self.config.device.enforce_eager
+                and self.rank.pp_size == 1):
             self.graphs = CudaGraphRunner(self, num_blocks)
             self.graphs.capture()
 
@@ -119,13 +127,32 @@ class ModelRunner:
             return step
         step.inputs = build_inputs(sched.sequences, self.block_size, self.device, self.config.cache.pin_memory,
                                    self._prev_rows)
-        self._fill_placeholders(step.inputs)
+        if self.rank.is_first_stage:
+            self._fill_placeholders(step.inputs)
         step.hidden = self._forward(step.inputs)
-        self._sample(step)
+        step.sampling = [s for s in step.sequences if s.sample]
         self._prev_rows = {s.request_id: i for i, s in enumerate(step.sampling)}
-        self._prev_tokens = step.sampler_output.token_ids if step.sampler_output is not None else None
+        if not self.rank.is_first_stage:      # later stages neither sample nor read the ids back
+            return step
+        if self.rank.is_driver:
+            self._sample(step)
+            self._prev_tokens = step.sampler_output.token_ids if step.sampler_output is not None else None
+        else:
+            self._prev_tokens = self._follow_sampling(step)
+        self._prompt_logits(step)
+        if self.rank.tp_size > 1 and step.sampling:
+            # Every rank of the first stage embeds the next step's placeholders: one source of truth.
+            torch.distributed.broadcast(self._prev_tokens, src=0, group=parallel_state.tp_group())
         self._copy_back(step)
         return step
+
+    def _follow_sampling(self, step: StepInFlight) -> torch.Tensor | None:
+        """A first-stage worker: take part in the LM head's collectives; rank 0 samples."""
+        rows = [i for i, s in enumerate(step.sequences) if s.sample]
+        if not rows:
+            return None
+        self.model.compute_logits(step.hidden[step.inputs.last_token_index(rows)])
+        return torch.empty(len(rows), dtype=torch.long, device=self.device)
 
     def _fill_placeholders(self, inputs: InputBatch) -> None:
         """Write the previous step's sampled ids (still on the device) into the placeholder rows."""
@@ -174,7 +201,7 @@ class ModelRunner:
                 for s, pos in zip(step.sampling, step.host_logprobs.to_position_logprobs()):
                     if s.params.logprobs is not None:
                         out.logprobs[s.request_id] = pos
-        self._prompt_logprobs(step.sequences, step.inputs, step.hidden, out)
+        self._prompt_logprobs(step, out)
         self._release_fragmented_memory()
         return out
 
@@ -190,27 +217,29 @@ class ModelRunner:
         if threshold is not None and self.allocator_fragmentation() > threshold:
             torch.cuda.empty_cache()
 
-    def _forward(self, inputs: InputBatch) -> torch.Tensor:
+    def _forward(self, inputs: InputBatch) -> torch.Tensor | None:
+        """[T, hidden] on the first stage; None on later pipeline stages."""
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
         metadata = self.backend.build_metadata(inputs.attn_batch)
         with set_forward_context(metadata):
-            return self.model(inputs.input_ids, inputs.positions)   # [T, hidden]
+            return self.stages.forward(self.model, inputs.input_ids, inputs.positions)
 
     def forward_dummy(self, num_tokens: int) -> None:
         """One prefill of `num_tokens` into a scratch KV cache, for memory profiling."""
         num_blocks = -(-num_tokens // self.block_size)
-        scratch = allocate_kv_caches(self.backend, self.arch, num_blocks, self.block_size, self.dtype, self.device)
         layers = self.model.attention_layers()
+        scratch = allocate_kv_caches(self.backend, layers, num_blocks, self.block_size, self.dtype, self.device)
         for layer, cache in zip(layers, scratch):
             layer.kv_cache = cache
         batch = AttentionBatch([num_tokens], [0], [list(range(num_blocks))], self.block_size, self.device)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
         with set_forward_context(self.backend.build_metadata(batch)):
-            hidden = self.model(ids, pos)
-        rows = min(num_tokens, self.config.scheduler.max_num_seqs)
-        self.model.compute_logits(hidden[-rows:])
+            hidden = self.stages.forward(self.model, ids, pos)
+        if hidden is not None:
+            rows = min(num_tokens, self.config.scheduler.max_num_seqs)
+            self.model.compute_logits(hidden[-rows:])
         for layer in layers:
             layer.kv_cache = None
 
@@ -236,19 +265,27 @@ class ModelRunner:
             self.generators[seq.request_id] = gen
         return gen
 
-    def _prompt_logprobs(self, seqs: list[ScheduledSequence], inputs: InputBatch, hidden: torch.Tensor,
-                         out: ModelRunnerOutput) -> None:
-        for i, s in enumerate(seqs):
-            if not s.want_prompt_logprobs:
-                continue
-            prompt_len = len(s.prompt_token_ids)
-            # Row j of this chunk predicts prompt token start + j + 1; stop at the prompt's end.
-            n = min(s.num_tokens, prompt_len - 1 - s.start_position)
+    def _prompt_logits(self, step: StepInFlight) -> None:
+        """Logits of the prompt rows that asked for logprobs, taken at launch so that every TP rank
+        runs the LM head's collective in the same order (a worker passes its row counts)."""
+        for i, s in enumerate(step.sequences):
+            n = s.prompt_logprob_rows if hasattr(s, "prompt_logprob_rows") else prompt_logprob_rows(s)
             if n <= 0:
                 continue
-            start = inputs.query_start_loc[i]
-            logits = self.model.compute_logits(hidden[start:start + n])
+            start = step.inputs.query_start_loc[i]
+            step.prompt_logits.append((i, n, self.model.compute_logits(step.hidden[start:start + n])))
+
+    def _prompt_logprobs(self, step: StepInFlight, out: ModelRunnerOutput) -> None:
+        for i, n, logits in step.prompt_logits:
+            s = step.sequences[i]
             targets = torch.tensor(s.prompt_token_ids[s.start_position + 1:s.start_position + 1 + n],
                                    device=self.device)
             out.prompt_logprobs[s.request_id] = compute_prompt_logprobs(logits, targets, s.params.prompt_logprobs)
 
+
+def prompt_logprob_rows(s: ScheduledSequence) -> int:
+    """Rows of this chunk whose logits give prompt logprobs: row j predicts prompt token
+    start + j + 1, so the chunk stops counting at the prompt's end."""
+    if not s.want_prompt_logprobs:
+        return 0
+    return max(0, min(s.num_tokens, len(s.prompt_token_ids) - 1 - s.start_position))

@@ -1,7 +1,8 @@
 """Tensor-parallel helpers shared by the layers: shard arithmetic and the two collectives.
 
-Today tp_size is 1 and the collectives are never called; with tp_size > 1 they use the default
-torch.distributed process group, which `tokenforge.distributed` sets up.
+With tp_size 1 the collectives are never called; with tp_size > 1 they run over this rank's
+tensor-parallel group, which `tokenforge.distributed.parallel_state` sets up (NCCL on CUDA, where
+they are captured into the decode CUDA graphs; gloo on the CPU).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tokenforge.distributed.parallel_state import tp_group
+
 
 def divide(numerator: int, denominator: int) -> int:
     assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
@@ -20,14 +23,14 @@ def divide(numerator: int, denominator: int) -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(x)
+    dist.all_reduce(x, group=tp_group())
     return x
 
 
 def all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     """[..., N] on each rank -> [..., tp_size * N] in rank order."""
     parts = [torch.empty_like(x) for _ in range(tp_size)]
-    dist.all_gather(parts, x.contiguous())
+    dist.all_gather(parts, x.contiguous(), group=tp_group())
     return torch.cat(parts, dim=-1)
 
 

@@ -95,19 +95,21 @@ def read_arch_config(model: str | Path | None, load_format: str = "auto") -> Arc
 
 
 def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
-               seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+               seed: int = 0, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1
+               ) -> LoadedModel:
     start = time.perf_counter()
     source = resolve_model_source(model, load_format)
     gguf = GGUFFile(source.path) if source.config_kind == "gguf" else None
     config = _read_arch_config(source, gguf)
     with torch.device(device):
-        net = get_model_class(config.architecture)(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+        net = get_model_class(config.architecture)(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                                                         pp_rank=pp_rank, pp_size=pp_size)
     if source.kind == "dummy":
-        initialize_dummy_weights(net, seed)
+        initialize_dummy_weights(net, seed + 1000 * (pp_rank * tp_size + tp_rank))
     elif gguf is not None:
-        net.load_weights(gguf_weights(gguf, config))
+        net.load_weights(gguf_weights(gguf, config, net.wants_weight))
     else:
-        net.load_weights(safetensors_weights(source.path))
+        net.load_weights(safetensors_weights(source.path, net.wants_weight))
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, source.kind, config.architecture, seconds)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -83,11 +83,15 @@ def arch_config_from_gguf(gguf: GGUFFile) -> ArchConfig:
     ).validated()
 
 
-def gguf_weights(gguf: GGUFFile, config: ArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every tensor in the file, q/k rows back in HF order."""
+def gguf_weights(gguf: GGUFFile, config: ArchConfig, wanted: Callable[[str], bool] = lambda name: True
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every tensor in the file that `wanted` accepts (this pipeline
+    stage's), q/k rows back in HF order."""
     permuted = gguf.metadata["general.architecture"] in ("llama", "mistral")
     for name in gguf.tensors:
         hf_name = _hf_name(name)
+        if not wanted(hf_name):
+            continue
         tensor = gguf.load(name)
         if permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads

@@ -8,7 +8,7 @@ here: the model skips `lm_head.weight` when its config ties it (and checkpoints 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -35,8 +35,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def safetensors_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def safetensors_weights(model_dir: Path, wanted: Callable[[str], bool] = lambda name: True
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor this rank holds part of; other stages' layers are never read."""
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
-                yield name, f.get_tensor(name)
+                if wanted(name):
+                    yield name, f.get_tensor(name)

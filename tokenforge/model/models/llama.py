@@ -99,51 +99,84 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.down(gate_up), residual
 
 
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The contiguous layers of a pipeline stage; earlier stages take one fewer on a remainder,
+    since the first stage also holds the embedding and the LM head."""
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size {pp_size} is larger than the model's {num_layers} layers")
+    base, extra = divmod(num_layers, pp_size)
+    start = pp_rank * base + max(0, pp_rank - (pp_size - extra))
+    return range(start, start + base + (pp_rank >= pp_size - extra))
+
+
+class MissingLayer(nn.Module):
+    """A layer that lives on another pipeline stage: keeps the layer indices (and names) stable."""
+
+
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype | None, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype | None, tp_rank: int, tp_size: int,
+                 pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp_rank, tp_size)
+        self.is_first, self.is_last = pp_rank == 0, pp_rank == pp_size - 1
+        self.stage = stage_layers(cfg.num_hidden_layers, pp_rank, pp_size)
+        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, tp_rank, tp_size)
+                             if self.is_first else None)
         # One cos/sin table shared by every layer.
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, rotary, i, dtype, tp_rank, tp_size) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            LlamaDecoderLayer(cfg, rotary, i, dtype, tp_rank, tp_size) if i in self.stage else MissingLayer()
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype) if self.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None     # [T, H]
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """The first stage embeds input_ids; a later one continues from `intermediate` = (hidden,
+        residual) [T, H] each. The last stage returns the normed hidden [T, H], others the pair."""
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None     # [T, H]
+        else:
+            hidden, residual = intermediate
+        for i in self.stage:
+            hidden, residual = self.layers[i](positions, hidden, residual)
+        if not self.is_last:
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama / Mistral / Qwen2. Build under `with torch.device(device):` to allocate there."""
+    """Llama / Mistral / Qwen2. Build under `with torch.device(device):` to allocate there.
+
+    Under pipeline parallelism the LM head lives on the first stage (beside the embedding it may
+    be tied to): the last stage's hidden states come back to it, and it samples."""
 
     def __init__(self, config: ArchConfig, dtype: torch.dtype | None = None, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, dtype, tp_rank, tp_size)
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size)
-        if config.tie_word_embeddings:
+        self.model = LlamaModel(config, dtype, tp_rank, tp_size, pp_rank, pp_size)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, dtype, tp_rank, tp_size) \
+            if self.model.is_first else None
+        if config.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], positions [T] -> hidden [T, H]."""
-        return self.model(input_ids, positions)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """input_ids [T], positions [T] -> hidden [T, H] (or (hidden, residual) before the last stage)."""
+        return self.model(input_ids, positions, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> logits [N, V] (model dtype)."""
         return self.lm_head(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [self.model.layers[i].self_attn.attn for i in self.model.stage]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named checkpoint tensors into our (fused, sharded) parameters.
 
-        Returns the names of our parameters that were written; raises if any is left unwritten.
+        Tensors of layers on other pipeline stages are skipped. Returns the names of our
+        parameters that were written; raises if any is left unwritten.
         """
         params = dict(self.named_parameters())
         shards: dict[str, set] = {}
@@ -152,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard_id = _target_of(name)
             if target not in params:
+                if self._on_other_stage(target):
+                    continue
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[target]
             param.weight_loader(param, tensor, shard_id) if shard_id is not None else param.weight_loader(param, tensor)
@@ -162,6 +197,21 @@ class LlamaForCausalLM(nn.Module):
                              f"{' ...' if len(missing) > 8 else ''}")
         loaded = set(shards)
         return loaded
+
+    def wants_weight(self, name: str) -> bool:
+        """Whether this rank holds (part of) a checkpoint tensor: the loader skips reading the rest."""
+        target, _ = _target_of(name)
+        return not self._on_other_stage(target)
+
+    def _on_other_stage(self, target: str) -> bool:
+        m = self.model
+        if target.startswith("model.layers."):
+            return int(target.split(".")[2]) not in m.stage
+        if target.startswith("model.embed_tokens."):
+            return m.embed_tokens is None
+        if target.startswith("model.norm."):
+            return m.norm is None
+        return target.startswith("lm_head.") and self.lm_head is None
 
 
 def _num_shards(param_name: str) -> int:
