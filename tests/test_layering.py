@@ -32,6 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     "router": {"engine", "messages", "config", "sampling_params"},
     "train": {"model", "distributed", "config"},
     "cli": {EVERYTHING},
+    "cli_parallel": set(),
+    "__main__": {"cli"},
     "doctor": {EVERYTHING},
     "bench": {EVERYTHING},
     ROOT: {EVERYTHING},

@@ -10,6 +10,8 @@ import argparse
 import logging
 import sys
 
+from tokenforge.cli_parallel import PARALLEL_NOTES, add_parallel_args, parallel_kwargs
+
 PLAYBOOK_NOTES = """playbook aliases:
   --kv-cache-type block         paged KV is always on (any other value is an error)
   --kv-cache-block-size N       = --block-size N
@@ -25,7 +27,7 @@ PLAYBOOK_NOTES = """playbook aliases:
   --fp16 / --bf16 / --half      = --dtype float16 / bfloat16 / float16
   --quantization 8bit           = --quantization int8 (dynamic int8 linears, CPU)
   --num-attention-heads         fixed by the checkpoint: refused with an explanation
-"""
+""" + PARALLEL_NOTES
 
 
 class _StoreConst(argparse.Action):
@@ -100,6 +102,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cap (and default) for max_tokens")
     g.add_argument("--profile-dir", default=None, help="write torch.profiler traces here")
     g.add_argument("--num-attention-heads", action=_RefuseNumHeads, help="refused: fixed by the checkpoint")
+    add_parallel_args(p)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -113,7 +116,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
-        profile_dir=args.profile_dir, quantization=args.quantization)
+        profile_dir=args.profile_dir, quantization=args.quantization, **parallel_kwargs(args))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -146,6 +149,21 @@ def _doctor(args: argparse.Namespace) -> int:
 
     print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len))
     return 0
+
+
+def _is_torchrun_worker() -> bool:
+    import os  # noqa: PLC0415
+
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) > 0
+
+
+def _run_torchrun_worker(args: argparse.Namespace) -> int:
+    """Under torchrun every rank runs the same command: rank 0 serves (or generates), the others
+    load their shard and follow rank 0's step broadcasts until it shuts down."""
+    from tokenforge.config import EngineConfig  # noqa: PLC0415
+    from tokenforge.executor.factory import create_worker_for_torchrun  # noqa: PLC0415
+
+    return create_worker_for_torchrun(EngineConfig.from_kwargs(**engine_kwargs(args)))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -193,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command in ("serve", "generate") and _is_torchrun_worker():
+            return _run_torchrun_worker(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "doctor":

@@ -32,8 +32,22 @@ def create_executor(config: EngineConfig):
     if config.parallel.world_size == 1 and rank is None:
         return Executor(config)
     arch = read_arch_config(config.model.model, config.load.load_format)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.world_size)) if rank else None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.world_size)) if rank is not None else None
     check_parallel_layout(config, arch, config.device.resolved_device(), local)
     from tokenforge.executor.multiproc import MultiprocExecutor  # noqa: PLC0415
 
     return MultiprocExecutor(config, torchrun_rank=rank)
+
+
+def create_worker_for_torchrun(config: EngineConfig) -> int:
+    """Ranks 1..N-1 under torchrun: check the layout like rank 0 does, then serve as a worker."""
+    from tokenforge.executor.worker import run_torchrun_worker  # noqa: PLC0415
+    from tokenforge.model.loader import read_arch_config  # noqa: PLC0415
+
+    rank = torchrun_rank(config)
+    if rank is None:
+        raise ValueError("not started by torchrun (WORLD_SIZE is 1)")
+    arch = read_arch_config(config.model.model, config.load.load_format)
+    check_parallel_layout(config, arch, config.device.resolved_device(),
+                          int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.world_size)))
+    return run_torchrun_worker(config, rank)

@@ -1,0 +1,57 @@
+"""The CLI's parallelism flags, with the playbook's spellings as aliases.
+
+    --tensor-parallel-size N   (-tp, --model_parallelism, --model_parallelism_level, --shard-size)
+    --pipeline-parallel-size N (-pp, --pipe_parallelism, --pipe_parallelism_level)
+    --num-gpus N               (--num_devices, --num_processes): N ranks, split as
+                               --model-sharding-type says: parallel (TP = N, the default) or pipe
+                               (PP = N); `load` means lazy loading (--load-format lazy)
+    --distributed-executor-backend auto|uni|mp|torchrun  (--distributed_executor)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+PARALLEL_NOTES = """  --model-sharding-type parallel|pipe|load  parallel: --num-gpus ranks of tensor parallelism;
+                                pipe: of pipeline parallelism; load: = --load-format lazy
+  --num-gpus / --num_devices / --num_processes N  ranks in all (see --model-sharding-type)
+  --shard-size / --model_parallelism(_level) N    = --tensor-parallel-size N
+  --pipe_parallelism(_level) N  = --pipeline-parallel-size N
+  --distributed_executor        = --distributed-executor-backend
+"""
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-parallel-size", "-tp", "--model_parallelism", "--model_parallelism_level",
+                   "--model-parallelism", "--shard-size", dest="tensor_parallel_size", type=int, default=None,
+                   help="split every layer across N ranks (GPUs, or CPU processes with gloo)")
+    g.add_argument("--pipeline-parallel-size", "-pp", "--pipe_parallelism", "--pipe_parallelism_level",
+                   "--pipe-parallelism", dest="pipeline_parallel_size", type=int, default=None,
+                   help="split the layers into N contiguous stages, one rank (or TP group) each")
+    g.add_argument("--num-gpus", "--num_gpus", "--num-gpu", "--num_devices", "--num_processes", dest="num_gpus",
+                   type=int, default=None, help="ranks in all; split as --model-sharding-type says")
+    g.add_argument("--model-sharding-type", "--model_sharding_type", choices=["parallel", "pipe", "load"],
+                   default=None, help="playbook: parallel = TP, pipe = PP over --num-gpus; load = lazy loading")
+    g.add_argument("--distributed-executor-backend", "--distributed_executor", "--distributed-executor",
+                   dest="distributed_executor_backend", choices=["auto", "uni", "mp", "torchrun"], default="auto",
+                   help="mp: one worker process per rank on this host (default with TP/PP); torchrun: ranks "
+                        "started by torchrun (auto-detected from WORLD_SIZE)")
+
+
+def parallel_kwargs(args: argparse.Namespace) -> dict:
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    sharding, n = args.model_sharding_type, args.num_gpus
+    if n is not None:
+        if sharding == "pipe":
+            if pp is not None and pp != n:
+                raise ValueError(f"--num-gpus {n} with --model-sharding-type pipe conflicts with "
+                                 f"--pipeline-parallel-size {pp}")
+            pp = n
+        elif tp is None and pp is None:
+            tp = n
+        elif (tp or 1) * (pp or 1) != n:
+            raise ValueError(f"--num-gpus {n} does not equal --tensor-parallel-size x --pipeline-parallel-size "
+                             f"= {(tp or 1)} x {(pp or 1)}")
+    return {"tensor_parallel_size": tp or 1, "pipeline_parallel_size": pp or 1,
+            "distributed_executor_backend": args.distributed_executor_backend}
