@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from tokenforge.cli_parallel import PARALLEL_NOTES, add_parallel_args, parallel_kwargs
+from tokenforge.cli_parallel import PARALLEL_NOTES, add_cache_args, add_parallel_args, cache_kwargs, parallel_kwargs
 
 PLAYBOOK_NOTES = """playbook aliases:
   --kv-cache-type block         paged KV is always on (any other value is an error)
@@ -103,6 +103,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--profile-dir", default=None, help="write torch.profiler traces here")
     g.add_argument("--num-attention-heads", action=_RefuseNumHeads, help="refused: fixed by the checkpoint")
     add_parallel_args(p)
+    add_cache_args(p)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -116,7 +117,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
-        profile_dir=args.profile_dir, quantization=args.quantization, **parallel_kwargs(args))
+        profile_dir=args.profile_dir, quantization=args.quantization, **parallel_kwargs(args), **cache_kwargs(args))
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ PARALLEL_NOTES = """  --model-sharding-type parallel|pipe|load  parallel: --num-
   --shard-size / --model_parallelism(_level) N    = --tensor-parallel-size N
   --pipe_parallelism(_level) N  = --pipeline-parallel-size N
   --distributed_executor        = --distributed-executor-backend
+  --engine_cache_dir DIR / --use_cache  = --engine-cache-dir DIR (default folder with --use_cache)
 """
 
 
@@ -37,6 +38,23 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    dest="distributed_executor_backend", choices=["auto", "uni", "mp", "torchrun"], default="auto",
                    help="mp: one worker process per rank on this host (default with TP/PP); torchrun: ranks "
                         "started by torchrun (auto-detected from WORLD_SIZE)")
+
+
+def add_cache_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine cache")
+    g.add_argument("--engine-cache-dir", "--engine_cache_dir", dest="engine_cache_dir", default=None,
+                   help="keep the Triton and compile caches here, so a restart skips the JIT")
+    g.add_argument("--use-cache", "--use_cache", dest="use_cache", action="store_true",
+                   help="the engine cache in its default folder (~/.cache/tokenforge/engine)")
+
+
+def cache_kwargs(args: argparse.Namespace) -> dict:
+    folder = args.engine_cache_dir
+    if folder is None and args.use_cache:
+        import os  # noqa: PLC0415
+
+        folder = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenforge", "engine")
+    return {"engine_cache_dir": folder}
 
 
 def parallel_kwargs(args: argparse.Namespace) -> dict:

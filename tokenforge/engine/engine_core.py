@@ -8,6 +8,8 @@ in-process for the offline `LLM`, and in its own process behind the server.
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
@@ -27,13 +29,40 @@ def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
     return requested
 
 
+def startup_phases(executor_s: float, kv_s: float, executor) -> dict[str, float]:
+    """Where start-up time went: since process start (imports), loading (workers and weights),
+    KV profiling and allocation, CUDA graph capture."""
+    runner = executor.runner
+    graphs = getattr(getattr(runner, "graphs", None), "capture_seconds", 0.0) or 0.0
+    phases = {"before_engine": _seconds_since_process_start() - executor_s - kv_s,
+              "load": executor_s, "kv_cache": kv_s - graphs, "cuda_graphs": graphs}
+    phases["total"] = sum(phases.values())
+    return phases
+
+
+def _seconds_since_process_start() -> float:
+    """Linux: this process's age from /proc (start time in clock ticks after boot); else 0."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime", encoding="ascii") as f:
+            uptime = float(f.read().split()[0])
+        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
         self.executor = create_executor(config)
+        t1 = time.perf_counter()
         arch = self.executor.arch
         self.config = config.with_max_model_len(
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
         self.num_kv_blocks = self.executor.init_kv_cache(self.config)
+        self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
+        logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)
         mode = self.config.scheduler.async_scheduling
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.

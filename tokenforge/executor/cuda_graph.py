@@ -43,6 +43,7 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.capture_seconds = 0.0
 
     def can_run(self, inputs) -> bool:
         return inputs.is_decode_only and inputs.num_seqs <= self.max_batch and bool(self.graphs)
@@ -61,8 +62,9 @@ class CudaGraphRunner:
             for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", leave=False):
                 self._capture_one(size)
         torch.cuda.synchronize()
+        self.capture_seconds = time.perf_counter() - start
         logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], time.perf_counter() - start)
+                    self.sizes[-1], self.capture_seconds)
 
     def _capture_one(self, size: int) -> None:
         model = self.runner.model

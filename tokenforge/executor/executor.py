@@ -13,6 +13,7 @@ import time
 
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenforge.executor.engine_cache import use_engine_cache
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ logger = logging.getLogger(__name__)
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        use_engine_cache(config)
         from tokenforge.executor.model_runner import ModelRunner  # noqa: PLC0415 - after the env var
 
         start = time.perf_counter()

@@ -29,6 +29,7 @@ from tokenforge.distributed import parallel_state
 from tokenforge.distributed.channel import BroadcastChannel, ShmChannel
 from tokenforge.distributed.parallel_state import ParallelRank
 from tokenforge.distributed.shm_ring import ShmRing
+from tokenforge.executor.engine_cache import use_engine_cache
 from tokenforge.executor.executor import Executor
 from tokenforge.executor.model_runner import prompt_logprob_rows
 from tokenforge.executor.worker import RankHandlers, run_worker
@@ -54,6 +55,8 @@ class MultiprocExecutor(Executor):
         self._closing = False
         self.ring: ShmRing | None = None
         device = config.device.resolved_device()
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        use_engine_cache(config)       # before the workers start: they inherit the environment
         if device == "cuda":
             parallel_state.set_nccl_env()
         try:

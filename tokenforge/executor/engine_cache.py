@@ -1,0 +1,29 @@
+"""The engine cache folder (`--engine-cache-dir`): what a restart can reuse.
+
+Today it holds the Triton kernel cache and the torch compile cache, so a warm start skips the JIT
+(kernels compiled by the first start are loaded from disk). The folder is taken from the config
+and exported before any kernel compiles; worker processes inherit it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from tokenforge.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_ENGINE_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenforge" / "engine"
+
+
+def use_engine_cache(config: EngineConfig) -> Path | None:
+    if not config.load.engine_cache_dir:
+        return None
+    root = Path(config.load.engine_cache_dir).expanduser()
+    for sub, var in (("triton", "TRITON_CACHE_DIR"), ("inductor", "TORCHINDUCTOR_CACHE_DIR")):
+        (root / sub).mkdir(parents=True, exist_ok=True)
+        os.environ[var] = str(root / sub)
+    logger.info("engine cache: %s (Triton and compile caches)", root)
+    return root
