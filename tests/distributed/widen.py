@@ -26,12 +26,15 @@ def _double_heads(w: torch.Tensor, num_heads: int, dim: int, head_dim: int) -> t
     return w.repeat_interleave(2, dim=dim).reshape(shape[:dim] + [2 * shape[dim]] + shape[dim + 1:])
 
 
-def write_widened_smollm2(out: Path) -> Path:
+def write_widened_smollm2(out: Path, num_layers: int | None = None) -> Path:
+    """`num_layers`: keep only the first layers (faster tests; still the real weights)."""
     gguf = GGUFFile(find_bundled_gguf())
     cfg = arch_config_from_gguf(gguf)
     d, hq, hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    layers = num_layers or cfg.num_hidden_layers
     tensors = {}
-    for name, w in gguf_weights(gguf, cfg):
+    for name, w in gguf_weights(gguf, cfg, lambda n: not n.startswith("model.layers.")
+                                or int(n.split(".")[2]) < layers):
         if ".q_proj." in name:
             w = _double_heads(w, hq, 0, d)
         elif ".k_proj." in name or ".v_proj." in name:
@@ -43,7 +46,7 @@ def write_widened_smollm2(out: Path) -> Path:
     save_file(tensors, str(out / "model.safetensors"))
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": cfg.num_hidden_layers,
+        "intermediate_size": cfg.intermediate_size, "num_hidden_layers": layers,
         "num_attention_heads": 2 * hq, "num_key_value_heads": 2 * hkv, "head_dim": d,
         "vocab_size": cfg.vocab_size, "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,

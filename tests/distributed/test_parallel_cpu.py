@@ -1,0 +1,61 @@
+"""Tensor and pipeline parallelism on the CPU: gloo, one process per rank, the engine core on rank 0.
+
+Greedy tokens of every layout equal TP=1's on the same weights (the widened bundled model, fp32);
+bad layouts fail before any process starts; a rank that fails to start takes the others down.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from tests.distributed.conftest import ENGINE, assert_same_outputs, processes_with_env, run_mixed
+from tokenforge import LLM
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2", "tp2xpp2"])
+def test_outputs_match_tp1(widened_model, tp1_outputs, layout):
+    """Greedy tokens, a seeded sample (rank 0 samples and broadcasts) and logprobs, against TP=1."""
+    with LLM(widened_model, **ENGINE, **layout) as llm:
+        assert_same_outputs(run_mixed(llm), tp1_outputs)
+        stats = llm.get_stats()
+    assert stats.num_free_blocks == stats.num_kv_blocks      # every block back after the batch
+    assert not multiprocessing.active_children()              # the workers are gone
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"tensor_parallel_size": 2}, "does not divide the model's 9 attention heads"),
+    ({"pipeline_parallel_size": 31}, "larger than the model's 30 layers"),
+    ({"tensor_parallel_size": 3, "device": "cuda"}, "needs 3 GPUs on this host"),
+])
+def test_bad_layouts_fail_before_any_process_starts(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(**{**ENGINE, **kwargs})
+    assert not multiprocessing.active_children()
+
+
+def test_a_rank_that_fails_to_start_takes_the_others_down():
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "PYTHONPATH": REPO, "TOKENFORGE_TEST_MARKER": marker, "TOKENFORGE_FAULT_RANK": "start:2"}
+    code = ("from tokenforge import LLM\nif __name__ == '__main__':\n"
+            "    LLM(device='cpu', num_threads=1, pipeline_parallel_size=3)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "injected fault: rank 2" in proc.stderr
+    assert "exited with code 1" in proc.stderr
+    deadline = time.monotonic() + 10
+    while processes_with_env(marker) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert processes_with_env(marker) == [], "orphaned worker processes"
+    assert time.monotonic() - start < 120
