@@ -32,14 +32,14 @@ def run_mixed(llm) -> dict:
     outs = llm.generate([*PROMPTS, "Once upon a time", "The sky is"],
                         [greedy] * len(PROMPTS) + [sampled, prompt_lp], use_tqdm=False)
     *plain, s, p = outs
-    return {"greedy": [list(o.outputs[0].token_ids) for o in plain],
+    return {"greedy": [list(o.outputs[0].token_ids) for o in plain], "text": [o.outputs[0].text for o in plain],
             "sampled": list(s.outputs[0].token_ids),
             "logprobs": [{t: lp.logprob for t, lp in pos.items()} for pos in s.outputs[0].logprobs],
             "prompt_logprobs": [{t: lp.logprob for t, lp in pos.items()} for pos in p.prompt_logprobs[1:]]}
 
 
 def assert_same_outputs(a: dict, b: dict, tol: float = 1e-4) -> None:
-    assert a["greedy"] == b["greedy"]
+    assert a["greedy"] == b["greedy"] and a["text"] == b["text"]
     assert a["sampled"] == b["sampled"]
     for key in ("logprobs", "prompt_logprobs"):
         assert len(a[key]) == len(b[key])
