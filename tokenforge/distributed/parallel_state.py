@@ -74,6 +74,8 @@ def init_distributed(rank: ParallelRank, backend: str, init_method: str, timeout
     """Join the world and build every group (all ranks create all groups, in the same order)."""
     global _GROUPS
     timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl":
+        torch.cuda.set_device(rank.local_rank)      # NCCL picks its device from the current one
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method, rank=rank.rank, world_size=rank.world_size,
                                 timeout=timeout)
