@@ -18,7 +18,8 @@ ROOT = "<root>"     # tokenforge/__init__.py, the public facade
 
 # importer layer -> layers (or "layer.module" for a single module) it may import; itself is implicit
 ALLOWED: dict[str, set[str]] = {
-    "config": set(),
+    "config": {"hub"},
+    "hub": set(),
     "sampling_params": set(),
     "messages": set(),
     "core": {"config", "messages", "sampling_params"},

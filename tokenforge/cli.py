@@ -63,8 +63,10 @@ def _quantization(value: str) -> str:
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file, HF directory, or a shipped config name "
-                   "(llama-3.1-8b, qwen2.5-7b, llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")
+    g.add_argument("--model", default=None, help="GGUF file, HF directory, a Hugging Face Hub id (org/name; "
+                   "honours HF_TOKEN and HF_HUB_OFFLINE=1), or a shipped config name (llama-3.1-8b, "
+                   "llama-3.1-70b, qwen2.5-7b, llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")
+    g.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model")
     g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--fp16", "--half", dest="dtype", action=_StoreConst, const="float16", help=argparse.SUPPRESS)
@@ -117,7 +119,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
-        profile_dir=args.profile_dir, quantization=args.quantization, **parallel_kwargs(args), **cache_kwargs(args))
+        profile_dir=args.profile_dir, quantization=args.quantization, revision=args.revision, **parallel_kwargs(args), **cache_kwargs(args))
 
 
 def _generate(args: argparse.Namespace) -> int:

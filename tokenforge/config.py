@@ -41,6 +41,8 @@ class ModelConfig:
     seed: int = 0
     model_version: str | None = None    # checked against the loaded model's checksum when given
     quantization: str | None = None     # None | int8 (dynamic int8 linears; CPU)
+    revision: str | None = None         # a Hub model's branch, tag or commit
+    model_id: str | None = None         # the Hub id the user gave, when `model` is its local snapshot
 
     def validate(self) -> None:
         _check(self.quantization in (None, "int8"),
@@ -180,6 +182,7 @@ class EngineConfig:
         _fill_device_defaults(groups)
         if "kv_cache_memory" in groups["cache"]:
             groups["cache"]["kv_cache_memory"] = parse_size(groups["cache"]["kv_cache_memory"])
+        _resolve_hub_model(groups["model"])
         if groups["model"].get("max_model_len") is not None:
             groups["scheduler"]["max_model_len"] = groups["model"]["max_model_len"]
         return EngineConfig(**{name: _SUBCONFIGS[name](**vals) for name, vals in groups.items()}).validate()
@@ -198,6 +201,20 @@ class EngineConfig:
 # steps, 16.0k at 512 and 8192), while the CPU is at its best with smaller steps.
 DEVICE_BATCH_DEFAULTS = {"cpu": {"max_num_seqs": 256, "max_num_batched_tokens": 2048},
                          "cuda": {"max_num_seqs": 512, "max_num_batched_tokens": 8192}}
+
+
+def _resolve_hub_model(model: dict) -> None:
+    """A Hub id (org/name, not a local path) becomes its local snapshot, once, here: every later
+    reader (loader, tokenizer, workers) sees a folder, and a missing model fails before anything
+    is allocated."""
+    ref = model.get("model")
+    if not isinstance(ref, str) or model.get("model_id"):
+        return
+    from tokenforge.hub import looks_like_repo_id, resolve_hub_model  # noqa: PLC0415
+
+    if looks_like_repo_id(ref):
+        model["model_id"] = ref
+        model["model"] = resolve_hub_model(ref, model.get("revision"))
 
 
 def _fill_device_defaults(groups: dict[str, dict]) -> None:

@@ -94,7 +94,8 @@ def default_model_name(model: str | None) -> str:
 def build_app(engine, settings: ServerSettings, *, model_name: str | None = None,
               state: ServerState | None = None) -> FastAPI:
     state = state or ServerState(engine)
-    name = model_name or settings.served_model_name or default_model_name(engine.config.model.model)
+    name = (model_name or settings.served_model_name or engine.config.model.model_id
+            or default_model_name(engine.config.model.model))
     ctx = ServingContext(engine, settings, ServerMetrics(name), name,
                          ChatTemplateRenderer(engine.tokenizer, settings.chat_template))
     app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.")
