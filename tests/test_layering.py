@@ -34,6 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"model", "distributed", "config"},
     "cli": {EVERYTHING},
     "cli_parallel": set(),
+    "parallel_plan": set(),
     "__main__": {"cli"},
     "doctor": {EVERYTHING},
     "bench": {EVERYTHING},

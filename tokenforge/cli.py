@@ -109,6 +109,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    if getattr(args, "parallel", None) == "auto" or getattr(args, "sharding_strategy", None) == "auto":
+        _apply_auto_parallel(args)
     return dict(
         model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -120,6 +122,15 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
         profile_dir=args.profile_dir, quantization=args.quantization, revision=args.revision, **parallel_kwargs(args), **cache_kwargs(args))
+
+
+def _apply_auto_parallel(args: argparse.Namespace) -> None:
+    """--parallel auto (--dynamic_sharding): doctor's proposal for the visible GPUs (or --num-gpus)."""
+    from tokenforge.doctor import auto_layout  # noqa: PLC0415
+
+    tp, pp = auto_layout(args.model, args.load_format, args.dtype, args.max_model_len, args.num_gpus)
+    args.tensor_parallel_size, args.pipeline_parallel_size, args.num_gpus = tp, pp, None
+    logging.getLogger(__name__).info("--parallel auto: tensor_parallel_size %d x pipeline_parallel_size %d", tp, pp)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -150,7 +161,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from tokenforge.doctor import run_doctor  # noqa: PLC0415
 
-    print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len))
+    print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len,
+                     args.gpus, args.gpus_per_node))
     return 0
 
 
@@ -196,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     doc.add_argument("--block-size", type=int, default=16)
     doc.add_argument("--max-model-len", type=int, default=None)
+    doc.add_argument("--gpus", "--num-gpus", dest="gpus", type=int, default=None,
+                     help="propose tensor x pipeline parallelism for N GPUs of --memory each")
+    doc.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (TP stays within one)")
 
     _add_optional_subcommands(sub)
     return parser

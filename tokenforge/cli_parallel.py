@@ -18,6 +18,8 @@ PARALLEL_NOTES = """  --model-sharding-type parallel|pipe|load  parallel: --num-
   --shard-size / --model_parallelism(_level) N    = --tensor-parallel-size N
   --pipe_parallelism(_level) N  = --pipeline-parallel-size N
   --distributed_executor        = --distributed-executor-backend
+  --dynamic_sharding / --sharding_strategy auto  = --parallel auto (doctor's TP x PP proposal)
+  --sharding_strategy tensor|pipeline  = --model-sharding-type parallel|pipe
   --engine_cache_dir DIR / --use_cache  = --engine-cache-dir DIR (default folder with --use_cache)
 """
 
@@ -34,6 +36,14 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    type=int, default=None, help="ranks in all; split as --model-sharding-type says")
     g.add_argument("--model-sharding-type", "--model_sharding_type", choices=["parallel", "pipe", "load"],
                    default=None, help="playbook: parallel = TP, pipe = PP over --num-gpus; load = lazy loading")
+    g.add_argument("--parallel", choices=["auto", "manual"], default="manual",
+                   help="auto: TP x PP from `tokenforge doctor --gpus` for the visible GPUs (playbook: "
+                        "--dynamic_sharding, --sharding_strategy auto)")
+    g.add_argument("--dynamic_sharding", "--dynamic-sharding", dest="parallel", action="store_const", const="auto",
+                   help=argparse.SUPPRESS)
+    g.add_argument("--sharding_strategy", "--sharding-strategy", dest="sharding_strategy",
+                   choices=["auto", "tensor", "pipeline"], default=None,
+                   help="playbook: auto = --parallel auto; tensor / pipeline = how --num-gpus is split")
     g.add_argument("--distributed-executor-backend", "--distributed_executor", "--distributed-executor",
                    dest="distributed_executor_backend", choices=["auto", "uni", "mp", "torchrun"], default="auto",
                    help="mp: one worker process per rank on this host (default with TP/PP); torchrun: ranks "
@@ -60,6 +70,8 @@ def cache_kwargs(args: argparse.Namespace) -> dict:
 def parallel_kwargs(args: argparse.Namespace) -> dict:
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     sharding, n = args.model_sharding_type, args.num_gpus
+    if args.sharding_strategy in ("tensor", "pipeline") and sharding is None:
+        sharding = "parallel" if args.sharding_strategy == "tensor" else "pipe"
     if n is not None:
         if sharding == "pipe":
             if pp is not None and pp != n:

@@ -2,7 +2,8 @@
 
 In: a model (read for its shape only, no weights loaded) and a memory budget. Out: a short
 report of parameters and weight bytes, KV bytes per token, and how many tokens and full-length
-sequences fit in what is left. Like cli.py, it may see every package.
+sequences fit in what is left. With `--gpus N` (the memory is then per GPU) it proposes tensor x
+pipeline parallelism and says why (parallel_plan.py); `--parallel auto` applies that proposal. Like cli.py, it may see every package.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import os
 from tokenforge.config import parse_size
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader import read_arch_config
+from tokenforge.parallel_plan import plan_layout
 
 _ACTIVATION_RESERVE = 0.1   # share of the budget kept for activations and the allocator
 
@@ -41,7 +43,7 @@ def plan(arch: ArchConfig, memory: int, dtype: str, block_size: int, max_model_l
 
 
 def run_doctor(model: str | None, load_format: str, memory: str | None, dtype: str, block_size: int,
-               max_model_len: int | None) -> str:
+               max_model_len: int | None, gpus: int | None = None, gpus_per_node: int = 8) -> str:
     arch = read_arch_config(model, load_format)
     if dtype == "auto":
         dtype = "float32" if memory is None and _machine_memory()[1] == "CPU RAM" else "bfloat16"
@@ -57,9 +59,30 @@ def run_doctor(model: str | None, load_format: str, memory: str | None, dtype: s
         f"KV budget     {_gib(p['kv_budget_bytes'])} -> {p['kv_tokens']:,} tokens",
         f"sequences     {p['full_length_sequences']:,} concurrent at the full length {length:,}",
     ]
+    if gpus:
+        layout = plan_layout(arch, gpus, budget, dtype, length, gpus_per_node)
+        lines.append(f"parallel      --tensor-parallel-size {layout.tp} --pipeline-parallel-size {layout.pp}"
+                     f" ({layout.replicas} replica{'s' if layout.replicas > 1 else ''} on {gpus} GPUs"
+                     f"{f', --cpu-offload-gb {layout.offload_gb}' if layout.offload_gb else ''})")
+        lines += [f"  because     {reason}" for reason in layout.reasons]
+        return "\n".join(lines)
     if p["kv_tokens"] == 0:
         lines.append("verdict       does not fit: use a smaller dtype, a quantized model or more memory")
     elif p["full_length_sequences"] == 0:
         lines.append(f"verdict       fits, but not one full-length sequence: lower --max-model-len "
                      f"below {p['kv_tokens']:,}")
     return "\n".join(lines)
+
+
+def auto_layout(model: str | None, load_format: str, dtype: str, max_model_len: int | None,
+                num_gpus: int | None) -> tuple[int, int]:
+    """(TP, PP) for one replica on this host's GPUs (all visible ones unless `num_gpus`)."""
+    import torch  # noqa: PLC0415
+
+    count = num_gpus or torch.cuda.device_count()
+    if count < 1:
+        return 1, 1
+    arch = read_arch_config(model, load_format)
+    memory = torch.cuda.get_device_properties(0).total_memory
+    plan = plan_layout(arch, count, memory, "bfloat16" if dtype == "auto" else dtype, max_model_len)
+    return plan.tp, plan.pp
