@@ -34,6 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "train": {"model", "distributed", "config"},
     "cli": {EVERYTHING},
     "cli_parallel": set(),
+    "cli_cache": {EVERYTHING},
     "parallel_plan": set(),
     "__main__": {"cli"},
     "doctor": {EVERYTHING},

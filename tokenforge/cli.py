@@ -67,7 +67,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    "honours HF_TOKEN and HF_HUB_OFFLINE=1), or a shipped config name (llama-3.1-8b, "
                    "llama-3.1-70b, qwen2.5-7b, llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")
     g.add_argument("--revision", default=None, help="branch, tag or commit of a Hub model")
-    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy", "lazy"],
+                   help="lazy: stream memory-mapped weights tensor by tensor (each rank reads its slices); "
+                        "on the CPU with an engine cache, the weights stay mapped, never copied")
+    g.add_argument("--lazy-loading", "--lazy_loading", dest="load_format", action=_StoreConst, const="lazy",
+                   help=argparse.SUPPRESS)
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--fp16", "--half", dest="dtype", action=_StoreConst, const="float16", help=argparse.SUPPRESS)
     g.add_argument("--bf16", dest="dtype", action=_StoreConst, const="bfloat16", help=argparse.SUPPRESS)
@@ -111,6 +115,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     if getattr(args, "parallel", None) == "auto" or getattr(args, "sharding_strategy", None) == "auto":
         _apply_auto_parallel(args)
+    parallel = parallel_kwargs(args)       # before load_format is read: --model-sharding-type load sets it
     return dict(
         model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
@@ -121,7 +126,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
-        profile_dir=args.profile_dir, quantization=args.quantization, revision=args.revision, **parallel_kwargs(args), **cache_kwargs(args))
+        profile_dir=args.profile_dir, quantization=args.quantization, revision=args.revision, **parallel, **cache_kwargs(args))
 
 
 def _apply_auto_parallel(args: argparse.Namespace) -> None:
@@ -217,10 +222,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_optional_subcommands(sub) -> None:
+    from tokenforge.cli_cache import add_cache_parser  # noqa: PLC0415
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
 
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES)
+    add_cache_parser(sub)
     add_bench_args(sub, add_engine_args)
 
 

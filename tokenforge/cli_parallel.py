@@ -18,6 +18,7 @@ PARALLEL_NOTES = """  --model-sharding-type parallel|pipe|load  parallel: --num-
   --shard-size / --model_parallelism(_level) N    = --tensor-parallel-size N
   --pipe_parallelism(_level) N  = --pipeline-parallel-size N
   --distributed_executor        = --distributed-executor-backend
+  --lazy-loading                = --load-format lazy (also --model-sharding-type load)
   --dynamic_sharding / --sharding_strategy auto  = --parallel auto (doctor's TP x PP proposal)
   --sharding_strategy tensor|pipeline  = --model-sharding-type parallel|pipe
   --engine_cache_dir DIR / --use_cache  = --engine-cache-dir DIR (default folder with --use_cache)
@@ -68,6 +69,8 @@ def cache_kwargs(args: argparse.Namespace) -> dict:
 
 
 def parallel_kwargs(args: argparse.Namespace) -> dict:
+    if args.model_sharding_type == "load":
+        args.load_format = "lazy"
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
     sharding, n = args.model_sharding_type, args.num_gpus
     if args.sharding_strategy in ("tensor", "pipeline") and sharding is None:

@@ -123,12 +123,12 @@ class ParallelConfig:
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    load_format: str = "auto"       # auto | gguf | safetensors | dummy
+    load_format: str = "auto"       # auto | gguf | safetensors | dummy | lazy
     engine_cache_dir: str | None = None
 
     def validate(self) -> None:
-        _check(self.load_format in ("auto", "gguf", "safetensors", "dummy"),
-               f"load_format must be one of auto, gguf, safetensors, dummy, got {self.load_format!r}")
+        _check(self.load_format in ("auto", "gguf", "safetensors", "dummy", "lazy"),
+               f"load_format must be one of auto, gguf, safetensors, dummy, lazy, got {self.load_format!r}")
 
 
 @dataclass(frozen=True, slots=True)

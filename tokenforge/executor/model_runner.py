@@ -27,7 +27,7 @@ from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.layers.cpu_packed import prepack_linears, quantize_linears_int8
-from tokenforge.model.loader import load_model
+from tokenforge.model.loader import CacheOptions, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -82,9 +82,11 @@ class ModelRunner:
             torch.set_num_threads(self.config.device.num_threads)
 
     def _init_model(self) -> None:
-        r = self.rank
-        loaded = load_model(self.config.model.model, self.config.load.load_format, self.dtype,
-                            self.device, self.config.model.seed, r.tp_rank, r.tp_size, r.pp_rank, r.pp_size)
+        r, cfg = self.rank, self.config
+        cache = (CacheOptions(cfg.load.engine_cache_dir, cfg.model.model_version, cfg.model.quantization)
+                 if cfg.load.engine_cache_dir else None)
+        loaded = load_model(cfg.model.model, cfg.load.load_format, self.dtype, self.device, cfg.model.seed,
+                            r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, cache=cache)
         self.model = loaded.model.eval()
         self.arch = loaded.arch_config
         self.vocab_size = self.arch.vocab_size
@@ -92,7 +94,8 @@ class ModelRunner:
             if self.device.type != "cpu":
                 raise ValueError("quantization='int8' is implemented for the CPU path only so far")
             logger.info("dynamic int8: %d linear weights quantized", quantize_linears_int8(self.model))
-        if self.device.type == "cpu":
+        if self.device.type == "cpu" and self.config.load.load_format != "lazy":
+            # Lazy keeps the weights where the loader put them (views of the engine cache's map).
             logger.info("MKL-prepacked %d CPU linear weights", prepack_linears(self.model))
 
     def _init_attention(self) -> None:

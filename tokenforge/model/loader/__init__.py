@@ -28,11 +28,12 @@ from tokenforge.model.loader.dummy_loader import (
 from tokenforge.model.loader.gguf_file import GGUFFile
 from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, find_bundled_gguf, gguf_weights
 from tokenforge.model.loader.safetensors_loader import read_hf_config, safetensors_files, safetensors_weights
+from tokenforge.model.loader.weight_cache import WeightCache, cache_key
 from tokenforge.model.models import get_model_class
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy", "lazy")
 _FINGERPRINT_BYTES = 1 << 20
 
 
@@ -56,9 +57,20 @@ class LoadedModel:
     load_seconds: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class CacheOptions:
+    """Where converted weights are kept (the engine cache) and what else keys them."""
+
+    root: str
+    model_version: str | None = None
+    quantization: str | None = None
+
+
 def resolve_model_source(model: str | Path | None, load_format: str = "auto") -> ModelSource:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    if load_format == "lazy":        # how weights reach the device, not where they come from
+        load_format = "auto"
     dummy = load_format == "dummy"
     if model is None:
         return _from_gguf(find_bundled_gguf(), load_format)
@@ -95,8 +107,10 @@ def read_arch_config(model: str | Path | None, load_format: str = "auto") -> Arc
 
 
 def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
-               seed: int = 0, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1
-               ) -> LoadedModel:
+               seed: int = 0, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
+               cache: CacheOptions | None = None) -> LoadedModel:
+    """Build the model for this rank on `device` and fill it: from the engine cache when it holds
+    this rank's converted weights, else from the source (and then into the cache)."""
     start = time.perf_counter()
     source = resolve_model_source(model, load_format)
     gguf = GGUFFile(source.path) if source.config_kind == "gguf" else None
@@ -104,20 +118,36 @@ def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, d
     with torch.device(device):
         net = get_model_class(config.architecture)(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
                                                          pp_rank=pp_rank, pp_size=pp_size)
+    checksum = _checksum_hint(source, seed)
+    entry = None
+    if cache is not None and source.kind != "dummy":
+        entry = WeightCache(cache.root, cache_key(checksum, dtype, cache.quantization, tp_rank, tp_size, pp_rank,
+                                                  pp_size, cache.model_version))
+    from_cache = entry is not None and entry.load_into(net, map_on_cpu=load_format == "lazy")
+    if not from_cache:
+        _fill_from_source(net, source, gguf, config, seed + 1000 * (pp_rank * tp_size + tp_rank))
+        if entry is not None:
+            entry.store(net, {"source": str(source.path), "checksum": checksum, "dtype": str(dtype),
+                              "tp": [tp_rank, tp_size], "pp": [pp_rank, pp_size]})
+    net.eval()
+    seconds = time.perf_counter() - start
+    logger.info("loaded %s (%s, %s) in %.2f s%s", source.path, source.kind, config.architecture, seconds,
+                " from the engine cache" if from_cache else "")
+    return LoadedModel(net, config, source.path, checksum, seconds)
+
+
+def _fill_from_source(net: nn.Module, source: ModelSource, gguf: GGUFFile | None, config: ArchConfig,
+                      seed: int) -> None:
     if source.kind == "dummy":
-        initialize_dummy_weights(net, seed + 1000 * (pp_rank * tp_size + tp_rank))
+        initialize_dummy_weights(net, seed)
     elif gguf is not None:
         net.load_weights(gguf_weights(gguf, config, net.wants_weight))
     else:
         net.load_weights(safetensors_weights(source.path, net.wants_weight))
-    net.eval()
-    seconds = time.perf_counter() - start
-    logger.info("loaded %s (%s, %s) in %.2f s", source.path, source.kind, config.architecture, seconds)
-    return LoadedModel(net, config, source.path, _checksum_hint(source, seed), seconds)
 
 
 def _from_gguf(path: Path, load_format: str) -> ModelSource:
-    _require_format(load_format, ("auto", "gguf", "dummy"), path)
+    _require_format(load_format, ("auto", "gguf", "dummy", "lazy"), path)
     return ModelSource("dummy" if load_format == "dummy" else "gguf", path.resolve(), "gguf")
 
 
@@ -152,5 +182,5 @@ def _checksum_hint(source: ModelSource, seed: int) -> str:
     return h.hexdigest()[:16]
 
 
-__all__ = ["LOAD_FORMATS", "LoadedModel", "ModelNotFoundError", "ModelSource", "find_bundled_gguf", "load_model",
+__all__ = ["LOAD_FORMATS", "CacheOptions", "LoadedModel", "ModelNotFoundError", "ModelSource", "find_bundled_gguf", "load_model",
            "read_arch_config", "resolve_model_source"]

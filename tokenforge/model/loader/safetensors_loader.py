@@ -1,7 +1,7 @@
 """Load an HF model directory: config.json plus model.safetensors or sharded model-*.safetensors.
 
-Tensors are memory-mapped (safetensors `safe_open`) and handed one at a time to the model's
-weight loaders, so peak host memory stays near one tensor. Tied embeddings need no special case
+Tensors are memory-mapped (safetensors_mmap.py) and handed one at a time to the model's weight
+loaders, each of which copies only its rank's slice, so peak host memory stays near one tensor. Tied embeddings need no special case
 here: the model skips `lm_head.weight` when its config ties it (and checkpoints usually omit it).
 """
 
@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.loader.safetensors_mmap import MappedSafetensors
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -37,9 +37,17 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 def safetensors_weights(model_dir: Path, wanted: Callable[[str], bool] = lambda name: True
                         ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor this rank holds part of; other stages' layers are never read."""
+    """(name, tensor) for every tensor this rank holds part of; other stages' layers are never read.
+
+    Each tensor is a view of the memory-mapped file: the weight loader narrows it to this rank's
+    slice and copies only that, and the tensor's pages are released once the loader is done, so
+    host memory holds about one tensor of the checkpoint at a time."""
     for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not iterable
+        mapped = MappedSafetensors(path)
+        try:
+            for name in mapped.keys():
                 if wanted(name):
-                    yield name, f.get_tensor(name)
+                    yield name, mapped.tensor(name)
+                    mapped.release(name)
+        finally:
+            mapped.close()

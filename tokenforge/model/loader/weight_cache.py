@@ -1,0 +1,115 @@
+"""The engine cache's weights: each rank's parameters after conversion, ready to map.
+
+What is stored is the model's own parameters as this rank holds them, after GGUF dequantization,
+the dtype cast and TP/PP sharding (fused q|k|v and gate|up included), in one safetensors file per
+rank plus a manifest. The key covers everything that changes those bytes: the source checksum,
+dtype, quantization, TP and PP rank and size, the tokenforge version and --model-version.
+
+Loading from an entry maps the file and copies each parameter in (CUDA), or, with
+`--load-format lazy` on the CPU, makes the parameters views of the mapping: nothing is copied and
+the weights stay in the page cache. Writes are atomic (a temporary folder renamed into place).
+An entry is verified before use (manifest version, file size, the set of names, shapes and
+dtypes); a corrupt or partial one is removed and rebuilt, with one warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenforge.model.loader.safetensors_mmap import MappedSafetensors, write_safetensors
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+WEIGHTS_FILE = "weights.safetensors"
+MANIFEST_FILE = "manifest.json"
+
+
+def cache_key(checksum: str, dtype: torch.dtype, quantization: str | None, tp_rank: int, tp_size: int,
+              pp_rank: int, pp_size: int, model_version: str | None) -> str:
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415
+
+    try:
+        tokenforge_version = version("tokenforge")
+    except PackageNotFoundError:
+        tokenforge_version = "dev"
+    fields = [checksum, str(dtype), str(quantization), f"tp{tp_rank}/{tp_size}", f"pp{pp_rank}/{pp_size}",
+              tokenforge_version, str(model_version), f"v{FORMAT_VERSION}"]
+    return hashlib.sha256("|".join(fields).encode()).hexdigest()[:24]
+
+
+def _parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters())      # tied weights once
+
+
+class WeightCache:
+    def __init__(self, root: str | Path, key: str) -> None:
+        self.entry = Path(root).expanduser() / "weights" / key
+
+    def load_into(self, model: nn.Module, map_on_cpu: bool) -> bool:
+        """Fill `model` from the entry; False (after removing it) when missing or corrupt."""
+        if not (self.entry / MANIFEST_FILE).is_file():
+            return False
+        params = _parameters(model)
+        try:
+            mapped = self._verified(params)
+        except (OSError, ValueError, KeyError) as err:
+            logger.warning("engine cache entry %s is unusable (%s): rebuilding it", self.entry, err)
+            shutil.rmtree(self.entry, ignore_errors=True)
+            return False
+        with torch.no_grad():
+            for name, param in params.items():
+                view = mapped.tensor(name)
+                if map_on_cpu and param.device.type == "cpu":
+                    param.data = view           # zero copy: the page cache holds the weights
+                else:
+                    param.data.copy_(view)
+                    mapped.release(name)
+        if map_on_cpu:
+            model._weight_maps = [*getattr(model, "_weight_maps", []), mapped]   # keep the mapping alive
+        else:
+            mapped.close()
+        return True
+
+    def _verified(self, params: dict[str, nn.Parameter]) -> MappedSafetensors:
+        manifest = json.loads((self.entry / MANIFEST_FILE).read_text())
+        path = self.entry / WEIGHTS_FILE
+        if manifest.get("format") != FORMAT_VERSION or path.stat().st_size != manifest["bytes"]:
+            raise ValueError("format or size mismatch (a partial write?)")
+        mapped = MappedSafetensors(path)
+        if set(mapped.keys()) != set(params):
+            raise ValueError("parameter names differ")
+        for name, param in params.items():
+            e = mapped.entries[name]
+            if list(param.shape) != e["shape"] or mapped.tensor(name).dtype != param.dtype:
+                raise ValueError(f"{name}: shape or dtype differs")
+        return mapped
+
+    def store(self, model: nn.Module, description: dict) -> None:
+        tmp = self.entry.with_name(self.entry.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        size = write_safetensors(tmp / WEIGHTS_FILE, _parameters(model).items())
+        (tmp / MANIFEST_FILE).write_text(json.dumps({"format": FORMAT_VERSION, "bytes": size, **description}, indent=1))
+        shutil.rmtree(self.entry, ignore_errors=True)
+        tmp.rename(self.entry)
+        logger.info("engine cache: stored %.2f GB of converted weights in %s", size / 1e9, self.entry)
+
+
+def list_entries(root: str | Path) -> list[dict]:
+    """Every weight entry under an engine cache folder, with its manifest and size."""
+    out = []
+    for manifest in sorted((Path(root).expanduser() / "weights").glob(f"*/{MANIFEST_FILE}")):
+        try:
+            info = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            info = {"corrupt": True}
+        out.append({"key": manifest.parent.name, "path": str(manifest.parent), **info})
+    return out
