@@ -78,7 +78,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", "--max-seq-length", type=int, default=None)
     g.add_argument("--block-size", "--kv-cache-block-size", type=int, default=16)
     g.add_argument("--kv-cache-type", action=_KVCacheType, help="playbook alias: only 'block'")
-    g.add_argument("--max-num-seqs", "--max-parallel-batch", "--batch-size", type=int, default=None,
+    g.add_argument("--max-num-seqs", "--max-parallel-batch", "--batch-size", "--micro-batch-size",
+                   "--micro_batch_size", type=int, default=None,
                    help="sequences per step (default: 512 on CUDA, 256 on the CPU)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step; long prompts are chunked to fit (chunked prefill); "

@@ -37,6 +37,8 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    type=int, default=None, help="ranks in all; split as --model-sharding-type says")
     g.add_argument("--model-sharding-type", "--model_sharding_type", choices=["parallel", "pipe", "load"],
                    default=None, help="playbook: parallel = TP, pipe = PP over --num-gpus; load = lazy loading")
+    g.add_argument("--pipeline-steps", "--pipeline_steps", type=int, default=1,
+                   help="batches in flight across pipeline stages; only 1 is implemented so far")
     g.add_argument("--parallel", choices=["auto", "manual"], default="manual",
                    help="auto: TP x PP from `tokenforge doctor --gpus` for the visible GPUs (playbook: "
                         "--dynamic_sharding, --sharding_strategy auto)")
@@ -69,6 +71,9 @@ def cache_kwargs(args: argparse.Namespace) -> dict:
 
 
 def parallel_kwargs(args: argparse.Namespace) -> dict:
+    if getattr(args, "pipeline_steps", 1) != 1:
+        raise ValueError(f"--pipeline-steps {args.pipeline_steps}: several batches in flight across pipeline "
+                         "stages are not implemented yet; a step passes the stages one after another (use 1)")
     if args.model_sharding_type == "load":
         args.load_format = "lazy"
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
