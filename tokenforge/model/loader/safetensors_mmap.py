@@ -87,7 +87,5 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, torch.Tenso
         for _, t in items:
             host = t.contiguous().cpu()
             f.write(host.view(torch.uint8).numpy().tobytes() if host.numel() else b"")
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.rename(path)
+    tmp.rename(path)      # no fsync: an entry cut short by a crash fails verification and is rebuilt
     return 8 + len(blob) + offset
