@@ -75,7 +75,10 @@ class CudaGraphRunner:
                 model(self.input_ids[:size], self.positions[:size])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            # With tensor parallelism the NCCL watchdog thread polls events while we capture:
+            # only this thread's calls may join (or break) the capture.
+            mode = "thread_local" if self.runner.rank.tp_size > 1 else "global"
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
                 out = model(self.input_ids[:size], self.positions[:size])
         if self.pool is None:
             self.pool = graph.pool()
