@@ -68,3 +68,12 @@ def processes_with_env(marker: str) -> list[int]:
         except OSError:
             continue
     return pids
+
+
+def child_pids(pid: int) -> list[int]:
+    """The direct children of a process, from /proc."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            out += [int(p) for p in f.read().split()]
+    return out

@@ -12,16 +12,8 @@ import uuid
 import httpx
 import openai
 
-from tests.distributed.conftest import MAX_TOKENS, PROMPTS, processes_with_env
+from tests.distributed.conftest import MAX_TOKENS, PROMPTS, child_pids, processes_with_env
 from tests.server.servers import ServerProcess
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    return out
 
 
 def test_serve_tp2_answers_openai_then_dies_cleanly_with_a_worker(widened_model, tp1_outputs):
@@ -41,7 +33,7 @@ def test_serve_tp2_answers_openai_then_dies_cleanly_with_a_worker(widened_model,
                                               max_tokens=4, temperature=0)
         assert chat.choices[0].message.content
 
-        (worker,) = _children(server.engine_pid())
+        (worker,) = child_pids(server.engine_pid())
         os.kill(worker, signal.SIGKILL)
         killed, status = time.monotonic(), 200
         while status == 200 and time.monotonic() - killed < 10:

@@ -16,16 +16,8 @@ import time
 import httpx
 import openai
 
-from tests.distributed.conftest import MAX_TOKENS, PROMPTS
+from tests.distributed.conftest import MAX_TOKENS, PROMPTS, child_pids
 from tests.server.servers import REPO, free_port
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(p) for p in f.read().split()]
-    return out
 
 
 def test_two_nodes_on_loopback_serve_tp2(widened_model, tp1_outputs, tmp_path):
@@ -56,7 +48,7 @@ def test_two_nodes_on_loopback_serve_tp2(widened_model, tp1_outputs, tmp_path):
         out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0)
         assert out.choices[0].text == tp1_outputs["text"][0]
 
-        (server,) = _children(agents[0].pid)
+        (server,) = child_pids(agents[0].pid)
         os.kill(server, signal.SIGTERM)
         assert [a.wait(60) for a in agents] == [0, 0], _tail(logs)
     finally:
