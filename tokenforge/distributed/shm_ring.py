@@ -45,7 +45,8 @@ class ShmRing:
         self._headers = words[:, : _HEADER_WORDS + num_readers]
         if self.owner:
             self._headers[:] = 0
-            self._headers[:, 0] = -1
+            self._headers[:, 0] = -1                  # no message published yet
+            self._headers[:, _HEADER_WORDS:] = -1     # and none acknowledged
         self._next_seq = 0          # writer: next seq to publish; reader: next seq to read
 
     @property
