@@ -57,17 +57,21 @@ def add_cache_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine cache")
     g.add_argument("--engine-cache-dir", "--engine_cache_dir", dest="engine_cache_dir", default=None,
                    help="keep the Triton and compile caches here, so a restart skips the JIT")
+    g.add_argument("--cpu-offload-gb", type=float, default=0.0, metavar="N",
+                   help="CUDA: keep N GB of weights (the last layers) in pinned host memory, each copied in one "
+                        "layer ahead on a side stream (runs without CUDA graphs)")
     g.add_argument("--use-cache", "--use_cache", dest="use_cache", action="store_true",
                    help="the engine cache in its default folder (~/.cache/tokenforge/engine)")
 
 
 def cache_kwargs(args: argparse.Namespace) -> dict:
+    """The engine cache folder and CPU offload (LoadConfig)."""
     folder = args.engine_cache_dir
     if folder is None and args.use_cache:
         import os  # noqa: PLC0415
 
         folder = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tokenforge", "engine")
-    return {"engine_cache_dir": folder}
+    return {"engine_cache_dir": folder, "cpu_offload_gb": args.cpu_offload_gb}
 
 
 def parallel_kwargs(args: argparse.Namespace) -> dict:

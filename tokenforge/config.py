@@ -125,10 +125,12 @@ class ParallelConfig:
 class LoadConfig:
     load_format: str = "auto"       # auto | gguf | safetensors | dummy | lazy
     engine_cache_dir: str | None = None
+    cpu_offload_gb: float = 0.0     # CUDA: weights of the last layers kept in pinned host memory
 
     def validate(self) -> None:
         _check(self.load_format in ("auto", "gguf", "safetensors", "dummy", "lazy"),
                f"load_format must be one of auto, gguf, safetensors, dummy, lazy, got {self.load_format!r}")
+        _check(self.cpu_offload_gb >= 0, f"cpu_offload_gb must be >= 0, got {self.cpu_offload_gb}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,11 +30,13 @@ def checkpoint(tmp_path_factory):
     return write_random_checkpoint(CFG, tmp_path_factory.mktemp("ckpt") / "tiny", dtype=torch.float32, std=0.08)
 
 
-def _greedy(path, **kw) -> list[list[int]]:
+def _greedy(path, check=None, **kw) -> list[list[int]]:
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(rng.randint(5, 300))]} for _ in range(12)]
     llm = LLM(str(path), dtype="float32", max_model_len=1024, kv_cache_memory="1GiB", **kw)
     try:
+        if check is not None:
+            check(llm)
         outs = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
     finally:
@@ -54,3 +56,11 @@ def reference(checkpoint) -> list[list[int]]:
 def test_parallel_greedy_matches_tp1(checkpoint, reference, layout):
     """TP=2 with the NCCL all-reduce captured in the decode graphs, TP=2 eager, PP=2."""
     assert _greedy(checkpoint, **layout) == reference
+
+
+def test_cpu_offload_matches(checkpoint, reference):
+    """Half the layers' weights in pinned host memory, prefetched a layer ahead: same tokens."""
+    def two_layers_offloaded(llm):
+        assert len(llm.engine.executor.runner.offloader.layers) == 2    # 9.4 MB each in fp32
+
+    assert _greedy(checkpoint, two_layers_offloaded, cpu_offload_gb=0.02) == reference

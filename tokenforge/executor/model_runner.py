@@ -28,6 +28,7 @@ from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.layers.cpu_packed import prepack_linears, quantize_linears_int8
 from tokenforge.model.loader import CacheOptions, load_model
+from tokenforge.model.offload import offload_layers
 
 logger = logging.getLogger(__name__)
 
@@ -94,9 +95,19 @@ class ModelRunner:
             if self.device.type != "cpu":
                 raise ValueError("quantization='int8' is implemented for the CPU path only so far")
             logger.info("dynamic int8: %d linear weights quantized", quantize_linears_int8(self.model))
+        self.offloader = self._offload()
         if self.device.type == "cpu" and self.config.load.load_format != "lazy":
             # Lazy keeps the weights where the loader put them (views of the engine cache's map).
             logger.info("MKL-prepacked %d CPU linear weights", prepack_linears(self.model))
+
+    def _offload(self):
+        gb = self.config.load.cpu_offload_gb
+        if not gb:
+            return None
+        if self.device.type != "cuda":
+            raise ValueError("cpu_offload_gb keeps weights in host memory for a GPU; on the CPU they are there already")
+        layers = [self.model.model.layers[i] for i in self.model.model.stage]
+        return offload_layers(layers, int(gb * 1e9))
 
     def _init_attention(self) -> None:
         name = self.config.device.attention_backend
@@ -112,7 +123,7 @@ class ModelRunner:
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
         if (self.device.type == "cuda" and self.backend.name == "triton" and not self.config.device.enforce_eager
-                and self.rank.pp_size == 1):
+                and self.rank.pp_size == 1 and self.offloader is None):   # offloaded weights move: no graphs
             self.graphs = CudaGraphRunner(self, num_blocks)
             self.graphs.capture()
 
