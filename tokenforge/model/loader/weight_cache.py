@@ -64,10 +64,15 @@ class WeightCache:
             logger.warning("engine cache entry %s is unusable (%s): rebuilding it", self.entry, err)
             shutil.rmtree(self.entry, ignore_errors=True)
             return False
+        on_gpu = {n: p for n, p in params.items() if p.device.type == "cuda"}
+        if on_gpu:
+            staged_copy(mapped, on_gpu)
         with torch.no_grad():
             for name, param in params.items():
+                if name in on_gpu:
+                    continue
                 view = mapped.tensor(name)
-                if map_on_cpu and param.device.type == "cpu":
+                if map_on_cpu:
                     param.data = view           # zero copy: the page cache holds the weights
                 else:
                     param.data.copy_(view)
@@ -101,6 +106,41 @@ class WeightCache:
         shutil.rmtree(self.entry, ignore_errors=True)
         tmp.rename(self.entry)
         logger.info("engine cache: stored %.2f GB of converted weights in %s", size / 1e9, self.entry)
+
+
+_STAGING_BYTES = 256 << 20
+
+
+@torch.no_grad()
+def staged_copy(mapped: MappedSafetensors, params: dict[str, nn.Parameter]) -> None:
+    """File -> two rotating pinned buffers -> the GPU: reads overlap the copies, and the DMA runs
+    from pinned pages (about twice the bandwidth of copying from the mapping)."""
+    staging = [torch.empty(_STAGING_BYTES, dtype=torch.uint8).pin_memory() for _ in range(2)]
+    done: list[torch.cuda.Event | None] = [None, None]
+    turn = 0
+    order = sorted(params, key=lambda n: mapped.entries[n]["data_offsets"][0])     # sequential reads
+    with open(mapped.path, "rb", buffering=0) as f:
+        for name in order:
+            begin, end = mapped.entries[name]["data_offsets"]
+            dst = params[name].data.view(-1).view(torch.uint8)
+            for off in range(0, end - begin, _STAGING_BYTES):
+                n = min(_STAGING_BYTES, end - begin - off)
+                k = turn % 2
+                if done[k] is not None:
+                    done[k].synchronize()          # the buffer's previous copy has left it
+                f.seek(mapped.data_start + begin + off)
+                view = memoryview(staging[k].numpy())[:n]
+                got = 0
+                while got < n:
+                    read = f.readinto(view[got:])
+                    if not read:
+                        raise ValueError(f"{mapped.path} ends early")
+                    got += read
+                dst[off:off + n].copy_(staging[k][:n], non_blocking=True)
+                done[k] = torch.cuda.Event()
+                done[k].record()
+                turn += 1
+    torch.cuda.synchronize()
 
 
 def list_entries(root: str | Path) -> list[dict]:
