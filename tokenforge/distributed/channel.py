@@ -17,14 +17,14 @@ from tokenforge.distributed.shm_ring import ShmRing
 
 
 class ShmChannel:
-    def __init__(self, ring: ShmRing, reader: int | None, alive: Callable[[], bool]) -> None:
-        self.ring, self.reader, self.alive = ring, reader, alive
+    def __init__(self, ring: ShmRing, reader: int | None, alive: Callable[[], bool], spin_s: float = 0.002) -> None:
+        self.ring, self.reader, self.alive, self.spin_s = ring, reader, alive, spin_s
 
     def send(self, data: bytes) -> None:
         self.ring.write(data, self.alive)
 
     def recv(self) -> bytes:
-        return self.ring.read(self.reader, self.alive)
+        return self.ring.read(self.reader, self.alive, self.spin_s)
 
     def close(self) -> None:
         self.ring.close()

@@ -11,8 +11,9 @@ the payload, then publishes `seq`; a reader waits for `seq`, copies the payload 
 its ack. One writer per ring and one ack word per reader, so no locks are needed; x86 keeps
 stores in order, and the seq word is written last.
 
-Waiting spins briefly (a decode step on a GPU is a few ms, and the wake-up is on its critical
-path), then sleeps in growing steps so an idle worker costs no CPU.
+Waiting spins first (a decode step on a GPU is a few ms and a late worker stalls every rank's
+all-reduce, so GPU workers spin for longer), then sleeps in growing steps so an idle worker costs
+no CPU.
 """
 
 from __future__ import annotations
@@ -80,13 +81,13 @@ class ShmRing:
             self._next_seq += 1
 
     # ---- reader -----------------------------------------------------------------------------------
-    def read(self, reader: int, alive: Callable[[], bool] = lambda: True) -> bytes:
+    def read(self, reader: int, alive: Callable[[], bool] = lambda: True, spin_s: float = _SPIN_S) -> bytes:
         parts = []
         while True:
             seq = self._next_seq
             slot = seq % self.num_slots
             header = self._headers[slot]
-            _wait(lambda: header[0] == seq, alive)
+            _wait(lambda: header[0] == seq, alive, spin_s)
             start = slot * self.stride + self.header_bytes
             parts.append(bytes(self.shm.buf[start:start + int(header[1])]))
             last = bool(header[2])
@@ -105,13 +106,13 @@ class ShmRing:
                 pass
 
 
-def _wait(ready: Callable[[], bool], alive: Callable[[], bool]) -> None:
+def _wait(ready: Callable[[], bool], alive: Callable[[], bool], spin_s: float = _SPIN_S) -> None:
     if ready():
         return
     start = time.monotonic()
     sleep = 0.0001
     while not ready():
-        if time.monotonic() - start < _SPIN_S:
+        if time.monotonic() - start < spin_s:
             continue
         if not alive():
             raise RingClosedError("the other side of the shared-memory ring is gone")
