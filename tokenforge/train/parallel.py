@@ -100,7 +100,9 @@ def wrap_model(model: nn.Module, strategy: str, d: Dist, param_dtype: torch.dtyp
         layers = decoder_layers(model)
         for i, layer in enumerate(layers):
             # The last layer's weights are needed again at once by backward: keep them gathered.
-            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(layers) - 1)
+            # With one rank there is nothing to free by resharding, only casts to redo.
+            reshard = d.world_size > 1 and i < len(layers) - 1
+            fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
         return model
     if strategy == "ddp":
