@@ -1,4 +1,4 @@
-"""The `tokenforge` command: serve | generate | bench | doctor.
+"""The `tokenforge` command: serve | generate | bench | doctor | preprocess | train.
 
 The one module that sees everything. Engine flags are shared by every subcommand that builds an
 engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
@@ -184,8 +184,12 @@ def _add_optional_subcommands(sub) -> None:
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
 
+    from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415
+    from tokenforge.train.cli_args import add_train_parsers  # noqa: PLC0415
+
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES)
     add_bench_args(sub, add_engine_args)
+    add_train_parsers(sub, lambda model, load_format="auto": load_engine_tokenizer(model, load_format))
 
 
 def main(argv: list[str] | None = None) -> int:
