@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -117,7 +118,8 @@ def _train(load_tokenizer):
 
         fields = {f.name for f in dataclasses.fields(TrainConfig)}
         cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}).validated()
-        logging.getLogger("tokenforge.train").setLevel(logging.INFO)
+        if os.environ.get("RANK", "0") == "0":       # progress lines from rank 0 only
+            logging.getLogger("tokenforge.train").setLevel(logging.INFO)
         result = train(cfg, load_tokenizer(args.model and _run_final(args.model), args.load_format))
         if result.interrupted:
             print(f"interrupted at step {result.steps}: resumable checkpoint {result.checkpoint}", file=sys.stderr)
