@@ -109,7 +109,7 @@ def _write_adapter(state: dict[str, torch.Tensor], cfg: ArchConfig, out: Path, d
         pieces = to_hf_tensors({f"{base}.weight": b}, cfg)         # split B like the weight
         for hf_name, b_part in pieces.items():
             prefix = "base_model.model." + hf_name.removesuffix(".weight")
-            adapters[f"{prefix}.lora_A.weight"] = a.to(dtype).contiguous()
+            adapters[f"{prefix}.lora_A.weight"] = a.to(dtype).clone()     # one copy per projection
             adapters[f"{prefix}.lora_B.weight"] = b_part.to(dtype).contiguous()
     save_file(adapters, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     rank = meta.get("rank", 0)
