@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 12 on one H200 (<= 3 min): the training GPU tests, then W11 on the Llama-3.2-1B shape
+# Issue 12 on one H200 (<= 3 min): W11 on the Llama-3.2-1B shape
 # (random init, bf16, FSDP2, torch.compile per block): activation checkpointing off (the MFU
-# target, >= 45%) and on (peak memory and tokens/s beside it).
+# target, >= 45%) and on (peak memory and tokens/s beside it); then the training GPU tests.
 #   bash bench/gpu/issue12.sh OUTDIR
 # No extra wheels needed (torch, triton, transformers only).
 set -euo pipefail
@@ -9,8 +9,6 @@ OUT=${1:?usage: bench/gpu/issue12.sh OUTDIR}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-echo "=== tests $(date +%T)"
-python3 -m pytest -q -m gpu tests/train/test_gpu_train.py 2>&1 | tail -5 | tee "$OUT/tests.txt" || true
 B="python3 -m tokenforge.bench train --model llama-3.2-1b --strategy fsdp --seq-len 4096 --steps 4 --warmup-steps 2 --results-dir $OUT/raw --out $OUT"
 run() {   # a micro batch of 8 first; 4 if 8 does not fit
   local tag=$1; shift
@@ -19,6 +17,8 @@ run() {   # a micro batch of 8 first; 4 if 8 does not fit
 }
 echo "=== fsdp, AC off $(date +%T)"; run fsdp-1gpu || true
 echo "=== fsdp, AC on $(date +%T)";  run fsdp-1gpu-ac --activation-checkpointing || true
+echo "=== tests $(date +%T)"
+python3 -m pytest -q -m gpu tests/train/test_gpu_train.py 2>&1 | tail -5 | tee "$OUT/tests.txt" || true
 python3 - "$OUT" <<'PY'
 import glob, json, sys
 out = sys.argv[1]
