@@ -12,8 +12,11 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.t
 B="python3 -m tokenforge.bench train --model llama-3.2-1b --strategy fsdp --seq-len 4096 --steps 4 --warmup-steps 2 --results-dir $OUT/raw --out $OUT"
 run() {   # a micro batch of 8 first; 4 if 8 does not fit
   local tag=$1; shift
-  $B --micro-batch-size 8 --global-batch-tokens 65536 --tag "$tag" "$@" 2>&1 | tail -14 \
-    || $B --micro-batch-size 4 --global-batch-tokens 65536 --tag "$tag" "$@" 2>&1 | tail -14
+  $B --micro-batch-size 8 --global-batch-tokens 65536 --tag "$tag" "$@" > "$OUT/$tag.log" 2>&1 \
+    || $B --micro-batch-size 4 --global-batch-tokens 65536 --tag "$tag" "$@" > "$OUT/$tag-mb4.log" 2>&1
+  local rc=$?
+  tail -14 "$OUT/$tag"*.log
+  return $rc
 }
 echo "=== fsdp, AC off $(date +%T)"; run fsdp-1gpu || true
 echo "=== fsdp, AC on $(date +%T)";  run fsdp-1gpu-ac --activation-checkpointing || true

@@ -21,7 +21,8 @@ tail -12 "$OUT/none1.log" "$OUT/fsdp1.log"
 for s in ddp fsdp; do
   echo "=== $s x2 $(date +%T)"
   torchrun --standalone --nproc-per-node 2 -m tokenforge.bench train $ARGS --strategy $s \
-    --global-batch-tokens 131072 --tag $s-2gpu 2>&1 | tail -12 || true
+    --global-batch-tokens 131072 --tag $s-2gpu > "$OUT/$s-2gpu.log" 2>&1 || true
+  tail -12 "$OUT/$s-2gpu.log"
 done
 python3 - "$OUT" <<'PY'
 import glob, json, sys
