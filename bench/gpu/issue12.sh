@@ -31,5 +31,5 @@ for f in sorted(glob.glob(f"{out}/raw/*W11-*.json")):
 json.dump(res, open(f"{out}/issue12.json", "w"), indent=2)
 print(f"{'run':<22}{'tok/s':>10}{'MFU':>8}{'MFU+attn':>10}{'peak GiB':>10}{'ok':>5}")
 for k, v in res.items():
-    print(f"{k:<22}{v['tokens_per_s']:>10.0f}{v['mfu']:>8.3f}{v['mfu_with_attention']:>10.3f}{v['peak_memory_gib']:>10.1f}{str(v['correct']):>5}")
+    print(f"{k:<22}{v['tokens_per_s']:>10.0f}{v['mfu']:>8.3f}{v['mfu_with_attention']:>10.3f}{v['peak_memory_gib'] or 0:>10.1f}{str(v['correct']):>5}")
 PY

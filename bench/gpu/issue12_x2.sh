@@ -36,5 +36,5 @@ for s, ref in (("ddp", "none-1gpu"), ("fsdp", "fsdp-1gpu")):
 json.dump(res, open(f"{out}/issue12_x2.json", "w"), indent=2)
 print(f"{'run':<12}{'tok/s':>10}{'MFU':>8}{'peak GiB':>10}{'x 1 GPU':>9}{'ok':>6}")
 for k, v in res.items():
-    print(f"{k:<12}{v['tokens_per_s']:>10.0f}{v['mfu']:>8.3f}{v['peak_memory_gib']:>10.1f}{v.get('speedup_vs_1gpu', float('nan')):>9.2f}{str(v['correct']):>6}")
+    print(f"{k:<12}{v['tokens_per_s']:>10.0f}{v['mfu']:>8.3f}{v['peak_memory_gib'] or 0:>10.1f}{v.get('speedup_vs_1gpu', float('nan')):>9.2f}{str(v['correct']):>6}")
 PY
