@@ -53,7 +53,8 @@ def check_inputs(cfg: TrainConfig, tokenizer: Any) -> Checked:
     global_tokens = cfg.global_batch_tokens or micro_tokens * world
     if global_tokens % (micro_tokens * world):
         raise ValueError(f"--global-batch-tokens {global_tokens} is not a multiple of --micro-batch-size x "
-                         f"--seq-len x ranks = {cfg.micro_batch_size} x {cfg.seq_len} x {world} = {micro_tokens * world}")
+                         f"--seq-len x ranks = {cfg.micro_batch_size} x {cfg.seq_len} x {world} = "
+                         f"{micro_tokens * world}")
     if meta["splits"]["train"]["tokens"] <= cfg.seq_len:
         raise DataError(f"the training split has {meta['splits']['train']['tokens']} tokens: fewer than one "
                         f"--seq-len {cfg.seq_len} window plus its label")

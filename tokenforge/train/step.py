@@ -73,7 +73,8 @@ class TrainStep:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def eval_loss(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, tokens) over this rank's validation batches, reduced over ranks."""
         loss_sum = torch.zeros((), device=self.d.device)
         tokens = torch.zeros((), device=self.d.device)
