@@ -69,7 +69,8 @@ class TrainStep:
 
     def _clip(self) -> torch.Tensor:
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True if self.d.device.type == "cuda" else None)
+        foreach = True if self.d.device.type == "cuda" else None
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=foreach)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     @torch.no_grad()
