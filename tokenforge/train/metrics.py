@@ -4,7 +4,7 @@ In: per-step figures from the trainer (rank 0 only). Out: `RUN/metrics.jsonl` (o
 logged step: step, loss, lr, grad_norm, tokens_per_s, mfu, memory; validation lines carry
 val_loss) and TensorBoard scalars under `RUN/tensorboard/`.
 
-MFU = tokens/s x dense FLOPs per token / the device's peak, with dense FLOPs = 6 x (non-embedding
+MFU = tokens/s x dense FLOPs per token / the bf16 matmul rate measured at start-up, with dense FLOPs = 6 x (non-embedding
 parameters + the LM head) as BENCHMARKING.md defines it. Attention FLOPs (causal, 6 L S d_q per
 token) are reported separately as `mfu_with_attention`.
 """
@@ -23,9 +23,6 @@ from tokenforge.model.arch_config import ArchConfig
 
 logger = logging.getLogger(__name__)
 
-# Dense bf16 peak used when no measured rate is given (H200/H100 SXM datasheet); benches pass the
-# rate they measured in the same run instead.
-DATASHEET_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 def dense_flops_per_token(cfg: ArchConfig) -> float:
@@ -39,11 +36,22 @@ def attention_flops_per_token(cfg: ArchConfig, seq_len: int) -> float:
     return 6.0 * cfg.num_hidden_layers * seq_len * cfg.q_size
 
 
-def device_peak_tflops(device: torch.device) -> float | None:
+def measured_peak_tflops(device: torch.device, n: int = 8192, repeats: int = 10) -> float | None:
+    """The device's bf16 matmul rate, measured once at start-up (BENCHMARKING.md: MFU is against
+    the measured rate, not the datasheet). None on the CPU, where MFU is not reported."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in DATASHEET_PEAK_TFLOPS.items() if k in name), None)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    end.synchronize()
+    return 2 * n**3 * repeats / (start.elapsed_time(end) * 1e-3) / 1e12
 
 
 class MetricsLogger:

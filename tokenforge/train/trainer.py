@@ -27,7 +27,12 @@ from tokenforge.train.checkpoint import full_state_dict, latest_checkpoint, load
 from tokenforge.train.config import TrainConfig
 from tokenforge.train.data import PackedTokens, SampleOrder, eval_micro_batches, step_micro_batches
 from tokenforge.train.export import export_hf
-from tokenforge.train.metrics import MetricsLogger, attention_flops_per_token, dense_flops_per_token, device_peak_tflops
+from tokenforge.train.metrics import (
+    MetricsLogger,
+    attention_flops_per_token,
+    dense_flops_per_token,
+    measured_peak_tflops,
+)
 from tokenforge.train.optim import build_optimizer, build_scheduler
 from tokenforge.train.parallel import Dist, destroy_distributed, init_distributed, prepare_layers, wrap_model
 from tokenforge.train.setup import Checked, build_model, check_inputs, compute_dtype, resolve_strategy
@@ -76,6 +81,7 @@ class Trainer:
         self.val_data = PackedTokens(data_dir, "val", verify=cfg.verify_data) if val_tokens > cfg.seq_len else None
         self.order = SampleOrder(self.train_data.num_samples(cfg.seq_len), cfg.seed)
         self.metrics = MetricsLogger(self.run_dir, d.is_main, cfg.tensorboard)
+        self.peak_tflops = measured_peak_tflops(d.device)
         self.state = RunState()
 
     # ---- the loop ----
@@ -123,7 +129,7 @@ class Trainer:
         self.state.losses.append(loss)
         arch = self.checked.arch
         flops = dense_flops_per_token(arch)
-        peak = device_peak_tflops(self.d.device)
+        peak = self.peak_tflops
         record = {"step": self.state.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
                   "grad_norm": float(result.grad_norm), "tokens_per_s": tokens_per_s,
                   "mfu": tokens_per_s * flops / (peak * 1e12 * self.d.world_size) if peak else None,
