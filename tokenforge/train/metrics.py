@@ -4,9 +4,9 @@ In: per-step figures from the trainer (rank 0 only). Out: `RUN/metrics.jsonl` (o
 logged step: step, loss, lr, grad_norm, tokens_per_s, mfu, memory; validation lines carry
 val_loss) and TensorBoard scalars under `RUN/tensorboard/`.
 
-MFU = tokens/s x dense FLOPs per token / the bf16 matmul rate measured at start-up, with dense FLOPs = 6 x (non-embedding
-parameters + the LM head) as BENCHMARKING.md defines it. Attention FLOPs (causal, 6 L S d_q per
-token) are reported separately as `mfu_with_attention`.
+MFU = tokens/s x dense FLOPs per token / the bf16 matmul rate measured at start-up, with dense
+FLOPs = 6 x (non-embedding parameters + the LM head) as BENCHMARKING.md defines it. Attention
+FLOPs (causal, 6 L S d_q per token) are logged beside it; the bench reports `mfu_with_attention`.
 """
 
 from __future__ import annotations
