@@ -78,3 +78,16 @@ def test_bad_inputs(tmp_path, corpus, tokenizer):
         _run([corpus / "story.txt"], tmp_path / "o3", tokenizer, val_fraction=1.5)
     with pytest.raises(DataError, match="does not exist"):
         read_meta(tmp_path / "missing")
+
+
+def test_playbook_aliases_parse():
+    from tokenforge.cli import build_parser
+
+    parser = build_parser()
+    pre = parser.parse_args(["preprocess", "--input", "a.txt", "--output", "d", "--data-loader-workers", "3",
+                             "--preprocess-type", "tokenize"])
+    assert pre.num_workers == 3
+    tr = parser.parse_args(["train", "--data", "d", "--output", "o", "--save-frequency", "0", "--sharding_strategy",
+                            "fsdp", "--use-checkpointing", "--optimizer", "adamw", "--scheduler", "linear"])
+    assert (tr.save_every, tr.strategy, tr.activation_checkpointing) == (0, "fsdp", True)
+    assert parser.parse_args(["serve", "--inference-mode"]).inference_mode is True
