@@ -24,7 +24,7 @@ from tokenforge.train.data import DataError
 from tokenforge.train.trainer import train
 
 # Global batch: 2 sequences of 16 tokens (one process: 2 micro batches of 1).
-BASE = dict(seq_len=16, micro_batch_size=1, global_batch_tokens=32, lr=5e-4, warmup_steps=3, max_steps=6,
+BASE = dict(seq_len=16, micro_batch_size=1, global_batch_tokens=32, lr=3e-4, warmup_steps=3, max_steps=6,
             eval_samples=2, keep_last=2, save_every=3)
 
 
@@ -52,7 +52,7 @@ def test_loss_falls_and_logs(run_a):
     assert [m["step"] for m in steps] == list(range(1, 7))
     assert {"step", "loss", "lr", "tokens_per_s", "mfu", "grad_norm", "memory_gib"} <= set(steps[0])
     lrs = [m["lr"] for m in steps]
-    assert lrs[:3] == pytest.approx([5e-4 * k / 3 for k in range(1, 4)]) and lrs[3] > lrs[-1]
+    assert lrs[:3] == pytest.approx([3e-4 * k / 3 for k in range(1, 4)]) and lrs[3] > lrs[-1]
     assert any("val_loss" in m for m in lines)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_00000003", "step_00000006"]
@@ -74,7 +74,7 @@ def test_ddp_two_gloo_processes_match_one_process(run_a, tmp_path, data_dir):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "tokenforge.cli", "train", "--data", str(data_dir), "--output", str(out), "--strategy", "ddp",
            "--device", "cpu", "--seq-len", "16", "--micro-batch-size", "1", "--global-batch-tokens", "32",
-           "--lr", "5e-4", "--warmup-steps", "3", "--max-steps", "3", "--no-tensorboard", "--eval-samples", "2"]
+           "--lr", "3e-4", "--warmup-steps", "3", "--max-steps", "3", "--no-tensorboard", "--eval-samples", "2"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [m["loss"] for m in _metrics(out) if "loss" in m]

@@ -26,6 +26,7 @@ class StepResult:
     loss_sum: torch.Tensor          # summed token loss over the global batch (after the all-reduce)
     tokens: torch.Tensor            # loss tokens in the global batch
     grad_norm: torch.Tensor
+    lr: float                       # the learning rate this step's update used
 
     def mean_loss(self) -> float:
         return (self.loss_sum / self.tokens.clamp(min=1)).item()
@@ -62,10 +63,11 @@ class TrainStep:
                 (loss * scale).backward()
             loss_sum += loss.detach()
         grad_norm = self._clip()
+        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(self.d.all_reduce_sum(loss_sum.reshape(1)).reshape(()), tokens, grad_norm)
+        return StepResult(self.d.all_reduce_sum(loss_sum.reshape(1)).reshape(()), tokens, grad_norm, lr)
 
     def _clip(self) -> torch.Tensor:
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")

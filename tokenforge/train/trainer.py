@@ -130,7 +130,7 @@ class Trainer:
         arch = self.checked.arch
         flops = dense_flops_per_token(arch)
         peak = self.peak_tflops
-        record = {"step": self.state.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+        record = {"step": self.state.step, "loss": loss, "lr": result.lr,
                   "grad_norm": float(result.grad_norm), "tokens_per_s": tokens_per_s,
                   "mfu": tokens_per_s * flops / (peak * 1e12 * self.d.world_size) if peak else None,
                   "attention_flops_per_token": attention_flops_per_token(arch, self.cfg.seq_len),
