@@ -9,6 +9,7 @@ the next request. The config crosses as msgpack bytes; nothing here is pickled o
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -77,11 +78,15 @@ class EngineCoreClient:
         self.process.start()
         logger.info("engine core process started (pid %d)", self.process.pid)
 
-    async def wait_ready(self, timeout: float | None = None) -> Ready:
-        """Wait for the core's Ready; raise EngineDeadError if it failed or exited first."""
+    async def wait_ready(self, timeout: float | None = None,
+                         also: concurrent.futures.Future | None = None) -> Ready:
+        """Wait for the core's Ready; raise EngineDeadError if it failed or exited first, or the
+        exception of `also` (work done meanwhile in this process) as soon as that fails."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
+            if also is not None and also.done() and also.exception() is not None:
+                raise also.exception()
             if await self._output.poll(200, zmq.POLLIN):
                 message = self._decoder.decode(await self._output.recv())
                 if isinstance(message, Ready):
@@ -115,7 +120,8 @@ class EngineCoreClient:
                 self.send(ShutdownRequest())
             except zmq.ZMQError:
                 pass
-            self.process.join(timeout)
+            # A core that never became ready reads no messages: do not wait on it.
+            self.process.join(timeout if self.ready is not None else 0.2)
             if self.process.is_alive():
                 logger.warning("engine core did not stop within %.0f s; killing it", timeout)
                 self.process.kill()
