@@ -56,6 +56,9 @@ class EngineCoreClient:
         self._sync_context = zmq.Context()
         self._async_context = zmq.asyncio.Context()
         self._input = self._sync_context.socket(zmq.PUSH)
+        # No high-water mark: with the core connected a send never blocks, and without it (dead,
+        # or never started) a NOBLOCK send fails at once instead of blocking forever.
+        self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.bind(self.input_address)
         self._output = self._async_context.socket(zmq.PULL)
         self._output.bind(self.output_address)
@@ -118,7 +121,7 @@ class EngineCoreClient:
         if self.process is not None and self.process.is_alive():
             try:
                 self.send(ShutdownRequest())
-            except zmq.ZMQError:
+            except (zmq.ZMQError, EngineDeadError):
                 pass
             # A core that never became ready reads no messages: do not wait on it.
             self.process.join(timeout if self.ready is not None else 0.2)
@@ -134,9 +137,12 @@ class EngineCoreClient:
 
     # ---- messages ---------------------------------------------------------------------------------
     def send(self, message: InputMessage) -> None:
-        # A sync PUSH never blocks here in practice (the HWM is far above any backlog), so
-        # aborts can be sent from `finally` blocks of cancelled tasks without awaiting.
-        self._input.send(self._encoder.encode(message), copy=False)
+        # Never blocks (no HWM), so aborts can be sent from `finally` blocks of cancelled tasks
+        # without awaiting; zmq.Again means no core is connected to read it.
+        try:
+            self._input.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine core is not connected (it exited or never started)") from None
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self.send(AddRequests(requests))

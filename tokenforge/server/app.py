@@ -265,12 +265,11 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
     return state.exit_code
 
 
-def run_server(args, engine_config: EngineConfig | None = None) -> int:
+def run_server(args, engine_config: EngineConfig | None = None, sock: socket.socket | None = None) -> int:
     """The CLI entry: `tokenforge serve`. Returns the exit code (0 after a graceful stop)."""
     from tokenforge.server.cli_args import engine_config_from_args  # noqa: PLC0415
 
     settings = ServerSettings.from_args(args)
     config = engine_config or engine_config_from_args(args)
     configure_logging(settings.log_level, "api")
-    sock = bind_socket(settings.host, settings.port)
-    return asyncio.run(serve(config, settings, sock=sock))
+    return asyncio.run(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port)))

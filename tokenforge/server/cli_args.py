@@ -33,17 +33,19 @@ def add_serve_parser(subparsers, add_engine_args, epilog: str | None = None,
 
 def _run_serve(args: argparse.Namespace, engine_kwargs, check_engine_args=None) -> int:
     """Every check that can fail (flags, model path, device, fit) runs before the engine starts."""
-    from tokenforge.server.app import run_server  # noqa: PLC0415 - keep `tokenforge --help` fast
+    from tokenforge.server.app import bind_socket, run_server  # noqa: PLC0415 - keep `tokenforge --help` fast
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}): give one")
         args.model = args.model_tag
+    settings = ServerSettings.from_args(args)
+    sock = bind_socket(settings.host, settings.port)   # a port in use fails before anything loads
     kwargs = engine_kwargs(args)
     config = EngineConfig.from_kwargs(**kwargs)
     if check_engine_args is not None:
         check_engine_args(kwargs)
-    return run_server(args, config)
+    return run_server(args, config, sock)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
