@@ -28,6 +28,7 @@ from tokenforge.config import EngineConfig
 from tokenforge.logs import configure_logging
 from tokenforge.server.auth import APIKeyMiddleware
 from tokenforge.server.chat_template import ChatTemplateRenderer
+from tokenforge.server.docs import add_offline_docs
 from tokenforge.server.errors import (
     bad_request,
     install_error_handlers,
@@ -99,7 +100,9 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     name = model_name or settings.served_model_name or default_model_name(engine.config.model.model)
     ctx = ServingContext(engine, settings, ServerMetrics(name), name,
                          ChatTemplateRenderer(engine.tokenizer, settings.chat_template))
-    app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.")
+    app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.",
+                  docs_url=None, redoc_url=None)
+    add_offline_docs(app)
     app.state.ctx = ctx
     app.state.server_state = state
     _add_openai_routes(app, ctx)
