@@ -14,6 +14,9 @@ import time
 
 logger = logging.getLogger("tokenforge.generate")
 
+_CHAT_TEMPLATE_TOKENS = 512     # room for a chat template's own text (system prompt, role tags)
+_MIN_KV_BLOCKS = 64
+
 
 def add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", nargs="*", help="prompts (each one a request)")
@@ -69,7 +72,10 @@ def run_generate(args: argparse.Namespace, engine_kwargs) -> int:
     params = sampling_params(args)
     prompts = read_prompts(args)
     kwargs = engine_kwargs(args)
-    check_engine_args(kwargs)
+    device = check_engine_args(kwargs)
+    if device == "cpu" and kwargs.get("num_kv_blocks") is None and kwargs.get("kv_cache_memory") is None:
+        # The run is known: a KV cache for it, not the 1 GiB default (that takes a while to zero).
+        kwargs["num_kv_blocks"] = workload_kv_blocks(prompts, params, args.chat, kwargs.get("block_size") or 16)
     from tokenforge import LLM  # noqa: PLC0415 - torch: only once the arguments are known good
 
     llm = LLM(**kwargs)
@@ -84,14 +90,25 @@ def run_generate(args: argparse.Namespace, engine_kwargs) -> int:
     return 0
 
 
-def check_engine_args(kwargs: dict) -> None:
-    """The device exists and the model fits it: checked before anything is allocated."""
+def workload_kv_blocks(prompts: list[str], params, chat: bool, block_size: int) -> int:
+    """KV blocks enough for every sequence of this run at once. A prompt has at most as many
+    tokens as UTF-8 bytes (a token covers at least one byte), plus special tokens, plus the
+    chat template's text when --chat is on."""
+    slack = _CHAT_TEMPLATE_TOKENS if chat else 8
+    per_prompt = (-(-(len(p.encode()) + slack + params.max_tokens) // block_size) for p in prompts)
+    return max(_MIN_KV_BLOCKS, params.n * sum(per_prompt))
+
+
+def check_engine_args(kwargs: dict) -> str:
+    """The device exists and the model fits it: checked before anything is allocated. Returns
+    the resolved device."""
     from tokenforge.config import DeviceConfig  # noqa: PLC0415
     from tokenforge.doctor import check_fit  # noqa: PLC0415
 
     device = DeviceConfig(device=kwargs.get("device") or "auto").resolved_device()
     check_fit(kwargs.get("model"), kwargs.get("load_format") or "auto", kwargs.get("dtype") or "auto", device,
               kwargs.get("gpu_memory_utilization") or 1.0 if device == "cuda" else 1.0)
+    return device
 
 
 def _print_outputs(prompts: list[str], outs, args: argparse.Namespace) -> None:
