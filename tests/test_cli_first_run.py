@@ -177,3 +177,15 @@ def test_bench_results_go_to_the_current_directory_by_default(tmp_path, monkeypa
     (path,) = report.save(result, build_parser(["bench", "ceilings"]).parse_args(["bench", "ceilings"]))
     assert path.resolve().parent == tmp_path and path.is_file()
     assert not any(REPO.joinpath("bench/results").glob("*-W0.json"))
+
+
+@pytest.mark.timeout(60)
+def test_int8_quantization_prints_no_torch_deprecation_warning():
+    """A fresh process, since torch warns once per process: -W error makes any warning fail it."""
+    code = ("import torch\nfrom tokenforge.model.loader import load_model\n"
+            "from tokenforge.model.layers.cpu_packed import quantize_linears_int8\n"
+            "model = load_model('tiny-llama', 'dummy', torch.float32, 'cpu').model\n"
+            "assert quantize_linears_int8(model) > 0\n")
+    out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], cwd=REPO, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "deprecated" not in out.stderr, out.stderr[-2000:]

@@ -44,9 +44,11 @@ class LLM:
         # release the GIL): on a cold start the two overlap. Torch is imported first, so the two
         # threads never import it at the same time.
         import torch  # noqa: F401, PLC0415
+        start = time.perf_counter()
         tokenizer = _Background(load_engine_tokenizer, self.config.model.model, self.config.load.load_format)
         self.engine = EngineCore(self.config)
         self.tokenizer = tokenizer.result()
+        logger.info("ready in %.2f s", time.perf_counter() - start)
         self.runtime = RuntimeInfo(
             num_kv_blocks=self.engine.num_kv_blocks, vocab_size=self.engine.vocab_size,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids), max_model_len=self.engine.max_model_len)
