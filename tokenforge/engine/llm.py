@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import time
 from collections.abc import Sequence
 
@@ -40,14 +39,9 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, seed=seed, load_format=load_format, **kwargs)
-        # The tokenizer loads (mostly imports) in a thread while the model loads (torch ops that
-        # release the GIL): on a cold start the two overlap. Torch is imported first, so the two
-        # threads never import it at the same time.
-        import torch  # noqa: F401, PLC0415
         start = time.perf_counter()
-        tokenizer = _Background(load_engine_tokenizer, self.config.model.model, self.config.load.load_format)
         self.engine = EngineCore(self.config)
-        self.tokenizer = tokenizer.result()
+        self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
         logger.info("ready in %.2f s", time.perf_counter() - start)
         self.runtime = RuntimeInfo(
             num_kv_blocks=self.engine.num_kv_blocks, vocab_size=self.engine.vocab_size,
@@ -131,27 +125,6 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[req.request_id] for req in processed]
-
-
-class _Background:
-    """fn(*args) in a daemon thread; result() returns its value or raises its exception."""
-
-    def __init__(self, fn, *args) -> None:
-        self._value = self._error = None
-        self._thread = threading.Thread(target=self._run, args=(fn, *args), name="tokenizer-loader", daemon=True)
-        self._thread.start()
-
-    def _run(self, fn, *args) -> None:
-        try:
-            self._value = fn(*args)
-        except BaseException as err:   # noqa: BLE001 - re-raised by result()
-            self._error = err
-
-    def result(self):
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 def _as_prompt_list(prompts) -> list[PromptType]:
