@@ -70,7 +70,7 @@ def test_cli_reports_a_missing_hub_model(offline, capsys):
     from tokenforge.cli import main
 
     assert main(["generate", "--model", "nobody/nothing", "--device", "cpu", "hi"]) == 2
-    assert "error: model 'nobody/nothing' is not in the local Hugging Face cache" in capsys.readouterr().err
+    assert "model 'nobody/nothing' is not in the local Hugging Face cache" in capsys.readouterr().err
 
 
 def test_local_paths_and_shipped_names_are_not_hub_ids(tmp_path):

@@ -106,8 +106,10 @@ def check_engine_args(kwargs: dict) -> str:
     from tokenforge.doctor import check_fit  # noqa: PLC0415
 
     device = DeviceConfig(device=kwargs.get("device") or "auto").resolved_device()
+    ranks = (kwargs.get("tensor_parallel_size") or 1) * (kwargs.get("pipeline_parallel_size") or 1)
     check_fit(kwargs.get("model"), kwargs.get("load_format") or "auto", kwargs.get("dtype") or "auto", device,
-              kwargs.get("gpu_memory_utilization") or 1.0 if device == "cuda" else 1.0)
+              kwargs.get("gpu_memory_utilization") or 1.0 if device == "cuda" else 1.0, ranks,
+              int((kwargs.get("cpu_offload_gb") or 0) * 1e9))
     return device
 
 

@@ -92,17 +92,24 @@ def auto_layout(model: str | None, load_format: str, dtype: str, max_model_len: 
     return plan.tp, plan.pp
 
 
-def check_fit(model: str | None, load_format: str, dtype: str, device: str, memory_fraction: float = 1.0) -> None:
+def check_fit(model: str | None, load_format: str, dtype: str, device: str, memory_fraction: float = 1.0,
+              ranks: int = 1, offload_bytes: int = 0) -> None:
     """Refuse, before any allocation, a model whose weights alone exceed the device's memory (the
-    doctor arithmetic), naming what would fit instead. `device` is resolved (cpu or cuda)."""
+    doctor arithmetic), naming what would fit instead. `device` is resolved (cpu or cuda). With
+    tensor/pipeline parallelism each of the `ranks` devices holds its share; `offload_bytes` of
+    each rank's weights stay in host memory (--cpu-offload-gb)."""
     arch = read_arch_config(model, load_format)
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else "bfloat16"
     total, where = _machine_memory() if device == "cuda" else _cpu_memory()
     budget = int(total * memory_fraction * (1 - _ACTIVATION_RESERVE))
     weights = arch.weight_bytes(dtype)
-    if weights <= budget:
+    if weights / ranks - offload_bytes <= budget:
         return
+    if ranks > 1:
+        raise DoesNotFitError(f"{model or 'the bundled model'} does not fit: {_gib(weights / ranks)} of weights per "
+                              f"rank ({ranks} ranks) in {dtype}, and each device has {_gib(budget)} usable "
+                              f"(see 'tokenforge doctor --gpus N')")
     name = model or "the bundled model"
     smaller = [d for d in ("bfloat16", "float16") if d != dtype and arch.weight_bytes(d) <= budget]
     hint = (f"--dtype {smaller[0]} would fit ({_gib(arch.weight_bytes(smaller[0]))} of weights)" if smaller
