@@ -136,6 +136,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    _resolve_hub_id(args)
     if getattr(args, "parallel", None) == "auto" or getattr(args, "sharding_strategy", None) == "auto":
         _apply_auto_parallel(args)
     parallel = parallel_kwargs(args)       # before load_format is read: --model-sharding-type load sets it
@@ -149,7 +150,17 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
-        profile_dir=args.profile_dir, quantization=args.quantization, revision=args.revision, **parallel, **cache_kwargs(args))
+        profile_dir=args.profile_dir, quantization=args.quantization, revision=args.revision,
+        model_id=getattr(args, "model_id", None), **parallel, **cache_kwargs(args))
+
+
+def _resolve_hub_id(args: argparse.Namespace) -> None:
+    """A Hub id becomes its local snapshot before anything reads the model (the fit check, the
+    doctor's plan); the id is kept as model_id, the name the server shows."""
+    from tokenforge.hub import looks_like_repo_id, resolve_hub_model  # noqa: PLC0415
+
+    if isinstance(args.model, str) and looks_like_repo_id(args.model) and not getattr(args, "model_id", None):
+        args.model_id, args.model = args.model, resolve_hub_model(args.model, args.revision)
 
 
 def _apply_auto_parallel(args: argparse.Namespace) -> None:
