@@ -36,12 +36,24 @@ def test_outputs_match_tp1(widened_model, tp1_outputs, layout):
 @pytest.mark.parametrize("kwargs,message", [
     ({"tensor_parallel_size": 2}, "does not divide the model's 9 attention heads"),
     ({"pipeline_parallel_size": 31}, "larger than the model's 30 layers"),
-    ({"tensor_parallel_size": 3, "device": "cuda"}, "needs 3 GPUs on this host"),
 ])
 def test_bad_layouts_fail_before_any_process_starts(kwargs, message):
     with pytest.raises(ValueError, match=message):
         LLM(**{**ENGINE, **kwargs})
     assert not multiprocessing.active_children()
+
+
+def test_more_gpus_than_visible_is_refused(monkeypatch):
+    import torch
+
+    from tokenforge.config import EngineConfig
+    from tokenforge.executor.parallel_check import check_parallel_layout
+    from tokenforge.model.loader import read_arch_config
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    config = EngineConfig.from_kwargs(tensor_parallel_size=3, device="cpu")
+    with pytest.raises(ValueError, match="3 x 1 needs 3 GPUs on this host, but 2 are visible"):
+        check_parallel_layout(config, read_arch_config(None), "cuda")
 
 
 def test_a_rank_that_fails_to_start_takes_the_others_down():

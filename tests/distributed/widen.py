@@ -9,6 +9,7 @@ split, so parallel runs are compared on real weights producing real text.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -53,5 +54,7 @@ def write_widened_smollm2(out: Path, num_layers: int | None = None) -> Path:
         "bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids), "torch_dtype": "float32",
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
-    load_tokenizer(None).hf.save_pretrained(str(out))
+    for f in load_tokenizer(None).hf.directory.iterdir():       # the converted GGUF tokenizer's files
+        if f.name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(f, out / f.name)
     return out

@@ -73,6 +73,7 @@ class FastTokenizerFiles:
     def __init__(self, directory: Path) -> None:
         from tokenizers import Tokenizer as RustTokenizer  # noqa: PLC0415
 
+        self.directory = directory      # where the files are (tests copy them next to a model)
         config = json.loads((directory / "tokenizer_config.json").read_text())
         self._tok = RustTokenizer.from_file(str(directory / "tokenizer.json"))
         self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
