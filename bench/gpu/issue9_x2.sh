@@ -20,8 +20,8 @@ phase() { echo "=== $1  (+$(( $(date +%s) - T0 )) s, $(date +%T))"; }
 
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 
-phase "GPU tests (TP=2 graphs and eager, PP=2: greedy == TP=1)"
-timeout 100 python3 -m pytest -q -x -m gpu tests/distributed/test_parallel_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt" || true
+phase "GPU tests (TP=2 graphs and eager, PP=2, CPU offload: greedy == TP=1)"
+timeout 120 python3 -m pytest -q -x -m gpu tests/distributed/test_parallel_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt" || true
 
 # Same prompts for every layout; 256 sequences per step at most (fewer CUDA graphs to capture).
 ENGINE="--load-format dummy --dtype bfloat16 --max-model-len 4096 --max-num-seqs 256 --no-baseline --w1-repeats 1"
@@ -30,7 +30,7 @@ timeout 180 $B parallel --model llama-3.1-8b $ENGINE --layouts tp1,tp2,pp2 --num
   --output-len 256 $RES --out "$OUT/w7-8b" 2>&1 | grep -v "^INFO" | tail -25 || echo "W7 8B failed"
 
 phase "W10: cold start, 8B safetensors (written once), cold then warm engine cache"
-timeout 150 $B coldstart --model llama-3.1-8b --checkpoint-dir /tmp/tf-w10-8b \
+timeout 200 $B coldstart --model llama-3.1-8b --checkpoint-dir /tmp/tf-w10-8b \
   --serve-args "--max-model-len 4096 --max-num-seqs 256" $RES --out "$OUT/w10" 2>&1 | grep -v "^INFO" | tail -15 \
   || echo "W10 failed"
 

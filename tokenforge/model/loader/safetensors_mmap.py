@@ -86,6 +86,7 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, torch.Tenso
         f.write(blob)
         for _, t in items:
             host = t.contiguous().cpu()
-            f.write(host.view(torch.uint8).numpy().tobytes() if host.numel() else b"")
+            if host.numel():
+                f.write(memoryview(host.reshape(-1).view(torch.uint8).numpy()))
     tmp.rename(path)      # no fsync: an entry cut short by a crash fails verification and is rebuilt
     return 8 + len(blob) + offset
