@@ -21,7 +21,7 @@ phase() { echo "=== $1  (+$(( $(date +%s) - T0 )) s, $(date +%T))"; }
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 
 phase "GPU tests (TP=2 graphs and eager, PP=2, CPU offload: greedy == TP=1)"
-timeout 120 python3 -m pytest -q -x -m gpu tests/distributed/test_parallel_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt" || true
+timeout 120 python3 -m pytest -q -m gpu tests/distributed/test_parallel_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt" || true
 
 # Same prompts for every layout; 256 sequences per step at most (fewer CUDA graphs to capture).
 ENGINE="--load-format dummy --dtype bfloat16 --max-model-len 4096 --max-num-seqs 256 --no-baseline --w1-repeats 1"
