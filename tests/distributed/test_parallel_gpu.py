@@ -6,8 +6,15 @@ with TP=2 and PP=2 (CUDA graphs on) must equal TP=1's. fp32 keeps the argmax awa
 
 from __future__ import annotations
 
+import faulthandler
 import gc
+import multiprocessing
+import os
 import random
+import signal
+import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -25,6 +32,32 @@ CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_siz
        "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
 
 
+TEST_LIMIT_S = 45     # a test past this dumps every stack (workers too, via SIGUSR1) and exits
+
+
+@pytest.fixture(autouse=True)
+def fail_fast(request):
+    """A hang must say where: after TEST_LIMIT_S, dump the stacks of this process and of its worker
+    processes, then exit non-zero, so the rest of the GPU script still runs."""
+    start = time.monotonic()
+    print(f"\n[{time.strftime('%T')}] start {request.node.name}", flush=True)
+
+    def expire() -> None:
+        print(f"\n{request.node.name}: over {TEST_LIMIT_S} s; stacks follow", file=sys.stderr, flush=True)
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGUSR1)
+        time.sleep(2)
+        faulthandler.dump_traceback(all_threads=True)
+        os._exit(3)
+
+    timer = threading.Timer(TEST_LIMIT_S, expire)
+    timer.daemon = True
+    timer.start()
+    yield
+    timer.cancel()
+    print(f"[{time.strftime('%T')}] done {request.node.name} in {time.monotonic() - start:.1f} s", flush=True)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_random_checkpoint(CFG, tmp_path_factory.mktemp("ckpt") / "tiny", dtype=torch.float32, std=0.08)
@@ -33,7 +66,8 @@ def checkpoint(tmp_path_factory):
 def _greedy(path, check=None, **kw) -> list[list[int]]:
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 4096) for _ in range(rng.randint(5, 300))]} for _ in range(12)]
-    llm = LLM(str(path), dtype="float32", max_model_len=1024, kv_cache_memory="1GiB", **kw)
+    # 16 sequences: five CUDA graphs to capture per rank, so a layout starts in seconds.
+    llm = LLM(str(path), dtype="float32", max_model_len=1024, kv_cache_memory="1GiB", max_num_seqs=16, **kw)
     try:
         if check is not None:
             check(llm)

@@ -70,10 +70,13 @@ class _Groups:
 _GROUPS: _Groups | None = None
 
 
-def init_distributed(rank: ParallelRank, backend: str, init_method: str, timeout_s: float = 600.0) -> None:
+TIMEOUT_ENV = "TOKENFORGE_DIST_TIMEOUT_S"     # collectives and rendezvous give up after this long
+
+
+def init_distributed(rank: ParallelRank, backend: str, init_method: str, timeout_s: float | None = None) -> None:
     """Join the world and build every group (all ranks create all groups, in the same order)."""
     global _GROUPS
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=timeout_s or float(os.environ.get(TIMEOUT_ENV, "600")))
     if backend == "nccl":
         torch.cuda.set_device(rank.local_rank)      # NCCL picks its device from the current one
     if not dist.is_initialized():

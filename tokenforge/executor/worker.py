@@ -12,6 +12,7 @@ Linux, plus a parent-pid check while it waits), or non-zero when anything raises
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import logging
 import os
 import signal
@@ -64,6 +65,7 @@ def run_worker(config_bytes: bytes, rank: ParallelRank, ring_handle: tuple | Non
     """A spawned worker process's entry point (the mp executor)."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)    # the engine core owns shutdown
+    faulthandler.register(signal.SIGUSR1, all_threads=True)   # `kill -USR1 PID`: where is it stuck?
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank.rank}] %(name)s: %(message)s")
     config = decode_config(config_bytes)
     _maybe_inject_fault("start", rank.rank)
