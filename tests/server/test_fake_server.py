@@ -265,3 +265,16 @@ def test_docs_work_offline(fake):
         got = httpx.get(f"{fake.url}/docs/assets/{asset}", headers=fake.headers)
         assert got.status_code == 200 and kind in got.headers["content-type"] and len(got.content) > 10_000
     assert httpx.get(fake.url + "/redoc", headers=fake.headers).status_code == 404
+
+
+def test_both_processes_log_in_one_format(fake):
+    """The API process and the engine-core process share logs.LOG_FORMAT, told apart by a tag."""
+    import re
+
+    line_format = re.compile(r"\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO |WARNING|ERROR) \[(api|engine-core)\] [\w.]+: ")
+    with open(fake.log.name, errors="replace") as f:
+        lines = [line for line in f.read().splitlines() if re.match(r"\d\d:\d\d:\d\d", line)]
+    assert lines and all(line_format.match(line) for line in lines), lines
+    tags = {line_format.match(line).group(2) for line in lines}
+    assert tags == {"api", "engine-core"}, lines
+    assert any("engine core ready in" in line for line in lines)
