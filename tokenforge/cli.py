@@ -1,4 +1,4 @@
-"""The `tokenforge` command: serve | generate | bench | doctor.
+"""The `tokenforge` command: serve | generate | bench | doctor | preprocess | train.
 
 The one module that sees everything. Engine flags are shared by every subcommand that builds an
 engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
@@ -186,9 +186,18 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def _add_optional_subcommands(sub, argv: list[str] | None) -> None:
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
+    from tokenforge.train.cli_args import add_train_parsers  # noqa: PLC0415
 
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES, HelpFormatter)
     add_bench_args(sub, add_engine_args, only=_bench_name(argv))
+    add_train_parsers(sub, _load_tokenizer)
+
+
+def _load_tokenizer(model: str | None, load_format: str = "auto"):
+    """The engine's tokenizer for preprocess/train (train may not import the engine itself)."""
+    from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415
+
+    return load_engine_tokenizer(model, load_format)
 
 
 def _bench_name(argv: list[str] | None) -> str | None:

@@ -33,8 +33,6 @@ PLANNED: dict[str, str] = {
     "--kv-remote": "a Redis tier for the KV cache, shared by replicas, issue 10",
     "--model-version": "a model version and checksum verified at start-up, issue 11",
     "router": "a prefix-aware router in front of replicas, issue 11",
-    "preprocess": "tokenize a text corpus for training, issue 12",
-    "train": "training and fine-tuning, issue 12",
 }
 
 

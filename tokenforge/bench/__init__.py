@@ -12,6 +12,7 @@ directory; the committed records in bench/results only with an explicit --result
     prefix      W5: shared 2048-token prefixes, prefix cache on against off
     serve       W4: HTTP streaming load (tokenforge.bench.serve)
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
+    train       W11: training tokens/s, MFU, peak memory (one process, or DDP / FSDP2 under torchrun)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ BENCHES: dict[str, str] = {
     "prefix": "W5: shared-prefix throughput with the prefix cache on and off",
     "serve": "W4: HTTP streaming serving load (TTFT, TPOT, ITL)",
     "kernels": "kernel micro-benchmarks against their torch references",
+    "train": "W11: training tokens/s, MFU and peak memory (FSDP2 / DDP under torchrun)",
 }
 
 

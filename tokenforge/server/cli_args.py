@@ -85,6 +85,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default=d.log_level, type=str.lower,
                    choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--inference-mode", action="store_true",
+                   help="playbook flag, accepted as a no-op: serving never trains (see `tokenforge train`)")
     return parser
 
 
