@@ -147,8 +147,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The whole parser. `argv` names the bench to load (each bench's flags import its module,
-    and torch with it); without one, `tokenforge --help` imports no torch."""
+    """The parser. Given the command line, it builds only the heavy subparsers that it names
+    (a bench's or train's flags import torch), so `tokenforge --help` imports no torch; without
+    one (argv None) it builds them all."""
     parser = Parser(prog="tokenforge", description="LLM inference and serving engine",
                     epilog=PLAYBOOK_NOTES, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"tokenforge {__version__}")
@@ -186,11 +187,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def _add_optional_subcommands(sub, argv: list[str] | None) -> None:
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
-    from tokenforge.train.cli_args import add_train_parsers  # noqa: PLC0415
-
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES, HelpFormatter)
-    add_bench_args(sub, add_engine_args, only=_bench_name(argv))
-    add_train_parsers(sub, _load_tokenizer)
+    add_bench_args(sub, add_engine_args, only="*" if argv is None else _bench_name(argv))
+    if argv is None or "preprocess" in argv or "train" in argv:
+        from tokenforge.train.cli_args import add_train_parsers  # noqa: PLC0415 - imports torch
+
+        add_train_parsers(sub, _load_tokenizer)
+    else:   # their flags import torch: listed here, built only when asked for (`--help` stays fast)
+        sub.add_parser("preprocess", help="tokenize and pack text/JSONL/parquet/chat data for training")
+        sub.add_parser("train", help="train or fine-tune (full, LoRA; DDP/FSDP under torchrun)")
 
 
 def _load_tokenizer(model: str | None, load_format: str = "auto"):
@@ -200,15 +205,16 @@ def _load_tokenizer(model: str | None, load_format: str = "auto"):
     return load_engine_tokenizer(model, load_format)
 
 
-def _bench_name(argv: list[str] | None) -> str | None:
+def _bench_name(argv: list[str]) -> str | None:
     """The NAME of `tokenforge bench NAME ...` in argv, if any."""
-    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    words = [a for a in argv if not a.startswith("-")]
     return words[words.index("bench") + 1] if "bench" in words[:-1] else None
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    refuse_planned_command(parser, sys.argv[1:] if argv is None else argv)
+    refuse_planned_command(parser, argv)
     args = parser.parse_args(argv)
     check_planned_values(parser, args)
     configure_logging(args.global_log_level or getattr(args, "log_level", None) or "info", "tokenforge")
