@@ -39,8 +39,8 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, seed=seed, load_format=load_format, **kwargs)
-        self.engine = EngineCore(self.config)
         self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
+        self.engine = EngineCore(self.config, self.tokenizer)
         self.runtime = RuntimeInfo(
             num_kv_blocks=self.engine.num_kv_blocks, vocab_size=self.engine.vocab_size,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids), max_model_len=self.engine.max_model_len)
