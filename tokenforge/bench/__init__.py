@@ -11,6 +11,7 @@ prints a table last and writes `bench/results/<date>-<device>-<workload>.json` (
     prefix      W5: shared 2048-token prefixes, prefix cache on against off
     serve       W4: HTTP streaming load (tokenforge.bench.serve)
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
+    structured  throughput of a batch with half the requests grammar-constrained, against all free
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ BENCHES: dict[str, str] = {
     "prefix": "W5: shared-prefix throughput with the prefix cache on and off",
     "serve": "W4: HTTP streaming serving load (TTFT, TPOT, ITL)",
     "kernels": "kernel micro-benchmarks against their torch references",
+    "structured": "throughput cost of grammar-constrained requests (half of a batch against none)",
 }
 
 

@@ -180,6 +180,8 @@ class GrammarMatchers:
             if matcher is None:
                 continue
             for token in out.new_token_ids:
+                if matcher.is_stopped():
+                    break          # complete: its mask allows only EOS (ignore_eos may go on)
                 if not matcher.consume_token(token):
                     # Only reachable if a token outside the mask was sampled (a bug): stop
                     # constraining rather than fail the request.
