@@ -208,7 +208,7 @@ class ChatBuilder:
         keep = max((k for m in markers for k in range(1, len(m)) if pending.endswith(m[:k])), default=0)
         return pending[:len(pending) - keep]
 
-    def _final_chunks(self, index: int, choice: _Choice) -> list[dict]:
+    def _final_chunks(self, index: int, choice: _Choice) -> tuple[list[dict], str | None]:
         """Deltas at a choice's end: held-back content, then its tool calls."""
         message, finish_reason = self._message(choice)
         deltas = []
