@@ -46,7 +46,7 @@ metric_list:
 def server():
     srv = ServerProcess([sys.executable, "-m", "tokenforge.cli", "serve", "--device", "cpu",
                          "--max-num-seqs", "8", "--num-kv-blocks", "128"], api_key="sk-eval")
-    srv.wait_healthy(180)
+    srv.wait_healthy(600)
     yield srv
     srv.stop()
 

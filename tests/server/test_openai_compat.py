@@ -60,7 +60,7 @@ TOOL_PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS
 @pytest.fixture(scope="module")
 def live():
     server = ServerProcess(SERVE, api_key=KEY)
-    server.wait_healthy(180)
+    server.wait_healthy(600)
     yield server
     server.stop()
 
