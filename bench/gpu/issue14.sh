@@ -24,7 +24,7 @@ TESTS_RC=${PIPESTATUS[0]}
 set -e
 echo "=== bench structured (W2-shaped) $(date +%T)"
 python3 -m tokenforge.bench structured --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
-  --max-model-len 1024 --num-prompts 256 --input-len 256 --output-len 256 --repeats 2 \
+  --max-model-len 1024 --num-prompts 256 --input-len 256 --output-len 256 --repeats 3 \
   --results-dir "$OUT/results" 2>&1 | tail -12
 python3 - "$OUT" "$TESTS_RC" <<'PY'
 import glob, json, sys

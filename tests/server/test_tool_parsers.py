@@ -52,6 +52,9 @@ def test_required_and_named_constraints_and_extraction():
     assert param == "tool_choice" and spec.json["maxItems"] == 1 and spec.json["minItems"] == 1
     content, calls = extract_calls(setup, '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
     assert content is None and calls[0].name == "get_weather"
+    # Cut off by max_tokens after one whole call: that call still comes out.
+    cut = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}, {"name": "get_weather", "argu'
+    assert [c.arguments for c in extract_calls(setup, cut)[1]] == ['{"city": "Oslo"}']
     named = tool_setup([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, True, None, None)
     assert tool_constraints(named)[-1][1].json == WEATHER["function"]["parameters"]
     assert extract_calls(named, '{"city": "Oslo"}')[1][0].arguments == '{"city": "Oslo"}'

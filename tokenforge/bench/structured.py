@@ -53,7 +53,9 @@ def main(args: argparse.Namespace) -> dict:
     vocab = harness.vocab_size(llm, args.model)
     rng = random.Random(args.seed if getattr(args, "seed", None) is not None else 0)
     prompts = [[rng.randrange(256, vocab) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
-    _run(llm, prompts[:4], 8, True, "warmup")          # compiles the grammar, builds the tokenizer
+    # Untimed passes of both variants: grammar compile, tokenizer build, every kernel shape.
+    _run(llm, prompts, args.output_len, False, "warmup-free")
+    _run(llm, prompts, args.output_len, True, "warmup-half")
     free, half = [], []
     for r in range(max(1, args.repeats)):               # interleaved, so drift hits both alike
         free.append(_run(llm, prompts, args.output_len, False, f"free-{r}"))

@@ -125,13 +125,30 @@ def extract_calls(setup: ToolSetup, text: str) -> tuple[str | None, list[ToolCal
         return (None, [ToolCall(setup.named, json.dumps(parsed, ensure_ascii=False))]) if parsed is not None \
             else (text, [])
     if setup.mode == "required":
-        parsed = _loads(text)
-        calls = [c for item in parsed if (c := call_from_json(item))] if isinstance(parsed, list) else []
+        calls = [c for item in _array_items(text) if (c := call_from_json(item))]
         return (None, calls) if calls else (text, [])
     if setup.mode == "auto" and setup.parser is not None:
         content, calls = setup.parser.parse(text)
         return (content or None, calls) if calls else (text, [])
     return text, []
+
+
+def _array_items(text: str) -> list:
+    """The complete items of a JSON array, also of one cut off by max_tokens: the grammar keeps
+    the text a valid prefix, so every item before the cut is a whole, valid call."""
+    decoder, items = json.JSONDecoder(), []
+    pos = text.find("[") + 1
+    while 0 < pos < len(text):
+        while pos < len(text) and text[pos] in " \n\t,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break
+        items.append(item)
+    return items
 
 
 def _loads(text: str):
