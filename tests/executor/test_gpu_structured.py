@@ -36,7 +36,7 @@ def test_mixed_batch_on_gpu(llm):
     for i, (a, m) in enumerate(zip(alone, mixed)):
         if i % 2:
             value = json.loads(m.outputs[0].text)        # EOS (skipped in text) pads after the JSON
-            assert set(value) == {"name", "tags"} and len(value["name"]) <= 8
+            assert set(value) == {"name", "tags"} and set(value["tags"]) <= {"a", "b", "c"}
         else:
             assert m.outputs[0].token_ids == a.outputs[0].token_ids
     stats = llm.get_stats()
