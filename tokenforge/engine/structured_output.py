@@ -93,10 +93,13 @@ def build_ll_tokenizer(tokenizer, vocab_size: int):
     """An llguidance tokenizer over the model's vocabulary (about a second for 128k tokens)."""
     ll = _llguidance()
     eos = list(tokenizer.eos_token_ids) or None
-    if getattr(tokenizer, "hf", None) is not None:
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None and hasattr(hf, "backend_tokenizer"):      # a transformers fast tokenizer
         import llguidance.hf  # noqa: PLC0415
 
-        return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size, eos_token=eos)
+        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=eos)
+    if hf is not None and hasattr(hf, "_tok"):                   # tokenization.FastTokenizerFiles
+        return ll.LLTokenizer(hf._tok.to_str(), n_vocab=vocab_size, eos_token=eos)
     return ll.LLTokenizer(ll.TokenizerWrapper(_ByteVocabulary(tokenizer, vocab_size)), n_vocab=vocab_size,
                           eos_token=eos)
 
