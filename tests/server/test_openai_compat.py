@@ -72,7 +72,8 @@ def client(live):
 
 @pytest.fixture(scope="module")
 def aclient(live):
-    return openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0)
+    """A factory: an async client is bound to the event loop it first runs in (one per asyncio.run)."""
+    return lambda: openai.AsyncOpenAI(base_url=live.url + "/v1", api_key=KEY, max_retries=0)
 
 
 def _ask(text: str) -> list[dict]:
@@ -81,19 +82,23 @@ def _ask(text: str) -> list[dict]:
 
 def test_structured_outputs_parse_and_validate(aclient):
     """Every schema shape, json_schema and json_object, a mixed constrained/free batch: 100% valid."""
+    client = None
+
     async def one(name: str, schema: dict, seed: int):
         fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
-        out = await aclient.chat.completions.create(
+        out = await client.chat.completions.create(
             model=MODEL, messages=_ask(f"Give an example {name} as JSON."), response_format=fmt,
             max_tokens=120, temperature=0.7, seed=seed)
         return name, out.choices[0]
 
     async def free():
-        return await aclient.chat.completions.create(model=MODEL, messages=_ask("Say hi."), max_tokens=8)
+        return await client.chat.completions.create(model=MODEL, messages=_ask("Say hi."), max_tokens=8)
 
     async def run():
+        nonlocal client
+        client = aclient()
         jobs = [one(n, s, seed) for seed in (1, 2) for n, s in SCHEMAS.items()]
-        object_job = aclient.chat.completions.create(model=MODEL, messages=_ask("A JSON object about a cat."),
+        object_job = client.chat.completions.create(model=MODEL, messages=_ask("A JSON object about a cat."),
                                                      response_format={"type": "json_object"}, max_tokens=120,
                                                      temperature=0)
         return await asyncio.gather(*jobs, object_job, free())
@@ -135,7 +140,8 @@ def test_tool_choice_required_always_parses(aclient):
                  "Tell me a joke.", "Weather in Rome in fahrenheit?", "Time in UTC please."]
 
     async def run():
-        return await asyncio.gather(*[aclient.chat.completions.create(
+        client = aclient()
+        return await asyncio.gather(*[client.chat.completions.create(
             model=MODEL, messages=_ask(q), tools=TOOLS, tool_choice="required", max_tokens=100, temperature=0.8,
             seed=i, parallel_tool_calls=i % 2 == 0) for i, q in enumerate(questions)])
 
@@ -190,7 +196,8 @@ def test_echo_logprobs_match_offline_prompt_logprobs(client, live):
         assert math.isclose(got, position[token_id].logprob, abs_tol=1e-4)
     zero = client.completions.create(model=MODEL, prompt=[ids], echo=True, logprobs=0, max_tokens=0)
     assert zero.choices[0].text == prompt and zero.usage.completion_tokens == 0
-    assert zero.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:len(ids)]
+    assert all(math.isclose(a, b, abs_tol=1e-4)
+               for a, b in zip(zero.choices[0].logprobs.token_logprobs[1:], lp.token_logprobs[1:len(ids)], strict=True))
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}
     raw = httpx.post(live.url + "/v1/completions", json=body, headers=live.headers).json()
     entries = raw["choices"][0]["prompt_logprobs"]
@@ -232,6 +239,6 @@ def test_langchain_chat_openai(live):
     reply = agent.invoke(messages)
     assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
     call = reply.tool_calls[0]
-    messages += [reply, ToolMessage(get_weather(**call["args"]), tool_call_id=call["id"])]
+    messages += [reply, ToolMessage(get_weather(str(call["args"].get("city"))), tool_call_id=call["id"])]
     final = chat.bind_tools([get_weather]).invoke(messages)
     assert final.content or final.tool_calls
