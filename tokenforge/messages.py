@@ -38,6 +38,7 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = None          # a compiled llguidance grammar (its text is its identity)
 
     @property
     def is_greedy(self) -> bool:

@@ -13,6 +13,7 @@ directory; the committed records in bench/results only with an explicit --result
     serve       W4: HTTP streaming load (tokenforge.bench.serve)
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
     train       W11: training tokens/s, MFU, peak memory (one process, or DDP / FSDP2 under torchrun)
+    structured  throughput of a batch with half the requests grammar-constrained, against all free
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ BENCHES: dict[str, str] = {
     "serve": "W4: HTTP streaming serving load (TTFT, TPOT, ITL)",
     "kernels": "kernel micro-benchmarks against their torch references",
     "train": "W11: training tokens/s, MFU and peak memory (FSDP2 / DDP under torchrun)",
+    "structured": "throughput cost of grammar-constrained requests (half of a batch against none)",
 }
 
 

@@ -29,6 +29,7 @@ class ScheduledSequence:
     prompt_token_ids: list[int]     # references, not copies: penalties read them
     output_token_ids: list[int]
     want_prompt_logprobs: bool = False   # this chunk lies in the prompt and the request asked for them
+    banned_token_ids: tuple[int, ...] = ()   # -inf at this sample: EOS and stop ids before min_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -40,6 +41,11 @@ class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)   # decodes first, then prefills
     finished_request_ids: list[str] = field(default_factory=list)      # finished/aborted since last step
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Grammar-constrained sampling rows (indices among the sequences that sample, in order) and
+    # their allowed-token bitmask: a numpy int32 [len(rows), ceil(V / 32)], bit t of word w
+    # allows token 32 * w + t. Filled by the engine (not core/, which knows no grammar engine).
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: object | None = None
 
     @property
     def total_num_tokens(self) -> int:

@@ -14,8 +14,12 @@ Async scheduling: `schedule()` may run again before the previous step's output h
 scheduled, and a sequence that samples leaves a placeholder: the next step computes that
 placeholder token (PLACEHOLDER_TOKEN_ID in `token_ids`; the runner takes its id from the device),
 and `update_from_output` replaces the placeholder with the real token. Requests whose sampling
-reads their own output history (penalties) or that want prompt logprobs need each step's output
-before the next is scheduled: while any is unfinished, `can_schedule_ahead()` is False.
+reads their own output history (penalties), that want prompt logprobs, or whose output follows a
+grammar (its next mask depends on the token just sampled) need each step's output before the
+next is scheduled: while any is unfinished, `can_schedule_ahead()` is False.
+
+min_tokens: until a request has that many output tokens, its sequence carries the EOS ids
+(unless ignore_eos) and its stop_token_ids as `banned_token_ids`, which the sampler sets to -inf.
 """
 
 from __future__ import annotations
@@ -70,7 +74,8 @@ class Scheduler:
         request = Request.from_engine_core_request(req)
         p = request.params
         request.needs_sync = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
-                              or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+                              or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                              or p.grammar is not None)
         self._num_needs_sync += request.needs_sync
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -215,7 +220,8 @@ class Scheduler:
             sample=sample, params=req.params,
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             want_prompt_logprobs=(req.params.prompt_logprobs is not None
-                                  and self._wants_prompt_logprobs(req, start)))
+                                  and self._wants_prompt_logprobs(req, start)),
+            banned_token_ids=self._banned_tokens(req) if sample else ())
         req.num_computed_tokens = end
         req.num_output_placeholders += sample
         # Register the blocks this step fills now, not at its update: a request scheduled next
@@ -223,6 +229,14 @@ class Scheduler:
         # its steps in order, so their KV is written before it is read.
         self.kv.cache_blocks(req)
         (decodes if n == 1 else prefills).append(seq)
+
+    @staticmethod
+    def _banned_tokens(req: Request) -> tuple[int, ...]:
+        """EOS (unless ignore_eos) and stop ids while this sample is before min_tokens."""
+        p = req.params
+        if p.min_tokens <= req.num_output_tokens + req.num_output_placeholders:
+            return ()
+        return (*(() if p.ignore_eos else req.eos_token_ids), *p.stop_token_ids)
 
     @staticmethod
     def _wants_prompt_logprobs(req: Request, start: int) -> bool:

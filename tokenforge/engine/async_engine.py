@@ -31,6 +31,7 @@ from tokenforge.engine.core_process import (
 )
 from tokenforge.engine.output_processor import OutputProcessor
 from tokenforge.engine.processor import Processor
+from tokenforge.engine.structured_output import compile_grammar
 from tokenforge.messages import EngineStats, RequestOutput
 from tokenforge.sampling_params import SamplingParams
 
@@ -159,6 +160,12 @@ class AsyncEngine:
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         self._death_callbacks.append(callback)
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (if any) in a worker thread, so that add_request finds it
+        cached and neither this event loop nor the engine loop compiles. ValueError if invalid."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(compile_grammar, params.structured_outputs)
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
                     cache_salt: str | None = None) -> RequestStream:

@@ -12,6 +12,8 @@ import logging
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
+from tokenforge.engine.structured_output import GrammarMatchers
+from tokenforge.engine.tokenization import load_engine_tokenizer
 from tokenforge.executor.executor import Executor
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
@@ -28,7 +30,7 @@ def resolve_max_model_len(requested: int | None, model_limit: int) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         self.executor = Executor(config)
         arch = self.executor.arch
         self.config = config.with_max_model_len(
@@ -39,6 +41,9 @@ class EngineCore:
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
         self.async_scheduling = mode if mode is not None else self.executor.is_async_device
         self._in_flight: tuple[SchedulerOutput, object] | None = None
+        model, load_format = self.config.model.model, self.config.load.load_format
+        self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
+                                        self.vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -49,11 +54,18 @@ class EngineCore:
         return self.executor.vocab_size
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(request)
+        if request.params.grammar is not None:
+            self.grammars.add(request.request_id, request.params.grammar)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.grammars.remove([request.request_id])
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.scheduler.abort_requests(request_ids)
+            self.grammars.remove(request_ids)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run the engine one step; returns the outputs of the step that completed.
@@ -87,6 +99,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             return scheduler_output, None
+        # Constrained requests never run ahead (needs_sync), so every matcher is up to date here.
+        self.grammars.fill(scheduler_output)
         return scheduler_output, self.executor.launch(scheduler_output)
 
     def finish_step(self, launched: tuple[SchedulerOutput, object]) -> list[EngineCoreOutput]:
@@ -96,7 +110,10 @@ class EngineCore:
         runner_output = self.executor.collect(handle)
         if scheduler_output.is_empty:
             return []
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if len(self.grammars):
+            self.grammars.accept(outputs)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()

@@ -97,7 +97,7 @@ class OutputProcessor:
             child = parent.children[out.request_id]
             if child.finish_reason is not None:
                 continue  # already finished by a stop string; the core abort is in flight
-            if out.prompt_logprobs is not None:
+            if out.prompt_logprobs is not None and child.index == 0:   # every sample scores the same prompt
                 self._add_prompt_logprobs(parent, out.prompt_logprobs)
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.new_token_ids:

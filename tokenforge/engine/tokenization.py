@@ -74,6 +74,7 @@ class FastTokenizerFiles:
         from tokenizers import Tokenizer as RustTokenizer  # noqa: PLC0415
 
         config = json.loads((directory / "tokenizer_config.json").read_text())
+        self.name_or_path = str(directory)          # as transformers names it (lm-eval, llguidance)
         self._tok = RustTokenizer.from_file(str(directory / "tokenizer.json"))
         self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
         self.special_tokens_map = {k: config[k] for k in self._SPECIAL if isinstance(config.get(k), str)}

@@ -121,7 +121,7 @@ class ModelRunner:
                                    self._prev_rows)
         self._fill_placeholders(step.inputs)
         step.hidden = self._forward(step.inputs)
-        self._sample(step)
+        self._sample(step, sched)
         self._prev_rows = {s.request_id: i for i, s in enumerate(step.sampling)}
         self._prev_tokens = step.sampler_output.token_ids if step.sampler_output is not None else None
         self._copy_back(step)
@@ -214,7 +214,7 @@ class ModelRunner:
         for layer in layers:
             layer.kv_cache = None
 
-    def _sample(self, step: StepInFlight) -> None:
+    def _sample(self, step: StepInFlight, sched: SchedulerOutput) -> None:
         rows = [i for i, s in enumerate(step.sequences) if s.sample]
         if not rows:
             return
@@ -223,7 +223,8 @@ class ModelRunner:
         batch = SamplingBatch.build(
             [s.params for s in step.sampling], [s.prompt_token_ids for s in step.sampling],
             [s.output_token_ids for s in step.sampling], [self._generator(s) for s in step.sampling],
-            self.vocab_size, self.device)
+            self.vocab_size, self.device, banned=[s.banned_token_ids for s in step.sampling],
+            grammar_rows=sched.grammar_rows, grammar_bitmask=sched.grammar_bitmask)
         step.sampler_output = self.sampler(logits, batch)
 
     def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:

@@ -36,7 +36,7 @@ from tokenforge.server.errors import (
     unavailable,
 )
 from tokenforge.server.metrics import CONTENT_TYPE, ServerMetrics
-from tokenforge.server.middleware import BodyLimitMiddleware, ServiceStateMiddleware
+from tokenforge.server.middleware import AccessLogMiddleware, BodyLimitMiddleware, ServiceStateMiddleware
 from tokenforge.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -110,8 +110,11 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     install_error_handlers(app)
     # Starlette wraps in reverse order: the state gate runs first, then auth, then the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys,
+                       protect_all_routes=settings.protect_all_routes)
     app.add_middleware(ServiceStateMiddleware, unavailable_reason=state.unavailable_reason)
+    if settings.access_log:
+        app.add_middleware(AccessLogMiddleware)
     return app
 
 
@@ -165,10 +168,14 @@ def _add_service_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -
         if body.messages is not None:
             ids = render_prompt(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)["prompt_token_ids"]
         elif body.prompt is not None:
-            ids = ctx.engine.tokenizer.encode(body.prompt)
+            ids = ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise bad_request("give either 'prompt' or 'messages'", param="prompt")
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return tokenizer_info_body(ctx.engine.tokenizer, ctx.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -176,6 +183,22 @@ def _add_service_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -
         if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
             raise bad_request(f"tokens must be token ids in [0, {ctx.vocab_size})", param="tokens")
         return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
+
+
+def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
+    """GET /tokenizer_info as vLLM shapes it: the tokenizer class, its config (special tokens,
+    model_max_length) and the chat template, enough for a remote tokenizer (lm-eval's)."""
+    hf = getattr(tokenizer, "hf", None)
+    body: dict = {"tokenizer_class": type(hf if hf is not None else tokenizer).__name__}
+    if hf is not None:
+        for key, value in getattr(hf, "init_kwargs", {}).items():
+            if isinstance(value, (str, int, float, bool)) or value is None:
+                body[key] = value
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            body[name] = getattr(hf, name, None)
+    body["model_max_length"] = max_model_len
+    body["chat_template"] = getattr(tokenizer, "chat_template", None)
+    return body
 
 
 # ---- the process --------------------------------------------------------------------------------------
@@ -254,7 +277,8 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
     app = build_app(engine, settings, state=state)
     # uvicorn's own limit is a backstop: at shutdown_timeout the state aborts what is left,
     # and those streams end with an error event a moment later.
-    uv_config = uvicorn.Config(app, log_level=settings.log_level, log_config=None, access_log=settings.access_log,
+    # Our own access log (--enable-access-log, AccessLogMiddleware) replaces uvicorn's.
+    uv_config = uvicorn.Config(app, log_level=settings.log_level, log_config=None, access_log=False,
                                lifespan="off", timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
     server = _Server(uv_config, state)
     engine.on_death(lambda reason: _on_engine_death(server, state, reason))

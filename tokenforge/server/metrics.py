@@ -7,7 +7,9 @@ Each server owns its own registry, so several apps in one process (tests) do not
 
 from __future__ import annotations
 
+import contextvars
 import time
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -85,6 +87,20 @@ class ServerMetrics:
         return RequestTracker(self)
 
 
+@dataclass(slots=True)
+class AccessRecord:
+    """What the access log prints for one HTTP request (filled by its RequestTracker)."""
+
+    start: float = field(default_factory=time.time)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+
+
+# The access-log middleware sets this for the request's task; trackers created inside it fill it.
+CURRENT_ACCESS: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar("access", default=None)
+
+
 class RequestTracker:
     """Observes one request's outputs as they arrive: TTFT, inter-chunk latency, totals."""
 
@@ -93,11 +109,15 @@ class RequestTracker:
         self.start = time.time()
         self.last: float | None = None
         self.prompt_tokens = 0
+        self.access = CURRENT_ACCESS.get()
+        self._prompts_seen: set[int] = set()
 
     def observe(self, output: RequestOutput) -> None:
         now = time.time()
         m = self.metrics.model_name
         new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        if self.access is not None:
+            self._record(output, new_tokens, now)
         if new_tokens:
             if self.last is None:
                 arrival = output.metrics.get("arrival_time") or self.start
@@ -115,3 +135,12 @@ class RequestTracker:
         if output.finished:
             arrival = output.metrics.get("arrival_time") or self.start
             self.metrics.e2e.labels(m).observe(max(0.0, now - arrival))
+
+    def _record(self, output: RequestOutput, new_tokens: int, now: float) -> None:
+        access = self.access
+        if output.request_id not in self._prompts_seen:
+            self._prompts_seen.add(output.request_id)
+            access.prompt_tokens += len(output.prompt_token_ids)
+        access.completion_tokens += new_tokens
+        if new_tokens and access.ttft is None:
+            access.ttft = now - access.start

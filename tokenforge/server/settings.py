@@ -30,7 +30,9 @@ class ServerSettings:
     trust_request_chat_template: bool = False
     chat_template: str | None = None            # a template string or a path to one
     log_level: str = "info"
-    access_log: bool = False
+    access_log: bool = False                    # one line per request (method, path, status, tokens, times)
+    protect_all_routes: bool = False            # the API key guards every route, not only /v1/*
+    tool_call_parser: str | None = None         # None: chosen from the chat template
 
     def validate(self) -> ServerSettings:
         def check(cond: bool, message: str) -> None:
@@ -72,4 +74,6 @@ class ServerSettings:
             chat_template=getattr(args, "chat_template", None),
             log_level=(getattr(args, "log_level", None) or defaults.log_level).lower(),
             access_log=bool(getattr(args, "access_log", False)),
+            protect_all_routes=bool(getattr(args, "protect_all_routes", False)),
+            tool_call_parser=getattr(args, "tool_call_parser", None),
         ).validate()
