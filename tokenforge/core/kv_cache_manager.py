@@ -123,6 +123,11 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def registered_blocks(self, request: Request) -> list[tuple[int, hashing.BlockHash]]:
+        """(block id, hash) of the request's leading blocks whose KV is computed and hashed."""
+        n = self._num_registered.get(request.request_id, 0)
+        return list(zip(self._blocks.get(request.request_id, [])[:n], request.block_hashes[:n]))
+
     def block_table(self, request: Request) -> list[int]:
         """The request's block ids, by reference (the runner must not mutate it)."""
         return self._blocks.get(request.request_id, [])
