@@ -112,4 +112,7 @@ class KVTierPolicy:
         req.num_computed_tokens += run * self.block_size
         req.num_tier_hit_tokens = run * self.block_size
         self.kv.cache_blocks(req)
+        # The blocks that stayed empty go back to the pool: the request is admitted again as
+        # usual, chunk by chunk, instead of holding blocks for its whole prompt while it waits.
+        self.kv.truncate(req, k + run)
         return req

@@ -213,12 +213,15 @@ class Scheduler:
                 if started:
                     self.waiting.popleft()     # waits for its load while others run
                     continue
-            if self.kv.block_table(req):       # back from a tier load: it holds its blocks
+            holds_blocks = bool(self.kv.block_table(req))    # back from a tier load
+            if holds_blocks:
                 hit_blocks, num_hit = [], req.num_computed_tokens
             else:
                 hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hit_blocks) is None:
+                if holds_blocks:
+                    self._release_restored(req)
                 break                          # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.kv.record_prefix_lookup(req, num_hit - req.num_tier_hit_tokens)
@@ -230,6 +233,12 @@ class Scheduler:
             self.running.append(req)
             self._add_sequence(req, n, decodes, prefills)
             budget -= n
+
+    def _release_restored(self, req: Request) -> None:
+        """A waiting request must not hold blocks the running ones need (nothing could preempt it):
+        its restored blocks stay in the prefix cache, where its next lookup may find them."""
+        self.kv.free(req)
+        req.num_computed_tokens = req.num_tier_hit_tokens = 0
 
     def _add_sequence(self, req: Request, n: int, decodes: list[ScheduledSequence],
                       prefills: list[ScheduledSequence]) -> None:
