@@ -175,6 +175,7 @@ def test_write_through_puts_each_prefix_block_once():
         run(sched, runner, tier)
     remote = [s for s in tier.saves if s.remote_only]
     assert len(remote) == len({s.block_hash for s in remote}) == 4      # the 4 shared blocks, once
+    assert not sched.tiers.has_work()       # run() stepped until the last request's saves went out
 
 
 def test_disabled_tiers_neither_save_nor_load():

@@ -66,6 +66,9 @@ class KVTierPolicy:
                 self._recent.popitem(last=False)
             self._saves.append(BlockSave(block_id, block_hash, remote_only=True))
 
+    def has_work(self) -> bool:
+        return bool(self.loading or self._saves or self._loads)
+
     def take_step_ops(self) -> tuple[list[BlockSave], list[TierLoad]]:
         saves, loads, self._saves, self._loads = self._saves, self._loads, [], []
         return saves, loads
@@ -75,10 +78,12 @@ class KVTierPolicy:
     def should_look_up(self, req: Request) -> bool:
         return self.enabled and not req.tier_looked_up and self.kv.is_lookup_allowed(req)
 
-    def start_load(self, req: Request) -> bool | None:
+    def start_load(self, req: Request, reserve: int = 0) -> bool | None:
         """Ask the tiers for the blocks past the device's prefix hit. True: the request now waits
         for its load; False: nothing to look up (schedule it as usual); None: not now (no free
-        blocks, or another request is loading the same blocks: it will hit them on the device)."""
+        blocks, or another request is loading the same blocks: it will hit them on the device).
+        `reserve` blocks stay free for the running requests to grow into: a waiting request must
+        not take the blocks they need, as nothing can preempt it."""
         hits, num_hit = self.kv.get_computed_blocks(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
         k = len(hits)
@@ -86,6 +91,9 @@ class KVTierPolicy:
             req.tier_looked_up = True
             return False
         if req.block_hashes[k] in self._inflight:
+            return None
+        num_hits_free = sum(1 for b in hits if self.kv.pool.blocks[b].ref_cnt == 0)
+        if self.kv.pool.num_free_blocks - num_hits_free - (max_blocks - k) < reserve:
             return None
         if self.kv.allocate_slots(req, (max_blocks - k) * self.block_size, hits) is None:
             return None

@@ -103,7 +103,9 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.loading))
+        # Tier loads in flight and saves not yet handed out (a completed request's write-through)
+        # keep the engine stepping until they are done.
+        return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.has_work()))
 
     def num_loading(self) -> int:
         return len(self.tiers.loading) if self.tiers is not None else 0
@@ -207,7 +209,7 @@ class Scheduler:
             if req.num_output_placeholders:
                 break                          # preempted with a token in flight: next step
             if self.tiers is not None and self.tiers.should_look_up(req):
-                started = self.tiers.start_load(req)
+                started = self.tiers.start_load(req, reserve=len(self.running))
                 if started is None:
                     break
                 if started:

@@ -15,6 +15,7 @@ races: a slot is only rewritten after the copies that read it have finished.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -54,8 +55,12 @@ class TierManager:
         self.mover, self.codec, self.counters = mover, codec, counters
         self.host, self.disk, self.remote = host, disk, remote
         self.write_through = write_through
-        self._jobs: queue.Queue = queue.Queue()
+        # Loads go first: a request waits on them, while a save only has to land before its block
+        # is looked up again. Ties keep submission order.
+        self._jobs: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
         self._pending_save_blocks = 0
+        self._pending_lock = threading.Lock()
         self._puts: queue.Queue = queue.Queue(maxsize=MAX_PENDING_PUTS)
         self._done: list[TierLoadResult] = []
         self._done_cv = threading.Condition()
@@ -72,14 +77,16 @@ class TierManager:
         """Queue this step's transfers; call before the step's forward is queued."""
         saves = [s for s in saves if self._wants(s)]
         if saves:
-            if self._pending_save_blocks + len(saves) > MAX_PENDING_SAVE_BLOCKS:
+            with self._pending_lock:
+                room = self._pending_save_blocks + len(saves) <= MAX_PENDING_SAVE_BLOCKS
+                self._pending_save_blocks += len(saves) if room else 0
+            if not room:
                 self.counters.add("dropped_puts", "backpressure", len(saves))
             else:
-                self._pending_save_blocks += len(saves)
                 host, ready = self.mover.gather_to_host([s.block_id for s in saves])
-                self._jobs.put(_SaveJob(saves, host, ready))
+                self._jobs.put((1, next(self._seq), _SaveJob(saves, host, ready)))
         for load in loads:
-            self._jobs.put(_LoadJob(load, self.mover.mark_main_stream()))
+            self._jobs.put((0, next(self._seq), _LoadJob(load, self.mover.mark_main_stream())))
 
     def _wants(self, save: BlockSave) -> bool:
         if save.remote_only:
@@ -101,7 +108,7 @@ class TierManager:
 
     def shutdown(self) -> None:
         self._stopping = True
-        self._jobs.put(None)
+        self._jobs.put((-1, -1, None))
         if self.remote is not None:
             try:
                 self._puts.put_nowait(None)
@@ -116,7 +123,7 @@ class TierManager:
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
+            _, _, job = self._jobs.get()
             if job is None or self._stopping:
                 return
             try:
@@ -137,7 +144,8 @@ class TierManager:
                 self._store_local(save.block_hash, block)
             if self.remote is not None:
                 self._queue_put(save.block_hash, block)
-        self._pending_save_blocks -= len(job.saves)
+        with self._pending_lock:
+            self._pending_save_blocks -= len(job.saves)
 
     def _store_local(self, block_hash: bytes, block: torch.Tensor) -> None:
         if self.host is not None:
