@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import torch
 
@@ -40,8 +41,11 @@ def build_tier_manager(config: EngineConfig, kv_caches: list[torch.Tensor], arch
     counters = TierCounters()
     host = disk = remote = None
     if cache.kv_offload_cpu_gb:
+        start = time.perf_counter()
         host = HostTier(_num_blocks("kv_offload_cpu_gb", cache.kv_offload_cpu_gb, mover.block_bytes),
                         mover.block_shape, mover.dtype, mover.pin)
+        logger.info("KV tiers: allocated the CPU tier (%.1f GB%s) in %.1f s", host.store.nbytes / 1e9,
+                    ", pinned" if mover.pin else "", time.perf_counter() - start)
     if cache.kv_offload_disk_dir:
         _num_blocks("kv_offload_disk_gb", cache.kv_offload_disk_gb, mover.block_bytes)
         disk = DiskTier(cache.kv_offload_disk_dir, int(cache.kv_offload_disk_gb * 1e9), codec, counters)

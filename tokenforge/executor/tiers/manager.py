@@ -33,6 +33,7 @@ from tokenforge.executor.tiers.stats import TierCounters
 
 MAX_PENDING_SAVE_BLOCKS = 8192     # blocks queued for the worker before saves are dropped
 MAX_PENDING_PUTS = 4096            # blocks queued for Redis before puts are dropped
+SAVE_CHUNK_BLOCKS = 128            # blocks gathered per copy-out
 
 
 @dataclass(slots=True)
@@ -82,9 +83,11 @@ class TierManager:
                 self._pending_save_blocks += len(saves) if room else 0
             if not room:
                 self.counters.add("dropped_puts", "backpressure", len(saves))
-            else:
-                host, ready = self.mover.gather_to_host([s.block_id for s in saves])
-                self._jobs.put((1, next(self._seq), _SaveJob(saves, host, ready)))
+            else:       # in chunks, to bound the staging memory on the device and the host
+                for i in range(0, len(saves), SAVE_CHUNK_BLOCKS):
+                    chunk = saves[i:i + SAVE_CHUNK_BLOCKS]
+                    host, ready = self.mover.gather_to_host([s.block_id for s in chunk])
+                    self._jobs.put((1, next(self._seq), _SaveJob(chunk, host, ready)))
         for load in loads:
             self._jobs.put((0, next(self._seq), _LoadJob(load, self.mover.mark_main_stream())))
 
