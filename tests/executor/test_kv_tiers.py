@@ -47,7 +47,8 @@ def make_manager(kv, tmp_path=None, *, cpu_blocks: int = 0, disk_blocks: int = 0
     codec = BlockCodec(layout, mover.block_bytes)
     counters = TierCounters()
     host = HostTier(cpu_blocks, mover.block_shape, mover.dtype, False) if cpu_blocks else None
-    disk = DiskTier(str(tmp_path), disk_blocks * (mover.block_bytes + HEADER_SIZE), codec, counters) if disk_blocks else None
+    disk_bytes = disk_blocks * (mover.block_bytes + HEADER_SIZE)
+    disk = DiskTier(str(tmp_path), disk_bytes, codec, counters) if disk_blocks else None
     rem = RemoteTier(remote, 60, counters) if remote else None
     return TierManager(mover, codec, counters, host=host, disk=disk, remote=rem, write_through=True)
 
@@ -84,7 +85,8 @@ def test_codec_round_trip_and_every_rejection_cause():
     bad_version = value[:4] + struct.pack("<H", 99) + value[6:]
     flipped = value[:-1] + bytes([value[-1] ^ 1])
     cases = {"truncated": value[:40], "bad_magic": b"XXXX" + value[4:], "version": bad_version,
-             "layout": BlockCodec("layout-b", 16).encode(h, payload), "key_mismatch": codec.encode(block_hash(2), payload),
+             "layout": BlockCodec("layout-b", 16).encode(h, payload),
+             "key_mismatch": codec.encode(block_hash(2), payload),
              "checksum": flipped}
     for cause, data in cases.items():
         with pytest.raises(BlockFormatError) as err:

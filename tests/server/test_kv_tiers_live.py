@@ -12,7 +12,7 @@ import time
 import pytest
 
 from .tier_replicas import (RedisProcess, check_shared_prefix_ttft, complete, metric_sum, nonce, random_ids,
-                            start_replicas, wait_for_metric)
+                            serve_pair, wait_for_metric)
 
 pytestmark = pytest.mark.skipif(not os.environ.get("TOKENFORGE_TEST_REDIS_URL"),
                                 reason="TOKENFORGE_TEST_REDIS_URL is unset: .ci/redis.sh installs and starts Redis")
@@ -27,18 +27,12 @@ def redis_server():
 
 @pytest.fixture(scope="module")
 def replicas(redis_server):
-    servers = start_replicas(redis_server.url)
-    yield servers
-    for s in servers:
-        s.stop()
+    yield from serve_pair(redis_server.url)
 
 
 def test_replica_b_restores_the_prefix_replica_a_computed(replicas):
     a, b = replicas
-    r = check_shared_prefix_ttft(a, b, nonce())
-    assert r["remote_hits"] >= 1500 // 16
-    assert r["text_hit"] == r["text_cold"]
-    assert r["ttft_unseen"] >= 3 * r["ttft_hit"], r
+    check_shared_prefix_ttft(a, b, nonce())
 
 
 def test_redis_sigkill_mid_stream_loses_nothing_and_hits_resume(replicas, redis_server):

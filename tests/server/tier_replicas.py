@@ -32,6 +32,16 @@ def start_replicas(remote_url: str, n: int = 2, *flags: str) -> list[ServerProce
     return servers
 
 
+def serve_pair(remote_url: str):
+    """A module fixture's body: two replicas sharing `remote_url`, stopped afterwards."""
+    servers = start_replicas(remote_url)
+    try:
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
+
+
 class RedisProcess:
     """A private redis-server on a free loopback port, for tests that kill it."""
 
@@ -129,8 +139,12 @@ def check_shared_prefix_ttft(a: ServerProcess, b: ServerProcess, seed: int) -> d
     text_hit, ttft_hit = complete(b, prefix + suffix)
     text_cold, _ = complete(a, prefix + suffix, cache_salt=f"cold-{seed}")   # another salt: no cache
     hits = metric_sum(b, "tokenforge:kv_tier_hits_total", tier="remote")
-    return {"ttft_unseen": ttft_unseen, "ttft_hit": ttft_hit, "text_hit": text_hit, "text_cold": text_cold,
-            "remote_hits": hits}
+    r = {"ttft_unseen": ttft_unseen, "ttft_hit": ttft_hit, "text_hit": text_hit, "text_cold": text_cold,
+         "remote_hits": hits}
+    assert hits >= 1500 // 16, r                       # B restored A's prefix from Redis
+    assert text_hit == text_cold, r                    # token-identical to a cold run
+    assert ttft_unseen >= 3 * ttft_hit, r              # the target: >= 3x lower TTFT
+    return r
 
 
 def nonce() -> int:

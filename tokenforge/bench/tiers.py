@@ -83,9 +83,8 @@ def main(args: argparse.Namespace) -> dict:
     if not getattr(args, "kv_offload_cpu_gb", None):
         overrides["kv_offload_cpu_gb"] = 64.0
     llm = harness.build_llm(args, **overrides)
-    result["engine"] = {**getattr(args, "resolved_engine", {}),
-                        "kv_cache_memory": overrides.get("kv_cache_memory", getattr(args, "kv_cache_memory", None)),
-                        "kv_offload_cpu_gb": overrides.get("kv_offload_cpu_gb", getattr(args, "kv_offload_cpu_gb", None))}
+    tier_flags = {k: overrides.get(k, getattr(args, k, None)) for k in ("kv_cache_memory", "kv_offload_cpu_gb")}
+    result["engine"] = {**getattr(args, "resolved_engine", {}), **tier_flags}
     # Warm-up: every prefill shape and the restore path, then both timed variants on fresh salts.
     warm = prompts[: min(len(prompts), 32)]
     run_variant(llm, warm, args, True, "w9-warmup")
@@ -106,7 +105,8 @@ def main(args: argparse.Namespace) -> dict:
 def print_summary(r: dict, num_prompts: int) -> None:
     t, d = r["tokenforge"], r["baseline"]
     gb = r.get("engine", {}).get("kv_offload_cpu_gb")
-    rows = [[f"CPU tier {gb:g} GB" if gb else "CPU tier", t["output_tok_s"], t["total_tok_s"], t["tier_restored_tokens"], t["restore_gbps"]],
+    rows = [[f"CPU tier {gb:g} GB" if gb else "CPU tier", t["output_tok_s"], t["total_tok_s"],
+             t["tier_restored_tokens"], t["restore_gbps"]],
             ["device cache alone", d["output_tok_s"], d["total_tok_s"], 0, None]]
     report.print_table(f"W9 KV tiers  {r['model']} {r['dtype']}  {r['device']}",
                        ["variant", "output tok/s", "total tok/s", "restored tokens", "restore GB/s"], rows)

@@ -40,12 +40,14 @@ class KVTierCollector:
                         "reason", m, s.dropped_puts)
         yield _by_label("kv_tier_errors", "KV tier faults that fell back to recompute, by cause.",
                         "cause", m, s.errors)
-        restored = CounterMetricFamily("tokenforge:kv_tier_restored_tokens", "Prompt tokens restored from the tiers "
-                                       "instead of computed.", labels=["model_name"])
+        restored = CounterMetricFamily("tokenforge:kv_tier_restored_tokens",
+                                       "Prompt tokens restored from the tiers instead of computed.",
+                                       labels=["model_name"])
         restored.add_metric([m], s.restored_tokens)
         yield restored
         if s.remote_up is not None:
-            up = GaugeMetricFamily("tokenforge:kv_tier_remote_up", "1 while the Redis tier answers.", labels=["model_name"])
+            up = GaugeMetricFamily("tokenforge:kv_tier_remote_up", "1 while the Redis tier answers.",
+                                   labels=["model_name"])
             up.add_metric([m], 1.0 if s.remote_up else 0.0)
             yield up
         yield _restore_histogram(m, s)

@@ -54,7 +54,8 @@ def build_tier_manager(config: EngineConfig, kv_caches: list[torch.Tensor], arch
     logger.info("KV tiers: %s; block %.2f MB; key namespace %s",
                 ", ".join(filter(None, [
                     host is not None and f"cpu {host.num_slots} blocks{' (pinned)' if mover.pin else ''}",
-                    disk is not None and f"disk {cache.kv_offload_disk_gb:g} GB in {disk.dir} ({len(disk)} blocks found)",
+                    disk is not None
+                    and f"disk {cache.kv_offload_disk_gb:g} GB in {disk.dir} ({len(disk)} blocks found)",
                     remote is not None and f"remote {cache.kv_remote} ({'up' if remote.is_up else 'DOWN'})"])),
                 mover.block_bytes / 1e6, codec.namespace)
     return TierManager(mover, codec, counters, host=host, disk=disk, remote=remote,
