@@ -90,7 +90,7 @@ def complete(server: ServerProcess, prompt: list[int], max_tokens: int = 8, **ex
     body = {"model": model_id(server), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "stream": True, **extra}
     start, ttft, text = time.perf_counter(), None, []
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=600) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
