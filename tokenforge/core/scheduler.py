@@ -107,6 +107,9 @@ class Scheduler:
         # keep the engine stepping until they are done.
         return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.has_work()))
 
+    def has_unfinished_requests_besides_tiers(self) -> bool:
+        return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.loading))
+
     def num_loading(self) -> int:
         return len(self.tiers.loading) if self.tiers is not None else 0
 

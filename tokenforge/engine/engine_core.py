@@ -77,7 +77,18 @@ class EngineCore:
     def drain(self) -> list[EngineCoreOutput]:
         """Wait for the step still in flight (async scheduling) and return its outputs."""
         done, self._in_flight = self._in_flight, None
-        return self.finish_step(done) if done is not None else []
+        outputs = self.finish_step(done) if done is not None else []
+        self._flush_kv_saves()
+        return outputs
+
+    def _flush_kv_saves(self) -> None:
+        """Hand out the saves the last step's finished requests left (write-through), so an idle
+        engine does not sit on them until its next step."""
+        tiers = self.scheduler.tiers
+        if tiers is not None and not self.scheduler.has_unfinished_requests_besides_tiers():
+            saves, loads = tiers.take_step_ops()
+            if saves or loads:
+                self.executor.submit_kv_transfers(SchedulerOutput(kv_saves=saves, kv_loads=loads))
 
     def _launch_if_any(self) -> tuple[SchedulerOutput, object] | None:
         launched = self.launch_step()

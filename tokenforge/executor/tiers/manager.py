@@ -15,10 +15,12 @@ races: a slot is only rewritten after the copies that read it have finished.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +73,10 @@ class TierManager:
             self._threads.append(threading.Thread(target=self._put_loop, name="kv-tier-puts", daemon=True))
         for t in self._threads:
             t.start()
+        # Stop the threads before the interpreter tears down (a Redis client left in a daemon
+        # thread at exit can abort the process); `shutdown` is idempotent.
+        ref = weakref.ref(self)
+        atexit.register(lambda: ref() is not None and ref().shutdown())
 
     # ---- engine thread --------------------------------------------------------------------------
 
@@ -110,6 +116,8 @@ class TierManager:
                 self._done_cv.wait(timeout)
 
     def shutdown(self) -> None:
+        if self._stopping:
+            return
         self._stopping = True
         self._jobs.put((-1, -1, None))
         if self.remote is not None:
