@@ -218,7 +218,7 @@ class Scheduler:
                 if started:
                     self.waiting.popleft()     # waits for its load while others run
                     continue
-            holds_blocks = bool(self.kv.block_table(req))    # back from a tier load
+            holds_blocks = self.tiers is not None and bool(self.kv.block_table(req))   # back from a load
             if holds_blocks:
                 hit_blocks, num_hit = [], req.num_computed_tokens
             else:
