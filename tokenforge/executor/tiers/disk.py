@@ -13,7 +13,7 @@ import errno
 import os
 from collections import OrderedDict
 
-from tokenforge.executor.tiers.codec import BlockCodec, BlockFormatError
+from tokenforge.executor.tiers.codec import HEADER_SIZE, BlockCodec, BlockFormatError
 from tokenforge.executor.tiers.stats import TierCounters
 
 
@@ -58,7 +58,7 @@ class DiskTier:
         if name in self._index:
             self._index.move_to_end(name)
             return True
-        size = len(payload) + 84
+        size = len(payload) + HEADER_SIZE
         if size > self.capacity:
             return False
         self._shrink(size)
