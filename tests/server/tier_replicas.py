@@ -124,24 +124,24 @@ def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: 
         time.sleep(0.2)
 
 
-def check_shared_prefix_ttft(a: ServerProcess, b: ServerProcess, seed: int) -> dict:
+def check_shared_prefix_ttft(a: ServerProcess, b: ServerProcess, seed: int, prefix_len: int = 1500) -> dict:
     """The issue's target: A serves a ~1,500-token prompt; B then serves the same prefix with a new
     suffix >= 3x faster (TTFT) than an unseen prompt of the same length, with the cold output."""
     rng = random.Random(seed)
-    prefix = random_ids(rng, 1500)
+    prefix = random_ids(rng, prefix_len)
     complete(a, random_ids(rng, 40), 2)        # warm both replicas' first-request paths
     complete(b, random_ids(rng, 40), 2)
     complete(a, prefix + random_ids(rng, 8))
-    puts = wait_for_metric(a, "tokenforge:kv_tier_puts_total", 1500 // 16, tier="remote")
-    assert puts >= 1500 // 16, f"A wrote {puts} blocks through to Redis"
+    puts = wait_for_metric(a, "tokenforge:kv_tier_puts_total", prefix_len // 16, tier="remote")
+    assert puts >= prefix_len // 16, f"A wrote {puts} blocks through to Redis"
     suffix = random_ids(rng, 12)
-    _, ttft_unseen = complete(b, random_ids(rng, 1512))
+    _, ttft_unseen = complete(b, random_ids(rng, prefix_len + 12))
     text_hit, ttft_hit = complete(b, prefix + suffix)
     text_cold, _ = complete(a, prefix + suffix, cache_salt=f"cold-{seed}")   # another salt: no cache
     hits = metric_sum(b, "tokenforge:kv_tier_hits_total", tier="remote")
     r = {"ttft_unseen": ttft_unseen, "ttft_hit": ttft_hit, "text_hit": text_hit, "text_cold": text_cold,
          "remote_hits": hits}
-    assert hits >= 1500 // 16, r                       # B restored A's prefix from Redis
+    assert hits >= prefix_len // 16, r                       # B restored A's prefix from Redis
     assert text_hit == text_cold, r                    # token-identical to a cold run
     assert ttft_unseen >= 3 * ttft_hit, r              # the target: >= 3x lower TTFT
     return r
