@@ -15,7 +15,8 @@ from tokenforge.config import parse_kv_remote
 from tokenforge.executor.tiers.stats import TierCounters
 
 BACKOFF_S = 1.0          # after a failure, the tier is skipped this long before the next try
-SOCKET_TIMEOUT_S = 1.0
+SOCKET_TIMEOUT_S = 1.0   # a pipelined batch of blocks; a Redis that is up answers in milliseconds
+CONNECT_TIMEOUT_S = 0.25 # short: an unreachable host stalls the tier worker at most this long a try
 
 
 def _error_kind(err: Exception) -> str:
@@ -53,7 +54,7 @@ class RemoteTier:
             import redis  # noqa: PLC0415
             from redis.cluster import ClusterNode, RedisCluster  # noqa: PLC0415
 
-            opts = {"socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": SOCKET_TIMEOUT_S}
+            opts = {"socket_timeout": SOCKET_TIMEOUT_S, "socket_connect_timeout": CONNECT_TIMEOUT_S}
             if self.scheme == "redis+cluster":
                 client = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes], **opts)
             else:
