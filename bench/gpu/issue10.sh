@@ -13,7 +13,7 @@ tests_rc=0
 python3 -m pytest -q -m gpu tests/executor/test_kv_tiers_gpu.py 2>&1 | tee "$OUT/issue10-tests.log" || tests_rc=$?
 tests_s=$(( $(date +%s) - start ))
 python3 -m tokenforge.cli bench tiers --model llama-3.1-8b --load-format dummy --dtype bfloat16 \
-    --kv-cache-memory 8GiB --kv-offload-cpu-gb 64 --results-dir "$OUT/results" 2>&1 | tee "$OUT/issue10-w9.log"
+    --kv-cache-memory 8GiB --kv-offload-cpu-gb 64 --max-model-len 4224 --results-dir "$OUT/results" 2>&1 | tee "$OUT/issue10-w9.log"
 python3 - "$OUT" "$tests_rc" "$tests_s" "$start" <<'PY'
 import glob, json, sys, time
 out, tests_rc, tests_s, start = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])

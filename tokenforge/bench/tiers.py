@@ -78,6 +78,10 @@ def main(args: argparse.Namespace) -> dict:
                                "output_len": args.output_len}
     result["h2d_gbps"] = h2d_gbps()
     overrides = {}
+    if not getattr(args, "max_model_len", None):
+        # The CUDA-graph decode buffers are sized by max_model_len (2048 when unset): cover W9's
+        # 4096 + 64 + 64 tokens.
+        overrides["max_model_len"] = args.prefix_len + args.input_len + args.output_len
     if not getattr(args, "kv_cache_memory", None):
         overrides["kv_cache_memory"] = "8GiB"
     if not getattr(args, "kv_offload_cpu_gb", None):
