@@ -86,7 +86,8 @@ class KVTierStats(msgspec.Struct):
     errors: dict[str, int] = msgspec.field(default_factory=dict)          # by cause: timeout, checksum, disk_full...
     restore_bounds: list[float] = msgspec.field(default_factory=list)     # histogram upper bounds (seconds)
     restore_counts: list[int] = msgspec.field(default_factory=list)       # per bound, not cumulative; last is +Inf
-    restore_sum: float = 0.0
+    restore_sum: float = 0.0                                              # seconds, lookup to blocks in place
+    restore_copy_sum: float = 0.0                                         # of which copying into the device cache
     restored_tokens: int = 0
     remote_up: bool | None = None                                         # None: no remote tier
 

@@ -45,6 +45,11 @@ class KVTierCollector:
                                        labels=["model_name"])
         restored.add_metric([m], s.restored_tokens)
         yield restored
+        copy = CounterMetricFamily("tokenforge:kv_tier_restore_copy_seconds",
+                                   "Seconds spent copying restored blocks into the device cache.",
+                                   labels=["model_name"])
+        copy.add_metric([m], s.restore_copy_sum)
+        yield copy
         if s.remote_up is not None:
             up = GaugeMetricFamily("tokenforge:kv_tier_remote_up", "1 while the Redis tier answers.",
                                    labels=["model_name"])

@@ -8,6 +8,7 @@ the main stream with events; on the CPU they are plain copies.
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -57,22 +58,27 @@ class BlockMover:
         return host, ready
 
     def scatter_from_host(self, blocks: list[torch.Tensor], block_ids: list[int],
-                          after: torch.cuda.Event | None) -> None:
-        """Write host blocks into device blocks; returns once they are there."""
+                          after: torch.cuda.Event | None) -> float:
+        """Write host blocks into device blocks; returns once they are there, with the seconds the
+        copies took (on CUDA: on the device, after the wait for work queued before the load)."""
         if not self.is_cuda:
+            start = time.perf_counter()
             self._scatter(torch.stack(blocks), torch.tensor(block_ids, dtype=torch.long))
-            return
+            return time.perf_counter() - start
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(self.stream)
             staged = torch.empty((len(blocks), *self.block_shape), dtype=self.dtype, device=self.device)
             for dst, src in zip(staged, blocks):
                 dst.copy_(src, non_blocking=True)
             idx = torch.tensor(block_ids, dtype=torch.long).pin_memory().to(self.device, non_blocking=True)
             self._scatter(staged, idx)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
         done.synchronize()
+        return begin.elapsed_time(done) / 1e3
 
     def _scatter(self, blocks: torch.Tensor, idx: torch.Tensor) -> None:
         for layer, kv in enumerate(self.kv):

@@ -185,8 +185,8 @@ class TierManager:
                 break
             sources.append(block)
         if sources:
-            self.mover.scatter_from_host(sources, job.load.block_ids[:len(sources)], job.after)
-            self.counters.observe_restore(time.perf_counter() - start, len(sources) * self.mover.block_size)
+            copy_s = self.mover.scatter_from_host(sources, job.load.block_ids[:len(sources)], job.after)
+            self.counters.observe_restore(time.perf_counter() - start, copy_s, len(sources) * self.mover.block_size)
         self._finish(job.load, [i < len(sources) for i in range(len(hashes))])
 
     def _find(self, i: int, block_hash: bytes, hashes: list[bytes], remote: dict[int, bytes | None]):

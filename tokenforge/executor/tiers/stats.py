@@ -32,10 +32,11 @@ class TierCounters:
             counts = getattr(self.stats, field)
             counts[key] = counts.get(key, 0) + n
 
-    def observe_restore(self, seconds: float, tokens: int) -> None:
+    def observe_restore(self, seconds: float, copy_seconds: float, tokens: int) -> None:
         with self._lock:
             self.stats.restore_counts[bisect.bisect_left(RESTORE_BOUNDS, seconds)] += 1
             self.stats.restore_sum += seconds
+            self.stats.restore_copy_sum += copy_seconds
             self.stats.restored_tokens += tokens
 
     def set_remote_up(self, up: bool | None) -> None:
@@ -58,4 +59,5 @@ class TierCounters:
             s = self.stats
             return KVTierStats(dict(s.hits), dict(s.misses), dict(s.bytes_restored), dict(s.puts),
                                dict(s.dropped_puts), dict(s.errors), list(s.restore_bounds),
-                               list(s.restore_counts), s.restore_sum, s.restored_tokens, s.remote_up)
+                               list(s.restore_counts), s.restore_sum, s.restore_copy_sum, s.restored_tokens,
+                               s.remote_up)
