@@ -24,7 +24,7 @@ def start_replicas(remote_url: str, n: int = 2, *flags: str) -> list[ServerProce
                for _ in range(n)]
     try:
         for s in servers:
-            s.wait_healthy(240)
+            s.wait_healthy(600)
     except Exception:
         for s in servers:
             s.stop()
