@@ -107,6 +107,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="auto: the model's dtype")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn the prefix cache off")
+    _add_kv_tier_args(p)
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on the CPU")
     g.add_argument("--use-flash-attention", "--use_flash_attention", dest="attention_backend",
@@ -125,6 +126,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--num-attention-heads", action=_RefuseNumHeads, help="refused: fixed by the checkpoint")
 
 
+def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache tiers (device -> CPU -> disk -> Redis, keyed by prefix hash)")
+    g.add_argument("--kv-offload-cpu-gb", type=float, default=0.0, metavar="GB",
+                   help="host memory (pinned on CUDA) for KV blocks evicted from the device, LRU (default off)")
+    g.add_argument("--kv-offload-disk-dir", default=None, metavar="DIR", help="local disk tier under the CPU tier")
+    g.add_argument("--kv-offload-disk-gb", type=float, default=0.0, metavar="GB", help="size of the disk tier")
+    g.add_argument("--kv-remote", default=None, metavar="URL",
+                   help="shared tier: redis://host:port[/db], rediss://host:port or redis+cluster://h1:p1,h2:p2")
+    g.add_argument("--kv-remote-ttl", type=int, default=3600, metavar="SECONDS",
+                   help="TTL of every remote key, so maxmemory-policy volatile-lru applies (default %(default)s)")
+    g.add_argument("--kv-remote-write-through", action="store_true",
+                   help="also put a request's prefix blocks to the remote tier when it completes (not only on eviction)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
         model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
@@ -136,7 +151,10 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
-        profile_dir=args.profile_dir, quantization=args.quantization)
+        profile_dir=args.profile_dir, quantization=args.quantization,
+        kv_offload_cpu_gb=args.kv_offload_cpu_gb, kv_offload_disk_dir=args.kv_offload_disk_dir,
+        kv_offload_disk_gb=args.kv_offload_disk_gb, kv_remote=args.kv_remote, kv_remote_ttl=args.kv_remote_ttl,
+        kv_remote_write_through=args.kv_remote_write_through)
 
 
 def _doctor(args: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ live in `RuntimeInfo`, never mutated into the config.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -62,6 +63,17 @@ class CacheConfig:
     kv_cache_dtype: str = "auto"
     memory_fragmentation_threshold: float | None = None
     pin_memory: bool = True
+    # KV tiers below the device (see executor/tiers): sizes in GB (10**9 bytes), 0 = off.
+    kv_offload_cpu_gb: float = 0.0
+    kv_offload_disk_dir: str | None = None
+    kv_offload_disk_gb: float = 0.0
+    kv_remote: str | None = None            # redis://h:p[/db], rediss://..., redis+cluster://h1:p1,h2:p2
+    kv_remote_ttl: int = 3600               # seconds; every key gets one, so volatile-lru applies
+    kv_remote_write_through: bool = False   # also put a request's blocks when it completes
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return bool(self.kv_offload_cpu_gb or self.kv_offload_disk_dir or self.kv_remote)
 
     def validate(self) -> None:
         _check(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
@@ -75,6 +87,46 @@ class CacheConfig:
                f"memory_profile must be server or client, got {self.memory_profile!r}")
         _check(self.kv_cache_dtype == "auto",
                f"kv_cache_dtype must be 'auto' (the model's dtype); fp8 KV is not implemented yet, got {self.kv_cache_dtype!r}")
+        validate_kv_tiers(self)
+
+
+def parse_kv_remote(url: str) -> tuple[str, list[tuple[str, int]], int]:
+    """'redis://h:p/db', 'rediss://h:p' or 'redis+cluster://h1:p1,h2:p2' -> (scheme, nodes, db)."""
+    m = re.fullmatch(r"(redis|rediss|redis\+cluster)://(?:[^@/]*@)?([^/?#]+)(?:/(\d*))?", url or "")
+    if not m:
+        raise ValueError(f"kv_remote {url!r} is not a Redis URL: use redis://host:port[/db], rediss://host:port "
+                         "or redis+cluster://host1:port1,host2:port2")
+    nodes = []
+    for node in m.group(2).split(","):
+        host, sep, port = node.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"kv_remote {url!r}: {node!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    if m.group(1) != "redis+cluster" and len(nodes) != 1:
+        raise ValueError(f"kv_remote {url!r}: several nodes need the redis+cluster:// scheme")
+    return m.group(1), nodes, int(m.group(3) or 0)
+
+
+def validate_kv_tiers(c: CacheConfig) -> None:
+    for name in ("kv_offload_cpu_gb", "kv_offload_disk_gb"):
+        _check(getattr(c, name) >= 0, f"{name} must be >= 0, got {getattr(c, name)}")
+    _check(c.kv_remote_ttl >= 1, f"kv_remote_ttl must be >= 1 second, got {c.kv_remote_ttl}")
+    if c.kv_remote is not None:
+        parse_kv_remote(c.kv_remote)
+    _check(not c.kv_remote_write_through or c.kv_remote is not None,
+           "kv_remote_write_through needs a remote tier (kv_remote=redis://...)")
+    _check(not c.kv_tiers_enabled or c.enable_prefix_caching,
+           "the KV offload tiers are keyed by prefix-cache hashes: they need prefix caching on")
+    if c.kv_offload_disk_dir is None:
+        _check(not c.kv_offload_disk_gb, "kv_offload_disk_gb needs kv_offload_disk_dir")
+        return
+    _check(c.kv_offload_disk_gb > 0, "kv_offload_disk_dir needs a size: kv_offload_disk_gb > 0")
+    d = c.kv_offload_disk_dir
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"kv_offload_disk_dir {d!r} cannot be created: {e.strerror}") from None
+    _check(os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK), f"kv_offload_disk_dir {d!r} is not a writable directory")
 
 
 @dataclass(frozen=True, slots=True)

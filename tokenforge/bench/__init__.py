@@ -10,6 +10,7 @@ directory; the committed records in bench/results only with an explicit --result
     latency     W1: batch 1, 128 in / 256 out; ms/token p50/p99 and % of roofline
     throughput  W2 (1000 x 256/256, MFU) or W3 (--workload W3: 500 x 2048/128), batch-size sweep
     prefix      W5: shared 2048-token prefixes, prefix cache on against off
+    tiers       W9: shared 4096-token prefixes, the CPU KV tier against the device cache alone
     serve       W4: HTTP streaming load (tokenforge.bench.serve)
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
     train       W11: training tokens/s, MFU, peak memory (one process, or DDP / FSDP2 under torchrun)
@@ -29,6 +30,7 @@ BENCHES: dict[str, str] = {
     "latency": "W1: batch-1 decode, ms/token p50/p99, fraction of the roofline",
     "throughput": "W2 (default) or W3 offline throughput, MFU, HF baseline, batch-size sweep plot",
     "prefix": "W5: shared-prefix throughput with the prefix cache on and off",
+    "tiers": "W9: KV tiers, the CPU tier against the device prefix cache alone",
     "serve": "W4: HTTP streaming serving load (TTFT, TPOT, ITL)",
     "kernels": "kernel micro-benchmarks against their torch references",
     "train": "W11: training tokens/s, MFU and peak memory (FSDP2 / DDP under torchrun)",

@@ -140,3 +140,17 @@ def shared_prefix_prompts(groups: int, group_size: int, prefix_len: int, suffix_
     prefixes = random_prompts(groups, prefix_len, vocab, seed)
     suffixes = random_prompts(groups * group_size, suffix_len, vocab, seed + 1)
     return [prefixes[g] + suffixes[i * groups + g] for i in range(group_size) for g in range(groups)]
+
+
+def shuffled_group_prompts(groups: int, group_size: int, prefix_len: int, suffix_len: int,
+                           vocab: int, seed: int = 0) -> list[list[int]]:
+    """W9: as W5, but every round of `groups` requests visits the groups in a new random order, so
+    a prefix returns after an unpredictable amount of unrelated work."""
+    rng = random.Random(seed + 2)
+    prompts = shared_prefix_prompts(groups, group_size, prefix_len, suffix_len, vocab, seed)
+    out: list[list[int]] = []
+    for r in range(group_size):
+        order = list(range(groups))
+        rng.shuffle(order)
+        out.extend(prompts[r * groups + g] for g in order)
+    return out

@@ -30,8 +30,9 @@ from collections.abc import Iterable
 
 from tokenforge.config import CacheConfig, SchedulerConfig
 from tokenforge.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenforge.core.kv_tiers import KVTierPolicy
 from tokenforge.core.outputs import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledSequence,
-                                     SchedulerOutput)
+                                     SchedulerOutput, TierLoadResult)
 from tokenforge.core.request import Request, RequestStatus
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, PositionLogprobs
 
@@ -53,6 +54,11 @@ class Scheduler:
         self._finished_ids: list[str] = []         # finished or aborted since the last schedule()
         self._num_needs_sync = 0                   # unfinished requests with `needs_sync`
         self.num_preemptions = 0
+        # CPU/disk/Redis tiers below the device cache; None (no per-step work) when none is set.
+        self.tiers: KVTierPolicy | None = None
+        if cache_config.kv_tiers_enabled:
+            self.tiers = KVTierPolicy(self.kv, cache_config.kv_remote_write_through)
+            self.kv.pool.on_evict = self.tiers.on_evict
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -91,7 +97,8 @@ class Scheduler:
             was_running |= req.status == RequestStatus.RUNNING
             was_waiting |= req.status != RequestStatus.RUNNING
             req.status, req.finished_time = RequestStatus.FINISHED_ABORTED, now
-            self.kv.free(req)
+            if self.tiers is None or rid not in self.tiers.loading:   # else freed once loaded
+                self.kv.free(req)
             self._num_needs_sync -= req.needs_sync
             self._finished_ids.append(rid)
         # One filtering pass each, so aborting k of n requests costs O(n), not O(k * n).
@@ -101,7 +108,22 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        # Tier loads in flight and saves not yet handed out (a completed request's write-through)
+        # keep the engine stepping until they are done.
+        return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.has_work()))
+
+    def has_unfinished_requests_besides_tiers(self) -> bool:
+        return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.loading))
+
+    def num_loading(self) -> int:
+        return len(self.tiers.loading) if self.tiers is not None else 0
+
+    def finish_tier_loads(self, results: list[TierLoadResult]) -> None:
+        """Loads the executor finished: those requests go back to the head of the queue."""
+        for result in reversed(results):
+            req = self.tiers.finish_load(result)
+            if req is not None:
+                self.waiting.appendleft(req)
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before this one's output is known."""
@@ -111,7 +133,7 @@ class Scheduler:
         return len(self.running)
 
     def get_num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + self.num_loading()
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
@@ -119,7 +141,7 @@ class Scheduler:
     def get_stats(self) -> EngineStats:
         pool = self.kv.pool
         return EngineStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running=len(self.running), num_waiting=self.get_num_waiting(),
             kv_usage=pool.usage, kv_fragmentation=self.kv.fragmentation,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
@@ -139,6 +161,8 @@ class Scheduler:
             self._schedule_waiting(budget, decodes, prefills)
         decodes.extend(prefills)
         out.sequences = decodes
+        if self.tiers is not None:
+            out.kv_saves, out.kv_loads = self.tiers.take_step_ops()
         return out
 
     def _schedule_running(self, budget: int, decodes: list[ScheduledSequence],
@@ -178,7 +202,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_tier_hit_tokens = 0
+        req.tier_looked_up = False
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -191,12 +216,25 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break                          # preempted with a token in flight: next step
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            if self.tiers is not None and self.tiers.should_look_up(req):
+                started = self.tiers.start_load(req, reserve=len(self.running))
+                if started is None:
+                    break
+                if started:
+                    self.waiting.popleft()     # waits for its load while others run
+                    continue
+            holds_blocks = self.tiers is not None and bool(self.kv.block_table(req))   # back from a load
+            if holds_blocks:
+                hit_blocks, num_hit = [], req.num_computed_tokens
+            else:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hit_blocks) is None:
+                if holds_blocks:
+                    self._release_restored(req)
                 break                          # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv.record_prefix_lookup(req, num_hit)
+            self.kv.record_prefix_lookup(req, num_hit - req.num_tier_hit_tokens)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -205,6 +243,12 @@ class Scheduler:
             self.running.append(req)
             self._add_sequence(req, n, decodes, prefills)
             budget -= n
+
+    def _release_restored(self, req: Request) -> None:
+        """A waiting request must not hold blocks the running ones need (nothing could preempt it):
+        its restored blocks stay in the prefix cache, where its next lookup may find them."""
+        self.kv.free(req)
+        req.num_computed_tokens = req.num_tier_hit_tokens = 0
 
     def _add_sequence(self, req: Request, n: int, decodes: list[ScheduledSequence],
                       prefills: list[ScheduledSequence]) -> None:
@@ -310,6 +354,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         req.status, req.finished_time = status, now
+        if self.tiers is not None:
+            self.tiers.on_finish(self.kv.registered_blocks(req))
         self.kv.free(req)
         self._num_needs_sync -= req.needs_sync
         del self.requests[req.request_id]

@@ -37,6 +37,8 @@ class EngineCore:
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
         self.num_kv_blocks = self.executor.init_kv_cache(self.config)
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)
+        if self.scheduler.tiers is not None:
+            self.executor.init_kv_tiers(self.config)
         mode = self.config.scheduler.async_scheduling
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
         self.async_scheduling = mode if mode is not None else self.executor.is_async_device
@@ -87,7 +89,18 @@ class EngineCore:
     def drain(self) -> list[EngineCoreOutput]:
         """Wait for the step still in flight (async scheduling) and return its outputs."""
         done, self._in_flight = self._in_flight, None
-        return self.finish_step(done) if done is not None else []
+        outputs = self.finish_step(done) if done is not None else []
+        self._flush_kv_saves()
+        return outputs
+
+    def _flush_kv_saves(self) -> None:
+        """Hand out the saves the last step's finished requests left (write-through), so an idle
+        engine does not sit on them until its next step."""
+        tiers = self.scheduler.tiers
+        if tiers is not None and not self.scheduler.has_unfinished_requests_besides_tiers():
+            saves, loads = tiers.take_step_ops()
+            if saves or loads:
+                self.executor.submit_kv_transfers(SchedulerOutput(kv_saves=saves, kv_loads=loads))
 
     def _launch_if_any(self) -> tuple[SchedulerOutput, object] | None:
         launched = self.launch_step()
@@ -96,7 +109,14 @@ class EngineCore:
     def launch_step(self) -> tuple[SchedulerOutput, object]:
         """Schedule and queue one step on the device. The caller may do host work (such as
         detokenizing the previous step's outputs) before `finish_step`, overlapping the GPU."""
+        tiers = self.scheduler.tiers
+        if tiers is not None and tiers.loading:
+            self.scheduler.finish_tier_loads(self.executor.poll_kv_loads())
         scheduler_output = self.scheduler.schedule()
+        if tiers is not None:
+            self.executor.submit_kv_transfers(scheduler_output)
+            if scheduler_output.is_empty and tiers.loading:
+                self.executor.wait_kv_loads(0.005)    # nothing to run but loads: do not spin
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             return scheduler_output, None
         # Constrained requests never run ahead (needs_sync), so every matcher is up to date here.
@@ -121,7 +141,14 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.get_stats()
         stats.allocator_fragmentation = self.executor.allocator_fragmentation()
+        stats.kv_tiers = self.executor.kv_tier_stats()
         return stats
+
+    def set_kv_tiers_enabled(self, enabled: bool) -> None:
+        """Turn the tiers' lookups and saves on or off (benchmarks compare the device cache alone)."""
+        if self.scheduler.tiers is None:
+            raise ValueError("no KV tier is configured")
+        self.scheduler.tiers.enabled = enabled
 
     def start_profile(self) -> None:
         self.executor.start_profile()

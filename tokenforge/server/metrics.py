@@ -22,6 +22,7 @@ from prometheus_client import (
 )
 
 from tokenforge.messages import EngineStats, RequestOutput
+from tokenforge.server.tier_metrics import KVTierCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()   # the *_created samples only add noise to every scrape
@@ -62,6 +63,8 @@ class ServerMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first scheduled step.", _LATENCY_BUCKETS)
         self._last_cumulative = (0, 0, 0)
+        self.kv_tiers = KVTierCollector(model_name)
+        self.registry.register(self.kv_tiers)
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
                        self.generation_tokens):
             metric.labels(model_name)   # exported as 0 before the first request
@@ -72,6 +75,8 @@ class ServerMetrics:
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_usage)
         self.kv_fragmentation.labels(m).set(stats.kv_fragmentation)
+        if stats.kv_tiers is not None:
+            self.kv_tiers.stats = stats.kv_tiers
         # The core reports running totals; Prometheus counters only increase, so add the growth.
         now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now,
