@@ -29,6 +29,7 @@ from tokenforge.engine.core_process import (
 )
 from tokenforge.engine.output_processor import OutputProcessor
 from tokenforge.engine.processor import Processor
+from tokenforge.engine.request_stream import RequestStream
 from tokenforge.messages import EngineStats, RequestOutput
 from tokenforge.sampling_params import SamplingParams
 
@@ -45,43 +46,6 @@ def _load_tokenizer(config: EngineConfig):
     from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - slow import
 
     return load_engine_tokenizer(config.model.model, config.load.load_format)
-
-
-class RequestStream:
-    """One request's delta outputs, in order. Iterate it; leaving its `with` block (or calling
-    `abort()`) before it finished aborts the request in the engine core."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, arrival_time: float, child_ids: list[str]) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.arrival_time = arrival_time
-        self.child_ids = child_ids
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.first_step_start: float | None = None
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        self.finished = item.finished
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-
-    def __enter__(self) -> RequestStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.abort()
 
 
 class AsyncEngine:
@@ -183,14 +147,19 @@ class AsyncEngine:
             self.client.abort_requests(child_ids)
 
     def abort_all(self, reason: str) -> int:
-        """Abort every in-flight request; each one's stream raises RequestAbortedError(reason).
-        Returns how many were aborted (the server calls this when its drain time is up)."""
+        """End every in-flight request now: each stream gets a last output whose unfinished
+        completions carry finish_reason "abort" (then the stream ends), and the core frees their
+        KV blocks. Returns how many requests were cut (the server calls this when its drain
+        time is up)."""
         request_ids = list(self._streams)
         for request_id in request_ids:
-            stream = self._streams[request_id]
-            self.abort(request_id)
-            stream.finished = False          # let the consumer read the error below
-            stream.queue.put_nowait(RequestAbortedError(reason))
+            stream = self._forget(request_id)
+            final, child_ids = self.output_processor.finish_aborted(request_id)
+            if child_ids and self.dead_reason is None:
+                self.client.abort_requests(child_ids)
+            stream.put(final if final is not None else RequestAbortedError(reason))
+        if request_ids:
+            logger.warning("aborted %d in-flight request(s): %s", len(request_ids), reason)
         return len(request_ids)
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
@@ -237,7 +206,7 @@ class AsyncEngine:
         elif isinstance(message, Rejected):
             parent = self._child_to_parent.get(message.request_id)
             if parent is not None:
-                self._streams[parent].queue.put_nowait(ValueError(message.message))
+                self._streams[parent].put(ValueError(message.message))
         elif isinstance(message, Fatal):
             self._mark_dead(message.message)
 
@@ -256,7 +225,7 @@ class AsyncEngine:
             # Approximate queue time: until the step that produced the first token began.
             output.metrics["queue_time"] = max(0.0, (stream.first_step_start or stream.arrival_time)
                                                - stream.arrival_time)
-            stream.queue.put_nowait(output)
+            stream.put(output)
             if output.finished:
                 self._forget(output.request_id)
 
@@ -274,7 +243,7 @@ class AsyncEngine:
         logger.error("engine is dead: %s", reason)
         self.dead_reason = reason
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.put(EngineDeadError(reason))
         for waiter in self._stats_waiters:
             if not waiter.done():
                 waiter.set_result(self._stats)

@@ -63,6 +63,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout, metavar="SECONDS",
                    help="on SIGTERM, time for in-flight requests to finish before they are cut "
                         "(default %(default)s)")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout, metavar="SECONDS",
+                   help="close idle keep-alive connections after this long (default %(default)s; keep it above "
+                        "clients' and load balancers' own idle timeouts)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template in requests (rendered in a Jinja sandbox); refused by default")
     g.add_argument("--chat-template", default=None, help="a chat template (file or string) to use instead of the model's")
