@@ -10,6 +10,8 @@ prints a table last and writes `bench/results/<date>-<device>-<workload>.json` (
     throughput  W2 (1000 x 256/256, MFU) or W3 (--workload W3: 500 x 2048/128), batch-size sweep
     prefix      W5: shared 2048-token prefixes, prefix cache on against off
     serve       W4: HTTP streaming load (tokenforge.bench.serve)
+    frontend    offline LLM vs the HTTP server back to back (server / offline), then W4 at several rates
+    storm       1,000 concurrent streams through `tokenforge router`, a third disconnecting at random
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
 """
 
@@ -27,6 +29,8 @@ BENCHES: dict[str, str] = {
     "throughput": "W2 (default) or W3 offline throughput, MFU, HF baseline, batch-size sweep plot",
     "prefix": "W5: shared-prefix throughput with the prefix cache on and off",
     "serve": "W4: HTTP streaming serving load (TTFT, TPOT, ITL)",
+    "frontend": "the API server's cost: offline LLM vs HTTP streaming back to back, then W4 rates",
+    "storm": "many concurrent streams through a router, a third disconnecting; checks nothing leaks",
     "kernels": "kernel micro-benchmarks against their torch references",
 }
 
