@@ -113,7 +113,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=args.enable_prefix_caching, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
-        profile_dir=args.profile_dir, quantization=args.quantization)
+        profile_dir=args.profile_dir, quantization=args.quantization,
+        model_version=getattr(args, "model_version", None), model_checksum=getattr(args, "model_checksum", None))
 
 
 def _generate(args: argparse.Namespace) -> int:

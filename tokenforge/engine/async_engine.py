@@ -28,6 +28,7 @@ from tokenforge.engine.core_process import (
     StepOutputs,
 )
 from tokenforge.engine.output_processor import OutputProcessor
+from tokenforge.engine.model_identity import ModelChecksumError, ModelIdentity, verify_model
 from tokenforge.engine.processor import Processor
 from tokenforge.engine.request_stream import RequestStream
 from tokenforge.messages import EngineStats, RequestOutput
@@ -35,7 +36,8 @@ from tokenforge.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestAbortedError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineDeadError", "ModelChecksumError", "ModelIdentity", "RequestAbortedError",
+           "RequestStream"]
 
 
 class RequestAbortedError(RuntimeError):
@@ -64,6 +66,7 @@ class AsyncEngine:
         self._death_callbacks: list[Callable[[str], None]] = []
         self._output_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
+        self.identity = ModelIdentity(config.model.model_version, "")    # start() verifies the weights
 
     @classmethod
     async def start(cls, config: EngineConfig, *, core_path: str = DEFAULT_CORE, tokenizer=None,
@@ -72,9 +75,13 @@ class AsyncEngine:
         client = EngineCoreClient(config, core_path=core_path)
         client.spawn()
         try:
+            # While the core loads the model: the tokenizer, and the weights' checksum (a pinned
+            # one that does not match raises ModelChecksumError: nothing is served).
+            identity_task = asyncio.create_task(asyncio.to_thread(verify_model, config))
             tokenizer_task = None
             if tokenizer is None:
                 tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, config))
+            identity = await identity_task
             ready = await client.wait_ready(ready_timeout)
             if tokenizer_task is not None:
                 tokenizer = await tokenizer_task
@@ -84,6 +91,7 @@ class AsyncEngine:
         runtime = RuntimeInfo(num_kv_blocks=ready.num_kv_blocks, vocab_size=ready.vocab_size,
                               eos_token_ids=tuple(tokenizer.eos_token_ids), max_model_len=ready.max_model_len)
         engine = cls(config.with_max_model_len(ready.max_model_len), runtime, tokenizer, client)
+        engine.identity = identity
         engine._begin()
         return engine
 

@@ -99,7 +99,9 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
               state: ServerState | None = None) -> FastAPI:
     state = state or ServerState(engine)
     name = model_name or settings.served_model_name or default_model_name(engine.config.model.model)
-    ctx = ServingContext(engine, settings, ServerMetrics(name), name,
+    metrics = ServerMetrics(name)
+    metrics.set_model_info(engine.identity.version, engine.identity.checksum)
+    ctx = ServingContext(engine, settings, metrics, name,
                          ChatTemplateRenderer(engine.tokenizer, settings.chat_template))
     app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.")
     app.state.ctx = ctx
@@ -125,9 +127,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await create_chat_completion(ctx, body, request)
 
     def model_card() -> dict:
+        identity = ctx.engine.identity
         return {"id": ctx.model_name, "object": "model", "created": int(app.state.started), "owned_by": "tokenforge",
                 "root": ctx.engine.config.model.model or ctx.model_name, "parent": None,
-                "max_model_len": ctx.max_model_len}
+                "max_model_len": ctx.max_model_len, "version": identity.version, "checksum": identity.checksum}
 
     app.state.started = time.time()
 
@@ -225,11 +228,11 @@ def _on_engine_death(server: _Server, state: ServerState, reason: str) -> None:
 async def serve(config: EngineConfig, settings: ServerSettings, **engine_options) -> int:
     """Start the engine core and the HTTP server; return the process exit code. `engine_options`
     go to AsyncEngine.start (tests pass a fake core_path and tokenizer)."""
-    from tokenforge.engine.async_engine import AsyncEngine, EngineDeadError  # noqa: PLC0415
+    from tokenforge.engine.async_engine import AsyncEngine, EngineDeadError, ModelChecksumError  # noqa: PLC0415
 
     try:
         engine = await AsyncEngine.start(config, **engine_options)
-    except EngineDeadError as err:
+    except (EngineDeadError, ModelChecksumError) as err:
         logger.error("%s", err)
         return 1
     state = ServerState(engine, settings.shutdown_timeout)

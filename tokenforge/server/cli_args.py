@@ -63,6 +63,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout, metavar="SECONDS",
                    help="on SIGTERM, time for in-flight requests to finish before they are cut "
                         "(default %(default)s)")
+    g.add_argument("--model-version", default=None, metavar="VERSION",
+                   help="the version label of the weights (playbook MODEL_VERSION); shown by /v1/models and "
+                        "/metrics, and a router refuses to mix replicas of one model with different versions")
+    g.add_argument("--model-checksum", default=None, metavar="SHA256",
+                   help="refuse to serve unless the weights hash to this (sha256sum of the .gguf; see the README "
+                        "for HF directories); the computed checksum is shown by /v1/models")
     g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout, metavar="SECONDS",
                    help="close idle keep-alive connections after this long (default %(default)s; keep it above "
                         "clients' and load balancers' own idle timeouts)")

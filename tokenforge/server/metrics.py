@@ -67,6 +67,12 @@ class ServerMetrics:
             metric.labels(model_name)   # exported as 0 before the first request
         self.children = _Children(self)
 
+    def set_model_info(self, version: str | None, checksum: str) -> None:
+        """`tokenforge:model_info{model_name, version, checksum} 1`: what a router compares."""
+        info = Gauge("tokenforge:model_info", "The served weights: pinned version and sha256 checksum.",
+                     ["model_name", "version", "checksum"], registry=self.registry)
+        info.labels(self.model_name, version or "", checksum).set(1)
+
     def update_engine(self, stats: EngineStats) -> None:
         m = self.model_name
         self.running.labels(m).set(stats.num_running)
