@@ -1,4 +1,4 @@
-"""The `tokenforge` command: serve | generate | bench | doctor.
+"""The `tokenforge` command: serve | router | generate | bench | doctor.
 
 The one module that sees everything. Engine flags are shared by every subcommand that builds an
 engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
@@ -184,8 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_optional_subcommands(sub) -> None:
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
+    from tokenforge.router.settings import add_router_parser  # noqa: PLC0415
 
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES)
+    add_router_parser(sub)
     add_bench_args(sub, add_engine_args)
 
 
