@@ -150,8 +150,10 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # `@FILE` reads more arguments from FILE, one per line (the Helm chart's ConfigMap of engine args).
     parser = argparse.ArgumentParser(prog="tokenforge", description="LLM inference and serving engine",
-                                     epilog=PLAYBOOK_NOTES, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     epilog=PLAYBOOK_NOTES, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     fromfile_prefix_chars="@")
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -145,6 +145,7 @@ class RouterApp:
     async def _relay(self, response: httpx.Response, replica: Replica, receive, send) -> None:
         """Pass the response through chunk by chunk until it ends or the client goes away."""
         headers = [(k, v) for k, v in response.headers.raw if k.lower() not in _HOP_BY_HOP]
+        headers.append((b"x-tokenforge-replica", replica.url.encode()))
         pump = asyncio.ensure_future(_pump(response, send, headers))
         watcher = asyncio.ensure_future(_disconnected(receive))
         try:
