@@ -44,19 +44,7 @@ class Router(ServerProcess):
 
 @pytest.fixture(scope="module")
 def fleet():
-    import os as _os
-    if _os.environ.get("TF_FLEET"):
-        class _Existing:
-            def __init__(self, port):
-                self.url = f"http://127.0.0.1:{port}"
-                self.proc = Namespace(pid=int(open(f"/tmp/i11/fleet/{port}.pid").read()))
-            def wait_healthy(self, t): pass
-            def stop(self): pass
-            def engine_pid(self):
-                return ServerProcess.engine_pid(self)
-        replicas = [_Existing(p) for p in (18501, 18502, 18503)]
-    else:
-        replicas = [ServerProcess(SERVE) for _ in range(3)]
+    replicas = [ServerProcess(SERVE) for _ in range(3)]
     routers = []
     try:
         for r in replicas:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
+import sys
 
 from tokenforge.bench import ceilings, harness, report, serve, workloads
 
@@ -45,8 +47,9 @@ def offline(args: argparse.Namespace) -> dict:
         harness.release_memory()
 
 
-def server_runs(args: argparse.Namespace, vocab: int) -> tuple[dict, list[dict]]:
-    """Rate inf with the offline shape, then W4 at each rate, on one launched server."""
+def server_runs(args: argparse.Namespace, vocab: int, result: dict) -> None:
+    """Rate inf with the offline shape, then W4 at each rate, on one launched server; the result
+    is saved after each run, so a run cut short by a time limit still reports what it measured."""
     ids = (min(100, vocab // 4), min(30000, vocab))
     with serve._launched(args.serve_flags, None) as url:
         model = serve.served_model(url)
@@ -55,25 +58,33 @@ def server_runs(args: argparse.Namespace, vocab: int) -> tuple[dict, list[dict]]
         at_inf = asyncio.run(serve.run_load(url, model, shape))
         print(f"server at rate inf: {at_inf['output_tok_per_s']:,.0f} output tok/s, {at_inf['failed']} failed",
               flush=True)
-        w4 = []
+        result["server_inf"] = at_inf
+        result["server_over_offline"] = at_inf["output_tok_per_s"] / result["offline"]["output_tok_s"]
+        w4 = result["w4"] = []
+        _save(result, args)
         for i, rate in enumerate(float(r) for r in args.rates.split(",") if r.strip()):
             load = serve.Load(num_prompts=args.w4_num_prompts, rate=rate, input_len=args.input_len,
                               output_len=args.w4_output_len or args.output_len, seed=args.seed + 2000 + i, id_range=ids)
             w4.append(asyncio.run(serve.run_load(url, model, load, warm_up=False)))
             print(f"W4 {rate:g} req/s: {w4[-1]['completed']} ok, {w4[-1]['failed']} failed "
                   f"{w4[-1]['errors']}", flush=True)
-    return at_inf, w4
+            _save(result, args)
+
+
+def _save(result: dict, args: argparse.Namespace) -> None:
+    result["w4_failed"] = sum(r["failed"] for r in result.get("w4", [])) + result.get("server_inf", {}).get("failed", 0)
+    report.save(result, args)
 
 
 def main(args: argparse.Namespace) -> dict:
+    # A time limit's SIGTERM must still run the launcher's cleanup (stop the server it started).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     result = report.new_result("frontend", args.model, args.dtype)
     result["ceilings"] = ceilings.measure_ceilings(harness.device(), args.quick_ceilings)
     result["offline"] = offline(args)
     print(f"offline: {result['offline']['output_tok_s']:,.0f} output tok/s", flush=True)
-    result["server_inf"], result["w4"] = server_runs(args, result["offline"]["vocab_size"])
-    result["server_over_offline"] = result["server_inf"]["output_tok_per_s"] / result["offline"]["output_tok_s"]
-    result["w4_failed"] = sum(r["failed"] for r in result["w4"]) + result["server_inf"]["failed"]
-    report.save(result, args)
+    _save(result, args)
+    server_runs(args, result["offline"]["vocab_size"], result)
     _print(result)
     return result
 
