@@ -133,10 +133,10 @@ def test_a_replica_of_another_version_is_refused(fleet):
 
 def test_a_storm_with_disconnects_leaves_nothing_behind(fleet):
     pids = [r.proc.pid for r in fleet.replicas] + [fleet.prefix.proc.pid]
-    args = Namespace(streams=90, max_tokens=16, disconnect_frac=1 / 3, seed=5)
+    args = Namespace(streams=60, max_tokens=16, disconnect_frac=1 / 3, seed=5)
     result = storm.check(fleet.prefix.url, fleet.urls, pids, args)
     assert result["num_5xx"] == 0 and result["errors_of_staying_clients"] == 0, result["outcomes"]
-    assert result["outcomes"].get("left", 0) > 0 and result["outcomes"]["ok"] >= 50
+    assert result["outcomes"].get("left", 0) > 0 and result["outcomes"]["ok"] >= 35
     assert result["settled"], result["replicas"]
     assert result["leaked_fds"] <= 2 * len(pids), result["fds"]
 

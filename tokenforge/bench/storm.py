@@ -62,7 +62,7 @@ async def _client(client: httpx.AsyncClient, rng: random.Random, max_tokens: int
                 if response.status_code != 200:
                     return f"HTTP {response.status_code}"
                 lines = [line async for line in response.aiter_lines() if line.startswith("data: ")]
-        if lines[-1] != "data: [DONE]" or '"error"' in lines[-2]:
+        if len(lines) < 2 or lines[-1] != "data: [DONE]" or '"error"' in lines[-2]:
             return f"bad stream end: {lines[-2:]!r}"
         return "ok"
     except TimeoutError:
