@@ -180,6 +180,4 @@ def test_sigkill_of_a_replica_fails_no_request_that_was_not_streaming(fleet):
     assert len(failed) < 21
     states = {r["url"]: r["state"] for r in fleet.prefix.replicas()}
     assert states[victim.url] == "ejected"
-    metrics = httpx.get(fleet.prefix.url + "/metrics").text
-    assert "tokenforge_router:retries_total" in metrics
     assert json.loads(httpx.get(fleet.prefix.url + "/health").text)["replicas_admitted"] == 2
