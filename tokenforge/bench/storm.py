@@ -75,7 +75,7 @@ async def run_storm(router: str, streams: int, max_tokens: int, disconnect_frac:
     rng = random.Random(seed)
     leaving = set(rng.sample(range(streams), int(streams * disconnect_frac)))
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=router, limits=limits, timeout=httpx.Timeout(120.0)) as client:
+    async with httpx.AsyncClient(base_url=router, limits=limits, timeout=httpx.Timeout(300.0)) as client:
         t0 = time.perf_counter()
         outcomes = await asyncio.gather(*(_client(client, random.Random(rng.random()), max_tokens, i in leaving)
                                           for i in range(streams)))
