@@ -122,3 +122,32 @@ def test_settings_need_exactly_one_source_of_replicas():
         RouterSettings(replicas=("http://a",), k8s_service="svc").validate()
     with pytest.raises(ValueError, match="http"):
         RouterSettings(replicas=("a:8000",)).validate()
+
+
+def test_a_replica_is_ejected_after_failed_polls_and_readmitted_when_healthy():
+    import httpx
+
+    up = {"ok": True}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not up["ok"]:
+            raise httpx.ConnectError("down")
+        if request.url.path == "/metrics":
+            return httpx.Response(200, text='tokenforge:num_requests_waiting{model_name="m"} 2.0\n'
+                                             'tokenforge:model_info{checksum="c",model_name="m",version="v1"} 1.0\n')
+        return httpx.Response(200, json={"status": "ok"})
+
+    async def run() -> list[str]:
+        client = httpx.AsyncClient(transport=httpx.MockTransport(handler))
+        pool = ReplicaPool(RouterSettings(replicas=("http://r:1",), eject_after=2), StaticReplicas(("http://r:1",)),
+                           client)
+        states = []
+        for ok in (True, False, False, True):
+            up["ok"] = ok
+            await pool.refresh()
+            states.append(pool.replicas["http://r:1"].state)
+        return states, pool.replicas["http://r:1"]
+
+    states, replica = asyncio.run(run())
+    assert states == ["admitted", "admitted", "ejected", "admitted"]
+    assert (replica.waiting, replica.version, replica.failures) == (2.0, "v1", 0)
