@@ -1,4 +1,4 @@
-"""The `tokenforge` command: serve | generate | bench | doctor | preprocess | train.
+"""The `tokenforge` command: serve | router | generate | bench | doctor | preprocess | train.
 
 The one module that sees everything. Engine flags are shared by every subcommand that builds an
 engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
@@ -154,7 +154,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         profile_dir=args.profile_dir, quantization=args.quantization,
         kv_offload_cpu_gb=args.kv_offload_cpu_gb, kv_offload_disk_dir=args.kv_offload_disk_dir,
         kv_offload_disk_gb=args.kv_offload_disk_gb, kv_remote=args.kv_remote, kv_remote_ttl=args.kv_remote_ttl,
-        kv_remote_write_through=args.kv_remote_write_through)
+        kv_remote_write_through=args.kv_remote_write_through,
+        model_version=getattr(args, "model_version", None), model_checksum=getattr(args, "model_checksum", None))
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -168,8 +169,9 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser. Given the command line, it builds only the heavy subparsers that it names
     (a bench's or train's flags import torch), so `tokenforge --help` imports no torch; without
     one (argv None) it builds them all."""
+    # `@FILE` reads more arguments from FILE, one per line (the Helm chart's ConfigMap of engine args).
     parser = Parser(prog="tokenforge", description="LLM inference and serving engine",
-                    epilog=PLAYBOOK_NOTES, formatter_class=HelpFormatter)
+                    epilog=PLAYBOOK_NOTES, formatter_class=HelpFormatter, fromfile_prefix_chars="@")
     parser.add_argument("--version", action="version", version=f"tokenforge {__version__}")
     parser.add_argument("--log-level", dest="global_log_level", default=None, type=str.lower,
                         choices=LOG_LEVELS, help="as the subcommand's --log-level")
@@ -204,8 +206,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 def _add_optional_subcommands(sub, argv: list[str] | None) -> None:
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
+    from tokenforge.router.settings import add_router_parser  # noqa: PLC0415
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES, HelpFormatter)
+    add_router_parser(sub)
     add_bench_args(sub, add_engine_args, only="*" if argv is None else _bench_name(argv))
     if argv is None or "preprocess" in argv or "train" in argv:
         from tokenforge.train.cli_args import add_train_parsers  # noqa: PLC0415 - imports torch

@@ -27,12 +27,6 @@ PLANNED: dict[str, str] = {
     "--engine-cache-dir": "a cache of converted, sharded, quantized weights, issue 9",
     "--load-format lazy": "memory-mapped weights streamed layer by layer, issue 9",
     "--cpu-offload-gb": "weights offloaded to CPU memory, issue 9",
-    "--kv-offload-cpu-gb": "a CPU tier for the KV cache, issue 10",
-    "--kv-offload-disk-dir": "a disk tier for the KV cache, issue 10",
-    "--kv-offload-disk-gb": "a disk tier for the KV cache, issue 10",
-    "--kv-remote": "a Redis tier for the KV cache, shared by replicas, issue 10",
-    "--model-version": "a model version and checksum verified at start-up, issue 11",
-    "router": "a prefix-aware router in front of replicas, issue 11",
 }
 
 

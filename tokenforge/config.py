@@ -40,7 +40,8 @@ class ModelConfig:
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     seed: int = 0
-    model_version: str | None = None    # checked against the loaded model's checksum when given
+    model_version: str | None = None    # the operator's label for the weights; shown by /v1/models, /metrics
+    model_checksum: str | None = None   # sha256 the weights must hash to (engine/model_identity.py), or refuse
     quantization: str | None = None     # None | int8 (dynamic int8 linears; CPU)
 
     def validate(self) -> None:

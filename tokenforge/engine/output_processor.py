@@ -85,6 +85,23 @@ class OutputProcessor:
             self._child_to_parent.pop(child_id, None)
         return [cid for cid, c in parent.children.items() if c.finish_reason is None]
 
+    def finish_aborted(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """End a request from this side (the server's drain ran out): its last output, in which
+        every unfinished completion has finish_reason "abort" (held-back text released), and
+        the child ids the core must still abort."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None, []
+        cut = [cid for cid, c in parent.children.items() if c.finish_reason is None]
+        for child in (parent.children[cid] for cid in cut):
+            if child.lazy:
+                child.final_text = self._decode_with_context(child)
+            else:
+                child.detokenizer.flush()
+            child.finish_reason = FinishReason.ABORT.value
+        self.abort_request(request_id)
+        return self._make_output(parent, finished=True), cut
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         result = ProcessedOutputs()
         touched: dict[str, _Parent] = {}

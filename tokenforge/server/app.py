@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -63,6 +64,7 @@ class ServerState:
         self.shutdown_timeout = shutdown_timeout
         self.draining = False
         self.exit_code = 0
+        self.metrics: ServerMetrics | None = None     # set by build_app
 
     def unavailable_reason(self) -> str | None:
         if not self.engine.is_healthy:
@@ -79,10 +81,12 @@ class ServerState:
         self.draining = True
         asyncio.get_running_loop().call_later(self.shutdown_timeout, self._drain_expired)
 
-    def _drain_expired(self) -> None:
+    def _drain_expired(self) -> int:
+        """Cut what still runs: each stream ends with finish_reason "abort", then [DONE]."""
         count = self.engine.abort_all("the server's shutdown timeout expired")
-        if count:
-            logger.warning("shutdown timeout: aborted %d in-flight request(s)", count)
+        if count and self.metrics is not None:
+            self.metrics.drain_aborted.labels(self.metrics.model_name).inc(count)
+        return count
 
 
 def default_model_name(model: str | None) -> str:
@@ -98,13 +102,16 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
               state: ServerState | None = None) -> FastAPI:
     state = state or ServerState(engine)
     name = model_name or settings.served_model_name or default_model_name(engine.config.model.model)
-    ctx = ServingContext(engine, settings, ServerMetrics(name), name,
+    metrics = ServerMetrics(name)
+    metrics.set_model_info(engine.identity.version, engine.identity.checksum)
+    ctx = ServingContext(engine, settings, metrics, name,
                          ChatTemplateRenderer(engine.tokenizer, settings.chat_template))
     app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.",
                   docs_url=None, redoc_url=None)
     add_offline_docs(app)
     app.state.ctx = ctx
     app.state.server_state = state
+    state.metrics = ctx.metrics
     _add_openai_routes(app, ctx)
     _add_service_routes(app, ctx, state)
     install_error_handlers(app)
@@ -128,9 +135,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await create_chat_completion(ctx, body, request)
 
     def model_card() -> dict:
+        identity = ctx.engine.identity
         return {"id": ctx.model_name, "object": "model", "created": int(app.state.started), "owned_by": "tokenforge",
                 "root": ctx.engine.config.model.model or ctx.model_name, "parent": None,
-                "max_model_len": ctx.max_model_len}
+                "max_model_len": ctx.max_model_len, "version": identity.version, "checksum": identity.checksum}
 
     app.state.started = time.time()
 
@@ -279,12 +287,17 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
     # and those streams end with an error event a moment later.
     # Our own access log (--enable-access-log, AccessLogMiddleware) replaces uvicorn's.
     uv_config = uvicorn.Config(app, log_level=settings.log_level, log_config=None, access_log=False,
-                               lifespan="off", timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
+                               lifespan="off", timeout_keep_alive=settings.keep_alive_timeout,
+                               timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
     server = _Server(uv_config, state)
     engine.on_death(lambda reason: _on_engine_death(server, state, reason))
     host, port = sock.getsockname()[:2]
     logger.info("serving %s (engine core pid %s) on http://%s:%d; ready in %.2f s", app.state.ctx.model_name,
                 engine.engine_pid, host, port, time.perf_counter() - start)
+    # Everything allocated so far (the tokenizer, torch, transformers) lives for the whole run:
+    # keep it out of the cyclic GC, whose full passes otherwise stall the event loop under load.
+    gc.collect()
+    gc.freeze()
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -299,4 +312,13 @@ def run_server(args, engine_config: EngineConfig | None = None, sock: socket.soc
     settings = ServerSettings.from_args(args)
     config = engine_config or engine_config_from_args(args)
     configure_logging(settings.log_level, "api")
-    return asyncio.run(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port)))
+    return _run_loop(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port)))
+
+
+def _run_loop(main) -> int:
+    """uvloop when it is installed (a faster event loop for thousands of SSE writes a second)."""
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -80,6 +80,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout, metavar="SECONDS",
                    help="on SIGTERM, time for in-flight requests to finish before they are cut "
                         "(default %(default)s)")
+    g.add_argument("--model-version", default=None, metavar="VERSION",
+                   help="the version label of the weights (playbook MODEL_VERSION); shown by /v1/models and "
+                        "/metrics, and a router refuses to mix replicas of one model with different versions")
+    g.add_argument("--model-checksum", default=None, metavar="SHA256",
+                   help="refuse to serve unless the weights hash to this (sha256sum of the .gguf; see the README "
+                        "for HF directories); the computed checksum is shown by /v1/models")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout, metavar="SECONDS",
+                   help="close idle keep-alive connections after this long (default %(default)s; keep it above "
+                        "clients' and load balancers' own idle timeouts)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template in requests (rendered in a Jinja sandbox); refused by default")
     g.add_argument("--chat-template", default=None, help="a chat template (file or string) to use instead of the model's")

@@ -194,6 +194,11 @@ async def merge_streams(ctx: ServingContext, streams: list[RequestStream],
     deadline passes. Engine-side failures come out as APIError."""
     pending: dict[asyncio.Future, int] = {}
     try:
+        if len(streams) == 1 and deadline is None:
+            # The common case, without a task and an asyncio.wait per chunk.
+            async for output in streams[0]:
+                yield 0, output
+            return
         pending = {asyncio.ensure_future(_next_or_none(s)): i for i, s in enumerate(streams)}
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
