@@ -47,6 +47,13 @@ def _packed(size: int, pack: int, what: str) -> int:
     return size // pack
 
 
+def _narrow(t: torch.Tensor, dim: int, start: int, length: int, what: str) -> torch.Tensor:
+    if t.dim() <= dim or start + length > t.shape[dim]:
+        raise ValueError(f"{what}: a checkpoint tensor of shape {tuple(t.shape)} has no slice [{start}:{start + length}] "
+                         f"along dim {dim}")
+    return t.narrow(dim, start, length)
+
+
 def load_slice(param: nn.Parameter, loaded: torch.Tensor, what: str,
                out: tuple[int, int, int] | None = None, inp: tuple[int, int] | None = None,
                shard_index: int = 0) -> None:
@@ -69,11 +76,11 @@ def load_slice(param: nn.Parameter, loaded: torch.Tensor, what: str,
         offset, size, start = out
         n = _packed(size, pack, what)
         target = target.narrow(out_dim, offset // pack, n)
-        part = part.narrow(out_dim, start // pack, n) if part.dim() > out_dim else part
+        part = _narrow(part, out_dim, start // pack, n, what)
     if inp is not None and in_dim is not None:
         pack = getattr(param, "input_pack", 1)
         start, size = inp
-        part = part.narrow(in_dim, start // pack, _packed(size, pack, what)) if part.dim() > in_dim else part
+        part = _narrow(part, in_dim, start // pack, _packed(size, pack, what), what)
     _check_shape(target, part, what)
     target.copy_(part)
 

@@ -22,6 +22,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from tokenforge.model.quant.checkpoint import CheckpointScheme, detect, finish_model, prepare_model
@@ -91,7 +92,13 @@ def after_loading(model: nn.Module, prepared: PreparedModel, options: QuantOptio
     `cpu_int8_dynamic`: int8 on the CPU is the runner's dynamic int8, not done here."""
     if prepared.scheme is not None:
         finish_model(prepared.layers, prepared.scheme)
-        return
+    else:
+        _apply_options(model, options, cpu_int8_dynamic)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()       # the float copies freed by quantization go back to the driver
+
+
+def _apply_options(model: nn.Module, options: QuantOptions, cpu_int8_dynamic: bool) -> None:
     if options.prune_rate:
         prune_model(model, options.prune_rate)
     if options.sparsity:
