@@ -130,7 +130,9 @@ def _qgemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
     EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
+    # grid (M, N blocks): the M programs of one weight tile run back to back, so rows after the
+    # first read it from L2
+    pid_n = tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     safe = tl.minimum(rows, N - 1).to(tl.int64)      # rows past N re-read row N-1 (stores masked)
     rows_ok = rows < N
@@ -147,7 +149,7 @@ def _qgemv_kernel(
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    ms = (tl.program_id(1) + tl.arange(0, 1)).to(tl.int64)
+    ms = (tl.program_id(0) + tl.arange(0, 1)).to(tl.int64)
     m_mask = ms < M
     rstd = tl.zeros([1], dtype=tl.float32)
     if PROLOGUE == 1:
@@ -174,7 +176,7 @@ def _qgemv_kernel(
         y = y * tl.load(sc_ptr + rows, mask=rows_ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + rows, mask=rows_ok, other=0.0).to(tl.float32)
-    ym = tl.program_id(1).to(tl.int64)
+    ym = tl.program_id(0).to(tl.int64)
     tl.store(y_ptr + ym * stride_ym + rows, y.to(y_ptr.dtype.element_ty), mask=rows_ok & (ym < M))
 
 
@@ -213,7 +215,7 @@ def qgemv(prologue: int, quant: int, x: torch.Tensor, qweight: torch.Tensor, sca
     r = residual if residual is not None else x
     s = new_residual if new_residual is not None else x
     pdl = use_pdl(x)
-    _qgemv_kernel[(triton.cdiv(n, cfg.block_n), m)](
+    _qgemv_kernel[(m, triton.cdiv(n, cfg.block_n))](
         x, r, norm_weight if norm_weight is not None else x, qweight, scales,
         zeros if zeros is not None else scales, bias if bias is not None else x, y, s,
         m, n, k, x.stride(0), r.stride(0), s.stride(0), qweight.stride(0), scales.stride(0), y.stride(0), eps,

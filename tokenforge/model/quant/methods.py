@@ -110,7 +110,8 @@ class Fp8W8A8(ChannelWeightOnly):
     def matmul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not x.is_cuda:
             raise ValueError("fp8 W8A8 runs on CUDA only (on the CPU use quantization='fp8-sim')")
-        xq, x_scale = quant_ops.per_token_quant_fp8(x, layer.q_input_scale)
+        quantize = quant_ops.per_token_quant_fp8 if _on_gpu(x) else quant_ops.per_token_quant_fp8_ref
+        xq, x_scale = quantize(x, layer.q_input_scale)
         return torch._scaled_mm(xq, layer.q_weight.t(), scale_a=x_scale, scale_b=layer.q_scale_row,
                                 bias=bias, out_dtype=x.dtype)
 
