@@ -27,8 +27,8 @@ from tokenforge.model.quant.quantize import quantize_fp8_channel, quantize_int4_
 
 SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN, NORM), "o": (HIDDEN, HQ * D, PLAIN),
           "gate_up": (2 * INTER, HIDDEN, NORM), "down": (HIDDEN, INTER, SILU_MUL), "lm_head": (VOCAB, HIDDEN, PLAIN)}
-SWEEP = {QUANT_CHANNEL: [(2, 1024), (4, 512), (4, 1024), (8, 512), (8, 1024), (2, 2048)],
-         QUANT_INT4: [(4, 256), (4, 512), (8, 256), (8, 512), (4, 1024), (8, 1024), (16, 256)]}
+SWEEP = {QUANT_CHANNEL: [(2, 1024), (4, 1024), (8, 512), (2, 2048)],
+         QUANT_INT4: [(4, 512), (8, 256), (4, 1024), (8, 1024)]}
 GROUP = 128
 
 
