@@ -76,6 +76,9 @@ def bench_m1(name: str, device, bw: float) -> list[dict]:
             fn = lambda cfg=cfg: [qgemv(PLAIN, quant, x, *q, group=GROUP, config=cfg) for q in qs]  # noqa: E731
             tag = f"qgemv({bn},{bk})" + ("*" if cfg[:2] == default[:2] else "")
             rows.append(_row(name, 1, kind, tag, time_call(fn, device) / len(qs), _bytes(kind, n, k), bw))
+        cfg = QGemvConfig(*default[:3], magic=False)          # the converter unit instead of exponent bits
+        fn = lambda cfg=cfg: [qgemv(PLAIN, quant, x, *q, group=GROUP, config=cfg) for q in qs]  # noqa: E731
+        rows.append(_row(name, 1, kind, "qgemv*,cvt", time_call(fn, device) / len(qs), _bytes(kind, n, k), bw))
         if prologue == NORM:
             fn = lambda: [qgemv(NORM, quant, x, *q, residual=r, norm_weight=nw, eps=1e-5, group=GROUP) for q in qs]  # noqa: E731
             rows.append(_row(name, 1, kind, "qgemv+norm", time_call(fn, device) / len(qs), _bytes(kind, n, k), bw))

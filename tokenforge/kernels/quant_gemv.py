@@ -32,6 +32,7 @@ class QGemvConfig(NamedTuple):
     block_n: int
     block_k: int
     num_warps: int = 4
+    magic: bool = True      # integer -> float by exponent bits (ALU) instead of the converter unit
 
 
 # ---- torch references -------------------------------------------------------------------------
@@ -107,15 +108,22 @@ def _load_tile(w_ptrs, s_ptrs, z_ptrs, k0, rows_ok, K,
 
 @triton.jit
 def _qfma(acc, w, s, z, xk, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr):
+          BLOCK_K: tl.constexpr, MAGIC: tl.constexpr):
     """Accumulate one tile. xk [1, BLOCK_K] fp32. Per-channel: acc [BLOCK_N, BLOCK_K] += w * x.
     int4: acc [BLOCK_N, BLOCK_K // GROUP] += s * (sum_g q * x - z * sum_g x)."""
     if QUANT == 2:
-        q = tl.join(w & 0xF, w >> 4)                                   # [BN, BK/2, 2]
-        q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
+        if MAGIC:    # int -> float without the (quarter-rate) converter: 2^23 + q has q's bits as mantissa
+            b = w.to(tl.int32)
+            q = tl.join((b & 0xF) | 0x4B000000, (b >> 4) | 0x4B000000)                  # [BN, BK/2, 2]
+            q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32, bitcast=True) - 8388608.0
+        else:
+            q = tl.join(w & 0xF, w >> 4)
+            q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
         qx = tl.sum(tl.reshape(q * xk, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
         xs = tl.sum(tl.reshape(xk, [BLOCK_K // GROUP, GROUP]), axis=1)  # [BK / G]
         acc += s.to(tl.float32) * (qx - z.to(tl.float32) * xs[None, :])
+    elif MAGIC and w.dtype == tl.int8:   # 2^23 + 128 + q, exact for q in [-128, 127]
+        acc += ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * xk
     else:
         acc += w.to(tl.float32) * xk
     return acc
@@ -128,7 +136,7 @@ def _qgemv_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, MAGIC: tl.constexpr,
 ):
     # grid (M, N blocks): the M programs of one weight tile run back to back, so rows after the
     # first read it from L2
@@ -165,12 +173,12 @@ def _qgemv_kernel(
         w_next, s_next, z_next = _load_tile(w_ptrs, s_ptrs, z_ptrs, k0, rows_ok, K, QUANT, GROUP, BLOCK_K, EVEN_K)
         xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0 - BLOCK_K + ks, K, stride_xm, stride_rm, rstd,
                       PROLOGUE, HAS_RESIDUAL)
-        acc = _qfma(acc, w, s, z, xk, QUANT, GROUP, BLOCK_N, BLOCK_K)
+        acc = _qfma(acc, w, s, z, xk, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC)
         w, s, z = w_next, s_next, z_next
     last = (K - 1) // BLOCK_K * BLOCK_K
     xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, last + ks, K, stride_xm, stride_rm, rstd,
                   PROLOGUE, HAS_RESIDUAL)
-    acc = _qfma(acc, w, s, z, xk, QUANT, GROUP, BLOCK_N, BLOCK_K)
+    acc = _qfma(acc, w, s, z, xk, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC)
     y = tl.sum(acc, axis=1)                                          # [BLOCK_N]
     if QUANT == 1:
         y = y * tl.load(sc_ptr + rows, mask=rows_ok, other=0.0)
@@ -222,7 +230,7 @@ def qgemv(prologue: int, quant: int, x: torch.Tensor, qweight: torch.Tensor, sca
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         QUANT=quant, GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM_BLOCK=min(next_power_of_2(k), max(cfg.block_k, 8192)),
-        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl,
+        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, MAGIC=cfg.magic, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl,
     )
     return y, new_residual
 
