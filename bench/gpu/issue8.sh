@@ -72,4 +72,6 @@ for q in none fp8; do
 done
 run "GPU tests" 120 bash -c "python3 -m pytest -q -m gpu tests/kernels/test_quant_gemv.py tests/model/test_quant_gpu.py \
   -p no:cacheprovider 2>&1 | tail -25 | tee '$OUT/tests.txt'"
+run "W1 int4 + lm_head" 75 bash -c "$TF latency $COMMON --quantization int4 --quantize-lm-head --quick-ceilings \
+  --repeats 1 --results-dir '$OUT/w1-int4lm' 2>&1 | tail -8"
 echo "=== done at $(( $(date +%s) - T0 ))s"
