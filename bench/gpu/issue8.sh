@@ -60,7 +60,7 @@ PY
 
 }
 
-run "kernel micro-bench" 60 bash -c "python3 -m tokenforge.bench.kernels_quant '$OUT/kernels' 2>&1 | tail -70"
+run "kernel micro-bench" 50 bash -c "python3 -m tokenforge.bench.kernels_quant '$OUT/kernels' 2>&1 | grep -E '^M=|GB/s|ERROR' | head -80"
 for q in none int8 int4; do
   flag=""; [ "$q" != none ] && flag="--quantization $q --quick-ceilings"   # ceilings: measured in the bf16 run
   run "W1 $q" 75 bash -c "$TF latency $COMMON $flag --repeats 1 --results-dir '$OUT/w1-$q' 2>&1 | tail -8"

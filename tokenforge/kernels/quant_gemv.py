@@ -107,26 +107,47 @@ def _load_tile(w_ptrs, s_ptrs, z_ptrs, k0, rows_ok, K,
 
 
 @triton.jit
-def _qfma(acc, w, s, z, xk, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+def _int4_to_float(q, MAGIC: tl.constexpr):
+    """int32 values in [0, 15] -> fp32. MAGIC: 2^23 + q has q's bits as its mantissa, so an OR and
+    a subtraction replace the (quarter-rate) int -> float converter."""
+    if MAGIC:
+        return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+    return q.to(tl.float32)
+
+
+@triton.jit
+def _qfma(acc, w, s, z, xk, xo, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr, MAGIC: tl.constexpr):
-    """Accumulate one tile. xk [1, BLOCK_K] fp32. Per-channel: acc [BLOCK_N, BLOCK_K] += w * x.
-    int4: acc [BLOCK_N, BLOCK_K // GROUP] += s * (sum_g q * x - z * sum_g x)."""
+    """Accumulate one tile. Per-channel: xk [1, BLOCK_K] fp32, acc [BLOCK_N, BLOCK_K] += w * x.
+    int4: xk / xo [1, BLOCK_K / 2] are the even / odd inputs (the low / high nibbles: no
+    interleaving shuffle), acc [BLOCK_N, BLOCK_K / GROUP] += s * (sum_g q * x - z * sum_g x)."""
     if QUANT == 2:
-        if MAGIC:    # int -> float without the (quarter-rate) converter: 2^23 + q has q's bits as mantissa
-            b = w.to(tl.int32)
-            q = tl.join((b & 0xF) | 0x4B000000, (b >> 4) | 0x4B000000)                  # [BN, BK/2, 2]
-            q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32, bitcast=True) - 8388608.0
-        else:
-            q = tl.join(w & 0xF, w >> 4)
-            q = tl.reshape(q, [BLOCK_N, BLOCK_K]).to(tl.float32)
-        qx = tl.sum(tl.reshape(q * xk, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
-        xs = tl.sum(tl.reshape(xk, [BLOCK_K // GROUP, GROUP]), axis=1)  # [BK / G]
+        b = w.to(tl.int32)
+        prod = _int4_to_float(b & 0xF, MAGIC) * xk + _int4_to_float(b >> 4, MAGIC) * xo     # [BN, BK/2]
+        qx = tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
+        xs = tl.sum(tl.reshape(xk + xo, [BLOCK_K // GROUP, GROUP // 2]), axis=1)          # [BK / G]
         acc += s.to(tl.float32) * (qx - z.to(tl.float32) * xs[None, :])
     elif MAGIC and w.dtype == tl.int8:   # 2^23 + 128 + q, exact for q in [-128, 127]
         acc += ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * xk
     else:
         acc += w.to(tl.float32) * xk
     return acc
+
+
+@triton.jit
+def _x_tile(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0, K, stride_xm, stride_rm, rstd,
+            PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The inputs of the tile at k0: all BLOCK_K (per-channel), or its even and odd halves (int4)."""
+    if QUANT == 2:
+        kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        xe = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, kk, K, stride_xm, stride_rm, rstd, PROLOGUE, HAS_RESIDUAL)
+        xo = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, kk + 1, K, stride_xm, stride_rm, rstd, PROLOGUE,
+                      HAS_RESIDUAL)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xe = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, kk, K, stride_xm, stride_rm, rstd, PROLOGUE, HAS_RESIDUAL)
+        xo = xe
+    return xe, xo
 
 
 @triton.jit
@@ -167,18 +188,17 @@ def _qgemv_kernel(
         acc = tl.zeros([BLOCK_N, BLOCK_K // GROUP], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    ks = tl.arange(0, BLOCK_K)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         # issue tile k0 before multiplying tile k0 - BLOCK_K: two tiles in flight per program
         w_next, s_next, z_next = _load_tile(w_ptrs, s_ptrs, z_ptrs, k0, rows_ok, K, QUANT, GROUP, BLOCK_K, EVEN_K)
-        xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0 - BLOCK_K + ks, K, stride_xm, stride_rm, rstd,
-                      PROLOGUE, HAS_RESIDUAL)
-        acc = _qfma(acc, w, s, z, xk, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC)
+        xe, xo = _x_tile(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0 - BLOCK_K, K, stride_xm, stride_rm, rstd,
+                         PROLOGUE, HAS_RESIDUAL, QUANT, BLOCK_K)
+        acc = _qfma(acc, w, s, z, xe, xo, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC)
         w, s, z = w_next, s_next, z_next
     last = (K - 1) // BLOCK_K * BLOCK_K
-    xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, last + ks, K, stride_xm, stride_rm, rstd,
-                  PROLOGUE, HAS_RESIDUAL)
-    acc = _qfma(acc, w, s, z, xk, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC)
+    xe, xo = _x_tile(x_ptr, r_ptr, nw_ptr, ms, m_mask, last, K, stride_xm, stride_rm, rstd,
+                     PROLOGUE, HAS_RESIDUAL, QUANT, BLOCK_K)
+    acc = _qfma(acc, w, s, z, xe, xo, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC)
     y = tl.sum(acc, axis=1)                                          # [BLOCK_N]
     if QUANT == 1:
         y = y * tl.load(sc_ptr + rows, mask=rows_ok, other=0.0)
@@ -191,14 +211,15 @@ def _qgemv_kernel(
 # ---- launch -----------------------------------------------------------------------------------
 
 def qgemv_config(quant: int, n: int, k: int, group: int = 128) -> QGemvConfig:
-    """Static tiles (graph-captured calls cannot autotune). The fp32 accumulator of the
-    per-channel kernel stays at <= 4096 elements (32 registers per thread at 4 warps); the int4
-    tile reads BLOCK_N * BLOCK_K / 2 bytes. bench `kernels --quant` sweeps the alternatives."""
+    """Static tiles (graph-captured calls cannot autotune). Each tile re-reads its activations
+    from L2: eight (int8) or eight to sixteen (int4) weight rows per program keep that re-read at a
+    quarter of the weight bytes or less, as the bf16 GEMV's [4, 512] tiles do. H200, round 1:
+    [2-4, 1024-2048] tiles with the converter unit ran at 1.5-2.0 TB/s (int8), 0.9 (int4).
+    `bench kernels_quant` sweeps the alternatives."""
+    bk = min(512, next_power_of_2(k))
     if quant == QUANT_INT4:
-        bk = max(group, min(1024, next_power_of_2(k)))
-        return QGemvConfig(4 if n <= 8192 else 8, bk)
-    bk = min(1024, next_power_of_2(k))
-    return QGemvConfig(4 if n <= 8192 else 2, bk if n <= 8192 else min(2048, next_power_of_2(k)))
+        return QGemvConfig(8 if n <= 8192 else 16, max(group, bk))
+    return QGemvConfig(8, bk)
 
 
 def qgemv(prologue: int, quant: int, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,

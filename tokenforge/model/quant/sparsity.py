@@ -52,7 +52,8 @@ class SemiStructured24(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] <= QGEMV_MAX_TOKENS:
             return dense_linear(x, layer.weight, bias, None)
-        return F.linear(x, layer.sparse_weight, bias)
+        # the sparse kernels may return a transposed view; attention needs contiguous rows
+        return F.linear(x, layer.sparse_weight, bias).contiguous()
 
     def apply_normed(self, layer, norm, x, residual):
         return None
