@@ -37,7 +37,9 @@ PLAYBOOK_NOTES = """playbook aliases:
   --use-flash-attention         = --attention-backend triton
   --memory-policy pin           pinned host buffers (the default on CUDA)
   --fp16 / --bf16 / --half      = --dtype float16 / bfloat16 / float16
-  --quantization 8bit           = --quantization int8 (dynamic int8 linears, CPU)
+  --quantization 8bit / 4bit    = --quantization int8 / int4
+  --quantization-backend        tokenforge only (bitsandbytes is refused, naming the equivalent mode)
+  --prune-rate P                magnitude pruning of every linear (quality only)
   --num-attention-heads         fixed by the checkpoint: refused with an explanation
 """
 
@@ -66,11 +68,18 @@ class _KVCacheType(argparse.Action):
 
 
 def _quantization(value: str) -> str:
-    aliases = {"int8": "int8", "8bit": "int8"}
-    if value not in aliases:
-        raise argparse.ArgumentTypeError(f"{value!r} is not available: int8 (alias 8bit) is implemented; "
-                                         "int4 and fp8 are not yet")
-    return aliases[value]
+    modes = {"int8": "int8", "8bit": "int8", "int4": "int4", "4bit": "int4", "fp8": "fp8", "fp8-sim": "fp8-sim"}
+    if value not in modes:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a quantization mode: int8 (alias 8bit), int4 (alias "
+                                         "4bit), fp8, fp8-sim")
+    return modes[value]
+
+
+QUANTIZATION_HELP = (
+    "int8: weight-only per output channel (on the CPU: dynamic int8 linears, fbgemm); "
+    "int4: weight-only, asymmetric groups (--quantization-group-size; on the CPU simulated by dequantizing); "
+    "fp8: W8A8 e4m3 with per-token activation scales (Hopper GPUs); "
+    "fp8-sim: fp8 numerics simulated in float (any device; quality checks). Playbook: 8bit, 4bit")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -102,8 +111,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fragmentation-threshold", type=float, default=None,
                    help="release cached blocks between steps above this allocator fragmentation")
     g.add_argument("--memory-policy", choices=["pin", "pageable"], default="pin", help="host buffers for copies")
-    g.add_argument("--quantization", default=None, type=_quantization,
-                   help="int8: dynamic int8 linears on the CPU (playbook: --quantization 8bit)")
+    g.add_argument("--quantization", default=None, type=_quantization, help=QUANTIZATION_HELP)
+    g.add_argument("--quantization-group-size", type=int, default=128, help="int4: inputs per scale (default 128)")
+    g.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too (default: model dtype)")
+    g.add_argument("--quantization-backend", default="tokenforge",
+                   help="tokenforge (the default and only backend; bitsandbytes is refused)")
+    g.add_argument("--prune-rate", type=float, default=None,
+                   help="zero this fraction of each linear's weights by magnitude (quality only: weights stay dense)")
+    g.add_argument("--sparsity", default=None,
+                   help="2:4: semi-structured pruning, run as sparse tensors on the GPU (dense on the CPU)")
     g.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="auto: the model's dtype")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn the prefix cache off")
@@ -155,7 +171,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_offload_cpu_gb=args.kv_offload_cpu_gb, kv_offload_disk_dir=args.kv_offload_disk_dir,
         kv_offload_disk_gb=args.kv_offload_disk_gb, kv_remote=args.kv_remote, kv_remote_ttl=args.kv_remote_ttl,
         kv_remote_write_through=args.kv_remote_write_through,
-        model_version=getattr(args, "model_version", None), model_checksum=getattr(args, "model_checksum", None))
+        model_version=getattr(args, "model_version", None), model_checksum=getattr(args, "model_checksum", None,
+        quantization_group_size=args.quantization_group_size, quantize_lm_head=args.quantize_lm_head,
+        quantization_backend=args.quantization_backend, prune_rate=args.prune_rate, sparsity=args.sparsity)
 
 
 def _doctor(args: argparse.Namespace) -> int:

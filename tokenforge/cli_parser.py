@@ -16,12 +16,6 @@ import sys
 # its feature lands (a row whose flag or value already exists is ignored, so a late delete is
 # harmless). The key is how a user spells it; the value says what it will do.
 PLANNED: dict[str, str] = {
-    "--quantization int4": "int4 weight-only quantization, issue 8",
-    "--quantization fp8": "fp8 W8A8 quantization, issue 8",
-    "--kv-cache-dtype fp8": "an fp8 KV cache, issue 8",
-    "--quantization-backend": "a choice of quantization kernels, issue 8",
-    "--prune-rate": "magnitude pruning, issue 8",
-    "--sparsity": "2:4 structured sparsity, issue 8",
     "--tensor-parallel-size": "tensor parallelism, issue 9",
     "--pipeline-parallel-size": "pipeline parallelism, issue 9",
     "--engine-cache-dir": "a cache of converted, sharded, quantized weights, issue 9",

@@ -29,6 +29,10 @@ def parse_size(value: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+QUANTIZATION_MODES = (None, "int8", "int4", "fp8", "fp8-sim")
+QUANTIZATION_ALIASES = {"8bit": "int8", "4bit": "int4"}    # the playbook's spellings
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
@@ -42,15 +46,42 @@ class ModelConfig:
     seed: int = 0
     model_version: str | None = None    # the operator's label for the weights; shown by /v1/models, /metrics
     model_checksum: str | None = None   # sha256 the weights must hash to (engine/model_identity.py), or refuse
-    quantization: str | None = None     # None | int8 (dynamic int8 linears; CPU)
+    quantization: str | None = None     # None | int8 | int4 | fp8 | fp8-sim (aliases 8bit, 4bit)
+    quantization_group_size: int = 128  # int4 inputs per scale / zero point
+    quantize_lm_head: bool = False
+    quantization_backend: str = "tokenforge"
+    prune_rate: float | None = None     # unstructured magnitude pruning per linear (quality only)
+    sparsity: str | None = None         # None | 2:4
 
     def validate(self) -> None:
-        _check(self.quantization in (None, "int8"),
-               f"quantization must be int8 (or unset), got {self.quantization!r}; int4 and fp8 are not implemented yet")
+        self._validate_quantization()
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def _validate_quantization(self) -> None:
+        _check(self.quantization in QUANTIZATION_MODES,
+               f"quantization must be one of {', '.join(m for m in QUANTIZATION_MODES if m)} (aliases 8bit, 4bit) "
+               f"or unset, got {self.quantization!r}")
+        if self.quantization_backend == "bitsandbytes":
+            equivalent = {"int4": "int4 (bitsandbytes 4-bit)", "int8": "int8 (bitsandbytes LLM.int8)"}
+            raise ValueError("quantization_backend 'bitsandbytes' is not supported: tokenforge quantizes with its own "
+                             "kernels (quantization_backend='tokenforge'); use quantization="
+                             + equivalent.get(self.quantization or "", "int8 (for 8-bit) or int4 (for 4-bit)"))
+        _check(self.quantization_backend == "tokenforge",
+               f"quantization_backend must be tokenforge, got {self.quantization_backend!r}")
+        g = self.quantization_group_size
+        _check(g >= 8 and g % 8 == 0, f"quantization_group_size must be a positive multiple of 8, got {g}")
+        _check(not self.quantize_lm_head or self.quantization in ("int8", "int4", "fp8", "fp8-sim"),
+               "quantize_lm_head needs a quantization mode")
+        _check(self.prune_rate is None or 0.0 <= self.prune_rate < 1.0,
+               f"prune_rate must be in [0, 1), got {self.prune_rate}")
+        _check(self.sparsity in (None, "2:4"),
+               f"sparsity {self.sparsity!r} is not supported: only 2:4 semi-structured sparsity (what sparse "
+               "tensor cores run)")
+        _check(not (self.sparsity and self.quantization),
+               f"sparsity 2:4 cannot be combined with quantization={self.quantization!r}: pick one")
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +252,8 @@ class EngineConfig:
                 raise TypeError(f"unknown engine argument {key!r}")
             groups[owners[key]][key] = value
         _fill_device_defaults(groups)
+        quant = groups["model"].get("quantization")
+        groups["model"]["quantization"] = QUANTIZATION_ALIASES.get(quant, quant)
         if "kv_cache_memory" in groups["cache"]:
             groups["cache"]["kv_cache_memory"] = parse_size(groups["cache"]["kv_cache_memory"])
         if groups["model"].get("max_model_len") is not None:

@@ -285,12 +285,22 @@ def rates(num_prompts: int, input_len: float, output_len: int, seconds: float) -
             "seconds": seconds}
 
 
+WEIGHT_FLAGS = ("quantization", "quantization_group_size", "quantize_lm_head", "prune_rate", "sparsity",
+                "kv_cache_dtype")
+
+
+def weight_options(args: argparse.Namespace) -> dict:
+    """The quantization / pruning flags of this run (recorded in every result JSON)."""
+    return {k: getattr(args, k) for k in WEIGHT_FLAGS if hasattr(args, k)}
+
+
 def begin(workload: str, args: argparse.Namespace, bench: str, why: str) -> tuple[dict, dict]:
     """The start every GPU bench shares: a result record, the ceilings measured in this run, and
     the model's config.json (which `why` needs)."""
     from tokenforge.bench import ceilings, report  # noqa: PLC0415 - they import this module
 
     result = report.new_result(workload, args.model, args.dtype)
+    result["weights"] = weight_options(args)
     result["ceilings"] = ceilings.measure_ceilings(device(), args.quick_ceilings)
     print(f"ceilings: {ceilings.describe(result['ceilings'])}", flush=True)
     cfg = workloads.load_config_dict(args.model)

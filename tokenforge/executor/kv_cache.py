@@ -48,7 +48,9 @@ def allocate_kv_caches(backend, arch, num_blocks: int, block_size: int, dtype: t
 
 
 def _model_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    # quantized linears keep their packed weights and scales as buffers
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def determine_kv_sizing(runner, config: EngineConfig, max_model_len: int) -> KVSizing:

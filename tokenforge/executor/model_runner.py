@@ -26,6 +26,7 @@ from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.layers.cpu_packed import prepack_linears, quantize_linears_int8
 from tokenforge.model.loader import load_model
+from tokenforge.model.quant import QuantOptions, check_device
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +77,18 @@ class ModelRunner:
             torch.set_num_threads(self.config.device.num_threads)
 
     def _init_model(self) -> None:
-        loaded = load_model(self.config.model.model, self.config.load.load_format, self.dtype,
-                            self.device, self.config.model.seed)
+        m = self.config.model
+        check_device(m.quantization, self.device.type)
+        cpu_int8 = m.quantization == "int8" and self.device.type == "cpu"   # the CPU's int8 is dynamic int8
+        if cpu_int8 and m.quantize_lm_head:
+            raise ValueError("quantize_lm_head is not available with the CPU's dynamic int8 (the lm_head stays float32)")
+        quant = QuantOptions(m.quantization, m.quantization_group_size, m.quantize_lm_head, m.prune_rate, m.sparsity)
+        loaded = load_model(m.model, self.config.load.load_format, self.dtype, self.device, m.seed,
+                            quant=quant, cpu_int8_dynamic=cpu_int8)
         self.model = loaded.model.eval()
         self.arch = loaded.arch_config
         self.vocab_size = self.arch.vocab_size
-        if self.config.model.quantization == "int8":
-            if self.device.type != "cpu":
-                raise ValueError("quantization='int8' is implemented for the CPU path only so far")
+        if cpu_int8:
             logger.info("dynamic int8: %d linear weights quantized", quantize_linears_int8(self.model))
         if self.device.type == "cpu":
             logger.info("MKL-prepacked %d CPU linear weights", prepack_linears(self.model))

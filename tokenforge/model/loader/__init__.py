@@ -29,6 +29,7 @@ from tokenforge.model.loader.gguf_file import GGUFFile
 from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, find_bundled_gguf, gguf_weights
 from tokenforge.model.loader.safetensors_loader import read_hf_config, safetensors_files, safetensors_weights
 from tokenforge.model.models import get_model_class
+from tokenforge.model.quant import QuantOptions, after_loading, before_loading, checkpoint_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -95,19 +96,25 @@ def read_arch_config(model: str | Path | None, load_format: str = "auto") -> Arc
 
 
 def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
-               seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> LoadedModel:
+               seed: int = 0, tp_rank: int = 0, tp_size: int = 1, quant: QuantOptions | None = None,
+               cpu_int8_dynamic: bool = False) -> LoadedModel:
+    """Build and fill the model; `quant` quantizes or prunes it after loading (each rank's shard),
+    and a pre-quantized safetensors checkpoint is converted to the kernels' format."""
     start = time.perf_counter()
+    quant = quant or QuantOptions()
     source = resolve_model_source(model, load_format)
     gguf = GGUFFile(source.path) if source.config_kind == "gguf" else None
     config = _read_arch_config(source, gguf)
     with torch.device(device):
         net = get_model_class(config.architecture)(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+    prepared = before_loading(net, checkpoint_scheme(source.path) if source.kind == "safetensors" else None, quant)
     if source.kind == "dummy":
         initialize_dummy_weights(net, seed)
     elif gguf is not None:
         net.load_weights(gguf_weights(gguf, config))
     else:
         net.load_weights(safetensors_weights(source.path))
+    after_loading(net, prepared, quant, cpu_int8_dynamic)
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, source.kind, config.architecture, seconds)
