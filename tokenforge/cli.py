@@ -1,4 +1,4 @@
-"""The `tokenforge` command: serve | generate | bench | doctor.
+"""The `tokenforge` command: serve | generate | bench | eval | doctor.
 
 The one module that sees everything. Engine flags are shared by every subcommand that builds an
 engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
@@ -59,6 +59,13 @@ def _quantization(value: str) -> str:
     return aliases[value]
 
 
+def _kv_cache_dtype(value: str) -> str:
+    aliases = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+    if value not in aliases:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a KV cache dtype: use auto or fp8 (e4m3, alias fp8_e4m3)")
+    return aliases[value]
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file, HF directory, or a shipped config name "
@@ -84,7 +91,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-policy", choices=["pin", "pageable"], default="pin")
     g.add_argument("--quantization", default=None, type=_quantization,
                    help="int8: dynamic int8 linears on the CPU (playbook: --quantization 8bit)")
-    g.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="fp8 KV is not implemented yet")
+    g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
+                   help="auto: the model's dtype; fp8 (alias fp8_e4m3): e4m3 with per-layer K/V scales, "
+                        "half the bytes per token (GPUs with FP8: sm89+; the torch backend on the CPU)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
     g.add_argument("--use-flash-attention", "--use_flash_attention", dest="attention_backend",
@@ -183,9 +192,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _add_optional_subcommands(sub) -> None:
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
+    from tokenforge.eval import add_eval_parser  # noqa: PLC0415
 
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES)
     add_bench_args(sub, add_engine_args)
+    add_eval_parser(sub, add_engine_args, PLAYBOOK_NOTES)
 
 
 def main(argv: list[str] | None = None) -> int:
