@@ -27,20 +27,10 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_
 
 
 @triton.jit
-def to_cache(x, inv_scale, KV_FP8: tl.constexpr, out_ty: tl.constexpr):
-    """A value on its way into the cache: the e4m3 code of x / scale, or x in the cache dtype.
+def fp8_code(x, inv_scale):
+    """x / scale clamped to the e4m3 range, in fp32; the store's cast rounds it to nearest even.
     (448 = kv_quant.FP8_MAX; Triton kernels may not read Python globals.)"""
-    if KV_FP8:
-        return tl.clamp(x.to(tl.float32) * inv_scale, -448.0, 448.0).to(out_ty)
-    return x.to(out_ty)
-
-
-@triton.jit
-def load_inv_scales(scale_ptr, KV_FP8: tl.constexpr):
-    """(1/k_scale, 1/v_scale) of an fp8 cache; unused ones otherwise (no load)."""
-    if KV_FP8:
-        return tl.load(scale_ptr + 2), tl.load(scale_ptr + 3)
-    return 1.0, 1.0
+    return tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
 
 
 @triton.jit
@@ -63,12 +53,14 @@ def _store_kv_kernel(
     mask = (h < NUM_HEADS)[:, None]
     src = h[:, None] * stride_kh + d[None, :]
     dst = cache_ptr + slot * stride_c_slot + h[:, None] * stride_c_head + d[None, :]
-    k_inv, v_inv = load_inv_scales(scale_ptr, KV_FP8)
     k = tl.load(k_ptr + token * stride_kt + src, mask=mask)
-    tl.store(dst, to_cache(k, k_inv, KV_FP8, cache_ptr.dtype.element_ty), mask=mask)
     src_v = h[:, None] * stride_vh + d[None, :]
     v = tl.load(v_ptr + token * stride_vt + src_v, mask=mask)
-    tl.store(dst + stride_c_kv, to_cache(v, v_inv, KV_FP8, cache_ptr.dtype.element_ty), mask=mask)
+    if KV_FP8:
+        k = fp8_code(k, tl.load(scale_ptr + 2))
+        v = fp8_code(v, tl.load(scale_ptr + 3))
+    tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -13,7 +13,7 @@ import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .kv_quant import is_fp8
-from .kv_store import load_inv_scales, to_cache
+from .kv_store import fp8_code
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -110,14 +110,29 @@ def _rotary_kernel(
     k1, k2 = _rotate_store(k1, k2, k_p, k_mask, cos, sin, HALF)
     if STORE_KV:
         if slot >= 0:
-            k_inv, v_inv = load_inv_scales(scale_ptr, KV_FP8)
-            h = tl.arange(0, KV_PAD)
-            dst = kv_ptr + slot * stride_c_slot + h[:, None] * stride_c_head + d[None, :]
-            ty = kv_ptr.dtype.element_ty
-            tl.store(dst, to_cache(k1, k_inv, KV_FP8, ty), mask=k_mask)
-            tl.store(dst + HALF, to_cache(k2, k_inv, KV_FP8, ty), mask=k_mask)
-            tl.store(dst + stride_c_kv, to_cache(v1, v_inv, KV_FP8, ty), mask=k_mask)
-            tl.store(dst + stride_c_kv + HALF, to_cache(v2, v_inv, KV_FP8, ty), mask=k_mask)
+            _store_rotated(kv_ptr + slot * stride_c_slot, k1, k2, v1, v2, k_mask, scale_ptr, stride_c_kv,
+                           stride_c_head, KV_PAD, HALF, KV_FP8)
+
+
+@triton.jit
+def _store_rotated(slot_ptr, k1, k2, v1, v2, mask, scale_ptr, stride_c_kv, stride_c_head,
+                   KV_PAD: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr):
+    """One token's rotated k (already rounded to k's dtype) and v, as halves, into its cache slot;
+    e4m3 codes for an fp8 cache."""
+    if KV_FP8:
+        k_inv = tl.load(scale_ptr + 2)
+        v_inv = tl.load(scale_ptr + 3)
+        k1 = fp8_code(k1, k_inv)
+        k2 = fp8_code(k2, k_inv)
+        v1 = fp8_code(v1, v_inv)
+        v2 = fp8_code(v2, v_inv)
+    h = tl.arange(0, KV_PAD)
+    d = tl.arange(0, HALF)
+    dst = slot_ptr + h[:, None] * stride_c_head + d[None, :]
+    tl.store(dst, k1.to(slot_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, k2.to(slot_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v1.to(slot_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv + HALF, v2.to(slot_ptr.dtype.element_ty), mask=mask)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
