@@ -198,6 +198,19 @@ def _launched(flags: str | None, url: str, startup_timeout: float = 1800.0):
         proc.wait(120)
 
 
+def launch_flags(flags: str | None) -> dict:
+    """The quality-relevant engine flags of a launched server (recorded in the result)."""
+    names = {"--quantization": "quantization", "--kv-cache-dtype": "kv_cache_dtype", "--sparsity": "sparsity",
+             "--prune-rate": "prune_rate", "--dtype": "dtype"}
+    out: dict = {v: None for v in names.values()}
+    words = shlex.split(flags or "")
+    for i, word in enumerate(words):
+        key, _, value = word.partition("=")
+        if key in names:
+            out[names[key]] = value or (words[i + 1] if i + 1 < len(words) else None)
+    return out
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -218,12 +231,16 @@ def _bench(args: argparse.Namespace, url: str) -> dict:
     input_len = _opt(args, "input_len")
     prompts = [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(_opt(args, "num_prompts"))]
     results, duration = asyncio.run(_run(args, url, model, prompts))
+    flags = launch_flags(getattr(args, "launch", None))
     result = {"workload": "W4", "url": url, "served_model": model, "num_prompts": len(prompts),
               "request_rate": _opt(args, "request_rate"), "input_len": input_len,
-              "output_len": _opt(args, "output_len"), **summarize(results, duration, input_len)}
+              "output_len": _opt(args, "output_len"), "launch": getattr(args, "launch", None), "flags": flags,
+              **summarize(results, duration, input_len)}
     if getattr(args, "out", None) or getattr(args, "results_dir", None):
         from tokenforge.bench import report  # noqa: PLC0415
 
-        report.save({**report.new_result("W4", model, "server"), **result}, args)
+        variant = "-".join(f"{k}-{v}" for k, v in flags.items() if v not in (None, "auto"))
+        variant += f"-rate-{_opt(args, 'request_rate'):g}"
+        report.save({**report.new_result("W4", model, "server"), **result, "variant": variant}, args)
     _print(result)
     return result
