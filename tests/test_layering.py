@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "cli": {EVERYTHING},
     "doctor": {EVERYTHING},
     "bench": {EVERYTHING},
-    "eval": {"engine", "config", "sampling_params", "messages"},
+    "eval": {"engine", "model", "config", "sampling_params", "messages"},
     ROOT: {EVERYTHING},
 }
 # Third-party packages a layer must never import, at any depth. core imports messages and

@@ -29,7 +29,7 @@ def add_eval_parser(subparsers, add_engine_args, epilog: str | None = None) -> a
     names = parser.add_subparsers(dest="eval", metavar="NAME", required=True)
     ppl = names.add_parser("perplexity", help="sliding-window perplexity of a text with the engine flags",
                            epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_common(ppl)
+    _add_common(ppl, compare_hf=True)
     add_engine_args(ppl)
     ppl.set_defaults(func=_run_perplexity)
     quality = names.add_parser("quality", help="perplexity of every quantization/pruning mode vs float32")
@@ -39,7 +39,7 @@ def add_eval_parser(subparsers, add_engine_args, epilog: str | None = None) -> a
     return parser
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, compare_hf: bool = False) -> None:
     g = p.add_argument_group("eval")
     g.add_argument("--text-file", required=True, help="plain UTF-8 text to score")
     g.add_argument("--window", type=int, default=512, help="tokens per window (default %(default)s)")
@@ -47,6 +47,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
                    help="tokens between window starts; each window scores only tokens no earlier one did "
                         "(default %(default)s)")
     g.add_argument("--json-out", default=None, help="also write the JSON result to this file")
+    if compare_hf:
+        g.add_argument("--compare-hf", action="store_true",
+                       help="also score the same windows with HF transformers (float32) and report the difference")
 
 
 def _read_text(path: str) -> str:
@@ -87,8 +90,20 @@ def _run_perplexity(args: argparse.Namespace, engine_kwargs) -> int:
               "text_file": args.text_file, "seconds": result.seconds}
     if record["kv_cache_dtype"] == "fp8" and record["device"] == "cpu":
         record["simulated"] = True
+    if args.compare_hf:
+        record.update(_compare_hf(kwargs.get("model"), text_token_ids(llm, text), args, result.perplexity))
     _emit(record, args.json_out)
     return 0
+
+
+def _compare_hf(model: str | None, token_ids: list[int], args: argparse.Namespace, ours: float) -> dict:
+    from tokenforge.eval.hf_reference import hf_perplexity, load_hf_model  # noqa: PLC0415
+
+    hf = hf_perplexity(load_hf_model(model), token_ids, sliding_windows(len(token_ids), args.window, args.stride))
+    delta = 100.0 * (ours / hf - 1.0)
+    print(f"HF transformers (float32) perplexity {hf:.4f}; tokenforge differs by {delta:+.3f}%",
+          file=sys.stderr, flush=True)
+    return {"hf_perplexity": hf, "hf_delta_pct": delta}
 
 
 def _run_quality(args: argparse.Namespace, engine_kwargs) -> int:

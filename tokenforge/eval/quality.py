@@ -33,7 +33,6 @@ class Variant:
 BASELINE = Variant("float32", {"dtype": "float32"})
 VARIANTS: tuple[Variant, ...] = (
     BASELINE,
-    Variant("bfloat16", {"dtype": "bfloat16"}),
     Variant("int8", {"dtype": "float32", "quantization": "int8"}, 1.5),
     Variant("int4 g128", {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128}, 8.0),
     Variant("fp8 W8A8", {"dtype": "float32", "quantization": "fp8"}, 3.0, fp8=True),
