@@ -153,7 +153,8 @@ def _generate(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from tokenforge.doctor import run_doctor  # noqa: PLC0415
 
-    print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len))
+    print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len,
+                     args.kv_cache_dtype))
     return 0
 
 
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     doc.add_argument("--block-size", type=int, default=16)
     doc.add_argument("--max-model-len", type=int, default=None)
+    doc.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto", help="auto or fp8 (e4m3)")
 
     _add_optional_subcommands(sub)
     return parser

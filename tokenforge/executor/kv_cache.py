@@ -34,10 +34,11 @@ class KVSizing:
     block_bytes: int
     kv_dtype: str = "bfloat16"
     capacity_ratio: float = 1.0     # tokens per byte against a cache in the model's dtype
+    model_dtype: str = "bfloat16"
 
     def summary(self, block_size: int, max_model_len: int) -> str:
         tokens = self.num_blocks * block_size
-        ratio = f", {self.capacity_ratio:g}x the tokens of the model dtype" if self.capacity_ratio != 1 else ""
+        ratio = f", {self.capacity_ratio:g}x the tokens of a {self.model_dtype} cache" if self.capacity_ratio != 1 else ""
         return (f"weights {self.weights_bytes / 1e9:.2f} GB, activation peak {self.activation_peak_bytes / 1e9:.2f} GB, "
                 f"KV cache {self.kv_bytes / 1e9:.2f} GB {self.kv_dtype} = {self.num_blocks} blocks x {block_size} tokens "
                 f"({tokens} tokens, {tokens / max_model_len:.1f} concurrent full-length sequences{ratio})")
@@ -86,7 +87,8 @@ def determine_kv_sizing(runner, config: EngineConfig, max_model_len: int) -> KVS
                          f"{weights / 2**30:.2f} GiB and activations {peak / 2**30:.2f} GiB): raise "
                          "gpu_memory_utilization or kv_cache_memory, or lower max_num_batched_tokens")
     ratio = runner.dtype.itemsize / runner.kv_dtype.itemsize
-    return KVSizing(num_blocks, weights, peak, num_blocks * block_bytes, block_bytes, dtype_name(runner.kv_dtype), ratio)
+    return KVSizing(num_blocks, weights, peak, num_blocks * block_bytes, block_bytes, dtype_name(runner.kv_dtype), ratio,
+                    dtype_name(runner.dtype))
 
 
 def kv_scales_for(runner, checkpoint: list[tuple[float, float]] | None) -> list[torch.Tensor] | None:
