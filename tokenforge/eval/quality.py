@@ -28,6 +28,10 @@ class Variant:
     kwargs: dict = field(default_factory=dict)
     target_pct: float | None = None       # the issue's ceiling on the perplexity change, in %
     fp8: bool = False                     # simulated on the CPU
+    cpu_kwargs: dict = field(default_factory=dict)   # laid over kwargs on the CPU
+
+    def kwargs_for(self, device: str) -> dict:
+        return {**self.kwargs, **self.cpu_kwargs} if device == "cpu" else dict(self.kwargs)
 
 
 BASELINE = Variant("float32", {"dtype": "float32"})
@@ -35,7 +39,8 @@ VARIANTS: tuple[Variant, ...] = (
     BASELINE,
     Variant("int8", {"dtype": "float32", "quantization": "int8"}, 1.5),
     Variant("int4 g128", {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128}, 8.0),
-    Variant("fp8 W8A8", {"dtype": "float32", "quantization": "fp8"}, 3.0, fp8=True),
+    Variant("fp8 W8A8", {"dtype": "float32", "quantization": "fp8"}, 3.0, fp8=True,
+            cpu_kwargs={"quantization": "fp8-sim"}),
     Variant("fp8 KV", {"dtype": "float32", "kv_cache_dtype": "fp8"}, 1.0, fp8=True),
     Variant("2:4 sparsity", {"dtype": "float32", "sparsity": "2:4"}),
     Variant("prune 0.2", {"dtype": "float32", "prune_rate": 0.2}),
@@ -50,8 +55,12 @@ def _llm(kwargs: dict):
 
 def measure(variant: Variant, base: dict, text: str, window: int, stride: int) -> dict:
     """One row: the variant's perplexity, or why the engine would not build it."""
-    kwargs = {**base, **variant.kwargs}
-    row: dict = {"variant": variant.name, "engine_kwargs": variant.kwargs, "target_pct": variant.target_pct}
+    from tokenforge.config import DeviceConfig  # noqa: PLC0415
+
+    device = DeviceConfig(device=base.get("device") or "auto").resolved_device()
+    kwargs = {**base, **variant.kwargs_for(device)}
+    row: dict = {"variant": variant.name, "engine_kwargs": variant.kwargs_for(device),
+                 "target_pct": variant.target_pct}
     try:
         llm = _llm(kwargs)
     except (TypeError, ValueError, NotImplementedError) as exc:
