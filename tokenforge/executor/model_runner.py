@@ -108,9 +108,11 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         if self.kv_dtype == FP8_DTYPE and self.kv_scales is None:
-            # no profiling pass ran (CPU, client profile, a given KV size): calibrate on its own
+            # no profiling pass ran (CPU, client profile, a given KV size): calibrate on its own,
+            # over fewer tokens on the CPU, where the pass costs seconds (the 4x headroom covers it)
+            tokens = 1024 if self.device.type == "cuda" else 256
             with torch.inference_mode():
-                self.forward_dummy(min(1024, self.config.scheduler.max_num_batched_tokens,
+                self.forward_dummy(min(tokens, self.config.scheduler.max_num_batched_tokens,
                                        self.config.scheduler.max_model_len))
         self.kv_caches = allocate_kv_caches(self.backend, self.arch, num_blocks, self.block_size,
                                             self.kv_dtype, self.device)
