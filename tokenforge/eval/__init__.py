@@ -52,6 +52,17 @@ def _add_common(p: argparse.ArgumentParser, compare_hf: bool = False) -> None:
                        help="also score the same windows with HF transformers (float32) and report the difference")
 
 
+def eval_engine_kwargs(args: argparse.Namespace, engine_kwargs) -> dict:
+    """The engine flags, with a context and batch sized for windows when the user set none: the
+    KV cache then holds 16 windows instead of the default budget (1 GiB on the CPU)."""
+    kwargs = engine_kwargs(args)
+    if kwargs.get("max_model_len") is None:
+        kwargs["max_model_len"] = args.window + 16          # a window plus the one generated token
+    if kwargs.get("max_num_seqs") is None:
+        kwargs["max_num_seqs"] = 16
+    return kwargs
+
+
 def _read_text(path: str) -> str:
     p = Path(path)
     if not p.is_file():
@@ -77,7 +88,7 @@ def _run_perplexity(args: argparse.Namespace, engine_kwargs) -> int:
 
     check_window(args.window, args.stride)            # before minutes of model loading
     text = _read_text(args.text_file)
-    kwargs = engine_kwargs(args)
+    kwargs = eval_engine_kwargs(args, engine_kwargs)
     llm = LLM(**kwargs)
     result = perplexity(llm, text_token_ids(llm, text), args.window, args.stride)
     print(f"perplexity {result.perplexity:.4f} over {result.scored_tokens} tokens "
@@ -111,7 +122,7 @@ def _run_quality(args: argparse.Namespace, engine_kwargs) -> int:
 
     check_window(args.window, args.stride)
     text = _read_text(args.text_file)
-    base = {k: v for k, v in engine_kwargs(args).items() if k not in RECORDED_FLAGS}
+    base = {k: v for k, v in eval_engine_kwargs(args, engine_kwargs).items() if k not in RECORDED_FLAGS}
     rows = quality_table(text, base, args.window, args.stride)
     print(format_table(rows), file=sys.stderr, flush=True)
     _emit({"text_file": args.text_file, "window": args.window, "stride": args.stride,
