@@ -115,7 +115,7 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _store_rotated(slot_ptr, k1, k2, v1, v2, mask, scale_ptr, stride_c_kv, stride_c_head,
+def _store_rotated(dst_ptr, k1, k2, v1, v2, mask, scale_ptr, stride_c_kv, stride_c_head,
                    KV_PAD: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr):
     """One token's rotated k (already rounded to k's dtype) and v, as halves, into its cache slot;
     e4m3 codes for an fp8 cache."""
@@ -128,11 +128,11 @@ def _store_rotated(slot_ptr, k1, k2, v1, v2, mask, scale_ptr, stride_c_kv, strid
         v2 = fp8_code(v2, v_inv)
     h = tl.arange(0, KV_PAD)
     d = tl.arange(0, HALF)
-    dst = slot_ptr + h[:, None] * stride_c_head + d[None, :]
-    tl.store(dst, k1.to(slot_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + HALF, k2.to(slot_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv, v1.to(slot_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + stride_c_kv + HALF, v2.to(slot_ptr.dtype.element_ty), mask=mask)
+    dst = dst_ptr + h[:, None] * stride_c_head + d[None, :]
+    tl.store(dst, k1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, k2.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv + HALF, v2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
