@@ -27,11 +27,14 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {"config"},
     "executor": {"model", "kernels", "distributed", "core.outputs", "config", "messages",
                  "sampling_params"},
-    "engine": {"core", "executor", "config", "messages", "sampling_params"},
-    "server": {"engine", "messages", "config", "sampling_params"},
+    "engine": {"core", "executor", "config", "messages", "sampling_params", "logs"},
+    "server": {"engine", "messages", "config", "sampling_params", "logs"},
     "router": {"engine", "messages", "config", "sampling_params"},
     "train": {"model", "distributed", "config"},
     "cli": {EVERYTHING},
+    "cli_generate": {EVERYTHING},
+    "cli_parser": set(),          # the argparse pieces of `tokenforge --help`: no torch
+    "logs": set(),                # the one log format of every process
     "doctor": {EVERYTHING},
     "bench": {EVERYTHING},
     "eval": {"engine", "model", "config", "sampling_params", "messages"},
@@ -44,6 +47,7 @@ FORBIDDEN_THIRD_PARTY: dict[str, set[str]] = {
     "core": {"torch", "numpy", "triton"},
     "messages": {"torch", "numpy", "triton"},
     "sampling_params": {"torch", "numpy", "triton"},
+    "cli_parser": {"torch", "numpy", "triton"},
 }
 
 

@@ -1,4 +1,4 @@
-"""The `tokenforge` command: serve | generate | bench | eval | doctor.
+"""The `tokenforge` command: serve | generate | bench | eval | doctor | preprocess | train.
 
 The one module that sees everything. Engine flags are shared by every subcommand that builds an
 engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
@@ -7,8 +7,22 @@ engine; the playbook's flag spellings are accepted as aliases (see README, "Play
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
+
+from tokenforge import __version__
+from tokenforge.cli_generate import add_generate_args, check_engine_args, run_generate
+from tokenforge.cli_parser import (
+    HelpFormatter,
+    Parser,
+    add_planned_commands,
+    add_planned_flags,
+    check_planned_values,
+    fill_default_help,
+    refuse_planned_command,
+)
+from tokenforge.logs import configure_logging
+
+LOG_LEVELS = ["debug", "info", "warning", "error"]
 
 PLAYBOOK_NOTES = """playbook aliases:
   --kv-cache-type block         paged KV is always on (any other value is an error)
@@ -70,11 +84,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file, HF directory, or a shipped config name "
                    "(llama-3.1-8b, qwen2.5-7b, llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")
-    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"],
+                   help="dummy: random weights of the model's shape (benchmarks)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on CUDA, float32 on the CPU")
     g.add_argument("--fp16", "--half", dest="dtype", action=_StoreConst, const="float16", help=argparse.SUPPRESS)
     g.add_argument("--bf16", dest="dtype", action=_StoreConst, const="bfloat16", help=argparse.SUPPRESS)
-    g.add_argument("--max-model-len", "--max-seq-length", type=int, default=None)
+    g.add_argument("--max-model-len", "--max-seq-length", type=int, default=None,
+                   help="context length (default: the model's)")
     g.add_argument("--block-size", "--kv-cache-block-size", type=int, default=16)
     g.add_argument("--kv-cache-type", action=_KVCacheType, help="playbook alias: only 'block'")
     g.add_argument("--max-num-seqs", "--max-parallel-batch", "--batch-size", type=int, default=None,
@@ -83,28 +100,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step; long prompts are chunked to fit (chunked prefill); "
                         "default: 8192 on CUDA, 2048 on the CPU")
     g.add_argument("--sequence-splitter", choices=["token-based"], help=argparse.SUPPRESS)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks, overriding the memory sizing")
     g.add_argument("--kv-cache-memory", "--memory-limit", default=None, help="absolute KV budget, e.g. 8GiB")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--memory-profile", choices=["server", "client"], default="server")
-    g.add_argument("--memory-fragmentation-threshold", type=float, default=None)
-    g.add_argument("--memory-policy", choices=["pin", "pageable"], default="pin")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the device memory for weights, activations and the KV cache")
+    g.add_argument("--memory-profile", choices=["server", "client"], default="server",
+                   help="server: profile, then fill the memory; client: max-num-seqs x max-model-len only")
+    g.add_argument("--memory-fragmentation-threshold", type=float, default=None,
+                   help="release cached blocks between steps above this allocator fragmentation")
+    g.add_argument("--memory-policy", choices=["pin", "pageable"], default="pin", help="host buffers for copies")
     g.add_argument("--quantization", default=None, type=_quantization,
                    help="int8: dynamic int8 linears on the CPU (playbook: --quantization 8bit)")
     g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
                    help="auto: the model's dtype; fp8 (alias fp8_e4m3): e4m3 with per-layer K/V scales, "
                         "half the bytes per token (GPUs with FP8: sm89+; the torch backend on the CPU)")
-    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn the prefix cache off")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: triton on CUDA, torch on the CPU")
     g.add_argument("--use-flash-attention", "--use_flash_attention", dest="attention_backend",
                    action=_StoreConst, const="triton", help=argparse.SUPPRESS)
     g.add_argument("--enforce-eager", action="store_true", help="disable CUDA graphs")
-    g.add_argument("--cuda-graphs", dest="enforce_eager", action="store_false", help="CUDA graphs on (default)")
+    g.add_argument("--cuda-graphs", dest="enforce_eager", action="store_false", help="CUDA graphs on (the default)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule step N+1 while step N runs on the device (default: on for CUDA)")
-    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda if there is one")
     g.add_argument("--num-threads", type=int, default=None, help="CPU threads")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="the random seed: of the dummy weights, and in generate "
+                   "of sampling too (each prompt's sample is reproducible; greedy needs none)")
     g.add_argument("--max-tokens-limit", "--max-inference-steps", dest="max_tokens_limit", type=int, default=None,
                    help="cap (and default) for max_tokens")
     g.add_argument("--profile-dir", default=None, help="write torch.profiler traces here")
@@ -125,31 +148,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         profile_dir=args.profile_dir, quantization=args.quantization)
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from tokenforge import LLM, SamplingParams  # noqa: PLC0415
-
-    prompts = list(args.prompt)
-    if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            prompts += [line.rstrip("\n") for line in f if line.strip()]
-    if not prompts:
-        print("error: give a prompt (tokenforge generate \"Hello\") or --file prompts.txt", file=sys.stderr)
-        return 2
-    llm = LLM(**engine_kwargs(args))
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 1)
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 1)
-    for prompt, out in zip(prompts, outs):
-        text = out.outputs[0].text
-        print(text if args.chat or len(prompts) == 1 and args.quiet else f"{prompt}{text}")
-        if len(prompts) > 1:
-            print("-" * 40)
-    return 0
-
-
 def _doctor(args: argparse.Namespace) -> int:
     from tokenforge.doctor import run_doctor  # noqa: PLC0415
 
@@ -158,28 +156,26 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenforge", description="LLM inference and serving engine",
-                                     epilog=PLAYBOOK_NOTES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--log-level", default="WARNING")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The whole parser. `argv` names the bench to load (each bench's flags import its module,
+    and torch with it); without one, `tokenforge --help` imports no torch."""
+    parser = Parser(prog="tokenforge", description="LLM inference and serving engine",
+                    epilog=PLAYBOOK_NOTES, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"tokenforge {__version__}")
+    parser.add_argument("--log-level", dest="global_log_level", default=None, type=str.lower,
+                        choices=LOG_LEVELS, help="as the subcommand's --log-level")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     gen = sub.add_parser("generate", help="generate text offline", epilog=PLAYBOOK_NOTES,
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
-    gen.add_argument("prompt", nargs="*")
-    gen.add_argument("--file", help="one prompt per line")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=-1)
-    gen.add_argument("--sampling-seed", type=int, default=None)
-    gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    gen.add_argument("--quiet", action="store_true", help="print only the generated text")
+                         usage="%(prog)s [options] [PROMPT ...]",
+                         formatter_class=HelpFormatter, description="Generate text offline, on the bundled model "
+                         "by default. Start-up progress goes to stderr, the text to stdout.")
+    add_generate_args(gen)
     add_engine_args(gen)
 
-    doc = sub.add_parser("doctor", help="what fits: parameters, KV bytes per token, sequences")
-    doc.add_argument("--model", default=None)
+    doc = sub.add_parser("doctor", help="what fits: parameters, KV bytes per token, sequences",
+                         formatter_class=HelpFormatter)
+    doc.add_argument("--model", default=None, help="as for generate (default: the bundled model)")
     doc.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
     doc.add_argument("--memory", default=None, help="memory to plan for, e.g. 24GiB (default: this machine's)")
     doc.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
@@ -187,33 +183,65 @@ def build_parser() -> argparse.ArgumentParser:
     doc.add_argument("--max-model-len", type=int, default=None)
     doc.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto", help="auto or fp8 (e4m3)")
 
-    _add_optional_subcommands(sub)
+    _add_optional_subcommands(sub, argv)
+    add_planned_commands(sub)
+    for name, p in sub.choices.items():
+        if "--log-level" not in p._option_string_actions and name != "bench":
+            p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
+        if "--max-num-seqs" in p._option_string_actions:   # an engine-building subcommand
+            add_planned_flags(p)
+        fill_default_help(p)
     return parser
 
 
-def _add_optional_subcommands(sub) -> None:
-    from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
+def _add_optional_subcommands(sub, argv: list[str] | None) -> None:
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
     from tokenforge.eval import add_eval_parser  # noqa: PLC0415
+    from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
+    from tokenforge.train.cli_args import add_train_parsers  # noqa: PLC0415
 
-    add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES)
-    add_bench_args(sub, add_engine_args)
+    add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES, HelpFormatter)
+    add_bench_args(sub, add_engine_args, only=_bench_name(argv))
+    add_train_parsers(sub, _load_tokenizer)
     add_eval_parser(sub, add_engine_args, PLAYBOOK_NOTES)
 
 
+def _load_tokenizer(model: str | None, load_format: str = "auto"):
+    """The engine's tokenizer for preprocess/train (train may not import the engine itself)."""
+    from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415
+
+    return load_engine_tokenizer(model, load_format)
+
+
+def _bench_name(argv: list[str] | None) -> str | None:
+    """The NAME of `tokenforge bench NAME ...` in argv, if any."""
+    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    return words[words.index("bench") + 1] if "bench" in words[:-1] else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
+    refuse_planned_command(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    check_planned_values(parser, args)
+    configure_logging(args.global_log_level or getattr(args, "log_level", None) or "info", "tokenforge")
     try:
         if args.command == "generate":
-            return _generate(args)
+            return run_generate(args, engine_kwargs)
         if args.command == "doctor":
             return _doctor(args)
+        if args.command == "serve":
+            return args.func(args, engine_kwargs, check_engine_args)
         return args.func(args, engine_kwargs)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as e:   # typed, user-facing: one line, no traceback
+        print(f"tokenforge: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:      # a file, a port: one line too
+        print(f"tokenforge: error: {e.strerror or e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("tokenforge: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

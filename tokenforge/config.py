@@ -128,13 +128,19 @@ class DeviceConfig:
                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
 
     def resolved_device(self) -> str:
-        if self.device != "auto":
-            return self.device
+        """auto -> cuda or cpu; ValueError for cuda where there is none (before anything loads)."""
+        if self.device == "cpu":
+            return "cpu"
         try:
             import torch  # noqa: PLC0415 - config itself stays torch-free unless asked
-            return "cuda" if torch.cuda.is_available() else "cpu"
+            has_cuda = torch.cuda.is_available()
         except ImportError:
-            return "cpu"
+            has_cuda, torch = False, None
+        if self.device == "cuda" and not has_cuda:
+            build = f"torch {torch.__version__}" if torch is not None else "torch is not installed and"
+            reason = "has no CUDA support" if torch is not None and torch.version.cuda is None else "sees no CUDA GPU"
+            raise ValueError(f"device 'cuda' is not available: {build} {reason}; use --device cpu (or auto)")
+        return "cuda" if has_cuda else "cpu"
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,10 @@ from tokenforge.model.loader import read_arch_config
 _ACTIVATION_RESERVE = 0.1   # share of the budget kept for activations and the allocator
 
 
+class DoesNotFitError(ValueError):
+    """The model's weights cannot fit the device's memory: refused before anything is allocated."""
+
+
 def _machine_memory() -> tuple[int, str]:
     try:
         import torch  # noqa: PLC0415
@@ -68,3 +72,29 @@ def run_doctor(model: str | None, load_format: str, memory: str | None, dtype: s
         lines.append(f"verdict       fits, but not one full-length sequence: lower --max-model-len "
                      f"below {p['kv_tokens']:,}")
     return "\n".join(lines)
+
+
+def check_fit(model: str | None, load_format: str, dtype: str, device: str, memory_fraction: float = 1.0) -> None:
+    """Refuse, before any allocation, a model whose weights alone exceed the device's memory (the
+    doctor arithmetic), naming what would fit instead. `device` is resolved (cpu or cuda)."""
+    arch = read_arch_config(model, load_format)
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    total, where = _machine_memory() if device == "cuda" else _cpu_memory()
+    budget = int(total * memory_fraction * (1 - _ACTIVATION_RESERVE))
+    weights = arch.weight_bytes(dtype)
+    if weights <= budget:
+        return
+    name = model or "the bundled model"
+    smaller = [d for d in ("bfloat16", "float16") if d != dtype and arch.weight_bytes(d) <= budget]
+    hint = (f"--dtype {smaller[0]} would fit ({_gib(arch.weight_bytes(smaller[0]))} of weights)" if smaller
+            else f"a model of at most {budget / arch.weight_bytes(dtype) * arch.num_parameters() / 1e9:.1f} B "
+                 f"parameters would fit in {dtype} (e.g. llama-3.2-1b)")
+    doctor = "tokenforge doctor" + (f" --model {model}" if model else "") + (
+        f" --load-format {load_format}" if load_format != "auto" else "")
+    raise DoesNotFitError(f"{name} does not fit: its weights take {_gib(weights)} in {dtype}, and {where} has "
+                          f"{_gib(total)} ({_gib(budget)} usable); {hint} (see '{doctor}')")
+
+
+def _cpu_memory() -> tuple[int, str]:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"

@@ -4,6 +4,7 @@ the conversion cache, and loading from an HF directory."""
 from __future__ import annotations
 
 import json
+import shutil
 import time
 
 import pytest
@@ -73,6 +74,19 @@ def test_decode_round_trips(ours, hf):
     assert ours.decode(ours.encode(TEXTS[5])) == TEXTS[5]
 
 
+def test_cached_load_needs_no_transformers(cache_dir):
+    """The cached GGUF tokenizer loads with the tokenizers library alone (a cold start saving)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from tokenforge.engine.tokenization import load_tokenizer\n"
+            f"tok = load_tokenizer(None, cache_dir=Path({str(cache_dir)!r}))\n"
+            "assert tok.encode('Hello') and tok.eos_token_ids == (2,)\n"
+            "assert 'transformers' not in sys.modules, 'transformers was imported'\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
 def test_special_ids(ours):
     assert ours.eos_token_ids == (2,) and ours.bos_token_id == 1 and ours.vocab_size == 49152
     assert ours.convert_ids_to_tokens([1, 2]) == ["<|im_start|>", "<|im_end|>"]
@@ -85,8 +99,10 @@ def test_chat_template_matches_hf(ours, hf):
             assert ours.apply_chat_template(messages, add_generation_prompt=add) == expected
 
 
-def test_hf_directory_with_generation_config(ours, tmp_path):
-    ours.hf.save_pretrained(str(tmp_path))
+def test_hf_directory_with_generation_config(ours, cache_dir, tmp_path):
+    (converted,) = (cache_dir / "tokenizers").iterdir()     # the fast tokenizer's own files
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(converted / name, tmp_path / name)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0]}))
     tok = load_tokenizer(tmp_path)
     assert tok.eos_token_ids == (2, 0)

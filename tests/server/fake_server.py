@@ -19,6 +19,7 @@ from fakes import FakeEngineCore, FakeTokenizer  # noqa: E402
 
 from tokenforge.cli import add_engine_args, engine_kwargs  # noqa: E402
 from tokenforge.config import EngineConfig  # noqa: E402
+from tokenforge.logs import configure_logging  # noqa: E402
 from tokenforge.server.app import serve  # noqa: E402
 from tokenforge.server.cli_args import add_server_args  # noqa: E402
 from tokenforge.server.settings import ServerSettings  # noqa: E402
@@ -28,7 +29,7 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     args = add_server_args(parser).parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(logging.INFO, "api")
     core_path = f"{FakeEngineCore.__module__}:FakeEngineCore"
     config = EngineConfig.from_kwargs(**engine_kwargs(args))
     return asyncio.run(serve(config, ServerSettings.from_args(args),

@@ -23,6 +23,9 @@ from tokenforge.messages import (
 EOS = 256
 VOCAB = 260
 STEP_S_ENV = "TOKENFORGE_FAKE_STEP_S"   # seconds each fake step sleeps, so streams take time
+# How the fake core's start-up goes: "raise" (an exception while loading), "exit" (the process
+# dies without a word, as when the kernel kills it), "sleep:S" (loads for S seconds); unset: fine.
+START_ENV = "TOKENFORGE_FAKE_START"
 
 
 class FakeTokenizer:
@@ -60,8 +63,19 @@ class _Seq:
         return ord("a") + (len(self.request.prompt_token_ids) + len(self.output)) % 26
 
 
+def _fake_start() -> None:
+    start = os.environ.get(START_ENV, "")
+    if start == "raise":
+        raise RuntimeError("the fake core could not load its model")
+    if start == "exit":
+        os._exit(3)
+    if start.startswith("sleep:"):
+        time.sleep(float(start.removeprefix("sleep:")))
+
+
 class FakeEngineCore:
     def __init__(self, config) -> None:
+        _fake_start()
         self.config = config
         self.num_kv_blocks = config.cache.num_kv_blocks or 64
         self.block_size = config.cache.block_size

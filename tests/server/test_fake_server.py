@@ -253,3 +253,15 @@ def test_schemathesis_finds_no_server_errors(fake):
                              "--max-examples", "25", "-H", f"Authorization: Bearer {fake.api_key}"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
+
+
+def test_docs_work_offline(fake):
+    """/docs is Swagger UI from the packaged assets: no CDN, so it renders without network."""
+    page = httpx.get(fake.url + "/docs", headers=fake.headers)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "/docs/assets/swagger-ui-bundle.js" in page.text and "/openapi.json" in page.text
+    assert "cdn." not in page.text and "https://" not in page.text.replace("https://fastapi", "")
+    for asset, kind in (("swagger-ui-bundle.js", "javascript"), ("swagger-ui.css", "text/css")):
+        got = httpx.get(f"{fake.url}/docs/assets/{asset}", headers=fake.headers)
+        assert got.status_code == 200 and kind in got.headers["content-type"] and len(got.content) > 10_000
+    assert httpx.get(fake.url + "/redoc", headers=fake.headers).status_code == 404

@@ -2,7 +2,8 @@
 
 Each bench is a module with `add_args(parser[, add_engine_args])` and `main(args)`. It checks
 correctness first, measures the hardware ceilings and the HF transformers peer in the same run,
-prints a table last and writes `bench/results/<date>-<device>-<workload>.json` (copied to `--out`).
+prints a table last and writes `<results-dir>/<date>-<device>-<workload>.json` (default: the current
+directory; the committed records in bench/results only with an explicit --results-dir; copied to `--out`).
 
     ceilings    HBM read bandwidth and bf16 matmul rate (or the CPU's)
     cpu         W6: bundled SmolLM2 on the CPU, fp32 and bf16, against HF in the same run
@@ -11,6 +12,7 @@ prints a table last and writes `bench/results/<date>-<device>-<workload>.json` (
     prefix      W5: shared 2048-token prefixes, prefix cache on against off
     serve       W4: HTTP streaming load (tokenforge.bench.serve)
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
+    train       W11: training tokens/s, MFU, peak memory (one process, or DDP / FSDP2 under torchrun)
 """
 
 from __future__ import annotations
@@ -28,26 +30,41 @@ BENCHES: dict[str, str] = {
     "prefix": "W5: shared-prefix throughput with the prefix cache on and off",
     "serve": "W4: HTTP streaming serving load (TTFT, TPOT, ITL)",
     "kernels": "kernel micro-benchmarks against their torch references",
+    "train": "W11: training tokens/s, MFU and peak memory (FSDP2 / DDP under torchrun)",
 }
+
+
+_DESCRIPTION = """Benchmarks: each checks correctness first, measures the hardware ceilings and a peer
+(HF transformers) in the same run, prints a table last and writes its results JSON to
+--results-dir (default: the current directory).
+
+  tokenforge bench NAME --help     the flags of one benchmark
+"""
 
 
 def _module(name: str):
     return importlib.import_module(f"tokenforge.bench.{name}")
 
 
-def add_bench_args(subparsers, add_engine_args=None) -> argparse.ArgumentParser:
+def add_bench_args(subparsers, add_engine_args=None, only: str | None = "*") -> argparse.ArgumentParser:
     """Add `bench NAME [...]` to a CLI's subparsers.
+
+    `only` names the one bench whose module (and flags) to load: the CLI passes the NAME on its
+    command line, or None for none, so that `tokenforge --help` does not import torch. The
+    default "*" loads every bench.
 
     `add_engine_args(parser)`, when given, adds the CLI's own engine flags (with their playbook
     aliases) to every bench; without it each bench adds a fallback set. Each NAME sets
     `args.func(args, engine_kwargs=None) -> int`, where `engine_kwargs(args)` maps those flags to
     `LLM(...)` keyword arguments.
     """
-    bench = subparsers.add_parser("bench", help="run a benchmark (see BENCHMARKING.md)",
-                                  description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench = subparsers.add_parser("bench", help="run a benchmark; results go to --results-dir (default: .)",
+                                  description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     names = bench.add_subparsers(dest="bench", metavar="NAME", required=True)
     for name, text in BENCHES.items():
         p = names.add_parser(name, help=text, description=text)
+        if only != "*" and name != only:
+            continue
         try:
             module = _module(name)
         except ImportError as e:      # serve/kernels may not exist yet; say so when it is run

@@ -93,7 +93,7 @@ def describe(ceilings: dict) -> str:
 
 def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
     p.add_argument("--out", default=None, help="also copy the results JSON to this folder")
-    p.add_argument("--results-dir", default=None, help="results folder (default bench/results)")
+    p.add_argument("--results-dir", default=None, help="results folder (default: the current directory)")
     p.add_argument("--quick-ceilings", action="store_true", help="tiny CPU probes (smoke runs only)")
 
 

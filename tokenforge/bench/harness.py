@@ -29,7 +29,7 @@ def add_common_args(p: argparse.ArgumentParser, add_engine_args=None, *, model: 
     defaults for model and dtype."""
     g = p.add_argument_group("bench")
     g.add_argument("--out", default=None, help="also copy the results JSON (and plots) to this folder")
-    g.add_argument("--results-dir", default=None, help="results folder (default bench/results)")
+    g.add_argument("--results-dir", default=None, help="results folder (default: the current directory)")
     g.add_argument("--num-prompts", type=int, default=num_prompts)
     g.add_argument("--input-len", type=int, default=input_len)
     g.add_argument("--output-len", type=int, default=output_len)

@@ -366,4 +366,4 @@ if __name__ == "__main__":
     if "--gemv" in sys.argv:
         from tokenforge.bench.kernels_gemv import gemv_main  # noqa: PLC0415
     run = gemv_main if "--gemv" in sys.argv else main
-    run(sys.argv[1] if len(sys.argv) > 1 else "bench/results", smoke="--smoke" in sys.argv)
+    run(sys.argv[1] if len(sys.argv) > 1 else ".", smoke="--smoke" in sys.argv)

@@ -1,6 +1,6 @@
 """Results files and the printed tables of the benchmarks.
 
-In: a result dict built by a bench. Out: `bench/results/<YYYY-MM-DD>-<device>-<workload>.json`
+In: a result dict built by a bench. Out: `<results-dir>/<YYYY-MM-DD>-<device>-<workload>.json`
 (and a copy in `--out`), holding the command, the commit, the device and the ceilings beside the
 figures, and a short fixed-width table printed last.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_RESULTS_DIR = "bench/results"
+DEFAULT_RESULTS_DIR = "."   # a user's run never overwrites the committed records in bench/results
 
 
 def device_name() -> str:

@@ -56,7 +56,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--launch", default=None, metavar="SERVE_FLAGS",
                    help="start `tokenforge serve SERVE_FLAGS` on a free port for the run (instead of --url)")
     g.add_argument("--out", default=None, help="also write the results JSON here")
-    g.add_argument("--results-dir", default=None, help="write the results JSON here (e.g. bench/results)")
+    g.add_argument("--results-dir", default=None, help="write the results JSON here (e.g. results/)")
 
 
 @dataclass(slots=True)

@@ -14,7 +14,9 @@ core dies, every in-flight request gets EngineDeadError and `is_healthy` turns F
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -45,6 +47,21 @@ def _load_tokenizer(config: EngineConfig):
     from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - slow import
 
     return load_engine_tokenizer(config.model.model, config.load.load_format)
+
+
+def _in_daemon_thread(fn, *args) -> concurrent.futures.Future:
+    """Run fn(*args) in a daemon thread: unlike asyncio.to_thread, a failed start-up does not
+    wait at exit for it, and its failure is read by whoever waits (never "never retrieved")."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:   # noqa: BLE001 - handed to the waiter
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="tokenizer-loader", daemon=True).start()
+    return future
 
 
 class RequestStream:
@@ -108,12 +125,10 @@ class AsyncEngine:
         client = EngineCoreClient(config, core_path=core_path)
         client.spawn()
         try:
-            tokenizer_task = None
-            if tokenizer is None:
-                tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, config))
-            ready = await client.wait_ready(ready_timeout)
-            if tokenizer_task is not None:
-                tokenizer = await tokenizer_task
+            pending = None if tokenizer is not None else _in_daemon_thread(_load_tokenizer, config)
+            ready = await client.wait_ready(ready_timeout, also=pending)
+            if pending is not None:
+                tokenizer = await asyncio.wrap_future(pending)
         except BaseException:
             client.shutdown()
             raise

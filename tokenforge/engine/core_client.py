@@ -9,6 +9,7 @@ the next request. The config crosses as msgpack bytes; nothing here is pickled o
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -55,6 +56,9 @@ class EngineCoreClient:
         self._sync_context = zmq.Context()
         self._async_context = zmq.asyncio.Context()
         self._input = self._sync_context.socket(zmq.PUSH)
+        # No high-water mark: with the core connected a send never blocks, and without it (dead,
+        # or never started) a NOBLOCK send fails at once instead of blocking forever.
+        self._input.setsockopt(zmq.SNDHWM, 0)
         self._input.bind(self.input_address)
         self._output = self._async_context.socket(zmq.PULL)
         self._output.bind(self.output_address)
@@ -77,11 +81,15 @@ class EngineCoreClient:
         self.process.start()
         logger.info("engine core process started (pid %d)", self.process.pid)
 
-    async def wait_ready(self, timeout: float | None = None) -> Ready:
-        """Wait for the core's Ready; raise EngineDeadError if it failed or exited first."""
+    async def wait_ready(self, timeout: float | None = None,
+                         also: concurrent.futures.Future | None = None) -> Ready:
+        """Wait for the core's Ready; raise EngineDeadError if it failed or exited first, or the
+        exception of `also` (work done meanwhile in this process) as soon as that fails."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
+            if also is not None and also.done() and also.exception() is not None:
+                raise also.exception()
             if await self._output.poll(200, zmq.POLLIN):
                 message = self._decoder.decode(await self._output.recv())
                 if isinstance(message, Ready):
@@ -113,9 +121,10 @@ class EngineCoreClient:
         if self.process is not None and self.process.is_alive():
             try:
                 self.send(ShutdownRequest())
-            except zmq.ZMQError:
+            except (zmq.ZMQError, EngineDeadError):
                 pass
-            self.process.join(timeout)
+            # A core that never became ready reads no messages: do not wait on it.
+            self.process.join(timeout if self.ready is not None else 0.2)
             if self.process.is_alive():
                 logger.warning("engine core did not stop within %.0f s; killing it", timeout)
                 self.process.kill()
@@ -128,9 +137,12 @@ class EngineCoreClient:
 
     # ---- messages ---------------------------------------------------------------------------------
     def send(self, message: InputMessage) -> None:
-        # A sync PUSH never blocks here in practice (the HWM is far above any backlog), so
-        # aborts can be sent from `finally` blocks of cancelled tasks without awaiting.
-        self._input.send(self._encoder.encode(message), copy=False)
+        # Never blocks (no HWM), so aborts can be sent from `finally` blocks of cancelled tasks
+        # without awaiting; zmq.Again means no core is connected to read it.
+        try:
+            self._input.send(self._encoder.encode(message), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine core is not connected (it exited or never started)") from None
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
         self.send(AddRequests(requests))

@@ -19,7 +19,6 @@ import importlib
 import logging
 import os
 import signal
-import sys
 import time
 import traceback
 
@@ -27,6 +26,7 @@ import msgspec
 import zmq
 
 from tokenforge.config import EngineConfig
+from tokenforge.logs import configure_logging
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -188,7 +188,7 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
     # not kill the core while the server is still draining in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(name)s: %(message)s")
+    configure_logging(log_level, "engine-core")
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.connect(input_address)
@@ -200,12 +200,15 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
     try:
         config = decode_config(config_bytes)
         try:
+            start = time.perf_counter()
             core = load_core_class(core_path)(config)
         except Exception as err:   # noqa: BLE001 - any load failure is reported, not raised
-            logger.exception("engine core failed to start")
-            output_socket.send(encoder.encode(Fatal(f"engine core failed to start: {err}")))
+            # The frontend prints the one line; the traceback is for --log-level debug.
+            logger.debug("engine core failed to start", exc_info=True)
+            output_socket.send(encoder.encode(Fatal(f"engine core failed to start: {_one_line(err)}")))
             exit_code = 1
             return
+        logger.info("engine core ready in %.2f s", time.perf_counter() - start)
         output_socket.send(encoder.encode(_ready_message(core)))
         CoreLoop(core, input_socket, output_socket, parent_pid).run()
     except Exception:   # noqa: BLE001 - a crashed step must reach the frontend as a message
@@ -223,4 +226,13 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
         input_socket.close(linger=0)
         context.term()
         if exit_code:
-            sys.exit(exit_code)
+            # os._exit, not sys.exit: a thread some library left running must not keep a failed
+            # core alive (the frontend would wait on it).
+            logging.shutdown()
+            os._exit(exit_code)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text and not isinstance(err, ValueError) else (
+        text[0] if text else type(err).__name__)

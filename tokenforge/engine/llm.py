@@ -39,8 +39,10 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, seed=seed, load_format=load_format, **kwargs)
+        start = time.perf_counter()
         self.engine = EngineCore(self.config)
         self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
+        logger.info("ready in %.2f s", time.perf_counter() - start)
         self.runtime = RuntimeInfo(
             num_kv_blocks=self.engine.num_kv_blocks, vocab_size=self.engine.vocab_size,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids), max_model_len=self.engine.max_model_len)
@@ -97,17 +99,18 @@ class LLM:
             while outputs.has_unfinished():
                 if self.engine.async_scheduling:
                     # step() leaves the next step queued on the device: this detokenizes meanwhile.
-                    step = outputs.process_outputs(self.engine.step())
+                    core_outputs = self.engine.step()
                 else:
                     # Detokenize step N-1's outputs while step N runs on the device.
                     launched = self.engine.launch_step()
-                    step = outputs.process_outputs(pending)
+                    core_outputs = pending
                     pending = self.engine.finish_step(launched)
+                step = outputs.process_outputs(core_outputs)
                 self.engine.abort_requests(step.abort_ids)
                 for out in step.request_outputs:
                     finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+                if bar is not None:
+                    bar.update(core_outputs, len(step.request_outputs))
             self.engine.drain()      # a step scheduled ahead may still be queued; its requests are done
         except BaseException:
             # Leave the engine usable: whatever was in flight is aborted and its blocks freed.
@@ -146,9 +149,25 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
     return params
 
 
-def _progress(total: int, enabled: bool):
-    if not enabled or total <= 1:
-        return None
-    from tqdm.auto import tqdm  # noqa: PLC0415
+class _Progress:
+    """A bar over finished prompts that shows the output tokens/s as they are generated."""
 
-    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+    def __init__(self, total: int) -> None:
+        from tqdm.auto import tqdm  # noqa: PLC0415
+
+        self.bar = tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def update(self, core_outputs: list, num_finished: int) -> None:
+        self.tokens += sum(len(o.new_token_ids) for o in core_outputs)
+        seconds = max(time.perf_counter() - self.start, 1e-6)
+        self.bar.set_postfix_str(f"{self.tokens} tokens, {self.tokens / seconds:.1f} tok/s", refresh=False)
+        self.bar.update(num_finished)   # also redraws the postfix, at most every 0.1 s
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _progress(total: int, enabled: bool) -> _Progress | None:
+    return _Progress(total) if enabled else None

@@ -62,6 +62,49 @@ class Tokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt, tools, variables)
 
 
+class FastTokenizerFiles:
+    """The part of a transformers fast tokenizer that Tokenizer uses, read from the files a
+    fast tokenizer saves (tokenizer.json, tokenizer_config.json, chat_template.jinja) with the
+    `tokenizers` library only. For the converted GGUF tokenizers this module writes itself;
+    tests/engine/test_tokenization.py holds it to transformers' ids, text and templates."""
+
+    _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+    def __init__(self, directory: Path) -> None:
+        from tokenizers import Tokenizer as RustTokenizer  # noqa: PLC0415
+
+        config = json.loads((directory / "tokenizer_config.json").read_text())
+        self._tok = RustTokenizer.from_file(str(directory / "tokenizer.json"))
+        self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
+        self.special_tokens_map = {k: config[k] for k in self._SPECIAL if isinstance(config.get(k), str)}
+        for key in self._SPECIAL:
+            setattr(self, key, self.special_tokens_map.get(key))
+        self.eos_token_id = self._token_id(self.eos_token)
+        self.bos_token_id = self._token_id(self.bos_token)
+        template_file = directory / "chat_template.jinja"
+        self.chat_template = template_file.read_text() if template_file.is_file() else config.get("chat_template")
+
+    def _token_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def __len__(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._cleanup:   # transformers' clean_up_tokenization
+            for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                                  (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
+                text = text.replace(before, after)
+        return text
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [self._tok.id_to_token(i) for i in ids]
+
+
 class SyntheticTokenizer:
     """Stand-in for dummy weights built from a bare architecture config (no tokenizer exists).
 
@@ -178,13 +221,13 @@ def _load_hf_dir_tokenizer(model_dir: Path) -> Tokenizer:
 
 
 def _load_gguf_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:
-    from transformers import AutoTokenizer  # noqa: PLC0415
-
     stat = path.stat()
     cached = cache_dir / "tokenizers" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if not (cached / _EXTRA_EOS_FILE).is_file():
         _convert_gguf_tokenizer(path, cached)
-    hf = AutoTokenizer.from_pretrained(str(cached))
+    # The converted copy loads with the `tokenizers` library alone: importing transformers
+    # would cost more than the rest of a cold `tokenforge generate` start.
+    hf = FastTokenizerFiles(cached)
     extra = tuple(json.loads((cached / _EXTRA_EOS_FILE).read_text())["extra_eos_token_ids"])
     return Tokenizer(hf, extra, str(path))
 

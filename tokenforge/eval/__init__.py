@@ -66,7 +66,7 @@ def eval_engine_kwargs(args: argparse.Namespace, engine_kwargs) -> dict:
 def _read_text(path: str) -> str:
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"--text-file {path!r} does not exist")
+        raise ValueError(f"--text-file {path!r} does not exist")
     text = p.read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError(f"--text-file {path!r} is empty")

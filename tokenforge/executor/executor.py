@@ -43,10 +43,12 @@ class Executor:
     def init_kv_cache(self, config: EngineConfig) -> int:
         from tokenforge.executor.kv_cache import determine_kv_sizing  # noqa: PLC0415
 
+        start = time.perf_counter()
         sizing = determine_kv_sizing(self.runner, config, config.scheduler.max_model_len)
-        logger.info("%s", sizing.summary(config.cache.block_size, config.scheduler.max_model_len))
         self.sizing = sizing
-        self.runner.init_kv_cache(sizing.num_blocks)
+        self.runner.init_kv_cache(sizing.num_blocks)   # allocates (and on CUDA captures graphs)
+        logger.info("KV cache ready in %.2f s: %s", time.perf_counter() - start,
+                    sizing.summary(config.cache.block_size, config.scheduler.max_model_len))
         return sizing.num_blocks
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -24,8 +25,10 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenforge import __version__
 from tokenforge.config import EngineConfig
+from tokenforge.logs import configure_logging
 from tokenforge.server.auth import APIKeyMiddleware
 from tokenforge.server.chat_template import ChatTemplateRenderer
+from tokenforge.server.docs import add_offline_docs
 from tokenforge.server.errors import (
     bad_request,
     install_error_handlers,
@@ -97,7 +100,9 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     name = model_name or settings.served_model_name or default_model_name(engine.config.model.model)
     ctx = ServingContext(engine, settings, ServerMetrics(name), name,
                          ChatTemplateRenderer(engine.tokenizer, settings.chat_template))
-    app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.")
+    app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.",
+                  docs_url=None, redoc_url=None)
+    add_offline_docs(app)
     app.state.ctx = ctx
     app.state.server_state = state
     _add_openai_routes(app, ctx)
@@ -217,39 +222,57 @@ def _on_engine_death(server: _Server, state: ServerState, reason: str) -> None:
     asyncio.get_running_loop().call_later(_DEATH_GRACE_S, stop)
 
 
-async def serve(config: EngineConfig, settings: ServerSettings, **engine_options) -> int:
-    """Start the engine core and the HTTP server; return the process exit code. `engine_options`
-    go to AsyncEngine.start (tests pass a fake core_path and tokenizer)."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """Bind the listening address first, so a port in use is an error before anything loads."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot listen on {host}:{port}: {err.strerror}") from None
+    return sock
+
+
+async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.socket | None = None,
+                **engine_options) -> int:
+    """Bind, start the engine core, then serve HTTP; return the process exit code. A failure before
+    the engine is ready is one logged line and exit code 1. `engine_options` go to
+    AsyncEngine.start (tests pass a fake core_path and tokenizer)."""
     from tokenforge.engine.async_engine import AsyncEngine, EngineDeadError  # noqa: PLC0415
 
+    sock = sock or bind_socket(settings.host, settings.port)
+    start = time.perf_counter()
     try:
         engine = await AsyncEngine.start(config, **engine_options)
-    except EngineDeadError as err:
+    except (EngineDeadError, ValueError, OSError) as err:
         logger.error("%s", err)
+        sock.close()
         return 1
     state = ServerState(engine, settings.shutdown_timeout)
     app = build_app(engine, settings, state=state)
     # uvicorn's own limit is a backstop: at shutdown_timeout the state aborts what is left,
     # and those streams end with an error event a moment later.
-    uv_config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                               access_log=settings.access_log, lifespan="off",
-                               timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
+    uv_config = uvicorn.Config(app, log_level=settings.log_level, log_config=None, access_log=settings.access_log,
+                               lifespan="off", timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
     server = _Server(uv_config, state)
     engine.on_death(lambda reason: _on_engine_death(server, state, reason))
-    logger.info("serving %s (engine core pid %s) on http://%s:%d", app.state.ctx.model_name, engine.engine_pid,
-                settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    logger.info("serving %s (engine core pid %s) on http://%s:%d; ready in %.2f s", app.state.ctx.model_name,
+                engine.engine_pid, host, port, time.perf_counter() - start)
     try:
-        await server.serve()
+        await server.serve(sockets=[sock])
     finally:
         await engine.shutdown()
     return state.exit_code
 
 
-def run_server(args, engine_config: EngineConfig | None = None) -> int:
+def run_server(args, engine_config: EngineConfig | None = None, sock: socket.socket | None = None) -> int:
     """The CLI entry: `tokenforge serve`. Returns the exit code (0 after a graceful stop)."""
     from tokenforge.server.cli_args import engine_config_from_args  # noqa: PLC0415
 
     settings = ServerSettings.from_args(args)
     config = engine_config or engine_config_from_args(args)
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config, settings))
+    configure_logging(settings.log_level, "api")
+    return asyncio.run(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port)))

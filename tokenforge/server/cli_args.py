@@ -16,20 +16,36 @@ from tokenforge.server.settings import API_KEY_ENV, ServerSettings
 _SUBCONFIGS = ("model", "cache", "scheduler", "parallel", "load", "device")
 
 
-def add_serve_parser(subparsers, add_engine_args, epilog: str | None = None) -> argparse.ArgumentParser:
+def add_serve_parser(subparsers, add_engine_args, epilog: str | None = None,
+                     formatter_class=argparse.RawDescriptionHelpFormatter) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (default: the bundled SmolLM2 on 127.0.0.1:8000)",
-        epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=epilog, formatter_class=formatter_class, usage="%(prog)s [MODEL] [options]",
+        description="An OpenAI-compatible HTTP server. MODEL (or --model) as for generate; default: the "
+                    "bundled SmolLM2-135M-Instruct.")
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as with --model (vLLM style: tokenforge serve MODEL)")
     add_engine_args(parser)
     add_server_args(parser)
     parser.set_defaults(func=_run_serve)
     return parser
 
 
-def _run_serve(args: argparse.Namespace, engine_kwargs) -> int:
-    from tokenforge.server.app import run_server  # noqa: PLC0415 - keep `tokenforge --help` fast
+def _run_serve(args: argparse.Namespace, engine_kwargs, check_engine_args=None) -> int:
+    """Every check that can fail (flags, model path, device, fit) runs before the engine starts."""
+    from tokenforge.server.app import bind_socket, run_server  # noqa: PLC0415 - keep `tokenforge --help` fast
 
-    return run_server(args, EngineConfig.from_kwargs(**engine_kwargs(args)))
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}): give one")
+        args.model = args.model_tag
+    settings = ServerSettings.from_args(args)
+    sock = bind_socket(settings.host, settings.port)   # a port in use fails before anything loads
+    kwargs = engine_kwargs(args)
+    config = EngineConfig.from_kwargs(**kwargs)
+    if check_engine_args is not None:
+        check_engine_args(kwargs)
+    return run_server(args, config, sock)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -69,6 +85,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--log-level", default=d.log_level, type=str.lower,
                    choices=["debug", "info", "warning", "error"])
     g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--inference-mode", action="store_true",
+                   help="playbook flag, accepted as a no-op: serving never trains (see `tokenforge train`)")
     return parser
 
 

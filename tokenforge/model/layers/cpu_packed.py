@@ -10,6 +10,7 @@ torch was built with MKL and the weights are small enough (`MAX_PACKED_BYTES`).
 from __future__ import annotations
 
 import logging
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,11 @@ def quantize_linears_int8(model: nn.Module) -> int:
         weight = module.weight.detach().float()                          # [out, in]
         scales = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-8).double()
         zero_points = torch.zeros(weight.shape[0], dtype=torch.int64)
-        qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
+        with warnings.catch_warnings():
+            # fbgemm's prepacked linears still take qint8 tensors; torch's deprecation of
+            # quantized tensor creation would otherwise print on every int8 run.
+            warnings.filterwarnings("ignore", message=r"torch\.quantize_per_tensor, torch\.quantize_per_channel")
+            qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
         bias = module.bias if getattr(module, "bias", None) is not None and module.tp_rank == 0 else None
         module.packed_weight = torch.ops.quantized.linear_prepack(qweight, bias)
         module.weight.data = torch.empty(0)       # the int8 copy replaces the float32 weight

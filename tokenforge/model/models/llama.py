@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.models.llama_train import run_decoder_layer_train
 from tokenforge.model.layers import (
     Attention,
     LMHead,
@@ -89,7 +90,9 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, dtype, tp_rank, tp_size)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if hidden.dim() == 3:       # [B, S, H]: the training path (llama_train.py); serving is [T, H]
+            return run_decoder_layer_train(self, positions, hidden), None
         # The residual stream is carried separately so each norm can fuse the add before it, and
         # each norm runs inside the projection after it (one GEMV at decode sizes on CUDA).
         attn = self.self_attn
@@ -117,6 +120,16 @@ class LlamaModel(nn.Module):
         return hidden
 
 
+    def forward_train(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [B, S] (each row one packed sequence from position 0) -> final-normed hidden
+        [B, S, H]. Layers are called as modules, so FSDP2 and compile wrappers on them apply."""
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)     # [S]
+        hidden = self.embed_tokens(input_ids)                                     # [B, S, H]
+        for layer in self.layers:
+            hidden, _ = layer(positions, hidden, None)
+        return self.norm._norm(hidden)
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2. Build under `with torch.device(device):` to allocate there."""
 
@@ -129,8 +142,13 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids [T], positions [T] -> hidden [T, H]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Serving: input_ids [T], positions [T] -> hidden [T, H]. Training: input_ids [B, S] (each
+        row a packed sequence from position 0), positions None -> final-normed hidden [B, S, H]
+        through SDPA with no KV cache (llama_train.py); the loss multiplies by `lm_head.weight`
+        itself (tokenforge.train.loss). One entry point, so FSDP2/DDP hooks on this module apply."""
+        if input_ids.dim() == 2:
+            return self.model.forward_train(input_ids)
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

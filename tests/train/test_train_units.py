@@ -1,0 +1,73 @@
+"""Pieces of the trainer: the training path of the model against the serving path, the chunked
+cross-entropy against the plain one, the learning-rate schedule, the sample order, and a smoke
+run of `tokenforge bench train`."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokenforge.model.forward_context import set_forward_context
+from tokenforge.train.data import SampleOrder
+from tokenforge.train.loss import linear_cross_entropy, reference_cross_entropy
+from tokenforge.train.optim import lr_factor
+
+
+def test_training_path_matches_serving_path(bundled_model):
+    ids = torch.randint(0, 4000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        train = bundled_model(ids, None)                                   # [2, 12, H]
+        with set_forward_context(None):
+            serve = torch.stack([bundled_model(row, torch.arange(12)) for row in ids])
+    torch.testing.assert_close(train, serve, atol=2e-5, rtol=1e-5)
+
+
+def test_chunked_cross_entropy_matches_full_logits():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(37, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(50, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    labels[::5] = -100
+    loss = linear_cross_entropy(h, w, labels, chunk_rows=10, compute_dtype=torch.float64)
+    (3 * loss).backward()
+    grads = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    ref = reference_cross_entropy(h, w, labels)
+    (3 * ref).backward()
+    torch.testing.assert_close(loss.double(), ref.double(), rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grads[0], h.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grads[1], w.grad, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert linear_cross_entropy(h, w, labels, 10, torch.float64).item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_schedule_warms_up_linearly_then_decays():
+    f = [lr_factor(s, 4, 12, "linear", 0.1) for s in range(12)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert f[4] == 1.0 and f[-1] == pytest.approx(0.1 + 0.9 * (1 - 7 / 8))
+    assert all(a >= b for a, b in zip(f[3:], f[4:]))
+    c = [lr_factor(s, 0, 10, "cosine", 0.0) for s in range(11)]
+    assert c[0] == 1.0 and c[5] == pytest.approx(0.5) and c[10] == pytest.approx(0.0, abs=1e-12)
+    assert lr_factor(100, 2, 10, "constant", 0.0) == 1.0
+
+
+def test_sample_order_is_a_permutation_per_epoch_and_resumable():
+    order = SampleOrder(7, seed=3)
+    first = order.indices(0, 14)
+    assert sorted(first[:7]) == list(range(7)) and sorted(first[7:]) == list(range(7))
+    assert SampleOrder(7, seed=3).indices(5, 6) == first[5:11]
+
+
+def test_bench_train_smoke(tmp_path):
+    from tokenforge.bench import train as bench_train
+    from tokenforge.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "train", "--model", "tiny-llama", "--strategy", "none",
+                                      "--seq-len", "32", "--micro-batch-size", "2", "--steps", "2",
+                                      "--warmup-steps", "1", "--device", "cpu", "--results-dir", str(tmp_path)])
+    result = bench_train.main(args)
+    figures = result["figures"]
+    assert figures["correct"] and figures["tokens_per_s"] > 0 and figures["grad_accum"] == 4
+    assert math.isfinite(figures["mfu"]) and list(tmp_path.glob("*-W11-none-1gpu.json"))
