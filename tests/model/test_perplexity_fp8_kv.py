@@ -39,8 +39,13 @@ def engines():
     out.clear()
 
 
-def test_float32_perplexity_matches_hf(engines, token_ids, hf_gguf_model):
-    ours = perplexity(engines["auto"], token_ids, WINDOW, STRIDE).perplexity
+@pytest.fixture(scope="module")
+def perplexities(engines, token_ids):
+    return {kv: perplexity(llm, token_ids, WINDOW, STRIDE).perplexity for kv, llm in engines.items()}
+
+
+def test_float32_perplexity_matches_hf(perplexities, token_ids, hf_gguf_model):
+    ours = perplexities["auto"]
     theirs = hf_perplexity(hf_gguf_model, token_ids, sliding_windows(len(token_ids), WINDOW, STRIDE))
     assert abs(ours / theirs - 1) <= 5e-4, (ours, theirs)
 
@@ -72,7 +77,6 @@ def test_fp8_kv_logprobs_close_to_float32(engines, token_ids):
     assert sum(a == b for a, b in zip(ref_top, got_top)) / len(ref_top) >= 0.9
 
 
-def test_fp8_kv_perplexity_within_target(engines, token_ids):
-    base = perplexity(engines["auto"], token_ids, WINDOW, STRIDE).perplexity
-    fp8 = perplexity(engines["fp8"], token_ids, WINDOW, STRIDE).perplexity
+def test_fp8_kv_perplexity_within_target(perplexities):
+    base, fp8 = perplexities["auto"], perplexities["fp8"]
     assert fp8 != base and abs(fp8 / base - 1) <= 0.01, (base, fp8)
