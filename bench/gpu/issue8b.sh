@@ -6,20 +6,27 @@
 #    bf16 KV and with fp8 KV; fp8 weights + fp8 KV too when the engine accepts --quantization fp8.
 # 3. W4 (Poisson 16 req/s, 1024 in / 1024 out, HTTP streaming) with fp8 KV against bf16 KV in the
 #    same run. W4_PROMPTS requests each (default 200, not BENCHMARKING's 300, to fit the time).
-# Writes OUTDIR/issue8b.json (all figures) and prints a table last. No extra wheels needed.
+# STEPS picks parts (default "tests w8 w4"; e.g. STEPS=w4 for the serving runs alone).
+# Writes OUTDIR/issue8b.json (all figures) and prints a table last. The W4 server needs the
+# serving stack (fastapi, uvicorn, httpx and their dependencies) installed on the machine.
 set -euo pipefail
 OUT=${1:?usage: bash bench/gpu/issue8b.sh OUTDIR}
 mkdir -p "$OUT/results"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 W4_PROMPTS=${W4_PROMPTS:-200}
+STEPS=${STEPS:-tests w8 w4}
+has() { [[ " $STEPS " == *" $1 "* ]]; }
 B="python3 -m tokenforge.bench"
 MODEL="--model llama-3.1-8b --load-format dummy --dtype bfloat16"
 nvidia-smi --query-gpu=name,memory.total --format=csv | tee "$OUT/gpu.txt"
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null || true
 
-echo "=== tests $(date +%T)"
-python3 -m pytest -q -m gpu tests/kernels/test_fp8_kv.py tests/executor/test_fp8_kv_engine.py 2>&1 \
-  | tee "$OUT/tests.txt" | tail -15 || true
+touch "$OUT/tests.txt"
+if has tests; then
+  echo "=== tests $(date +%T)"
+  python3 -m pytest -q -m gpu tests/kernels/test_fp8_kv.py tests/executor/test_fp8_kv_engine.py 2>&1 \
+    | tee "$OUT/tests.txt" | tail -15 || true
+fi
 
 w8() {  # $1 = label, rest = extra engine flags
   local label=$1; shift
@@ -27,12 +34,14 @@ w8() {  # $1 = label, rest = extra engine flags
   $B throughput $MODEL --workload W8 --max-model-len 512 --repeats 1 --no-baseline --sweep "" \
     --quick-ceilings --results-dir "$OUT/results" "$@" 2>&1 | tee "$OUT/w8-$label.log" | tail -8 || true
 }
-w8 bf16-kv
-w8 fp8-kv --kv-cache-dtype fp8
-if python3 -c "from tokenforge.cli import _quantization; _quantization('fp8')" 2>/dev/null; then
-  w8 fp8w-fp8-kv --quantization fp8 --kv-cache-dtype fp8
-else
-  echo "=== W8 fp8 weights: skipped (this build refuses --quantization fp8)"
+if has w8; then
+  w8 bf16-kv
+  w8 fp8-kv --kv-cache-dtype fp8
+  if python3 -c "from tokenforge.cli import _quantization; _quantization('fp8')" 2>/dev/null; then
+    w8 fp8w-fp8-kv --quantization fp8 --kv-cache-dtype fp8
+  else
+    echo "=== W8 fp8 weights: skipped (this build refuses --quantization fp8)"
+  fi
 fi
 
 w4() {  # $1 = label, rest = extra serve flags
@@ -41,13 +50,16 @@ w4() {  # $1 = label, rest = extra serve flags
   $B serve --launch "$MODEL --max-model-len 4096 $*" --request-rate 16 --num-prompts "$W4_PROMPTS" \
     --input-len 1024 --output-len 1024 --results-dir "$OUT/results" 2>&1 | tee "$OUT/w4-$label.log" | tail -12 || true
 }
-w4 bf16-kv
-w4 fp8-kv --kv-cache-dtype fp8
+if has w4; then
+  w4 bf16-kv
+  w4 fp8-kv --kv-cache-dtype fp8
+fi
 
 python3 - "$OUT" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
 summary = {"w8": {}, "w4": {}, "tests": open(os.path.join(out, "tests.txt")).read().strip().splitlines()[-1:]}
+summary["commit"] = open(os.path.join(out, "commit.txt")).read().strip() if os.path.exists(os.path.join(out, "commit.txt")) else None
 for path in sorted(glob.glob(os.path.join(out, "results", "*.json"))):
     r = json.load(open(path))
     flags = r.get("flags") or {}
