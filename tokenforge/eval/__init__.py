@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from tokenforge.eval.perplexity import PerplexityResult, perplexity, sliding_windows, text_token_ids
+from tokenforge.eval.perplexity import PerplexityResult, check_window, perplexity, sliding_windows, text_token_ids
 from tokenforge.eval.quality import VARIANTS, format_table, quality_table
 
 __all__ = ["PerplexityResult", "VARIANTS", "add_eval_parser", "perplexity", "quality_table", "sliding_windows"]
@@ -84,8 +84,6 @@ def _emit(record: dict, json_out: str | None) -> None:
 def _run_perplexity(args: argparse.Namespace, engine_kwargs) -> int:
     from tokenforge.engine.llm import LLM  # noqa: PLC0415
 
-    from tokenforge.eval.perplexity import check_window  # noqa: PLC0415
-
     check_window(args.window, args.stride)            # before minutes of model loading
     text = _read_text(args.text_file)
     kwargs = eval_engine_kwargs(args, engine_kwargs)
@@ -118,8 +116,6 @@ def _compare_hf(model: str | None, token_ids: list[int], args: argparse.Namespac
 
 
 def _run_quality(args: argparse.Namespace, engine_kwargs) -> int:
-    from tokenforge.eval.perplexity import check_window  # noqa: PLC0415
-
     check_window(args.window, args.stride)
     text = _read_text(args.text_file)
     base = {k: v for k, v in eval_engine_kwargs(args, engine_kwargs).items() if k not in RECORDED_FLAGS}

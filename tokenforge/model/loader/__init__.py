@@ -117,8 +117,7 @@ def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, d
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, source.kind, config.architecture, seconds)
-    return LoadedModel(net, config, source.path, _checksum_hint(source, seed), seconds,
-                       kv_scales)
+    return LoadedModel(net, config, source.path, _checksum_hint(source, seed), seconds, kv_scales)
 
 
 def _from_gguf(path: Path, load_format: str) -> ModelSource:
