@@ -24,6 +24,8 @@ def test_training_forward_matches_serving_forward_bf16():
 
 
 def test_chunked_cross_entropy_matches_reference_on_cuda():
+    """bf16 inputs; the truth is the float32 computation on the same values. The chunked version
+    accumulates grad_weight in float32, so it is compared at a bf16-scale tolerance."""
     torch.manual_seed(0)
     h = torch.randn(3000, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w = (torch.randn(5000, 256, device="cuda") * 0.05).to(torch.bfloat16).requires_grad_()
@@ -31,13 +33,14 @@ def test_chunked_cross_entropy_matches_reference_on_cuda():
     labels[::7] = -100
     loss = linear_cross_entropy(h, w, labels, chunk_rows=1024, compute_dtype=torch.bfloat16)
     loss.backward()
-    gh, gw = h.grad.float(), w.grad.float()
-    h.grad = w.grad = None
-    ref = reference_cross_entropy(h, w, labels)
+    h32 = h.detach().float().requires_grad_()
+    w32 = w.detach().float().requires_grad_()
+    ref = reference_cross_entropy(h32, w32, labels)
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=2e-3, atol=1e-2)
-    torch.testing.assert_close(gh, h.grad.float(), rtol=5e-2, atol=2e-3)
-    torch.testing.assert_close(gw, w.grad.float(), rtol=5e-2, atol=2e-3)
+    for mine, truth in ((h.grad.float(), h32.grad), (w.grad.float(), w32.grad)):
+        scale = truth.abs().max().item()
+        torch.testing.assert_close(mine, truth, rtol=2e-2, atol=2e-2 * scale)
 
 
 def test_compiled_fsdp_step_lowers_loss():

@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.train.lora import lora_tensors, merge_lora
+from tokenforge.train.tokenize import rust_tokenizer
 
 _MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 
@@ -82,8 +83,7 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ArchConfig, tokenizer: Any, o
         (tmp / "config.json").write_text(json.dumps(hf_config(cfg, dtype), indent=2))
         gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": list(cfg.eos_token_ids)}
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        if getattr(tokenizer, "hf", None) is not None:
-            tokenizer.hf.save_pretrained(str(tmp))
+        save_tokenizer(tokenizer, tmp)
         if has_lora and lora_mode == "adapter":
             _write_adapter(state, cfg, tmp, dtype, lora_meta or {})
         if out_dir.exists():
@@ -93,6 +93,24 @@ def export_hf(state: dict[str, torch.Tensor], cfg: ArchConfig, tokenizer: Any, o
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def save_tokenizer(tokenizer: Any, out: Path) -> None:
+    """tokenizer.json + tokenizer_config.json (+ chat_template.jinja), loadable by transformers'
+    AutoTokenizer. A transformers tokenizer saves itself; the engine's light reader of the
+    bundled GGUF's converted files is written out from its `tokenizers` object."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:          # a synthetic tokenizer (random-init configs): nothing to save
+        return
+    if hasattr(hf, "save_pretrained"):
+        hf.save_pretrained(str(out))
+        return
+    rust_tokenizer(tokenizer).save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", **hf.special_tokens_map,
+              "clean_up_tokenization_spaces": bool(getattr(hf, "_cleanup", False))}
+    if hf.chat_template:
+        (out / "chat_template.jinja").write_text(hf.chat_template)
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
 
 
 def _write_adapter(state: dict[str, torch.Tensor], cfg: ArchConfig, out: Path, dtype: torch.dtype,

@@ -81,15 +81,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def prepare_layers(model: nn.Module, activation_checkpointing: bool, compile_layers: bool) -> None:
-    """Per decoder layer: recompute in backward, and run the training block compiled. One
-    compiled function serves every layer (their parameters are its inputs), so it compiles
-    once; the modules and parameter names are untouched, for checkpoints, export and FSDP2."""
-    from tokenforge.model.models.llama_train import decoder_layer_train  # noqa: PLC0415
-
-    block = torch.compile(decoder_layer_train) if compile_layers else None
+    """Per decoder layer: recompute in backward, and compile the layer in place
+    (`module.compile()`), which keeps parameter names unchanged for checkpoints and export. The
+    layers share code, so dynamo compiles the block once; FSDP2's hooks are skipped by dynamo."""
     for layer in decoder_layers(model):
         layer.activation_checkpointing = activation_checkpointing
-        layer.train_block = block
+        if compile_layers:
+            layer.compile()
 
 
 def wrap_model(model: nn.Module, strategy: str, d: Dist, param_dtype: torch.dtype) -> nn.Module:

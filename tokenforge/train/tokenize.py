@@ -28,15 +28,21 @@ def set_worker_tokenizer(tokenizer: Any) -> None:
     _tokenizer = tokenizer
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """A hash of the vocabulary and special tokens: data made by one tokenizer is refused by a
-    model with another."""
+def rust_tokenizer(tokenizer: Any) -> Any | None:
+    """The `tokenizers` library object under the engine's wrapper: a transformers fast
+    tokenizer's `backend_tokenizer`, or the engine's own light reader of the same files."""
     hf = getattr(tokenizer, "hf", None)
-    if hf is None:
+    return getattr(hf, "backend_tokenizer", None) or getattr(hf, "_tok", None)
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """A hash of the vocabulary (token -> id, added tokens included): data made by one tokenizer
+    is refused by a model with another. The same files give the same hash however loaded."""
+    rust = rust_tokenizer(tokenizer)
+    if rust is None:
         return f"synthetic-{tokenizer.vocab_size}"
-    vocab = sorted(hf.get_vocab().items(), key=lambda kv: kv[1])
-    blob = json.dumps([vocab, hf.special_tokens_map], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+    vocab = sorted(rust.get_vocab(with_added_tokens=True).items(), key=lambda kv: kv[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:24]
 
 
 def tokenize_unit(unit: Unit) -> tuple[str, np.ndarray, np.ndarray, list[int]]:
@@ -74,11 +80,12 @@ def _chat(tok: Any, messages: list[dict]) -> tuple[list[int], list[int]]:
             raise ValueError("the chat template does not render conversations as a prefix of their "
                              "continuations, so assistant turns cannot be masked")
         spans.append((len(before), len(through)))
-    if tok.hf is None:
+    rust = rust_tokenizer(tok)
+    if rust is None:
         ids = tok.encode(text, add_special_tokens=False)
         starts = list(range(len(ids)))       # the synthetic tokenizer is one byte per token
     else:
-        enc = tok.hf(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, starts = enc["input_ids"], [s for s, _ in enc["offset_mapping"]]
+        enc = rust.encode(text, add_special_tokens=False)
+        ids, starts = enc.ids, [s for s, _ in enc.offsets]
     keep = [int(any(a <= s < b for a, b in spans)) for s in starts]
     return list(ids), keep

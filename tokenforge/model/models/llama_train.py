@@ -62,11 +62,8 @@ def decoder_layer_train(layer: nn.Module, positions: torch.Tensor, hidden: torch
 
 
 def run_decoder_layer_train(layer: nn.Module, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """The block, through `layer.train_block` when the trainer set one (a torch.compile of
-    `decoder_layer_train` shared by every layer: module hooks such as FSDP2's stay outside the
-    compiled code), recomputed in the backward pass when `layer.activation_checkpointing` is set
-    (non-reentrant, so it composes with FSDP2 and torch.compile)."""
-    block = getattr(layer, "train_block", None) or decoder_layer_train
+    """The block, recomputed in the backward pass when `layer.activation_checkpointing` is set
+    (non-reentrant, so it composes with FSDP2's hooks and torch.compile)."""
     if getattr(layer, "activation_checkpointing", False) and torch.is_grad_enabled():
-        return checkpoint(block, layer, positions, hidden, use_reentrant=False)
-    return block(layer, positions, hidden)
+        return checkpoint(decoder_layer_train, layer, positions, hidden, use_reentrant=False)
+    return decoder_layer_train(layer, positions, hidden)
