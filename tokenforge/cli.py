@@ -1,4 +1,4 @@
-"""The `tokenforge` command: serve | router | generate | bench | doctor | preprocess | train.
+"""The `tokenforge` command: serve | router | generate | bench | eval | doctor | preprocess | train.
 
 The one module that sees everything. Engine flags are shared by every subcommand that builds an
 engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
@@ -82,6 +82,13 @@ QUANTIZATION_HELP = (
     "fp8-sim: fp8 numerics simulated in float (any device; quality checks). Playbook: 8bit, 4bit")
 
 
+def _kv_cache_dtype(value: str) -> str:
+    aliases = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
+    if value not in aliases:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a KV cache dtype: use auto or fp8 (e4m3, alias fp8_e4m3)")
+    return aliases[value]
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file, HF directory, or a shipped config name "
@@ -120,7 +127,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="zero this fraction of each linear's weights by magnitude (quality only: weights stay dense)")
     g.add_argument("--sparsity", default=None,
                    help="2:4: semi-structured pruning, run as sparse tensors on the GPU (dense on the CPU)")
-    g.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="auto: the model's dtype")
+    g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
+                   help="auto: the model's dtype; fp8 (alias fp8_e4m3): e4m3 with per-layer K/V scales, "
+                        "half the bytes per token (GPUs with FP8: sm89+; the torch backend on the CPU)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn the prefix cache off")
     _add_kv_tier_args(p)
@@ -171,7 +180,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_offload_cpu_gb=args.kv_offload_cpu_gb, kv_offload_disk_dir=args.kv_offload_disk_dir,
         kv_offload_disk_gb=args.kv_offload_disk_gb, kv_remote=args.kv_remote, kv_remote_ttl=args.kv_remote_ttl,
         kv_remote_write_through=args.kv_remote_write_through,
-        model_version=getattr(args, "model_version", None), model_checksum=getattr(args, "model_checksum", None,
+        model_version=getattr(args, "model_version", None), model_checksum=getattr(args, "model_checksum", None),
         quantization_group_size=args.quantization_group_size, quantize_lm_head=args.quantize_lm_head,
         quantization_backend=args.quantization_backend, prune_rate=args.prune_rate, sparsity=args.sparsity)
 
@@ -179,7 +188,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 def _doctor(args: argparse.Namespace) -> int:
     from tokenforge.doctor import run_doctor  # noqa: PLC0415
 
-    print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len))
+    print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len,
+                     args.kv_cache_dtype))
     return 0
 
 
@@ -210,6 +220,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     doc.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     doc.add_argument("--block-size", type=int, default=16)
     doc.add_argument("--max-model-len", type=int, default=None)
+    doc.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto", help="auto or fp8 (e4m3)")
 
     _add_optional_subcommands(sub, argv)
     add_planned_commands(sub)
@@ -225,6 +236,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def _add_optional_subcommands(sub, argv: list[str] | None) -> None:
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
     from tokenforge.router.settings import add_router_parser  # noqa: PLC0415
+    from tokenforge.eval import add_eval_parser  # noqa: PLC0415
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES, HelpFormatter)
     add_router_parser(sub)
@@ -236,6 +248,7 @@ def _add_optional_subcommands(sub, argv: list[str] | None) -> None:
     else:   # their flags import torch: listed here, built only when asked for (`--help` stays fast)
         sub.add_parser("preprocess", help="tokenize and pack text/JSONL/parquet/chat data for training")
         sub.add_parser("train", help="train or fine-tune (full, LoRA; DDP/FSDP under torchrun)")
+    add_eval_parser(sub, add_engine_args, PLAYBOOK_NOTES)
 
 
 def _load_tokenizer(model: str | None, load_format: str = "auto"):

@@ -92,7 +92,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None      # bytes; absolute KV budget
     gpu_memory_utilization: float = 0.9
     memory_profile: str = "server"          # server: profile then fill; client: max_num_seqs x max_model_len
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"            # auto (the model's dtype) | fp8 (e4m3, per-layer scales)
     memory_fragmentation_threshold: float | None = None
     pin_memory: bool = True
     # KV tiers below the device (see executor/tiers): sizes in GB (10**9 bytes), 0 = off.
@@ -117,8 +117,9 @@ class CacheConfig:
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.memory_profile in ("server", "client"),
                f"memory_profile must be server or client, got {self.memory_profile!r}")
-        _check(self.kv_cache_dtype == "auto",
-               f"kv_cache_dtype must be 'auto' (the model's dtype); fp8 KV is not implemented yet, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"),
+               f"kv_cache_dtype must be 'auto' (the model's dtype) or 'fp8' (e4m3, alias fp8_e4m3), "
+               f"got {self.kv_cache_dtype!r}")
         validate_kv_tiers(self)
 
 

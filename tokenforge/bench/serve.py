@@ -277,6 +277,19 @@ def _launched(flags: str | None, url: str, startup_timeout: float = 1800.0):
         proc.wait(120)
 
 
+def launch_flags(flags: str | None) -> dict:
+    """The quality-relevant engine flags of a launched server (recorded in the result)."""
+    names = {"--quantization": "quantization", "--kv-cache-dtype": "kv_cache_dtype", "--sparsity": "sparsity",
+             "--prune-rate": "prune_rate", "--dtype": "dtype"}
+    out: dict = {v: None for v in names.values()}
+    words = shlex.split(flags or "")
+    for i, word in enumerate(words):
+        key, _, value = word.partition("=")
+        if key in names:
+            out[names[key]] = value or (words[i + 1] if i + 1 < len(words) else None)
+    return out
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -297,10 +310,13 @@ def served_model(url: str, api_key: str | None = None) -> str:
 def _bench(args: argparse.Namespace, url: str) -> dict:
     model = getattr(args, "model", None) or served_model(url, getattr(args, "api_key", None))
     measured = asyncio.run(run_load(url, model, Load.from_args(args)))
-    result = {"workload": "W4", "url": url, "served_model": model, **measured}
+    result = {"workload": "W4", "url": url, "served_model": model, "launch": getattr(args, "launch", None),
+              "flags": launch_flags(getattr(args, "launch", None)), **measured}
     if getattr(args, "out", None) or getattr(args, "results_dir", None):
         from tokenforge.bench import report  # noqa: PLC0415
 
-        report.save({**report.new_result("W4", model, "server"), **result}, args)
+        variant = "-".join(f"{k}-{v}" for k, v in flags.items() if v not in (None, "auto"))
+        variant += f"-rate-{_opt(args, 'request_rate'):g}"
+        report.save({**report.new_result("W4", model, "server"), **result, "variant": variant}, args)
     _print(result)
     return result

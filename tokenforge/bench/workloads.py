@@ -18,6 +18,7 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
     "W2": (1000, 256, 256),
     "W3": (500, 2048, 128),
     "W6": (32, 0, 64),         # input lengths are random in [8, 200]
+    "W8": (2000, 128, 128),    # fp8 throughput (fp8 weights + fp8 KV; TRT-LLM publishes 27,911 on an H200)
 }
 DEFAULT_GPU_MODEL = "llama-3.1-8b"
 _ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}

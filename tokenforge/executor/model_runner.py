@@ -18,9 +18,11 @@ from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSequence
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.executor.input_batch import InputBatch, build_inputs
-from tokenforge.executor.kv_cache import allocate_kv_caches
+from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration, kv_scales_for,
+                                          start_calibration)
 from tokenforge.executor.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplingBatch,
                                         compute_prompt_logprobs)
+from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
@@ -58,6 +60,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device.resolved_device())
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self._init_threads()
         self._init_model()
@@ -87,6 +90,8 @@ class ModelRunner:
                             quant=quant, cpu_int8_dynamic=cpu_int8)
         self.model = loaded.model.eval()
         self.arch = loaded.arch_config
+        # fp8 KV: per-layer [4] scale vectors, from the checkpoint or (None) calibrated later
+        self.kv_scales = kv_scales_for(self, loaded.kv_scales) if self.kv_dtype == FP8_DTYPE else None
         self.vocab_size = self.arch.vocab_size
         if cpu_int8:
             logger.info("dynamic int8: %d linear weights quantized", quantize_linears_int8(self.model))
@@ -100,12 +105,25 @@ class ModelRunner:
         self.backend = get_attention_backend(name, self.device)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
+        if self.kv_dtype == FP8_DTYPE and name == "triton" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            raise ValueError(f"kv_cache_dtype='fp8' needs a GPU with FP8 (compute capability 8.9+: Ada, Hopper, "
+                             f"Blackwell); {torch.cuda.get_device_name(self.device)} is sm_{major}{minor}. "
+                             "Use kv_cache_dtype='auto'")
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        if self.kv_dtype == FP8_DTYPE and self.kv_scales is None:
+            # no profiling pass ran (CPU, client profile, a given KV size): calibrate on its own,
+            # over fewer tokens on the CPU, where the pass costs seconds (the 4x headroom covers it)
+            tokens = 1024 if self.device.type == "cuda" else 256
+            with torch.inference_mode():
+                self.forward_dummy(min(tokens, self.config.scheduler.max_num_batched_tokens,
+                                       self.config.scheduler.max_model_len))
         self.kv_caches = allocate_kv_caches(self.backend, self.arch, num_blocks, self.block_size,
-                                            self.dtype, self.device)
-        for layer, cache in zip(self.model.attention_layers(), self.kv_caches):
+                                            self.kv_dtype, self.device)
+        for i, (layer, cache) in enumerate(zip(self.model.attention_layers(), self.kv_caches)):
             layer.kv_cache = cache
+            layer.kv_scales = self.kv_scales[i] if self.kv_scales is not None else None
         if self.device.type == "cuda" and self.backend.name == "triton" and not self.config.device.enforce_eager:
             self.graphs = CudaGraphRunner(self, num_blocks)
             self.graphs.capture()
@@ -203,19 +221,29 @@ class ModelRunner:
             return self.model(inputs.input_ids, inputs.positions)   # [T, hidden]
 
     def forward_dummy(self, num_tokens: int) -> None:
-        """One prefill of `num_tokens` into a scratch KV cache, for memory profiling."""
+        """One prefill of `num_tokens` into a scratch KV cache, for memory profiling. With an fp8
+        cache whose scales are not known yet it is also the calibration pass: random tokens, an
+        unquantized scratch cache, and max|k|, max|v| recorded per layer."""
         num_blocks = -(-num_tokens // self.block_size)
         scratch = allocate_kv_caches(self.backend, self.arch, num_blocks, self.block_size, self.dtype, self.device)
         layers = self.model.attention_layers()
         for layer, cache in zip(layers, scratch):
             layer.kv_cache = cache
         batch = AttentionBatch([num_tokens], [0], [list(range(num_blocks))], self.block_size, self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        calibrate = self.kv_dtype == FP8_DTYPE and self.kv_scales is None
+        if calibrate:
+            start_calibration(layers, self.device)
+            gen = torch.Generator().manual_seed(self.config.model.seed)
+            ids = torch.randint(self.vocab_size, (num_tokens,), generator=gen).to(self.device)
+        else:
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
         with set_forward_context(self.backend.build_metadata(batch)):
             hidden = self.model(ids, pos)
         rows = min(num_tokens, self.config.scheduler.max_num_seqs)
         self.model.compute_logits(hidden[-rows:])
+        if calibrate:
+            self.kv_scales = finish_calibration(layers, self.device)
         for layer in layers:
             layer.kv_cache = None
 

@@ -2,7 +2,8 @@
 
 In: `model` (None = the bundled GGUF, a .gguf file, an HF directory, a config.json, or a shipped
 config name), `load_format` (auto | gguf | safetensors | dummy), dtype, device, seed.
-Out: `LoadedModel(model, arch_config, source_path, checksum_hint)`. The checksum hint is a cheap
+Out: `LoadedModel(model, arch_config, source_path, checksum_hint)`, plus the checkpoint's FP8 KV
+cache scales when it has them (kv_scales.py). The checksum hint is a cheap
 content fingerprint (sizes plus the first and last MiB of each weight file), enough to notice a
 swapped checkpoint without hashing gigabytes at start-up.
 """
@@ -27,6 +28,7 @@ from tokenforge.model.loader.dummy_loader import (
 )
 from tokenforge.model.loader.gguf_file import GGUFFile
 from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, find_bundled_gguf, gguf_weights
+from tokenforge.model.loader.kv_scales import KVScaleCollector
 from tokenforge.model.loader.safetensors_loader import read_hf_config, safetensors_files, safetensors_weights
 from tokenforge.model.models import get_model_class
 from tokenforge.model.quant import QuantOptions, after_loading, before_loading, checkpoint_scheme
@@ -55,6 +57,7 @@ class LoadedModel:
     source_path: Path
     checksum_hint: str
     load_seconds: float = 0.0
+    kv_scales: list[tuple[float, float]] | None = None   # per layer (k_scale, v_scale) from the checkpoint
 
 
 def resolve_model_source(model: str | Path | None, load_format: str = "auto") -> ModelSource:
@@ -108,17 +111,20 @@ def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, d
     with torch.device(device):
         net = get_model_class(config.architecture)(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
     prepared = before_loading(net, checkpoint_scheme(source.path) if source.kind == "safetensors" else None, quant)
+    kv_scales = None
     if source.kind == "dummy":
         initialize_dummy_weights(net, seed)
     elif gguf is not None:
         net.load_weights(gguf_weights(gguf, config))
     else:
-        net.load_weights(safetensors_weights(source.path))
+        collector = KVScaleCollector()
+        net.load_weights(collector.filter(safetensors_weights(source.path)))
+        kv_scales = collector.per_layer(config.num_hidden_layers)
     after_loading(net, prepared, quant, cpu_int8_dynamic)
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s", source.path, source.kind, config.architecture, seconds)
-    return LoadedModel(net, config, source.path, _checksum_hint(source, seed), seconds)
+    return LoadedModel(net, config, source.path, _checksum_hint(source, seed), seconds, kv_scales)
 
 
 def _from_gguf(path: Path, load_format: str) -> ModelSource:
