@@ -69,3 +69,11 @@ def test_async_scheduling_and_batch_limits_default_to_the_device():
     assert _engine_args(["--no-async-scheduling"])["async_scheduling"] is False
     assert _engine_args(["--async-scheduling", "--batch-size", "8"]) == {
         **default, "async_scheduling": True, "max_num_seqs": 8}
+
+
+def test_doctor_fp8_kv_doubles_the_tokens(capsys):
+    assert main(["doctor", "--model", "llama-3.1-8b", "--load-format", "dummy", "--memory", "80GiB",
+                 "--dtype", "bfloat16", "--kv-cache-dtype", "fp8"]) == 0
+    out = capsys.readouterr().out
+    assert "KV per token  64.0 KiB" in out and "in fp8 e4m3 (2.0x the" in out
+    assert _engine_args(["--kv-cache-dtype", "fp8_e4m3"])["kv_cache_dtype"] == "fp8"

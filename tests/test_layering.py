@@ -42,6 +42,7 @@ ALLOWED: dict[str, set[str]] = {
     "logs": set(),                # the one log format of every process
     "doctor": {EVERYTHING},
     "bench": {EVERYTHING},
+    "eval": {"engine", "model", "config", "sampling_params", "messages"},
     ROOT: {EVERYTHING},
 }
 # Third-party packages a layer must never import, at any depth. core imports messages and

@@ -6,16 +6,16 @@ The top-level names are imported lazily, so `tokenforge.core` stays importable w
 from __future__ import annotations
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "Logprob", "__version__"]
 
 
 def __getattr__(name: str):
     if name == "LLM":
         from tokenforge.engine.llm import LLM
         return LLM
-    if name == "SamplingParams":
-        from tokenforge.sampling_params import SamplingParams
-        return SamplingParams
+    if name in ("SamplingParams", "StructuredOutputsParams"):
+        from tokenforge import sampling_params
+        return getattr(sampling_params, name)
     if name in ("RequestOutput", "CompletionOutput", "Logprob"):
         from tokenforge import messages
         return getattr(messages, name)

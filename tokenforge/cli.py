@@ -1,4 +1,4 @@
-"""The `tokenforge` command: serve | generate | bench | doctor | preprocess | train.
+"""The `tokenforge` command: serve | router | generate | bench | eval | doctor | preprocess | train.
 
 The one module that sees everything. Engine flags are shared by every subcommand that builds an
 engine; the playbook's flag spellings are accepted as aliases (see README, "Playbook flags").
@@ -39,7 +39,9 @@ PLAYBOOK_NOTES = """playbook aliases:
   --use-flash-attention         = --attention-backend triton
   --memory-policy pin           pinned host buffers (the default on CUDA)
   --fp16 / --bf16 / --half      = --dtype float16 / bfloat16 / float16
-  --quantization 8bit           = --quantization int8 (dynamic int8 linears, CPU)
+  --quantization 8bit / 4bit    = --quantization int8 / int4
+  --quantization-backend        tokenforge only (bitsandbytes is refused, naming the equivalent mode)
+  --prune-rate P                magnitude pruning of every linear (quality only)
   --num-attention-heads         fixed by the checkpoint: refused with an explanation
 """ + PARALLEL_NOTES
 
@@ -68,10 +70,24 @@ class _KVCacheType(argparse.Action):
 
 
 def _quantization(value: str) -> str:
-    aliases = {"int8": "int8", "8bit": "int8"}
+    modes = {"int8": "int8", "8bit": "int8", "int4": "int4", "4bit": "int4", "fp8": "fp8", "fp8-sim": "fp8-sim"}
+    if value not in modes:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a quantization mode: int8 (alias 8bit), int4 (alias "
+                                         "4bit), fp8, fp8-sim")
+    return modes[value]
+
+
+QUANTIZATION_HELP = (
+    "int8: weight-only per output channel (on the CPU: dynamic int8 linears, fbgemm); "
+    "int4: weight-only, asymmetric groups (--quantization-group-size; on the CPU simulated by dequantizing); "
+    "fp8: W8A8 e4m3 with per-token activation scales (Hopper GPUs); "
+    "fp8-sim: fp8 numerics simulated in float (any device; quality checks). Playbook: 8bit, 4bit")
+
+
+def _kv_cache_dtype(value: str) -> str:
+    aliases = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
     if value not in aliases:
-        raise argparse.ArgumentTypeError(f"{value!r} is not available: int8 (alias 8bit) is implemented; "
-                                         "int4 and fp8 are not yet")
+        raise argparse.ArgumentTypeError(f"{value!r} is not a KV cache dtype: use auto or fp8 (e4m3, alias fp8_e4m3)")
     return aliases[value]
 
 
@@ -110,11 +126,21 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-fragmentation-threshold", type=float, default=None,
                    help="release cached blocks between steps above this allocator fragmentation")
     g.add_argument("--memory-policy", choices=["pin", "pageable"], default="pin", help="host buffers for copies")
-    g.add_argument("--quantization", default=None, type=_quantization,
-                   help="int8: dynamic int8 linears on the CPU (playbook: --quantization 8bit)")
-    g.add_argument("--kv-cache-dtype", choices=["auto"], default="auto", help="auto: the model's dtype")
+    g.add_argument("--quantization", default=None, type=_quantization, help=QUANTIZATION_HELP)
+    g.add_argument("--quantization-group-size", type=int, default=128, help="int4: inputs per scale (default 128)")
+    g.add_argument("--quantize-lm-head", action="store_true", help="quantize the lm_head too (default: model dtype)")
+    g.add_argument("--quantization-backend", default="tokenforge",
+                   help="tokenforge (the default and only backend; bitsandbytes is refused)")
+    g.add_argument("--prune-rate", type=float, default=None,
+                   help="zero this fraction of each linear's weights by magnitude (quality only: weights stay dense)")
+    g.add_argument("--sparsity", default=None,
+                   help="2:4: semi-structured pruning, run as sparse tensors on the GPU (dense on the CPU)")
+    g.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto",
+                   help="auto: the model's dtype; fp8 (alias fp8_e4m3): e4m3 with per-layer K/V scales, "
+                        "half the bytes per token (GPUs with FP8: sm89+; the torch backend on the CPU)")
     g.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
                    help="turn the prefix cache off")
+    _add_kv_tier_args(p)
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on the CPU")
     g.add_argument("--use-flash-attention", "--use_flash_attention", dest="attention_backend",
@@ -135,6 +161,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     add_cache_args(p)
 
 
+def _add_kv_tier_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("KV cache tiers (device -> CPU -> disk -> Redis, keyed by prefix hash)")
+    g.add_argument("--kv-offload-cpu-gb", type=float, default=0.0, metavar="GB",
+                   help="host memory (pinned on CUDA) for KV blocks evicted from the device, LRU (default off)")
+    g.add_argument("--kv-offload-disk-dir", default=None, metavar="DIR", help="local disk tier under the CPU tier")
+    g.add_argument("--kv-offload-disk-gb", type=float, default=0.0, metavar="GB", help="size of the disk tier")
+    g.add_argument("--kv-remote", default=None, metavar="URL",
+                   help="shared tier: redis://host:port[/db], rediss://host:port or redis+cluster://h1:p1,h2:p2")
+    g.add_argument("--kv-remote-ttl", type=int, default=3600, metavar="SECONDS",
+                   help="TTL of every remote key, so maxmemory-policy volatile-lru applies (default %(default)s)")
+    g.add_argument("--kv-remote-write-through", action="store_true",
+                   help="also put a request's prefix blocks to the remote tier when it completes (not only on eviction)")
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     _resolve_hub_id(args)
     if getattr(args, "parallel", None) == "auto" or getattr(args, "sharding_strategy", None) == "auto":
@@ -151,7 +191,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, device=args.device,
         num_threads=args.num_threads, seed=args.seed, max_tokens_default=args.max_tokens_limit,
         profile_dir=args.profile_dir, quantization=args.quantization, revision=args.revision,
-        model_id=getattr(args, "model_id", None), **parallel, **cache_kwargs(args))
+        model_id=getattr(args, "model_id", None),
+        kv_offload_cpu_gb=args.kv_offload_cpu_gb, kv_offload_disk_dir=args.kv_offload_disk_dir,
+        kv_offload_disk_gb=args.kv_offload_disk_gb, kv_remote=args.kv_remote, kv_remote_ttl=args.kv_remote_ttl,
+        kv_remote_write_through=args.kv_remote_write_through,
+        model_version=getattr(args, "model_version", None), model_checksum=getattr(args, "model_checksum", None),
+        quantization_group_size=args.quantization_group_size, quantize_lm_head=args.quantize_lm_head,
+        quantization_backend=args.quantization_backend, prune_rate=args.prune_rate, sparsity=args.sparsity,
+        **parallel, **cache_kwargs(args))
 
 
 def _resolve_hub_id(args: argparse.Namespace) -> None:
@@ -176,7 +223,7 @@ def _doctor(args: argparse.Namespace) -> int:
     from tokenforge.doctor import run_doctor  # noqa: PLC0415
 
     print(run_doctor(args.model, args.load_format, args.memory, args.dtype, args.block_size, args.max_model_len,
-                     args.gpus, args.gpus_per_node))
+                     args.kv_cache_dtype, args.gpus, args.gpus_per_node))
     return 0
 
 
@@ -196,10 +243,12 @@ def _run_torchrun_worker(args: argparse.Namespace) -> int:
 
 
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
-    """The whole parser. `argv` names the bench to load (each bench's flags import its module,
-    and torch with it); without one, `tokenforge --help` imports no torch."""
+    """The parser. Given the command line, it builds only the heavy subparsers that it names
+    (a bench's or train's flags import torch), so `tokenforge --help` imports no torch; without
+    one (argv None) it builds them all."""
+    # `@FILE` reads more arguments from FILE, one per line (the Helm chart's ConfigMap of engine args).
     parser = Parser(prog="tokenforge", description="LLM inference and serving engine",
-                    epilog=PLAYBOOK_NOTES, formatter_class=HelpFormatter)
+                    epilog=PLAYBOOK_NOTES, formatter_class=HelpFormatter, fromfile_prefix_chars="@")
     parser.add_argument("--version", action="version", version=f"tokenforge {__version__}")
     parser.add_argument("--log-level", dest="global_log_level", default=None, type=str.lower,
                         choices=LOG_LEVELS, help="as the subcommand's --log-level")
@@ -223,6 +272,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     doc.add_argument("--gpus", "--num-gpus", dest="gpus", type=int, default=None,
                      help="propose tensor x pipeline parallelism for N GPUs of --memory each")
     doc.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (TP stays within one)")
+    doc.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, default="auto", help="auto or fp8 (e4m3)")
 
     _add_optional_subcommands(sub, argv)
     add_planned_commands(sub)
@@ -238,13 +288,21 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 def _add_optional_subcommands(sub, argv: list[str] | None) -> None:
     from tokenforge.cli_cache import add_cache_parser  # noqa: PLC0415
     from tokenforge.bench import add_bench_args  # noqa: PLC0415
+    from tokenforge.router.settings import add_router_parser  # noqa: PLC0415
+    from tokenforge.eval import add_eval_parser  # noqa: PLC0415
     from tokenforge.server.cli_args import add_serve_parser  # noqa: PLC0415
-    from tokenforge.train.cli_args import add_train_parsers  # noqa: PLC0415
-
     add_serve_parser(sub, add_engine_args, PLAYBOOK_NOTES, HelpFormatter)
     add_cache_parser(sub)
-    add_bench_args(sub, add_engine_args, only=_bench_name(argv))
-    add_train_parsers(sub, _load_tokenizer)
+    add_router_parser(sub)
+    add_bench_args(sub, add_engine_args, only="*" if argv is None else _bench_name(argv))
+    if argv is None or "preprocess" in argv or "train" in argv:
+        from tokenforge.train.cli_args import add_train_parsers  # noqa: PLC0415 - imports torch
+
+        add_train_parsers(sub, _load_tokenizer)
+    else:   # their flags import torch: listed here, built only when asked for (`--help` stays fast)
+        sub.add_parser("preprocess", help="tokenize and pack text/JSONL/parquet/chat data for training")
+        sub.add_parser("train", help="train or fine-tune (full, LoRA; DDP/FSDP under torchrun)")
+    add_eval_parser(sub, add_engine_args, PLAYBOOK_NOTES)
 
 
 def _load_tokenizer(model: str | None, load_format: str = "auto"):
@@ -254,15 +312,16 @@ def _load_tokenizer(model: str | None, load_format: str = "auto"):
     return load_engine_tokenizer(model, load_format)
 
 
-def _bench_name(argv: list[str] | None) -> str | None:
+def _bench_name(argv: list[str]) -> str | None:
     """The NAME of `tokenforge bench NAME ...` in argv, if any."""
-    words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")]
+    words = [a for a in argv if not a.startswith("-")]
     return words[words.index("bench") + 1] if "bench" in words[:-1] else None
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser(argv)
-    refuse_planned_command(parser, sys.argv[1:] if argv is None else argv)
+    refuse_planned_command(parser, argv)
     args = parser.parse_args(argv)
     check_planned_values(parser, args)
     configure_logging(args.global_log_level or getattr(args, "log_level", None) or "info", "tokenforge")

@@ -16,18 +16,6 @@ import sys
 # its feature lands (a row whose flag or value already exists is ignored, so a late delete is
 # harmless). The key is how a user spells it; the value says what it will do.
 PLANNED: dict[str, str] = {
-    "--quantization int4": "int4 weight-only quantization, issue 8",
-    "--quantization fp8": "fp8 W8A8 quantization, issue 8",
-    "--kv-cache-dtype fp8": "an fp8 KV cache, issue 8",
-    "--quantization-backend": "a choice of quantization kernels, issue 8",
-    "--prune-rate": "magnitude pruning, issue 8",
-    "--sparsity": "2:4 structured sparsity, issue 8",
-    "--kv-offload-cpu-gb": "a CPU tier for the KV cache, issue 10",
-    "--kv-offload-disk-dir": "a disk tier for the KV cache, issue 10",
-    "--kv-offload-disk-gb": "a disk tier for the KV cache, issue 10",
-    "--kv-remote": "a Redis tier for the KV cache, shared by replicas, issue 10",
-    "--model-version": "a model version and checksum verified at start-up, issue 11",
-    "router": "a prefix-aware router in front of replicas, issue 11",
 }
 
 

@@ -8,6 +8,7 @@ live in `RuntimeInfo`, never mutated into the config.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from dataclasses import dataclass, field
 
@@ -28,6 +29,10 @@ def parse_size(value: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+QUANTIZATION_MODES = (None, "int8", "int4", "fp8", "fp8-sim")
+QUANTIZATION_ALIASES = {"8bit": "int8", "4bit": "int4"}    # the playbook's spellings
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
@@ -39,18 +44,46 @@ class ModelConfig:
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None    # None = the model's max_position_embeddings
     seed: int = 0
-    model_version: str | None = None    # checked against the loaded model's checksum when given
-    quantization: str | None = None     # None | int8 (dynamic int8 linears; CPU)
+    model_version: str | None = None    # the operator's label for the weights; shown by /v1/models, /metrics
+    model_checksum: str | None = None   # sha256 the weights must hash to (engine/model_identity.py), or refuse
+    quantization: str | None = None     # None | int8 | int4 | fp8 | fp8-sim (aliases 8bit, 4bit)
+    quantization_group_size: int = 128  # int4 inputs per scale / zero point
+    quantize_lm_head: bool = False
+    quantization_backend: str = "tokenforge"
+    prune_rate: float | None = None     # unstructured magnitude pruning per linear (quality only)
+    sparsity: str | None = None         # None | 2:4
     revision: str | None = None         # a Hub model's branch, tag or commit
     model_id: str | None = None         # the Hub id the user gave, when `model` is its local snapshot
 
     def validate(self) -> None:
-        _check(self.quantization in (None, "int8"),
-               f"quantization must be int8 (or unset), got {self.quantization!r}; int4 and fp8 are not implemented yet")
+        self._validate_quantization()
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    def _validate_quantization(self) -> None:
+        _check(self.quantization in QUANTIZATION_MODES,
+               f"quantization must be one of {', '.join(m for m in QUANTIZATION_MODES if m)} (aliases 8bit, 4bit) "
+               f"or unset, got {self.quantization!r}")
+        if self.quantization_backend == "bitsandbytes":
+            equivalent = {"int4": "int4 (bitsandbytes 4-bit)", "int8": "int8 (bitsandbytes LLM.int8)"}
+            raise ValueError("quantization_backend 'bitsandbytes' is not supported: tokenforge quantizes with its own "
+                             "kernels (quantization_backend='tokenforge'); use quantization="
+                             + equivalent.get(self.quantization or "", "int8 (for 8-bit) or int4 (for 4-bit)"))
+        _check(self.quantization_backend == "tokenforge",
+               f"quantization_backend must be tokenforge, got {self.quantization_backend!r}")
+        g = self.quantization_group_size
+        _check(g >= 8 and g % 8 == 0, f"quantization_group_size must be a positive multiple of 8, got {g}")
+        _check(not self.quantize_lm_head or self.quantization in ("int8", "int4", "fp8", "fp8-sim"),
+               "quantize_lm_head needs a quantization mode")
+        _check(self.prune_rate is None or 0.0 <= self.prune_rate < 1.0,
+               f"prune_rate must be in [0, 1), got {self.prune_rate}")
+        _check(self.sparsity in (None, "2:4"),
+               f"sparsity {self.sparsity!r} is not supported: only 2:4 semi-structured sparsity (what sparse "
+               "tensor cores run)")
+        _check(not (self.sparsity and self.quantization),
+               f"sparsity 2:4 cannot be combined with quantization={self.quantization!r}: pick one")
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,9 +94,20 @@ class CacheConfig:
     kv_cache_memory: int | None = None      # bytes; absolute KV budget
     gpu_memory_utilization: float = 0.9
     memory_profile: str = "server"          # server: profile then fill; client: max_num_seqs x max_model_len
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = "auto"            # auto (the model's dtype) | fp8 (e4m3, per-layer scales)
     memory_fragmentation_threshold: float | None = None
     pin_memory: bool = True
+    # KV tiers below the device (see executor/tiers): sizes in GB (10**9 bytes), 0 = off.
+    kv_offload_cpu_gb: float = 0.0
+    kv_offload_disk_dir: str | None = None
+    kv_offload_disk_gb: float = 0.0
+    kv_remote: str | None = None            # redis://h:p[/db], rediss://..., redis+cluster://h1:p1,h2:p2
+    kv_remote_ttl: int = 3600               # seconds; every key gets one, so volatile-lru applies
+    kv_remote_write_through: bool = False   # also put a request's blocks when it completes
+
+    @property
+    def kv_tiers_enabled(self) -> bool:
+        return bool(self.kv_offload_cpu_gb or self.kv_offload_disk_dir or self.kv_remote)
 
     def validate(self) -> None:
         _check(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
@@ -75,8 +119,49 @@ class CacheConfig:
                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _check(self.memory_profile in ("server", "client"),
                f"memory_profile must be server or client, got {self.memory_profile!r}")
-        _check(self.kv_cache_dtype == "auto",
-               f"kv_cache_dtype must be 'auto' (the model's dtype); fp8 KV is not implemented yet, got {self.kv_cache_dtype!r}")
+        _check(self.kv_cache_dtype in ("auto", "fp8", "fp8_e4m3"),
+               f"kv_cache_dtype must be 'auto' (the model's dtype) or 'fp8' (e4m3, alias fp8_e4m3), "
+               f"got {self.kv_cache_dtype!r}")
+        validate_kv_tiers(self)
+
+
+def parse_kv_remote(url: str) -> tuple[str, list[tuple[str, int]], int]:
+    """'redis://h:p/db', 'rediss://h:p' or 'redis+cluster://h1:p1,h2:p2' -> (scheme, nodes, db)."""
+    m = re.fullmatch(r"(redis|rediss|redis\+cluster)://(?:[^@/]*@)?([^/?#]+)(?:/(\d*))?", url or "")
+    if not m:
+        raise ValueError(f"kv_remote {url!r} is not a Redis URL: use redis://host:port[/db], rediss://host:port "
+                         "or redis+cluster://host1:port1,host2:port2")
+    nodes = []
+    for node in m.group(2).split(","):
+        host, sep, port = node.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"kv_remote {url!r}: {node!r} is not host:port")
+        nodes.append((host.strip("[]"), int(port)))
+    if m.group(1) != "redis+cluster" and len(nodes) != 1:
+        raise ValueError(f"kv_remote {url!r}: several nodes need the redis+cluster:// scheme")
+    return m.group(1), nodes, int(m.group(3) or 0)
+
+
+def validate_kv_tiers(c: CacheConfig) -> None:
+    for name in ("kv_offload_cpu_gb", "kv_offload_disk_gb"):
+        _check(getattr(c, name) >= 0, f"{name} must be >= 0, got {getattr(c, name)}")
+    _check(c.kv_remote_ttl >= 1, f"kv_remote_ttl must be >= 1 second, got {c.kv_remote_ttl}")
+    if c.kv_remote is not None:
+        parse_kv_remote(c.kv_remote)
+    _check(not c.kv_remote_write_through or c.kv_remote is not None,
+           "kv_remote_write_through needs a remote tier (kv_remote=redis://...)")
+    _check(not c.kv_tiers_enabled or c.enable_prefix_caching,
+           "the KV offload tiers are keyed by prefix-cache hashes: they need prefix caching on")
+    if c.kv_offload_disk_dir is None:
+        _check(not c.kv_offload_disk_gb, "kv_offload_disk_gb needs kv_offload_disk_dir")
+        return
+    _check(c.kv_offload_disk_gb > 0, "kv_offload_disk_dir needs a size: kv_offload_disk_gb > 0")
+    d = c.kv_offload_disk_dir
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"kv_offload_disk_dir {d!r} cannot be created: {e.strerror}") from None
+    _check(os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK), f"kv_offload_disk_dir {d!r} is not a writable directory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +273,8 @@ class EngineConfig:
                 raise TypeError(f"unknown engine argument {key!r}")
             groups[owners[key]][key] = value
         _fill_device_defaults(groups)
+        quant = groups["model"].get("quantization")
+        groups["model"]["quantization"] = QUANTIZATION_ALIASES.get(quant, quant)
         if "kv_cache_memory" in groups["cache"]:
             groups["cache"]["kv_cache_memory"] = parse_size(groups["cache"]["kv_cache_memory"])
         _resolve_hub_model(groups["model"])

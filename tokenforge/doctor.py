@@ -37,9 +37,10 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def plan(arch: ArchConfig, memory: int, dtype: str, block_size: int, max_model_len: int) -> dict:
+def plan(arch: ArchConfig, memory: int, dtype: str, block_size: int, max_model_len: int,
+         kv_cache_dtype: str = "auto") -> dict:
     weights = arch.weight_bytes(dtype)
-    kv_per_token = arch.kv_bytes_per_token(dtype)
+    kv_per_token = arch.kv_bytes_per_token("fp8" if kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype)
     left = int(memory * (1 - _ACTIVATION_RESERVE)) - weights
     tokens = max(0, left // kv_per_token // block_size * block_size)
     return {"parameters": arch.num_parameters(), "weight_bytes": weights, "kv_bytes_per_token": kv_per_token,
@@ -47,20 +48,25 @@ def plan(arch: ArchConfig, memory: int, dtype: str, block_size: int, max_model_l
 
 
 def run_doctor(model: str | None, load_format: str, memory: str | None, dtype: str, block_size: int,
-               max_model_len: int | None, gpus: int | None = None, gpus_per_node: int = 8) -> str:
+               max_model_len: int | None, kv_cache_dtype: str = "auto", gpus: int | None = None,
+               gpus_per_node: int = 8) -> str:
     arch = read_arch_config(model, load_format)
     if dtype == "auto":
         dtype = "float32" if memory is None and _machine_memory()[1] == "CPU RAM" else "bfloat16"
     budget, where = (parse_size(memory), "given") if memory else _machine_memory()
     length = max_model_len or arch.max_position_embeddings
-    p = plan(arch, budget, dtype, block_size, length)
+    p = plan(arch, budget, dtype, block_size, length, kv_cache_dtype)
+    kv_note = ""
+    if kv_cache_dtype != "auto":
+        same = plan(arch, budget, dtype, block_size, length)["kv_tokens"]
+        kv_note = f" in fp8 e4m3 ({p['kv_tokens'] / max(same, 1):.1f}x the {same:,} tokens of a {dtype} cache)"
     lines = [
         f"model         {model or 'bundled SmolLM2-135M-Instruct'} ({arch.architecture})",
         f"parameters    {p['parameters'] / 1e9:.3f} B  -> weights {_gib(p['weight_bytes'])} in {dtype}",
         f"KV per token  {p['kv_bytes_per_token'] / 1024:.1f} KiB ({arch.num_hidden_layers} layers x "
         f"{arch.num_key_value_heads} KV heads x {arch.head_dim} dims x K,V)",
         f"memory        {_gib(budget)} ({where}); {int(_ACTIVATION_RESERVE * 100)}% kept for activations",
-        f"KV budget     {_gib(p['kv_budget_bytes'])} -> {p['kv_tokens']:,} tokens",
+        f"KV budget     {_gib(p['kv_budget_bytes'])} -> {p['kv_tokens']:,} tokens{kv_note}",
         f"sequences     {p['full_length_sequences']:,} concurrent at the full length {length:,}",
     ]
     if gpus:

@@ -38,6 +38,7 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     ignore_eos: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = None          # a compiled llguidance grammar (its text is its identity)
 
     @property
     def is_greedy(self) -> bool:
@@ -75,6 +76,23 @@ class EngineCoreOutput(msgspec.Struct, frozen=True):
         return self.finish_reason is not None
 
 
+class KVTierStats(msgspec.Struct):
+    """Cumulative counters of the KV tiers (cpu, disk, remote) since the engine started."""
+
+    hits: dict[str, int] = msgspec.field(default_factory=dict)            # blocks, by tier
+    misses: dict[str, int] = msgspec.field(default_factory=dict)
+    bytes_restored: dict[str, int] = msgspec.field(default_factory=dict)
+    puts: dict[str, int] = msgspec.field(default_factory=dict)            # blocks written, by tier
+    dropped_puts: dict[str, int] = msgspec.field(default_factory=dict)    # by reason: backpressure, remote_down
+    errors: dict[str, int] = msgspec.field(default_factory=dict)          # by cause: timeout, checksum, disk_full...
+    restore_bounds: list[float] = msgspec.field(default_factory=list)     # histogram upper bounds (seconds)
+    restore_counts: list[int] = msgspec.field(default_factory=list)       # per bound, not cumulative; last is +Inf
+    restore_sum: float = 0.0                                              # seconds, lookup to blocks in place
+    restore_copy_sum: float = 0.0                                         # of which copying into the device cache
+    restored_tokens: int = 0
+    remote_up: bool | None = None                                         # None: no remote tier
+
+
 class EngineStats(msgspec.Struct):
     """A snapshot the server exports as Prometheus metrics."""
 
@@ -88,6 +106,7 @@ class EngineStats(msgspec.Struct):
     num_kv_blocks: int = 0
     num_free_blocks: int = 0
     allocator_fragmentation: float = 0.0  # device allocator: reserved-but-unallocated / reserved
+    kv_tiers: KVTierStats | None = None   # None when no KV tier is configured
 
 
 # ---- engine core (rank 0) -> workers (ranks 1..N-1), once per step ------------------------------

@@ -9,6 +9,36 @@ _GREEDY_EPS = 1e-5
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """A constraint on the output, shaped like vLLM's `StructuredOutputsParams`: set exactly one.
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex: a regular
+    expression; choice: one of these strings; grammar: an EBNF (GBNF or Lark) grammar.
+    The frontend compiles it with llguidance; a schema it cannot compile raises ValueError.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, "
+                             f"grammar; got {given or 'none'}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+
+    @property
+    def kind(self) -> str:
+        return "json_object" if self.json_object else next(
+            n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None)
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -29,6 +59,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     cache_salt: str | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

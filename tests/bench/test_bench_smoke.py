@@ -77,3 +77,16 @@ def test_cpu_smoke(tmp_path):
              "--output-len", "4", *COMMON)
     assert r["workload"] == "W6" and r["ratio"] > 0
     assert r["bf16"]["tokenforge"]["output_tok_s"] > 0 and "perplexity" in r["bf16"]
+
+
+def test_tiers_smoke(tmp_path):
+    # 14 blocks hold about two 4-block prefixes of 5 groups: the second round must restore.
+    r = _run(tmp_path, "tiers", "--model", TINY, "--num-groups", "5", "--group-size", "2", "--prefix-len", "64",
+             "--input-len", "8", "--output-len", "4", "--block-size", "16", "--num-kv-blocks", "14",
+             "--kv-offload-cpu-gb", "0.01", *COMMON)
+    assert r["workload"] == "W9" and r["speedup"] > 0
+    assert r["tokenforge"]["tier_restored_tokens"] > 0 and r["baseline"]["tier_restored_tokens"] == 0
+    assert r["greedy_match_tier_vs_device"] == 10
+    prompts = workloads.shuffled_group_prompts(4, 3, 8, 2, vocab=50, seed=1)
+    for r0 in range(3):      # every round visits each group once, in its own order
+        assert sorted(p[:8] for p in prompts[r0 * 4:(r0 + 1) * 4]) == sorted(p[:8] for p in prompts[:4])

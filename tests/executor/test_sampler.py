@@ -329,3 +329,21 @@ def test_greedy_fast_path_on_bf16_logits_picks_the_float32_argmax_ties_included(
     out = Sampler()(logits, build([P(temperature=0.0)] * 16, vocab=5000))
     assert out.logprobs is None
     assert out.token_ids.tolist() == logits.float().argmax(dim=-1).tolist() and out.token_ids[3] == 10
+
+
+def test_token_masks_ban_pairs_and_apply_grammar_bitmask():
+    import numpy as np
+
+    from tokenforge.executor.sampler import apply_token_masks
+    from tokenforge.executor.sampling_batch import _build_masks
+
+    logits = torch.zeros(3, 40)
+    logits[:, 5] = 10.0
+    bitmask = np.zeros((1, 2), dtype=np.int32)
+    bitmask[0, 1] = 1 << 3                      # row 2 may only emit token 35
+    masks = _build_masks([(5,), (), ()], [2], bitmask, "cpu")
+    out = apply_token_masks(logits, masks)
+    assert out[0, 5] == float("-inf") and out[0].isfinite().sum() == 39     # banned before min_tokens
+    assert torch.equal(out[1], logits[1])                                    # free row untouched
+    assert out[2].isfinite().nonzero().flatten().tolist() == [35]
+    assert out.argmax(-1).tolist()[1:] == [5, 35]

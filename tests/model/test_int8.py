@@ -42,5 +42,5 @@ def test_bundled_model_perplexity_change_is_small():
 
 
 def test_unknown_quantization_is_refused():
-    with pytest.raises(ValueError, match="int4 and fp8 are not implemented"):
-        LLM(quantization="int4")
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, fp8, fp8-sim"):
+        LLM(quantization="int5")

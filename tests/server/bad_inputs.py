@@ -67,8 +67,29 @@ def cases(max_model_len: int, vocab_size: int) -> list[tuple]:
         ("chat top_logprobs without logprobs", "POST", CHAT, {"messages": USER, "top_logprobs": 3}, 400,
          "top_logprobs"),
         ("chat top_logprobs above 20", "POST", CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21},
-         400, "logprobs"),
+         400, "top_logprobs"),
         ("chat tools", "POST", CHAT, {"messages": USER, "tools": [{"type": "function"}]}, 400, "tools"),
+        ("unsupported schema feature", "POST", CHAT, {"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}}, 400, "response_format"),
+        ("schema with a dangling $ref", "POST", COMPLETIONS, {"prompt": "hi", "guided_json": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, 400, "guided_json"),
+        ("response_format without schema", "POST", CHAT, {"messages": USER, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "x"}}}, 400, "response_format"),
+        ("response_format unknown type", "POST", CHAT, {"messages": USER, "response_format": {"type": "xml"}}, 400,
+         "response_format"),
+        ("grammar that fails to compile", "POST", COMPLETIONS, {"prompt": "hi", "guided_grammar": "root ::= (\"a\""},
+         400, "guided_grammar"),
+        ("regex that fails to compile", "POST", COMPLETIONS, {"prompt": "hi", "structured_outputs": {"regex": "a["}},
+         400, "structured_outputs"),
+        ("two constraints", "POST", COMPLETIONS, {"prompt": "hi", "guided_regex": "a+", "guided_choice": ["a"]}, 400,
+         "guided_choice"),
+        ("tool with an invalid schema", "POST", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "nope"}}}}}]}, 400, "tools"),
+        ("tool_choice names no tool", "POST", CHAT, {"messages": USER, "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object"}}}], "tool_choice": {"type": "function",
+                                                                               "function": {"name": "g"}}}, 400,
+         "tool_choice"),
+        ("tool_choice without tools", "POST", CHAT, {"messages": USER, "tool_choice": "required"}, 400, "tool_choice"),
         ("body too large", "POST", COMPLETIONS, {"prompt": "x" * 70_000}, 413, None),
         ("detokenize out of vocab", "POST", "/detokenize", {"tokens": [vocab_size]}, 400, "tokens"),
         ("tokenize nothing", "POST", "/tokenize", {}, 400, "prompt"),

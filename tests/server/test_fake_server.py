@@ -45,6 +45,35 @@ def test_health_after_bad_inputs(fake):
     assert out.choices[0].text == "def"
 
 
+def test_protect_all_routes():
+    server = fake_server("--protect-all-routes", api_key="sk-all")
+    try:
+        for path in ("/metrics", "/version", "/tokenizer_info", "/openapi.json"):
+            check_error_body(httpx.get(server.url + path), 401, None)
+            assert httpx.get(server.url + path, headers=server.headers).status_code == 200, path
+        check_error_body(httpx.post(server.url + "/tokenize", json={"prompt": "ab"}), 401, None)
+        assert httpx.get(server.url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
+def test_access_log():
+    server = fake_server("--enable-access-log")
+    try:
+        httpx.post(server.url + "/v1/completions", json={"prompt": "abc", "max_tokens": 3}).raise_for_status()
+        body = {"prompt": "abc", "max_tokens": 2, "stream": True}
+        httpx.post(server.url + "/v1/completions", json=body).raise_for_status()
+        httpx.get(server.url + "/v1/models/nope")
+        time.sleep(0.3)
+        log = server.output()
+    finally:
+        server.stop()
+    lines = [line for line in log.splitlines() if "tokenforge.access" in line and "/health" not in line]
+    assert re.search(r"POST /v1/completions 200 tokens_in=3 tokens_out=3 ttft=\d+\.\dms total=", lines[0]), lines
+    assert re.search(r"POST /v1/completions 200 tokens_in=3 tokens_out=2 ttft=", lines[1]), lines
+    assert re.search(r"GET /v1/models/nope 404 tokens_in=0 tokens_out=0 ttft=- total=", lines[2]), lines
+
+
 def test_auth(fake):
     url = fake.url + "/v1/models"
     none = httpx.get(url)
@@ -54,8 +83,12 @@ def test_auth(fake):
     check_error_body(httpx.get(url, headers={"Authorization": "Basic sk-test"}), 401, None)
     assert httpx.get(url, headers=fake.headers).status_code == 200
     assert httpx.get(fake.url + "/health").status_code == 200          # open without a key
-    check_error_body(httpx.get(fake.url + "/metrics"), 401, None)       # everything else is not
-    check_error_body(httpx.get(fake.url + "/openapi.json"), 401, None)
+    check_error_body(httpx.post(fake.url + "/v1/completions", json={"prompt": "a"}), 401, None)
+    # As vLLM: only /v1/* is guarded, so tokenizer alignment (vllm bench serve, lm-eval) works.
+    for path in ("/metrics", "/version", "/tokenizer_info", "/openapi.json"):
+        assert httpx.get(fake.url + path).status_code == 200, path
+    assert httpx.post(fake.url + "/tokenize", json={"prompt": "ab"}).json()["tokens"] == [97, 98]
+    assert httpx.post(fake.url + "/detokenize", json={"tokens": [97]}).json()["prompt"] == "a"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=fake.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
 
@@ -163,7 +196,10 @@ def test_drain_timeout_ends_streams_cleanly():
             server.proc.send_signal(signal.SIGTERM)
             events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][6:])["error"]["code"] == "aborted"
+        last = json.loads(events[-2][6:])
+        assert last["choices"][0]["finish_reason"] == "abort"    # ended explicitly, not cut
+        assert all("error" not in json.loads(e[6:]) for e in events[:-1])
+        assert 0 < len(events) - 1 < 200
         assert server.proc.wait(30) == 0
     finally:
         server.stop()
@@ -265,3 +301,16 @@ def test_docs_work_offline(fake):
         got = httpx.get(f"{fake.url}/docs/assets/{asset}", headers=fake.headers)
         assert got.status_code == 200 and kind in got.headers["content-type"] and len(got.content) > 10_000
     assert httpx.get(fake.url + "/redoc", headers=fake.headers).status_code == 404
+
+
+def test_both_processes_log_in_one_format(fake):
+    """The API process and the engine-core process share logs.LOG_FORMAT, told apart by a tag."""
+    import re
+
+    line_format = re.compile(r"\d\d:\d\d:\d\d\.\d{3} (DEBUG|INFO |WARNING|ERROR) \[(api|engine-core)\] [\w.]+: ")
+    with open(fake.log.name, errors="replace") as f:
+        lines = [line for line in f.read().splitlines() if re.match(r"\d\d:\d\d:\d\d", line)]
+    assert lines and all(line_format.match(line) for line in lines), lines
+    tags = {line_format.match(line).group(2) for line in lines}
+    assert tags == {"api", "engine-core"}, lines
+    assert any("engine core ready in" in line for line in lines)

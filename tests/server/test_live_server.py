@@ -186,12 +186,19 @@ def test_concurrent_streams_with_disconnects(live):
 def test_bench_serve_smoke(live, capsys):
     from tokenforge.bench.serve import main
 
-    args = Namespace(url=live.url, api_key=KEY, model=None, num_prompts=4, request_rate=8.0, input_len=16,
-                     output_len=6, seed=0)
-    result = main(args)
-    assert result["completed"] == 4 and result["failed"] == 0
-    assert result["output_tokens"] == 4 * 6
-    assert result["ttft_ms"]["p50"] > 0 and result["output_tok_per_s"] > 0
+    from tokenforge.bench.serve import Load
+
+    args = Namespace(url=live.url, api_key=KEY, model=None, num_prompts=4, request_rate=8.0, input_len=40,
+                     output_len=6, seed=None)
+    assert Load.from_args(args).seed != Load.from_args(args).seed      # fresh prompts per run
+    args.seed = 12345
+    first, again = main(args), main(args)
+    for result in (first, again):
+        assert result["completed"] == 4 and result["failed"] == 0
+        assert result["output_tokens"] == 4 * 6
+        assert result["ttft_ms"]["p50"] > 0 and result["output_tok_per_s"] > 0
+    assert first["prefix_hit_rate"] == 0.0          # the warm-up used other prompts than the timed run
+    assert again["prefix_hit_rate"] >= 0.5          # the same seed replays: two of 2.5 blocks cached
     assert "TTFT" in capsys.readouterr().out
 
 

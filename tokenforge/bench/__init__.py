@@ -12,9 +12,13 @@ directory; the committed records in bench/results only with an explicit --result
     prefix      W5: shared 2048-token prefixes, prefix cache on against off
     parallel    W7: W1 and W2 at TP/PP layouts back to back, speed-up over the first layout
     coldstart   W10: cold start of `tokenforge serve` from a safetensors checkpoint written once
+    tiers       W9: shared 4096-token prefixes, the CPU KV tier against the device cache alone
     serve       W4: HTTP streaming load (tokenforge.bench.serve)
+    frontend    offline LLM vs the HTTP server back to back (server / offline), then W4 at several rates
+    storm       1,000 concurrent streams through `tokenforge router`, a third disconnecting at random
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
     train       W11: training tokens/s, MFU, peak memory (one process, or DDP / FSDP2 under torchrun)
+    structured  throughput of a batch with half the requests grammar-constrained, against all free
 """
 
 from __future__ import annotations
@@ -32,9 +36,13 @@ BENCHES: dict[str, str] = {
     "prefix": "W5: shared-prefix throughput with the prefix cache on and off",
     "parallel": "W7: W1 and W2 under TP/PP layouts back to back (tp1,tp2,pp2), speed-ups over the first",
     "coldstart": "W10: process start to /health 200 from a real safetensors checkpoint, cold and warm",
+    "tiers": "W9: KV tiers, the CPU tier against the device prefix cache alone",
     "serve": "W4: HTTP streaming serving load (TTFT, TPOT, ITL)",
+    "frontend": "the API server's cost: offline LLM vs HTTP streaming back to back, then W4 rates",
+    "storm": "many concurrent streams through a router, a third disconnecting; checks nothing leaks",
     "kernels": "kernel micro-benchmarks against their torch references",
     "train": "W11: training tokens/s, MFU and peak memory (FSDP2 / DDP under torchrun)",
+    "structured": "throughput cost of grammar-constrained requests (half of a batch against none)",
 }
 
 

@@ -116,6 +116,23 @@ def profile_run(llm, prompts: list[list[int]], args: argparse.Namespace) -> None
     print(table.split("\n\n")[0] if summary else table[:2000], flush=True)
 
 
+# Engine flags that change the numerics or the bytes moved: recorded in every result, and a
+# non-default one names the result file (W8-kv_cache_dtype-fp8.json beside W8.json).
+QUALITY_FLAGS = ("quantization", "quantization_group_size", "kv_cache_dtype", "sparsity", "prune_rate")
+_FLAG_DEFAULTS = {"kv_cache_dtype": "auto"}
+
+
+def quality_flags(kwargs: dict) -> dict:
+    return {k: kwargs.get(k, _FLAG_DEFAULTS.get(k)) for k in QUALITY_FLAGS}
+
+
+def variant_tag(args: argparse.Namespace) -> str:
+    """'' for the default engine, else e.g. 'quantization-fp8-kv_cache_dtype-fp8' (for file names)."""
+    kwargs = engine_kwargs(args)
+    return "-".join(f"{k}-{v}" for k, v in quality_flags(kwargs).items()
+                    if v is not None and v != _FLAG_DEFAULTS.get(k))
+
+
 def build_llm(args: argparse.Namespace, **overrides):
     from tokenforge import LLM  # noqa: PLC0415 - the engine is heavy; import on use
 
@@ -127,7 +144,7 @@ def build_llm(args: argparse.Namespace, **overrides):
     # What the engine resolved (device defaults included), recorded in the result JSON.
     args.resolved_engine = {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
                             "max_model_len": sched.max_model_len, "num_kv_blocks": llm.engine.num_kv_blocks,
-                            "async_scheduling": llm.engine.async_scheduling}
+                            "async_scheduling": llm.engine.async_scheduling, "flags": quality_flags(kwargs)}
     print(f"tokenforge: engine {args.resolved_engine}", flush=True)
     return llm
 
@@ -285,12 +302,24 @@ def rates(num_prompts: int, input_len: float, output_len: int, seconds: float) -
             "seconds": seconds}
 
 
+WEIGHT_FLAGS = ("quantization", "quantization_group_size", "quantize_lm_head", "prune_rate", "sparsity",
+                "kv_cache_dtype")
+
+
+def weight_options(args: argparse.Namespace) -> dict:
+    """The quantization / pruning flags of this run (recorded in every result JSON)."""
+    return {k: getattr(args, k) for k in WEIGHT_FLAGS if hasattr(args, k)}
+
+
 def begin(workload: str, args: argparse.Namespace, bench: str, why: str) -> tuple[dict, dict]:
     """The start every GPU bench shares: a result record, the ceilings measured in this run, and
     the model's config.json (which `why` needs)."""
     from tokenforge.bench import ceilings, report  # noqa: PLC0415 - they import this module
 
     result = report.new_result(workload, args.model, args.dtype)
+    result["weights"] = weight_options(args)
+    result["flags"] = quality_flags(engine_kwargs(args))
+    result["variant"] = variant_tag(args)
     result["ceilings"] = ceilings.measure_ceilings(device(), args.quick_ceilings)
     print(f"ceilings: {ceilings.describe(result['ceilings'])}", flush=True)
     cfg = workloads.load_config_dict(args.model)

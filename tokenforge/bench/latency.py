@@ -18,11 +18,25 @@ def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
                             num_prompts=1, input_len=128, output_len=256, repeats=3)
 
 
+# Bytes per linear weight of each --quantization mode (int4: 4 bits plus a 16-bit scale and zero
+# per group); fp8-sim and the CPU's int8 read float weights.
+def _quant_bytes_per_weight(quantization: str | None, group: int, dtype: str) -> float | None:
+    return {"int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / group}.get(quantization or "")
+
+
 def roofline(shape: workloads.ModelShape, dtype: str, read_bw_tbps: float, input_len: int,
-             output_len: int) -> dict:
-    """The batch-1 decode ceiling: every weight once per token, plus the KV at the mean length."""
+             output_len: int, weights: dict | None = None) -> dict:
+    """The batch-1 decode ceiling: every weight once per token, plus the KV at the mean length.
+    With a quantization mode the linears (and the lm_head with quantize_lm_head) read fewer bytes."""
     context = input_len + output_len / 2
     per_token = shape.decode_bytes_per_token(dtype, context)
+    weights = weights or {}
+    bpw = _quant_bytes_per_weight(weights.get("quantization"), weights.get("quantization_group_size") or 128, dtype)
+    if bpw is not None:
+        b = workloads._DTYPE_BYTES[dtype]
+        quantized = shape.layers * shape.layer_linear_params
+        quantized += shape.vocab * shape.hidden if weights.get("quantize_lm_head") else 0
+        per_token -= quantized * (b - bpw)
     return {"bytes_per_token": per_token, "mean_context_len": context,
             "roofline_tok_s": read_bw_tbps * 1e12 / per_token,
             "roofline_ms_per_token": per_token / (read_bw_tbps * 1e12) * 1e3}
@@ -68,7 +82,7 @@ def main(args: argparse.Namespace) -> dict:
         tf["profile"] = args.profile
     result["tokenforge"] = tf
     result["roofline"] = roofline(shape, args.dtype, result["ceilings"]["read_bw_tbps"],
-                                  args.input_len, args.output_len)
+                                  args.input_len, args.output_len, result.get("weights"))
     result["roofline_frac"] = tf["output_tok_s"] / args.num_prompts / result["roofline"]["roofline_tok_s"]
     if tf["decode_tok_s"]:
         result["roofline_frac_decode"] = tf["decode_tok_s"] / args.num_prompts / result["roofline"]["roofline_tok_s"]

@@ -86,7 +86,8 @@ def command_line() -> str:
 
 def result_filename(result: dict) -> str:
     date = result["date"][:10]
-    return f"{date}-{device_short()}-{result['workload']}.json"
+    variant = f"-{result['variant']}" if result.get("variant") else ""
+    return f"{date}-{device_short()}-{result['workload']}{variant}.json"
 
 
 def save(result: dict, args: argparse.Namespace) -> list[Path]:

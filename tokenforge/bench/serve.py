@@ -9,9 +9,13 @@
 Each request is a streamed /v1/completions call with random token-id prompts, `ignore_eos` and
 max_tokens = output length, so lengths are forced. Inter-arrival gaps are exponential with mean
 1/rate (rate inf: all at once). Per request: TTFT (first content chunk), ITL (gaps between content
-chunks), TPOT ((e2e - TTFT) / (tokens - 1)) and the exact token count from the usage chunk. One
-warm-up request checks the forced length before anything is timed. Prints a table last; with
---out or --results-dir also writes the results JSON.
+chunks), TPOT ((e2e - TTFT) / (tokens - 1)) and the exact token count from the usage chunk.
+
+Every run draws fresh prompts (a new seed unless --seed is given), so a second run against the
+same server does not hit the prefix cache; the hit rate measured from the server's /metrics over
+the timed run is in the JSON. Before timing, one request checks the forced length and bursts of
+1, 2, 4, ... 32 concurrent fresh prompts warm every prefill shape (Triton JIT, graph buckets).
+Prints a table last; with --out or --results-dir also writes the results JSON.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 import httpx
 
 DEFAULTS = {"url": "http://127.0.0.1:8000", "api_key": None, "model": None, "num_prompts": 300,
-            "request_rate": 16.0, "input_len": 1024, "output_len": 1024, "seed": 0, "max_concurrency": None,
+            "request_rate": 16.0, "input_len": 1024, "output_len": 1024, "seed": None, "max_concurrency": None,
             "token_id_range": "100,30000", "out": None, "results_dir": None, "timeout": 3600.0,
             "launch": None}
 
@@ -48,7 +52,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="mean arrivals per second, Poisson (inf: all at once)")
     g.add_argument("--input-len", type=int, default=DEFAULTS["input_len"])
     g.add_argument("--output-len", type=int, default=DEFAULTS["output_len"])
-    g.add_argument("--seed", type=int, default=DEFAULTS["seed"])
+    g.add_argument("--seed", type=int, default=None,
+                   help="prompt seed (default: a fresh one per run, so no prefix-cache hits carry over)")
     g.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
     g.add_argument("--token-id-range", default=DEFAULTS["token_id_range"],
                    help="random prompt ids are drawn from [lo, hi) (avoids special tokens)")
@@ -109,32 +114,106 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], output_
     return result
 
 
-async def _run(args, url: str, model: str, prompts: list[list[int]]) -> tuple[list[RequestResult], float]:
-    rng = random.Random(_opt(args, "seed") + 1)
-    rate = float(_opt(args, "request_rate"))
-    limit = _opt(args, "max_concurrency")
-    gate = asyncio.Semaphore(limit) if limit else None
-    headers = {"Authorization": f"Bearer {args.api_key}"} if getattr(args, "api_key", None) else {}
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits,
-                                 timeout=_opt(args, "timeout")) as client:
-        async def gated(prompt):
-            if gate is None:
-                return await _one(client, model, prompt, _opt(args, "output_len"))
-            async with gate:
-                return await _one(client, model, prompt, _opt(args, "output_len"))
+@dataclass(frozen=True, slots=True)
+class Load:
+    """One timed run's shape: how many requests, how fast, how long, from which seed."""
 
-        warm = await _one(client, model, prompts[0], _opt(args, "output_len"))
-        if not warm.ok or warm.output_tokens != _opt(args, "output_len"):
-            raise RuntimeError(f"warm-up request failed the forced-length check: {warm.error or warm.output_tokens}")
-        tasks = []
-        start = time.perf_counter()
-        for prompt in prompts:
-            tasks.append(asyncio.create_task(gated(prompt)))
-            if not math.isinf(rate):
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+    num_prompts: int
+    rate: float
+    input_len: int
+    output_len: int
+    seed: int
+    id_range: tuple[int, int] = (100, 30000)
+    max_concurrency: int | None = None
+    timeout: float = 3600.0
+    api_key: str | None = None
+
+    @staticmethod
+    def from_args(args: argparse.Namespace, **overrides) -> Load:
+        lo, hi = (int(x) for x in str(_opt(args, "token_id_range")).split(","))
+        seed = _opt(args, "seed")
+        fields = dict(num_prompts=_opt(args, "num_prompts"), rate=float(_opt(args, "request_rate")),
+                      input_len=_opt(args, "input_len"), output_len=_opt(args, "output_len"),
+                      seed=random.SystemRandom().randrange(2**31) if seed is None else seed,
+                      id_range=(lo, hi), max_concurrency=_opt(args, "max_concurrency"),
+                      timeout=_opt(args, "timeout"), api_key=getattr(args, "api_key", None))
+        return Load(**{**fields, **overrides})
+
+
+def _prompts(rng: random.Random, load: Load, count: int) -> list[list[int]]:
+    lo, hi = load.id_range
+    return [[rng.randrange(lo, hi) for _ in range(load.input_len)] for _ in range(count)]
+
+
+async def _warm_up(client: httpx.AsyncClient, model: str, load: Load, rng: random.Random) -> None:
+    """Check the forced length, then compile every prefill shape: bursts of fresh prompts that
+    arrive together, so steps with 1 to 32 prefills (and their chunks) all run once untimed."""
+    check_len = min(load.output_len, 32)
+    warm = await _one(client, model, _prompts(rng, load, 1)[0], check_len)
+    if not warm.ok or warm.output_tokens != check_len:
+        raise RuntimeError(f"warm-up request failed the forced-length check: {warm.error or warm.output_tokens}")
+    for burst in (1, 2, 4, 8, 16, 32):
+        results = await asyncio.gather(*[_one(client, model, p, 2) for p in _prompts(rng, load, burst)])
+        failed = [r.error for r in results if not r.ok]
+        if failed:
+            raise RuntimeError(f"warm-up burst of {burst} failed: {failed[0]}")
+
+
+async def _prefix_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
+    """(prompt tokens looked up, found) from the server's /metrics; None if it has none."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return None
+    totals = {"queries": 0.0, "hits": 0.0}
+    for line in text.splitlines():
+        for key in totals:
+            if line.startswith(f"tokenforge:prefix_cache_{key}_total"):
+                totals[key] += float(line.rsplit(" ", 1)[1])
+    return totals["queries"], totals["hits"]
+
+
+def _hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    if before is None or after is None or after[0] <= before[0]:
+        return None
+    return (after[1] - before[1]) / (after[0] - before[0])
+
+
+async def _timed(client: httpx.AsyncClient, model: str, load: Load,
+                 prompts: list[list[int]], rng: random.Random) -> tuple[list[RequestResult], float]:
+    gate = asyncio.Semaphore(load.max_concurrency) if load.max_concurrency else None
+
+    async def gated(prompt):
+        if gate is None:
+            return await _one(client, model, prompt, load.output_len)
+        async with gate:
+            return await _one(client, model, prompt, load.output_len)
+
+    tasks = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(gated(prompt)))
+        if not math.isinf(load.rate):
+            await asyncio.sleep(rng.expovariate(load.rate))
+    results = await asyncio.gather(*tasks)
+    return results, time.perf_counter() - start
+
+
+async def run_load(url: str, model: str, load: Load, warm_up: bool = True) -> dict:
+    """Warm up, then one timed run of `load` against `url`: the summary, seed and hit rate."""
+    rng = random.Random(load.seed)
+    headers = {"Authorization": f"Bearer {load.api_key}"} if load.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=load.timeout) as client:
+        if warm_up:
+            await _warm_up(client, model, load, rng)
+        prompts = _prompts(rng, load, load.num_prompts)
+        before = await _prefix_counters(client)
+        results, duration = await _timed(client, model, load, prompts, rng)
+        after = await _prefix_counters(client)
+    return {"num_prompts": load.num_prompts, "request_rate": load.rate, "input_len": load.input_len,
+            "output_len": load.output_len, "seed": load.seed, "prefix_hit_rate": _hit_rate(before, after),
+            **summarize(results, duration, load.input_len)}
 
 
 def _percentiles(values: list[float]) -> dict:
@@ -198,6 +277,19 @@ def _launched(flags: str | None, url: str, startup_timeout: float = 1800.0):
         proc.wait(120)
 
 
+def launch_flags(flags: str | None) -> dict:
+    """The quality-relevant engine flags of a launched server (recorded in the result)."""
+    names = {"--quantization": "quantization", "--kv-cache-dtype": "kv_cache_dtype", "--sparsity": "sparsity",
+             "--prune-rate": "prune_rate", "--dtype": "dtype"}
+    out: dict = {v: None for v in names.values()}
+    words = shlex.split(flags or "")
+    for i, word in enumerate(words):
+        key, _, value = word.partition("=")
+        if key in names:
+            out[names[key]] = value or (words[i + 1] if i + 1 < len(words) else None)
+    return out
+
+
 def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
@@ -210,20 +302,21 @@ def main(args: argparse.Namespace) -> dict:
         return _bench(args, url)
 
 
+def served_model(url: str, api_key: str | None = None) -> str:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
+
+
 def _bench(args: argparse.Namespace, url: str) -> dict:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if getattr(args, "api_key", None) else {}
-    model = getattr(args, "model", None) or httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
-    lo, hi = (int(x) for x in str(_opt(args, "token_id_range")).split(","))
-    rng = random.Random(_opt(args, "seed"))
-    input_len = _opt(args, "input_len")
-    prompts = [[rng.randrange(lo, hi) for _ in range(input_len)] for _ in range(_opt(args, "num_prompts"))]
-    results, duration = asyncio.run(_run(args, url, model, prompts))
-    result = {"workload": "W4", "url": url, "served_model": model, "num_prompts": len(prompts),
-              "request_rate": _opt(args, "request_rate"), "input_len": input_len,
-              "output_len": _opt(args, "output_len"), **summarize(results, duration, input_len)}
+    model = getattr(args, "model", None) or served_model(url, getattr(args, "api_key", None))
+    measured = asyncio.run(run_load(url, model, Load.from_args(args)))
+    result = {"workload": "W4", "url": url, "served_model": model, "launch": getattr(args, "launch", None),
+              "flags": launch_flags(getattr(args, "launch", None)), **measured}
     if getattr(args, "out", None) or getattr(args, "results_dir", None):
         from tokenforge.bench import report  # noqa: PLC0415
 
-        report.save({**report.new_result("W4", model, "server"), **result}, args)
+        variant = "-".join(f"{k}-{v}" for k, v in flags.items() if v not in (None, "auto"))
+        variant += f"-rate-{_opt(args, 'request_rate'):g}"
+        report.save({**report.new_result("W4", model, "server"), **result, "variant": variant}, args)
     _print(result)
     return result

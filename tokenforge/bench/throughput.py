@@ -1,4 +1,5 @@
-"""`tokenforge bench throughput`: W2 (1000 x 256 in / 256 out) or W3 (500 x 2048 in / 128 out).
+"""`tokenforge bench throughput`: W2 (1000 x 256 in / 256 out), W3 (500 x 2048 in / 128 out) or W8
+(2000 x 128 in / 128 out, meant for --quantization fp8 --kv-cache-dtype fp8).
 
 In: a model (default the Llama-3.1-8B shape, dummy bf16 weights); all prompts are submitted at
 once. Out: output and total tok/s, MFU (total tok/s x 2 x matmul parameters / the matmul rate
@@ -20,8 +21,9 @@ DEFAULT_SWEEP = "1,8,32,128,256,512"
 def add_args(p: argparse.ArgumentParser, add_engine_args=None) -> None:
     harness.add_common_args(p, add_engine_args, model=workloads.DEFAULT_GPU_MODEL, dtype="bfloat16",
                             num_prompts=None, input_len=None, output_len=None, repeats=2)
-    p.add_argument("--workload", choices=("W2", "W3"), default="W2",
-                   help="W2: 1000 x 256/256 (default); W3: 500 x 2048/128 (prefill-heavy)")
+    p.add_argument("--workload", choices=("W2", "W3", "W8"), default="W2",
+                   help="W2: 1000 x 256/256 (default); W3: 500 x 2048/128 (prefill-heavy); "
+                        "W8: 2000 x 128/128 (fp8 weights + fp8 KV)")
     p.add_argument("--sweep", default=None,
                    help=f"batch sizes for the throughput plot (W2 default {DEFAULT_SWEEP}; '' for none)")
     p.add_argument("--baseline-batch-size", type=int, default=None,

@@ -18,6 +18,7 @@ WORKLOADS: dict[str, tuple[int, int, int]] = {
     "W2": (1000, 256, 256),
     "W3": (500, 2048, 128),
     "W6": (32, 0, 64),         # input lengths are random in [8, 200]
+    "W8": (2000, 128, 128),    # fp8 throughput (fp8 weights + fp8 KV; TRT-LLM publishes 27,911 on an H200)
 }
 DEFAULT_GPU_MODEL = "llama-3.1-8b"
 _ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
@@ -140,3 +141,17 @@ def shared_prefix_prompts(groups: int, group_size: int, prefix_len: int, suffix_
     prefixes = random_prompts(groups, prefix_len, vocab, seed)
     suffixes = random_prompts(groups * group_size, suffix_len, vocab, seed + 1)
     return [prefixes[g] + suffixes[i * groups + g] for i in range(group_size) for g in range(groups)]
+
+
+def shuffled_group_prompts(groups: int, group_size: int, prefix_len: int, suffix_len: int,
+                           vocab: int, seed: int = 0) -> list[list[int]]:
+    """W9: as W5, but every round of `groups` requests visits the groups in a new random order, so
+    a prefix returns after an unpredictable amount of unrelated work."""
+    rng = random.Random(seed + 2)
+    prompts = shared_prefix_prompts(groups, group_size, prefix_len, suffix_len, vocab, seed)
+    out: list[list[int]] = []
+    for r in range(group_size):
+        order = list(range(groups))
+        rng.shuffle(order)
+        out.extend(prompts[r * groups + g] for g in order)
+    return out

@@ -9,7 +9,7 @@ remember their token ids, so a hash collision can never hand out a block whose t
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tokenforge.core.hashing import BlockHash
@@ -38,6 +38,9 @@ class BlockPool:
         # pop-front, append, and removal from the middle (a prefix hit on a free block).
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}    # hash -> block id; exactly one block per hash
+        # Called with (block id, hash) when a cached block is handed out again, before its KV is
+        # overwritten: the KV tiers copy it out. None (the default) costs nothing.
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -84,6 +87,8 @@ class BlockPool:
             block = self.blocks[block_id]
             assert block.ref_cnt == 0
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block_id, block.block_hash)
                 self._evict(block)
             block.ref_cnt = 1
             out.append(block_id)

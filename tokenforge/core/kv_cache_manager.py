@@ -123,6 +123,24 @@ class KVCacheManager:
         if blocks:
             self.pool.free_blocks(reversed(blocks))
 
+    def truncate(self, request: Request, num_blocks: int) -> None:
+        """Free the request's blocks past the first `num_blocks` (unregistered ones: nothing in
+        them is computed), so a request does not hold blocks it will not fill soon."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks or len(blocks) <= num_blocks:
+            return
+        assert self._num_registered[request.request_id] <= num_blocks
+        tail = blocks[num_blocks:]
+        del blocks[num_blocks:]
+        self._num_slots_used[request.request_id] = min(self._num_slots_used[request.request_id],
+                                                       num_blocks * self.block_size)
+        self.pool.free_blocks(reversed(tail))
+
+    def registered_blocks(self, request: Request) -> list[tuple[int, hashing.BlockHash]]:
+        """(block id, hash) of the request's leading blocks whose KV is computed and hashed."""
+        n = self._num_registered.get(request.request_id, 0)
+        return list(zip(self._blocks.get(request.request_id, [])[:n], request.block_hashes[:n]))
+
     def block_table(self, request: Request) -> list[int]:
         """The request's block ids, by reference (the runner must not mutate it)."""
         return self._blocks.get(request.request_id, [])

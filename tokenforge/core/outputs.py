@@ -29,6 +29,7 @@ class ScheduledSequence:
     prompt_token_ids: list[int]     # references, not copies: penalties read them
     output_token_ids: list[int]
     want_prompt_logprobs: bool = False   # this chunk lies in the prompt and the request asked for them
+    banned_token_ids: tuple[int, ...] = ()   # -inf at this sample: EOS and stop ids before min_tokens
 
     @property
     def num_tokens(self) -> int:
@@ -36,10 +37,41 @@ class ScheduledSequence:
 
 
 @dataclass(slots=True)
+class BlockSave:
+    """Copy a device block out to the KV tiers before this step's forward may overwrite it."""
+
+    block_id: int
+    block_hash: bytes
+    remote_only: bool = False       # True: a completed request's block (write-through), not an eviction
+
+
+@dataclass(slots=True)
+class TierLoad:
+    """Look `block_hashes` up in the tiers, in order, and restore each hit into `block_ids`."""
+
+    request_id: str
+    block_hashes: list[bytes]
+    block_ids: list[int]            # device blocks the request alone holds, one per hash
+
+
+@dataclass(slots=True)
+class TierLoadResult:
+    request_id: str
+    found: list[bool]               # per hash: restored into its device block (a prefix of them counts)
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)   # decodes first, then prefills
     finished_request_ids: list[str] = field(default_factory=list)      # finished/aborted since last step
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Grammar-constrained sampling rows (indices among the sequences that sample, in order) and
+    # their allowed-token bitmask: a numpy int32 [len(rows), ceil(V / 32)], bit t of word w
+    # allows token 32 * w + t. Filled by the engine (not core/, which knows no grammar engine).
+    grammar_rows: list[int] = field(default_factory=list)
+    grammar_bitmask: object | None = None
+    kv_saves: list[BlockSave] = field(default_factory=list)            # KV tiers only: before the forward
+    kv_loads: list[TierLoad] = field(default_factory=list)             # KV tiers only: asynchronous
 
     @property
     def total_num_tokens(self) -> int:

@@ -57,6 +57,8 @@ class Request:
     num_cached_tokens: int = 0                          # prefix-cache hit at the first schedule
     num_prompt_logprobs_emitted: int = 1                # prompt positions covered (0 never has any)
     num_preemptions: int = 0
+    tier_looked_up: bool = False                        # KV tiers asked since it last held no blocks
+    num_tier_hit_tokens: int = 0                        # of num_computed_tokens, restored from a tier
     stop_token_id: int | None = None                    # the stop_token_ids member that ended it
 
     # Wall-clock times (time.time()) for metrics; None until the event happens.

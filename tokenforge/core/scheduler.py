@@ -14,8 +14,12 @@ Async scheduling: `schedule()` may run again before the previous step's output h
 scheduled, and a sequence that samples leaves a placeholder: the next step computes that
 placeholder token (PLACEHOLDER_TOKEN_ID in `token_ids`; the runner takes its id from the device),
 and `update_from_output` replaces the placeholder with the real token. Requests whose sampling
-reads their own output history (penalties) or that want prompt logprobs need each step's output
-before the next is scheduled: while any is unfinished, `can_schedule_ahead()` is False.
+reads their own output history (penalties), that want prompt logprobs, or whose output follows a
+grammar (its next mask depends on the token just sampled) need each step's output before the
+next is scheduled: while any is unfinished, `can_schedule_ahead()` is False.
+
+min_tokens: until a request has that many output tokens, its sequence carries the EOS ids
+(unless ignore_eos) and its stop_token_ids as `banned_token_ids`, which the sampler sets to -inf.
 """
 
 from __future__ import annotations
@@ -26,8 +30,9 @@ from collections.abc import Iterable
 
 from tokenforge.config import CacheConfig, SchedulerConfig
 from tokenforge.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenforge.core.kv_tiers import KVTierPolicy
 from tokenforge.core.outputs import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledSequence,
-                                     SchedulerOutput)
+                                     SchedulerOutput, TierLoadResult)
 from tokenforge.core.request import Request, RequestStatus
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, PositionLogprobs
 
@@ -49,6 +54,11 @@ class Scheduler:
         self._finished_ids: list[str] = []         # finished or aborted since the last schedule()
         self._num_needs_sync = 0                   # unfinished requests with `needs_sync`
         self.num_preemptions = 0
+        # CPU/disk/Redis tiers below the device cache; None (no per-step work) when none is set.
+        self.tiers: KVTierPolicy | None = None
+        if cache_config.kv_tiers_enabled:
+            self.tiers = KVTierPolicy(self.kv, cache_config.kv_remote_write_through)
+            self.kv.pool.on_evict = self.tiers.on_evict
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -70,7 +80,8 @@ class Scheduler:
         request = Request.from_engine_core_request(req)
         p = request.params
         request.needs_sync = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
-                              or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+                              or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+                              or p.grammar is not None)
         self._num_needs_sync += request.needs_sync
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -86,7 +97,8 @@ class Scheduler:
             was_running |= req.status == RequestStatus.RUNNING
             was_waiting |= req.status != RequestStatus.RUNNING
             req.status, req.finished_time = RequestStatus.FINISHED_ABORTED, now
-            self.kv.free(req)
+            if self.tiers is None or rid not in self.tiers.loading:   # else freed once loaded
+                self.kv.free(req)
             self._num_needs_sync -= req.needs_sync
             self._finished_ids.append(rid)
         # One filtering pass each, so aborting k of n requests costs O(n), not O(k * n).
@@ -96,7 +108,22 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running or self.waiting)
+        # Tier loads in flight and saves not yet handed out (a completed request's write-through)
+        # keep the engine stepping until they are done.
+        return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.has_work()))
+
+    def has_unfinished_requests_besides_tiers(self) -> bool:
+        return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.loading))
+
+    def num_loading(self) -> int:
+        return len(self.tiers.loading) if self.tiers is not None else 0
+
+    def finish_tier_loads(self, results: list[TierLoadResult]) -> None:
+        """Loads the executor finished: those requests go back to the head of the queue."""
+        for result in reversed(results):
+            req = self.tiers.finish_load(result)
+            if req is not None:
+                self.waiting.appendleft(req)
 
     def can_schedule_ahead(self) -> bool:
         """Whether the next step may be scheduled before this one's output is known."""
@@ -106,7 +133,7 @@ class Scheduler:
         return len(self.running)
 
     def get_num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + self.num_loading()
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()
@@ -114,7 +141,7 @@ class Scheduler:
     def get_stats(self) -> EngineStats:
         pool = self.kv.pool
         return EngineStats(
-            num_running=len(self.running), num_waiting=len(self.waiting),
+            num_running=len(self.running), num_waiting=self.get_num_waiting(),
             kv_usage=pool.usage, kv_fragmentation=self.kv.fragmentation,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
@@ -134,6 +161,8 @@ class Scheduler:
             self._schedule_waiting(budget, decodes, prefills)
         decodes.extend(prefills)
         out.sequences = decodes
+        if self.tiers is not None:
+            out.kv_saves, out.kv_loads = self.tiers.take_step_ops()
         return out
 
     def _schedule_running(self, budget: int, decodes: list[ScheduledSequence],
@@ -173,7 +202,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        req.num_computed_tokens = 0
+        req.num_computed_tokens = req.num_tier_hit_tokens = 0
+        req.tier_looked_up = False
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -186,12 +216,25 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_output_placeholders:
                 break                          # preempted with a token in flight: next step
-            hit_blocks, num_hit = self.kv.get_computed_blocks(req)
+            if self.tiers is not None and self.tiers.should_look_up(req):
+                started = self.tiers.start_load(req, reserve=len(self.running))
+                if started is None:
+                    break
+                if started:
+                    self.waiting.popleft()     # waits for its load while others run
+                    continue
+            holds_blocks = self.tiers is not None and bool(self.kv.block_table(req))   # back from a load
+            if holds_blocks:
+                hit_blocks, num_hit = [], req.num_computed_tokens
+            else:
+                hit_blocks, num_hit = self.kv.get_computed_blocks(req)
             n = min(req.num_tokens - num_hit, budget)
             if self.kv.allocate_slots(req, n, hit_blocks) is None:
+                if holds_blocks:
+                    self._release_restored(req)
                 break                          # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            self.kv.record_prefix_lookup(req, num_hit)
+            self.kv.record_prefix_lookup(req, num_hit - req.num_tier_hit_tokens)
             req.num_computed_tokens = num_hit
             req.status = RequestStatus.RUNNING
             if req.first_scheduled_time is None:
@@ -200,6 +243,12 @@ class Scheduler:
             self.running.append(req)
             self._add_sequence(req, n, decodes, prefills)
             budget -= n
+
+    def _release_restored(self, req: Request) -> None:
+        """A waiting request must not hold blocks the running ones need (nothing could preempt it):
+        its restored blocks stay in the prefix cache, where its next lookup may find them."""
+        self.kv.free(req)
+        req.num_computed_tokens = req.num_tier_hit_tokens = 0
 
     def _add_sequence(self, req: Request, n: int, decodes: list[ScheduledSequence],
                       prefills: list[ScheduledSequence]) -> None:
@@ -215,7 +264,8 @@ class Scheduler:
             sample=sample, params=req.params,
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             want_prompt_logprobs=(req.params.prompt_logprobs is not None
-                                  and self._wants_prompt_logprobs(req, start)))
+                                  and self._wants_prompt_logprobs(req, start)),
+            banned_token_ids=self._banned_tokens(req) if sample else ())
         req.num_computed_tokens = end
         req.num_output_placeholders += sample
         # Register the blocks this step fills now, not at its update: a request scheduled next
@@ -223,6 +273,14 @@ class Scheduler:
         # its steps in order, so their KV is written before it is read.
         self.kv.cache_blocks(req)
         (decodes if n == 1 else prefills).append(seq)
+
+    @staticmethod
+    def _banned_tokens(req: Request) -> tuple[int, ...]:
+        """EOS (unless ignore_eos) and stop ids while this sample is before min_tokens."""
+        p = req.params
+        if p.min_tokens <= req.num_output_tokens + req.num_output_placeholders:
+            return ()
+        return (*(() if p.ignore_eos else req.eos_token_ids), *p.stop_token_ids)
 
     @staticmethod
     def _wants_prompt_logprobs(req: Request, start: int) -> bool:
@@ -296,6 +354,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         req.status, req.finished_time = status, now
+        if self.tiers is not None:
+            self.tiers.on_finish(self.kv.registered_blocks(req))
         self.kv.free(req)
         self._num_needs_sync -= req.needs_sync
         del self.requests[req.request_id]

@@ -30,13 +30,17 @@ from tokenforge.engine.core_process import (
     StepOutputs,
 )
 from tokenforge.engine.output_processor import OutputProcessor
+from tokenforge.engine.model_identity import ModelChecksumError, ModelIdentity, verify_model
 from tokenforge.engine.processor import Processor
+from tokenforge.engine.structured_output import compile_grammar
+from tokenforge.engine.request_stream import RequestStream
 from tokenforge.messages import EngineStats, RequestOutput
 from tokenforge.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestAbortedError", "RequestStream"]
+__all__ = ["AsyncEngine", "EngineDeadError", "ModelChecksumError", "ModelIdentity", "RequestAbortedError",
+           "RequestStream"]
 
 
 class RequestAbortedError(RuntimeError):
@@ -64,43 +68,6 @@ def _in_daemon_thread(fn, *args) -> concurrent.futures.Future:
     return future
 
 
-class RequestStream:
-    """One request's delta outputs, in order. Iterate it; leaving its `with` block (or calling
-    `abort()`) before it finished aborts the request in the engine core."""
-
-    def __init__(self, engine: AsyncEngine, request_id: str, arrival_time: float, child_ids: list[str]) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self.arrival_time = arrival_time
-        self.child_ids = child_ids
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.first_step_start: float | None = None
-        self.finished = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            raise item
-        self.finished = item.finished
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self.engine.abort(self.request_id)
-
-    def __enter__(self) -> RequestStream:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.abort()
-
-
 class AsyncEngine:
     def __init__(self, config: EngineConfig, runtime: RuntimeInfo, tokenizer, client: EngineCoreClient) -> None:
         self.config = config
@@ -117,6 +84,7 @@ class AsyncEngine:
         self._death_callbacks: list[Callable[[str], None]] = []
         self._output_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
+        self.identity = ModelIdentity(config.model.model_version, "")    # start() verifies the weights
 
     @classmethod
     async def start(cls, config: EngineConfig, *, core_path: str = DEFAULT_CORE, tokenizer=None,
@@ -125,7 +93,11 @@ class AsyncEngine:
         client = EngineCoreClient(config, core_path=core_path)
         client.spawn()
         try:
+            # While the core loads the model: the tokenizer, and the weights' checksum (a pinned
+            # one that does not match raises ModelChecksumError before the model is waited for).
+            checking = _in_daemon_thread(verify_model, config)
             pending = None if tokenizer is not None else _in_daemon_thread(_load_tokenizer, config)
+            identity = await asyncio.wrap_future(checking)
             ready = await client.wait_ready(ready_timeout, also=pending)
             if pending is not None:
                 tokenizer = await asyncio.wrap_future(pending)
@@ -135,6 +107,7 @@ class AsyncEngine:
         runtime = RuntimeInfo(num_kv_blocks=ready.num_kv_blocks, vocab_size=ready.vocab_size,
                               eos_token_ids=tuple(tokenizer.eos_token_ids), max_model_len=ready.max_model_len)
         engine = cls(config.with_max_model_len(ready.max_model_len), runtime, tokenizer, client)
+        engine.identity = identity
         engine._begin()
         return engine
 
@@ -159,6 +132,12 @@ class AsyncEngine:
 
     def on_death(self, callback: Callable[[str], None]) -> None:
         self._death_callbacks.append(callback)
+
+    async def prepare(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (if any) in a worker thread, so that add_request finds it
+        cached and neither this event loop nor the engine loop compiles. ValueError if invalid."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(compile_grammar, params.structured_outputs)
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
                     cache_salt: str | None = None) -> RequestStream:
@@ -198,14 +177,19 @@ class AsyncEngine:
             self.client.abort_requests(child_ids)
 
     def abort_all(self, reason: str) -> int:
-        """Abort every in-flight request; each one's stream raises RequestAbortedError(reason).
-        Returns how many were aborted (the server calls this when its drain time is up)."""
+        """End every in-flight request now: each stream gets a last output whose unfinished
+        completions carry finish_reason "abort" (then the stream ends), and the core frees their
+        KV blocks. Returns how many requests were cut (the server calls this when its drain
+        time is up)."""
         request_ids = list(self._streams)
         for request_id in request_ids:
-            stream = self._streams[request_id]
-            self.abort(request_id)
-            stream.finished = False          # let the consumer read the error below
-            stream.queue.put_nowait(RequestAbortedError(reason))
+            stream = self._forget(request_id)
+            final, child_ids = self.output_processor.finish_aborted(request_id)
+            if child_ids and self.dead_reason is None:
+                self.client.abort_requests(child_ids)
+            stream.put(final if final is not None else RequestAbortedError(reason))
+        if request_ids:
+            logger.warning("aborted %d in-flight request(s): %s", len(request_ids), reason)
         return len(request_ids)
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
@@ -252,7 +236,7 @@ class AsyncEngine:
         elif isinstance(message, Rejected):
             parent = self._child_to_parent.get(message.request_id)
             if parent is not None:
-                self._streams[parent].queue.put_nowait(ValueError(message.message))
+                self._streams[parent].put(ValueError(message.message))
         elif isinstance(message, Fatal):
             self._mark_dead(message.message)
 
@@ -271,7 +255,7 @@ class AsyncEngine:
             # Approximate queue time: until the step that produced the first token began.
             output.metrics["queue_time"] = max(0.0, (stream.first_step_start or stream.arrival_time)
                                                - stream.arrival_time)
-            stream.queue.put_nowait(output)
+            stream.put(output)
             if output.finished:
                 self._forget(output.request_id)
 
@@ -289,7 +273,7 @@ class AsyncEngine:
         logger.error("engine is dead: %s", reason)
         self.dead_reason = reason
         for stream in self._streams.values():
-            stream.queue.put_nowait(EngineDeadError(reason))
+            stream.put(EngineDeadError(reason))
         for waiter in self._stats_waiters:
             if not waiter.done():
                 waiter.set_result(self._stats)

@@ -14,6 +14,8 @@ import time
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
+from tokenforge.engine.structured_output import GrammarMatchers
+from tokenforge.engine.tokenization import load_engine_tokenizer
 from tokenforge.executor.factory import create_executor
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
@@ -53,7 +55,7 @@ def _seconds_since_process_start() -> float:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         t0 = time.perf_counter()
         self.executor = create_executor(config)
         t1 = time.perf_counter()
@@ -64,10 +66,15 @@ class EngineCore:
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)
+        if self.scheduler.tiers is not None:
+            self.executor.init_kv_tiers(self.config)
         mode = self.config.scheduler.async_scheduling
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
         self.async_scheduling = mode if mode is not None else self.executor.is_async_device
         self._in_flight: tuple[SchedulerOutput, object] | None = None
+        model, load_format = self.config.model.model, self.config.load.load_format
+        self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
+                                        self.vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -78,11 +85,18 @@ class EngineCore:
         return self.executor.vocab_size
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(request)
+        if request.params.grammar is not None:
+            self.grammars.add(request.request_id, request.params.grammar)
+        try:
+            self.scheduler.add_request(request)
+        except ValueError:
+            self.grammars.remove([request.request_id])
+            raise
 
     def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
             self.scheduler.abort_requests(request_ids)
+            self.grammars.remove(request_ids)
 
     def step(self) -> list[EngineCoreOutput]:
         """Run the engine one step; returns the outputs of the step that completed.
@@ -104,7 +118,18 @@ class EngineCore:
     def drain(self) -> list[EngineCoreOutput]:
         """Wait for the step still in flight (async scheduling) and return its outputs."""
         done, self._in_flight = self._in_flight, None
-        return self.finish_step(done) if done is not None else []
+        outputs = self.finish_step(done) if done is not None else []
+        self._flush_kv_saves()
+        return outputs
+
+    def _flush_kv_saves(self) -> None:
+        """Hand out the saves the last step's finished requests left (write-through), so an idle
+        engine does not sit on them until its next step."""
+        tiers = self.scheduler.tiers
+        if tiers is not None and not self.scheduler.has_unfinished_requests_besides_tiers():
+            saves, loads = tiers.take_step_ops()
+            if saves or loads:
+                self.executor.submit_kv_transfers(SchedulerOutput(kv_saves=saves, kv_loads=loads))
 
     def _launch_if_any(self) -> tuple[SchedulerOutput, object] | None:
         launched = self.launch_step()
@@ -113,9 +138,18 @@ class EngineCore:
     def launch_step(self) -> tuple[SchedulerOutput, object]:
         """Schedule and queue one step on the device. The caller may do host work (such as
         detokenizing the previous step's outputs) before `finish_step`, overlapping the GPU."""
+        tiers = self.scheduler.tiers
+        if tiers is not None and tiers.loading:
+            self.scheduler.finish_tier_loads(self.executor.poll_kv_loads())
         scheduler_output = self.scheduler.schedule()
+        if tiers is not None:
+            self.executor.submit_kv_transfers(scheduler_output)
+            if scheduler_output.is_empty and tiers.loading:
+                self.executor.wait_kv_loads(0.005)    # nothing to run but loads: do not spin
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             return scheduler_output, None
+        # Constrained requests never run ahead (needs_sync), so every matcher is up to date here.
+        self.grammars.fill(scheduler_output)
         return scheduler_output, self.executor.launch(scheduler_output)
 
     def finish_step(self, launched: tuple[SchedulerOutput, object]) -> list[EngineCoreOutput]:
@@ -125,7 +159,10 @@ class EngineCore:
         runner_output = self.executor.collect(handle)
         if scheduler_output.is_empty:
             return []
-        return self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if len(self.grammars):
+            self.grammars.accept(outputs)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()
@@ -133,7 +170,14 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.get_stats()
         stats.allocator_fragmentation = self.executor.allocator_fragmentation()
+        stats.kv_tiers = self.executor.kv_tier_stats()
         return stats
+
+    def set_kv_tiers_enabled(self, enabled: bool) -> None:
+        """Turn the tiers' lookups and saves on or off (benchmarks compare the device cache alone)."""
+        if self.scheduler.tiers is None:
+            raise ValueError("no KV tier is configured")
+        self.scheduler.tiers.enabled = enabled
 
     def start_profile(self) -> None:
         self.executor.start_profile()

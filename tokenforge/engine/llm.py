@@ -40,9 +40,10 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, seed=seed, load_format=load_format, **kwargs)
         start = time.perf_counter()
-        self.engine = EngineCore(self.config)
         self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
-        logger.info("ready in %.2f s", time.perf_counter() - start)
+        loaded = time.perf_counter()
+        self.engine = EngineCore(self.config, self.tokenizer)
+        logger.info("tokenizer loaded in %.2f s; ready in %.2f s", loaded - start, time.perf_counter() - start)
         self.runtime = RuntimeInfo(
             num_kv_blocks=self.engine.num_kv_blocks, vocab_size=self.engine.vocab_size,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids), max_model_len=self.engine.max_model_len)

@@ -85,6 +85,23 @@ class OutputProcessor:
             self._child_to_parent.pop(child_id, None)
         return [cid for cid, c in parent.children.items() if c.finish_reason is None]
 
+    def finish_aborted(self, request_id: str) -> tuple[RequestOutput | None, list[str]]:
+        """End a request from this side (the server's drain ran out): its last output, in which
+        every unfinished completion has finish_reason "abort" (held-back text released), and
+        the child ids the core must still abort."""
+        parent = self._parents.get(request_id)
+        if parent is None:
+            return None, []
+        cut = [cid for cid, c in parent.children.items() if c.finish_reason is None]
+        for child in (parent.children[cid] for cid in cut):
+            if child.lazy:
+                child.final_text = self._decode_with_context(child)
+            else:
+                child.detokenizer.flush()
+            child.finish_reason = FinishReason.ABORT.value
+        self.abort_request(request_id)
+        return self._make_output(parent, finished=True), cut
+
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
         result = ProcessedOutputs()
         touched: dict[str, _Parent] = {}
@@ -97,7 +114,7 @@ class OutputProcessor:
             child = parent.children[out.request_id]
             if child.finish_reason is not None:
                 continue  # already finished by a stop string; the core abort is in flight
-            if out.prompt_logprobs is not None:
+            if out.prompt_logprobs is not None and child.index == 0:   # every sample scores the same prompt
                 self._add_prompt_logprobs(parent, out.prompt_logprobs)
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
             if out.new_token_ids:

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from tokenforge.config import EngineConfig, RuntimeInfo
+from tokenforge.engine.structured_output import compile_grammar
 from tokenforge.messages import EngineCoreRequest, WireSamplingParams
 from tokenforge.sampling_params import SamplingParams
 
@@ -95,7 +96,9 @@ class Processor:
             frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
             max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),
             stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
-            logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs)
+            logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+            # Cached per spec; the AsyncEngine compiles in a thread first (compile_grammar).
+            grammar=compile_grammar(params.structured_outputs) if params.structured_outputs else None)
 
 
 def _reseed(wire: WireSamplingParams, seed: int) -> WireSamplingParams:

@@ -75,6 +75,7 @@ class FastTokenizerFiles:
 
         self.directory = directory      # where the files are (tests copy them next to a model)
         config = json.loads((directory / "tokenizer_config.json").read_text())
+        self.name_or_path = str(directory)          # as transformers names it (lm-eval, llguidance)
         self._tok = RustTokenizer.from_file(str(directory / "tokenizer.json"))
         self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
         self.special_tokens_map = {k: config[k] for k in self._SPECIAL if isinstance(config.get(k), str)}

@@ -12,8 +12,9 @@ import os
 import time
 
 from tokenforge.config import EngineConfig
-from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput
+from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, TierLoadResult
 from tokenforge.executor.engine_cache import use_engine_cache
+from tokenforge.messages import KVTierStats
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +29,7 @@ class Executor:
         self.runner = ModelRunner(config)
         self.load_seconds = time.perf_counter() - start
         logger.info("model loaded in %.2f s (%s, %s)", self.load_seconds, self.runner.device, self.runner.dtype)
+        self.tiers = None
 
     @property
     def arch(self):
@@ -52,6 +54,26 @@ class Executor:
         logger.info("KV cache ready in %.2f s: %s", time.perf_counter() - start,
                     sizing.summary(config.cache.block_size, config.scheduler.max_model_len))
         return sizing.num_blocks
+
+    def init_kv_tiers(self, config: EngineConfig) -> None:
+        """The CPU/disk/Redis tiers over the allocated KV cache (only when some tier is set)."""
+        from tokenforge.executor.tiers import build_tier_manager  # noqa: PLC0415
+
+        self.tiers = build_tier_manager(config, self.runner.kv_caches, self.arch)
+
+    def submit_kv_transfers(self, scheduler_output: SchedulerOutput) -> None:
+        """Queue the step's tier saves and loads; before `launch`, so saves precede the forward."""
+        if scheduler_output.kv_saves or scheduler_output.kv_loads:
+            self.tiers.submit(scheduler_output.kv_saves, scheduler_output.kv_loads)
+
+    def poll_kv_loads(self) -> list[TierLoadResult]:
+        return self.tiers.poll()
+
+    def wait_kv_loads(self, timeout: float) -> None:
+        self.tiers.wait(timeout)
+
+    def kv_tier_stats(self) -> KVTierStats | None:
+        return self.tiers.counters.snapshot() if self.tiers is not None else None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
@@ -99,6 +121,9 @@ class Executor:
         return table
 
     def shutdown(self) -> None:
+        if self.tiers is not None:
+            self.tiers.shutdown()
+            self.tiers = None
         self.runner = None
 
 

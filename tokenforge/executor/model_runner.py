@@ -20,15 +20,18 @@ from tokenforge.distributed import parallel_state
 from tokenforge.executor.pipeline import StageComm
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.executor.input_batch import InputBatch, build_inputs
-from tokenforge.executor.kv_cache import allocate_kv_caches
+from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration, kv_scales_for,
+                                          start_calibration)
 from tokenforge.executor.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplingBatch,
                                         compute_prompt_logprobs)
+from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.layers.cpu_packed import prepack_linears, quantize_linears_int8
 from tokenforge.model.loader import CacheOptions, load_model
 from tokenforge.model.offload import offload_layers
+from tokenforge.model.quant import QuantOptions, check_device
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +66,7 @@ class ModelRunner:
         self.rank = parallel_state.parallel_rank()
         self.device = parallel_state.torch_device_for(self.rank, config.device.resolved_device())
         self.dtype = resolve_dtype(config.model.dtype, self.device)
+        self.kv_dtype = cache_dtype(config.cache.kv_cache_dtype, self.dtype)
         self.block_size = config.cache.block_size
         self._init_threads()
         self._init_model()
@@ -83,17 +87,27 @@ class ModelRunner:
             torch.set_num_threads(self.config.device.num_threads)
 
     def _init_model(self) -> None:
-        r, cfg = self.rank, self.config
-        cache = (CacheOptions(cfg.load.engine_cache_dir, cfg.model.model_version, cfg.model.quantization)
+        r, cfg, m = self.rank, self.config, self.config.model
+        check_device(m.quantization, self.device.type)
+        cpu_int8 = m.quantization == "int8" and self.device.type == "cpu"   # the CPU's int8 is dynamic int8
+        if cpu_int8 and m.quantize_lm_head:
+            raise ValueError("quantize_lm_head is not available with the CPU's dynamic int8 (the lm_head stays float32)")
+        quant = QuantOptions(m.quantization, m.quantization_group_size, m.quantize_lm_head, m.prune_rate, m.sparsity)
+        cache = (CacheOptions(cfg.load.engine_cache_dir, m.model_version, m.quantization)
                  if cfg.load.engine_cache_dir else None)
-        loaded = load_model(cfg.model.model, cfg.load.load_format, self.dtype, self.device, cfg.model.seed,
-                            r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, cache=cache)
+        loaded = load_model(m.model, cfg.load.load_format, self.dtype, self.device, m.seed,
+                            r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, cache=cache, quant=quant,
+                            cpu_int8_dynamic=cpu_int8)
         self.model = loaded.model.eval()
         self.arch = loaded.arch_config
+        # fp8 KV: per-layer [4] scale vectors, from the checkpoint or (None) calibrated later
+        # (all layers in the checkpoint; a pipeline stage keeps its own layers' scales)
+        scales = loaded.kv_scales
+        if scales is not None and self.rank.pp_size > 1:
+            scales = [scales[i] for i in self.model.model.stage]
+        self.kv_scales = kv_scales_for(self, scales) if self.kv_dtype == FP8_DTYPE else None
         self.vocab_size = self.arch.vocab_size
-        if self.config.model.quantization == "int8":
-            if self.device.type != "cpu":
-                raise ValueError("quantization='int8' is implemented for the CPU path only so far")
+        if cpu_int8:
             logger.info("dynamic int8: %d linear weights quantized", quantize_linears_int8(self.model))
         self.offloader = self._offload()
         if self.device.type == "cpu" and self.config.load.load_format != "lazy":
@@ -106,6 +120,9 @@ class ModelRunner:
             return None
         if self.device.type != "cuda":
             raise ValueError("cpu_offload_gb keeps weights in host memory for a GPU; on the CPU they are there already")
+        if self.config.model.quantization:
+            raise ValueError("cpu_offload_gb moves a layer's float weights to host memory: it does not combine "
+                             "with quantization yet (quantized linears keep their weights as buffers)")
         layers = [self.model.model.layers[i] for i in self.model.model.stage]
         return offload_layers(layers, int(gb * 1e9))
 
@@ -116,12 +133,26 @@ class ModelRunner:
         self.backend = get_attention_backend(name, self.device)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
+        if self.kv_dtype == FP8_DTYPE and name == "triton" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            major, minor = torch.cuda.get_device_capability(self.device)
+            raise ValueError(f"kv_cache_dtype='fp8' needs a GPU with FP8 (compute capability 8.9+: Ada, Hopper, "
+                             f"Blackwell); {torch.cuda.get_device_name(self.device)} is sm_{major}{minor}. "
+                             "Use kv_cache_dtype='auto'")
 
     def init_kv_cache(self, num_blocks: int) -> None:
+        if self.kv_dtype == FP8_DTYPE and self.kv_scales is None:
+            # no profiling pass ran (CPU, client profile, a given KV size): calibrate on its own,
+            # over fewer tokens on the CPU, where the pass costs seconds (the 4x headroom covers it)
+            tokens = 1024 if self.device.type == "cuda" else 256
+            with torch.inference_mode():
+                self.forward_dummy(min(tokens, self.config.scheduler.max_num_batched_tokens,
+                                       self.config.scheduler.max_model_len))
         layers = self.model.attention_layers()
-        self.kv_caches = allocate_kv_caches(self.backend, layers, num_blocks, self.block_size, self.dtype, self.device)
-        for layer, cache in zip(layers, self.kv_caches):
+        self.kv_caches = allocate_kv_caches(self.backend, layers, num_blocks, self.block_size, self.kv_dtype,
+                                            self.device)
+        for i, (layer, cache) in enumerate(zip(layers, self.kv_caches)):
             layer.kv_cache = cache
+            layer.kv_scales = self.kv_scales[i] if self.kv_scales is not None else None
         if (self.device.type == "cuda" and self.backend.name == "triton" and not self.config.device.enforce_eager
                 and self.rank.pp_size == 1 and self.offloader is None):   # offloaded weights move: no graphs
             self.graphs = CudaGraphRunner(self, num_blocks)
@@ -149,7 +180,7 @@ class ModelRunner:
         if not self.rank.is_first_stage:      # later stages neither sample nor read the ids back
             return step
         if self.rank.is_driver:
-            self._sample(step)
+            self._sample(step, sched)
             self._prev_tokens = step.sampler_output.token_ids if step.sampler_output is not None else None
         else:
             self._prev_tokens = self._follow_sampling(step)
@@ -240,24 +271,34 @@ class ModelRunner:
             return self.stages.forward(self.model, inputs.input_ids, inputs.positions)
 
     def forward_dummy(self, num_tokens: int) -> None:
-        """One prefill of `num_tokens` into a scratch KV cache, for memory profiling."""
+        """One prefill of `num_tokens` into a scratch KV cache, for memory profiling. With an fp8
+        cache whose scales are not known yet it is also the calibration pass: random tokens, an
+        unquantized scratch cache, and max|k|, max|v| recorded per layer."""
         num_blocks = -(-num_tokens // self.block_size)
         layers = self.model.attention_layers()
         scratch = allocate_kv_caches(self.backend, layers, num_blocks, self.block_size, self.dtype, self.device)
         for layer, cache in zip(layers, scratch):
             layer.kv_cache = cache
         batch = AttentionBatch([num_tokens], [0], [list(range(num_blocks))], self.block_size, self.device)
-        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        calibrate = self.kv_dtype == FP8_DTYPE and self.kv_scales is None
+        if calibrate:
+            start_calibration(layers, self.device)
+            gen = torch.Generator().manual_seed(self.config.model.seed)
+            ids = torch.randint(self.vocab_size, (num_tokens,), generator=gen).to(self.device)
+        else:
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
         with set_forward_context(self.backend.build_metadata(batch)):
             hidden = self.stages.forward(self.model, ids, pos)
         if hidden is not None:
             rows = min(num_tokens, self.config.scheduler.max_num_seqs)
             self.model.compute_logits(hidden[-rows:])
+        if calibrate:
+            self.kv_scales = finish_calibration(layers, self.device)
         for layer in layers:
             layer.kv_cache = None
 
-    def _sample(self, step: StepInFlight) -> None:
+    def _sample(self, step: StepInFlight, sched: SchedulerOutput) -> None:
         rows = [i for i, s in enumerate(step.sequences) if s.sample]
         if not rows:
             return
@@ -266,7 +307,8 @@ class ModelRunner:
         batch = SamplingBatch.build(
             [s.params for s in step.sampling], [s.prompt_token_ids for s in step.sampling],
             [s.output_token_ids for s in step.sampling], [self._generator(s) for s in step.sampling],
-            self.vocab_size, self.device)
+            self.vocab_size, self.device, banned=[s.banned_token_ids for s in step.sampling],
+            grammar_rows=sched.grammar_rows, grammar_bitmask=sched.grammar_bitmask)
         step.sampler_output = self.sampler(logits, batch)
 
     def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:

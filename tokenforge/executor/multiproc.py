@@ -54,6 +54,7 @@ class MultiprocExecutor(Executor):
         self.workers: list[multiprocessing.process.BaseProcess] = []
         self._closing = False
         self.ring: ShmRing | None = None
+        self.tiers = None          # KV tiers: one process only (parallel_check refuses them here)
         device = config.device.resolved_device()
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         use_engine_cache(config)       # before the workers start: they inherit the environment

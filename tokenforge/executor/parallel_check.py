@@ -21,6 +21,9 @@ def check_parallel_layout(config: EngineConfig, arch, device: str, local_world_s
                          f"other (KV heads are split, or replicated when there are fewer than ranks)")
     if arch.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the MLP width {arch.intermediate_size}")
+    if config.cache.kv_tiers_enabled:
+        raise ValueError(f"the KV cache tiers (kv_offload_cpu_gb, kv_offload_disk_dir, kv_remote) run with one "
+                         f"process only so far, not tensor_parallel_size x pipeline_parallel_size = {tp} x {pp}")
     if pp > arch.num_hidden_layers:
         raise ValueError(f"pipeline_parallel_size {pp} is larger than the model's {arch.num_hidden_layers} layers")
     if device == "cuda":

@@ -1,6 +1,7 @@
 """Sampler: logits [N, V] + SamplingBatch -> one token id per row (+ optional logprobs).
 
-Order: penalties -> greedy argmax | (temperature -> top-k -> top-p -> min-p -> sample).
+Order: penalties -> token masks (min_tokens bans, grammar bitmask) -> greedy argmax |
+(temperature -> top-k -> top-p -> min-p -> sample).
 Everything stays on the device; the only host reads are the caller's `.tolist()` calls.
 
 Sampling uses the exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. picks token i with
@@ -19,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from tokenforge.core.outputs import PositionLogprobs
-from tokenforge.executor.sampling_batch import PenaltyTensors, SamplingBatch
+from tokenforge.executor.sampling_batch import PenaltyTensors, SamplingBatch, TokenMasks
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "SamplingBatch", "apply_min_p",
-           "apply_penalties", "apply_top_k_top_p", "compute_prompt_logprobs"]
+           "apply_penalties", "apply_token_masks", "apply_top_k_top_p", "compute_prompt_logprobs"]
 
 
 @dataclass(slots=True)
@@ -54,7 +55,8 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None:
+        if (batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None
+                and batch.masks is None):
             # bf16 -> fp32 is exact, so the argmax of the raw logits is the same token: one launch.
             return SamplerOutput(logits.argmax(dim=-1), None)
         logits = logits.float()                                                  # [N, V]
@@ -63,6 +65,8 @@ class Sampler(torch.nn.Module):
             raw_logprobs = torch.log_softmax(logits, dim=-1)                     # [N, V]
         if batch.penalties is not None:
             logits = apply_penalties(logits, batch.penalties)
+        if batch.masks is not None:
+            logits = apply_token_masks(logits, batch.masks)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
@@ -97,6 +101,21 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> torch.Tensor:
     if pen.rows is None:
         return rows
     return logits.index_copy(0, pen.rows, rows)
+
+
+def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:
+    """-inf for banned (row, token) pairs and for tokens a row's grammar does not allow."""
+    if masks.banned_rows is not None:
+        logits = logits.index_put((masks.banned_rows, masks.banned_ids),
+                                  torch.full((), float("-inf"), device=logits.device))
+    if masks.grammar_rows is not None:
+        vocab = logits.shape[-1]
+        shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+        bits = (masks.grammar_bitmask.unsqueeze(-1) >> shifts) & 1                  # [R, W, 32]
+        allowed = bits.flatten(1)[:, :vocab].bool()                                  # [R, V]
+        rows = logits.index_select(0, masks.grammar_rows).masked_fill(~allowed, float("-inf"))
+        logits = logits.index_copy(0, masks.grammar_rows, rows)
+    return logits
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,

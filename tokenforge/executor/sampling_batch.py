@@ -34,6 +34,16 @@ class PenaltyTensors:
 
 
 @dataclass(slots=True)
+class TokenMasks:
+    """Tokens that must not be sampled this step, as device tensors (-inf before sampling)."""
+
+    banned_rows: torch.Tensor | None       # [B] int64 row of each banned (row, token) pair
+    banned_ids: torch.Tensor | None        # [B] int64 token ids (EOS/stop ids before min_tokens)
+    grammar_rows: torch.Tensor | None      # [R] int64 constrained rows
+    grammar_bitmask: torch.Tensor | None   # [R, ceil(V / 32)] int32: bit t of word w allows 32 * w + t
+
+
+@dataclass(slots=True)
 class SamplingBatch:
     num_rows: int
     vocab_size: int
@@ -50,11 +60,13 @@ class SamplingBatch:
     generator_rows: torch.Tensor | None    # [G] int64: the rows those generators belong to
     num_logprobs: list[int | None]         # per row: top-N requested, None = no logprobs
     max_num_logprobs: int | None           # None when no row asked for logprobs
+    masks: TokenMasks | None = None        # min_tokens and grammar constraints; None when unused
 
     @classmethod
     def build(cls, params: list[WireSamplingParams], prompt_ids: list[list[int]],
               output_ids: list[list[int]], generators: list[torch.Generator | None],
-              vocab_size: int, device: torch.device | str) -> SamplingBatch:
+              vocab_size: int, device: torch.device | str, *, banned: list[tuple[int, ...]] | None = None,
+              grammar_rows: list[int] | None = None, grammar_bitmask: np.ndarray | None = None) -> SamplingBatch:
         n = len(params)
         assert n == len(prompt_ids) == len(output_ids) == len(generators) and n > 0
         greedy = [p.is_greedy for p in params]
@@ -84,11 +96,27 @@ class SamplingBatch:
             generator_rows=upload(torch.tensor(seeded, dtype=torch.long), device) if seeded else None,
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
+            masks=_build_masks(banned, grammar_rows, grammar_bitmask, device),
         )
 
     @property
     def needs_masks(self) -> bool:
         return self.top_k is not None or self.top_p is not None or self.min_p is not None
+
+
+def _build_masks(banned: list[tuple[int, ...]] | None, grammar_rows: list[int] | None,
+                 grammar_bitmask: np.ndarray | None, device: torch.device | str) -> TokenMasks | None:
+    pairs = [(row, t) for row, ids in enumerate(banned or ()) for t in ids]
+    if not pairs and not grammar_rows:
+        return None
+    banned_rows = banned_ids = rows = bitmask = None
+    if pairs:
+        both = upload(torch.tensor(pairs, dtype=torch.long).T.contiguous(), device)        # [2, B]
+        banned_rows, banned_ids = both[0], both[1]
+    if grammar_rows:
+        rows = upload(torch.tensor(grammar_rows, dtype=torch.long), device)
+        bitmask = upload(torch.from_numpy(grammar_bitmask), device)
+    return TokenMasks(banned_rows, banned_ids, rows, bitmask)
 
 
 def upload(cpu: torch.Tensor, device: torch.device | str) -> torch.Tensor:

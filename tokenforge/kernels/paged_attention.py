@@ -8,10 +8,13 @@ the token at absolute position p of a sequence lives at flat slot
   (prefix-cache hits, chunked prefill); also correct for query_len 1 rows in a mixed batch.
 - `decode_attention` (paged_decode.py): one query per sequence, split-KV + reduce, CUDA-graph safe.
 - `paged_attention_ref`: the torch reference both are tested against (runs on the CPU).
+An fp8 (e4m3) cache holds codes; every entry point then takes the layer's kv_scales [4]
+(kv_quant.py) and the reference dequantizes with them.
 """
 
 import torch
 
+from .kv_quant import FP8_DTYPE
 from .paged_decode import choose_num_splits, decode_attention
 from .paged_prefill import prefill_attention
 
@@ -29,7 +32,8 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
 
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                        kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Reference varlen causal attention over paged K/V, in fp32; q [T, Hq, D] -> [T, Hq, D].
 
     Sequence i owns q rows query_start_loc[i]:query_start_loc[i+1] at absolute positions
@@ -43,6 +47,9 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         if e == s or seq_len == 0:
             continue
         k, v = gather_kv(kv_cache, block_tables[i], seq_len)
+        if kv_cache.dtype == FP8_DTYPE:
+            kv_s = kv_scales.to(k.device)
+            k, v = k.float() * kv_s[0], v.float() * kv_s[1]
         k = k.float().repeat_interleave(group, dim=1)            # [S, Hq, D]
         v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale   # [Hq, q_len, S]
@@ -54,7 +61,7 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
 
 
 def decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                         seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                         seq_lens: torch.Tensor, scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Reference decode: one query per sequence (the last position); q [B, Hq, D]."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)
-    return paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    return paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, kv_scales)

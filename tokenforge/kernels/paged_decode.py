@@ -1,7 +1,8 @@
 """Decode attention (one query per sequence) over the paged KV cache: split-KV, GQA-grouped.
 
 In: q [B, Hq, D], kv_cache [2, num_blocks, block_size, Hkv, D], block_tables [B, max_blocks]
-int32, seq_lens [B] int32 (the new token's k/v already stored; seq_len 0 = padding row).
+int32, seq_lens [B] int32 (the new token's k/v already stored; seq_len 0 = padding row); for an
+fp8 (e4m3) cache, the layer's kv_scales [4] (kv_quant.py).
 Out: out [B, Hq, D].
 
 One program per (sequence, kv head, split). The GROUP query heads that share a kv head are the
@@ -15,11 +16,15 @@ its key range from seq_lens on the device and exits early when its split is empt
 depends on host-side lengths. Measured choices (H200, bench/NOTES.md): BLOCK_N 64, 4 warps,
 2 stages with splits / 3 stages without. An in-kernel merge by the last split (atomic ticket)
 was tried and was slower at every batch-1 length, so it is not here.
+An fp8 cache is a compile-time variant (KV_FP8): tiles are read as e4m3 (half the bytes) and
+widened to q's dtype before the dots; k_scale folds into the softmax scale and v_scale into the
+output, so dequantizing costs no extra multiply per element. The bf16 variant is unchanged.
 """
 
 import torch
 
 from ._triton import cdiv, next_power_of_2, require_triton, tl, triton, use_pdl
+from .kv_quant import is_fp8
 
 _LOG2E = 1.4426950408889634
 _SM_COUNT: dict[int, int] = {}
@@ -27,13 +32,13 @@ _SM_COUNT: dict[int, int] = {}
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_ptr,
     qk_scale, num_splits,
     stride_qb, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel, let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -64,12 +69,16 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     k_base = kv_ptr + kvh * stride_c_head
     bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr)                # k = code * k_scale
     for t in range(tile_lo, tile_hi):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)               # [BLOCK_N] key positions
         valid = pos < seq_len
         block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
         k = tl.load(k_base + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale          # [GROUP_PAD, BLOCK_N]
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=1))
@@ -77,11 +86,15 @@ def _decode_split_kernel(
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
         v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     l_safe = tl.where(l > 0.0, l, 1.0)                          # seq_len 0 (padding) -> zeros
     acc = acc / l_safe[:, None]
+    if KV_FP8:
+        acc = acc * tl.load(scale_ptr + 1)                      # v = code * v_scale
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
     if SINGLE_SPLIT:
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -145,8 +158,9 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int | None = None) -> torch.Tensor:
-    """q [B, Hq, D] -> out [B, Hq, D], attending to seq_lens[b] cached keys of each sequence."""
+                     num_stages: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D] -> out [B, Hq, D], attending to seq_lens[b] cached keys of each sequence.
+    An fp8 cache needs the layer's kv_scales [4]."""
     require_triton(q, kv_cache)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -165,14 +179,17 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     else:
         part_out = torch.empty(batch, num_q_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(batch, num_q_heads, splits, dtype=torch.float32, device=q.device)
+    fp8 = is_fp8(kv_cache)
+    assert not fp8 or kv_scales is not None, "an fp8 KV cache needs its scales"
     pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
-        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, scale * _LOG2E, splits,
+        q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, kv_scales if fp8 else seq_lens,
+        scale * _LOG2E, splits,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SINGLE_SPLIT=single, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        KV_FP8=fp8, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not single:
         _decode_reduce_kernel[(batch, num_q_heads)](

@@ -2,7 +2,8 @@
 
 In: q [T, Hq, D] (sequences back to back), kv_cache [2, num_blocks, block_size, Hkv, D] holding
 every key of each sequence (cached context and the new tokens, already stored), block_tables
-[B, max_blocks] int32, query_start_loc [B+1] int32, seq_lens [B] int32.
+[B, max_blocks] int32, query_start_loc [B+1] int32, seq_lens [B] int32; for an fp8 (e4m3) cache
+the layer's kv_scales [4] (kv_quant.py).
 Out: out [T, Hq, D]. Sequence i's queries sit at absolute positions
 seq_lens[i] - q_len_i .. seq_lens[i] - 1 and each sees every key up to its own position.
 
@@ -11,12 +12,14 @@ times the GROUP query heads of one kv head (rows = BLOCK_Q * GROUP_PAD), so ever
 read once per group. Key tiles fully below the block's first query run without a causal mask;
 only the diagonal tiles build one. Programs map to (sequence, query block) with a binary search
 over `query_start_loc // BLOCK_Q + i`, a monotone upper bound, so the grid needs only T and B
-and no host-side lengths.
+and no host-side lengths. An fp8 cache is a compile-time variant (KV_FP8), as in paged_decode.py:
+e4m3 tiles are widened to q's dtype, k_scale folds into the softmax scale, v_scale into the output.
 """
 
 import torch
 
 from ._triton import cdiv, next_power_of_2, require_triton, tl, triton, use_pdl
+from .kv_quant import is_fp8
 
 _LOG2E = 1.4426950408889634
 
@@ -40,12 +43,14 @@ def _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
                  stride_c_kv, stride_c_block, stride_c_slot,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BLOCK_N] key positions
     valid = pos < seq_len
     block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
     off = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
     k = tl.load(k_base + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)   # [BLOCK_N, D]
+    if KV_FP8:
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale              # [BLOCK_M, BLOCK_N]
     if CAUSAL_MASK:
         s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
@@ -54,18 +59,21 @@ def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
     p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
+    if KV_FP8:
+        v = v.to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_ptr,
     qk_scale, num_seqs,
     stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
         tl.extra.cuda.gdc_wait()
@@ -97,20 +105,24 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     k_base = kv_ptr + kvh * stride_c_head
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(scale_ptr)                # k = code * k_scale
     # keys below the block's first query are visible to every row: no mask needed
     first_q_pos = ctx_len + q_block * BLOCK_Q
     full_tiles = first_q_pos // BLOCK_N
     for t in range(0, full_tiles):
         acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
                                  stride_c_kv, stride_c_block, stride_c_slot,
-                                 BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION)
+                                 BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8)
     kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)         # one past the block's last key
     for t in range(full_tiles, tl.cdiv(kv_end, BLOCK_N)):
         acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
                                  stride_c_kv, stride_c_block, stride_c_slot,
-                                 BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION)
+                                 BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8)
 
     acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    if KV_FP8:
+        acc = acc * tl.load(scale_ptr + 1)                      # v = code * v_scale
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
@@ -128,8 +140,10 @@ def prefill_config(group_pad: int, head_dim: int, max_query_len: int | None) -> 
 def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       max_query_len: int | None = None, out: torch.Tensor | None = None,
-                      config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """Causal attention for T new tokens of B sequences over their paged K/V; out [T, Hq, D]."""
+                      config: tuple[int, int, int, int] | None = None,
+                      kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention for T new tokens of B sequences over their paged K/V; out [T, Hq, D].
+    An fp8 cache needs the layer's kv_scales [4]."""
     require_triton(q, kv_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -143,12 +157,15 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     group_pad = next_power_of_2(group)
     block_q, block_n, num_warps, num_stages = config or prefill_config(group_pad, head_dim, max_query_len)
     grid = (cdiv(num_tokens, block_q) + num_seqs, num_kv_heads)
+    fp8 = is_fp8(kv_cache)
+    assert not fp8 or kv_scales is not None, "an fp8 KV cache needs its scales"
     _prefill_kernel[grid](
-        q, kv_cache, out, block_tables, query_start_loc, seq_lens, scale * _LOG2E, num_seqs,
+        q, kv_cache, out, block_tables, query_start_loc, seq_lens, kv_scales if fp8 else seq_lens,
+        scale * _LOG2E, num_seqs,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_PDL=use_pdl(q), num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl(q),
+        KV_FP8=fp8, USE_PDL=use_pdl(q), num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl(q),
     )
     return out

@@ -12,6 +12,8 @@ import math
 import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
+from .kv_quant import is_fp8
+from .kv_store import fp8_code
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -83,11 +85,11 @@ def _rotate_store(x1, x2, p1, mask, cos, sin, HALF: tl.constexpr):
 @triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr,
-    v_ptr, kv_ptr, slot_ptr,
+    v_ptr, kv_ptr, slot_ptr, scale_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     stride_vt, stride_vh, stride_c_kv, stride_c_slot, stride_c_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-    HALF: tl.constexpr, STORE_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    HALF: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
         tl.extra.cuda.gdc_wait()
@@ -108,21 +110,40 @@ def _rotary_kernel(
     k1, k2 = _rotate_store(k1, k2, k_p, k_mask, cos, sin, HALF)
     if STORE_KV:
         if slot >= 0:
-            h = tl.arange(0, KV_PAD)
-            dst = kv_ptr + slot * stride_c_slot + h[:, None] * stride_c_head + d[None, :]
-            tl.store(dst, k1.to(kv_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(dst + HALF, k2.to(kv_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(dst + stride_c_kv, v1.to(kv_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(dst + stride_c_kv + HALF, v2.to(kv_ptr.dtype.element_ty), mask=k_mask)
+            _store_rotated(kv_ptr + slot * stride_c_slot, k1, k2, v1, v2, k_mask, scale_ptr, stride_c_kv,
+                           stride_c_head, KV_PAD, HALF, KV_FP8)
+
+
+@triton.jit
+def _store_rotated(dst_ptr, k1, k2, v1, v2, mask, scale_ptr, stride_c_kv, stride_c_head,
+                   KV_PAD: tl.constexpr, HALF: tl.constexpr, KV_FP8: tl.constexpr):
+    """One token's rotated k (already rounded to k's dtype) and v, as halves, into its cache slot;
+    e4m3 codes for an fp8 cache."""
+    if KV_FP8:
+        k_inv = tl.load(scale_ptr + 2)
+        v_inv = tl.load(scale_ptr + 3)
+        k1 = fp8_code(k1, k_inv)
+        k2 = fp8_code(k2, k_inv)
+        v1 = fp8_code(v1, v_inv)
+        v2 = fp8_code(v2, v_inv)
+    h = tl.arange(0, KV_PAD)
+    d = tl.arange(0, HALF)
+    dst = dst_ptr + h[:, None] * stride_c_head + d[None, :]
+    tl.store(dst, k1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, k2.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv, v1.to(dst_ptr.dtype.element_ty), mask=mask)
+    tl.store(dst + stride_c_kv + HALF, v2.to(dst_ptr.dtype.element_ty), mask=mask)
 
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                  v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 slot_mapping: torch.Tensor | None = None,
+                 kv_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place; returns (q, k).
 
     With v, kv_cache and slot_mapping given, also stores the rotated k and v into the cache
-    (same contract as `kv_store.store_kv`), so attention can skip its own store.
+    (same contract as `kv_store.store_kv`, kv_scales included for an fp8 cache), so attention
+    can skip its own store.
     """
     require_triton(q, k, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -130,20 +151,24 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.stride(-1) == 1
     assert cos_sin_cache.shape[-1] == head_dim and head_dim == next_power_of_2(head_dim)
     store = kv_cache is not None
+    fp8 = store and is_fp8(kv_cache)
     if store:
         assert v is not None and slot_mapping is not None and kv_cache.is_contiguous()
+        assert not fp8 or kv_scales is not None, "an fp8 KV cache needs its scales"
     else:
         v, kv_cache, slot_mapping = k, k, positions          # unused placeholders
+    if not fp8:
+        kv_scales = positions                                # unused placeholder
     if num_tokens == 0:
         return q, k
     _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos_sin_cache, v, kv_cache, slot_mapping,
+        q, k, positions, cos_sin_cache, v, kv_cache, slot_mapping, kv_scales,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         v.stride(0), v.stride(1),
         kv_cache.stride(0) if store else 0, kv_cache.stride(2) if store else 0,
         kv_cache.stride(3) if store else 0,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_PAD=next_power_of_2(num_q_heads),
-        KV_PAD=next_power_of_2(num_kv_heads), HALF=head_dim // 2, STORE_KV=store, USE_PDL=use_pdl(q),
+        KV_PAD=next_power_of_2(num_kv_heads), HALF=head_dim // 2, STORE_KV=store, KV_FP8=fp8, USE_PDL=use_pdl(q),
         num_warps=4, launch_pdl=use_pdl(q),
     )
     return q, k

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -36,7 +37,7 @@ from tokenforge.server.errors import (
     unavailable,
 )
 from tokenforge.server.metrics import CONTENT_TYPE, ServerMetrics
-from tokenforge.server.middleware import BodyLimitMiddleware, ServiceStateMiddleware
+from tokenforge.server.middleware import AccessLogMiddleware, BodyLimitMiddleware, ServiceStateMiddleware
 from tokenforge.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -63,6 +64,7 @@ class ServerState:
         self.shutdown_timeout = shutdown_timeout
         self.draining = False
         self.exit_code = 0
+        self.metrics: ServerMetrics | None = None     # set by build_app
 
     def unavailable_reason(self) -> str | None:
         if not self.engine.is_healthy:
@@ -79,10 +81,12 @@ class ServerState:
         self.draining = True
         asyncio.get_running_loop().call_later(self.shutdown_timeout, self._drain_expired)
 
-    def _drain_expired(self) -> None:
+    def _drain_expired(self) -> int:
+        """Cut what still runs: each stream ends with finish_reason "abort", then [DONE]."""
         count = self.engine.abort_all("the server's shutdown timeout expired")
-        if count:
-            logger.warning("shutdown timeout: aborted %d in-flight request(s)", count)
+        if count and self.metrics is not None:
+            self.metrics.drain_aborted.labels(self.metrics.model_name).inc(count)
+        return count
 
 
 def default_model_name(model: str | None) -> str:
@@ -99,20 +103,26 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     state = state or ServerState(engine)
     name = (model_name or settings.served_model_name or engine.config.model.model_id
             or default_model_name(engine.config.model.model))
-    ctx = ServingContext(engine, settings, ServerMetrics(name), name,
+    metrics = ServerMetrics(name)
+    metrics.set_model_info(engine.identity.version, engine.identity.checksum)
+    ctx = ServingContext(engine, settings, metrics, name,
                          ChatTemplateRenderer(engine.tokenizer, settings.chat_template))
     app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.",
                   docs_url=None, redoc_url=None)
     add_offline_docs(app)
     app.state.ctx = ctx
     app.state.server_state = state
+    state.metrics = ctx.metrics
     _add_openai_routes(app, ctx)
     _add_service_routes(app, ctx, state)
     install_error_handlers(app)
     # Starlette wraps in reverse order: the state gate runs first, then auth, then the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys)
+    app.add_middleware(APIKeyMiddleware, api_keys=settings.api_keys,
+                       protect_all_routes=settings.protect_all_routes)
     app.add_middleware(ServiceStateMiddleware, unavailable_reason=state.unavailable_reason)
+    if settings.access_log:
+        app.add_middleware(AccessLogMiddleware)
     return app
 
 
@@ -126,9 +136,10 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await create_chat_completion(ctx, body, request)
 
     def model_card() -> dict:
+        identity = ctx.engine.identity
         return {"id": ctx.model_name, "object": "model", "created": int(app.state.started), "owned_by": "tokenforge",
                 "root": ctx.engine.config.model.model or ctx.model_name, "parent": None,
-                "max_model_len": ctx.max_model_len}
+                "max_model_len": ctx.max_model_len, "version": identity.version, "checksum": identity.checksum}
 
     app.state.started = time.time()
 
@@ -166,10 +177,14 @@ def _add_service_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -
         if body.messages is not None:
             ids = render_prompt(ctx, body.messages, add_generation_prompt=body.add_generation_prompt)["prompt_token_ids"]
         elif body.prompt is not None:
-            ids = ctx.engine.tokenizer.encode(body.prompt)
+            ids = ctx.engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise bad_request("give either 'prompt' or 'messages'", param="prompt")
         return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        return tokenizer_info_body(ctx.engine.tokenizer, ctx.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
@@ -177,6 +192,22 @@ def _add_service_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -
         if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
             raise bad_request(f"tokens must be token ids in [0, {ctx.vocab_size})", param="tokens")
         return {"prompt": ctx.engine.tokenizer.decode(body.tokens)}
+
+
+def tokenizer_info_body(tokenizer, max_model_len: int) -> dict:
+    """GET /tokenizer_info as vLLM shapes it: the tokenizer class, its config (special tokens,
+    model_max_length) and the chat template, enough for a remote tokenizer (lm-eval's)."""
+    hf = getattr(tokenizer, "hf", None)
+    body: dict = {"tokenizer_class": type(hf if hf is not None else tokenizer).__name__}
+    if hf is not None:
+        for key, value in getattr(hf, "init_kwargs", {}).items():
+            if isinstance(value, (str, int, float, bool)) or value is None:
+                body[key] = value
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            body[name] = getattr(hf, name, None)
+    body["model_max_length"] = max_model_len
+    body["chat_template"] = getattr(tokenizer, "chat_template", None)
+    return body
 
 
 # ---- the process --------------------------------------------------------------------------------------
@@ -255,13 +286,19 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
     app = build_app(engine, settings, state=state)
     # uvicorn's own limit is a backstop: at shutdown_timeout the state aborts what is left,
     # and those streams end with an error event a moment later.
-    uv_config = uvicorn.Config(app, log_level=settings.log_level, log_config=None, access_log=settings.access_log,
-                               lifespan="off", timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
+    # Our own access log (--enable-access-log, AccessLogMiddleware) replaces uvicorn's.
+    uv_config = uvicorn.Config(app, log_level=settings.log_level, log_config=None, access_log=False,
+                               lifespan="off", timeout_keep_alive=settings.keep_alive_timeout,
+                               timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
     server = _Server(uv_config, state)
     engine.on_death(lambda reason: _on_engine_death(server, state, reason))
     host, port = sock.getsockname()[:2]
     logger.info("serving %s (engine core pid %s) on http://%s:%d; ready in %.2f s", app.state.ctx.model_name,
                 engine.engine_pid, host, port, time.perf_counter() - start)
+    # Everything allocated so far (the tokenizer, torch, transformers) lives for the whole run:
+    # keep it out of the cyclic GC, whose full passes otherwise stall the event loop under load.
+    gc.collect()
+    gc.freeze()
     try:
         await server.serve(sockets=[sock])
     finally:
@@ -276,4 +313,13 @@ def run_server(args, engine_config: EngineConfig | None = None, sock: socket.soc
     settings = ServerSettings.from_args(args)
     config = engine_config or engine_config_from_args(args)
     configure_logging(settings.log_level, "api")
-    return asyncio.run(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port)))
+    return _run_loop(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port)))
+
+
+def _run_loop(main) -> int:
+    """uvloop when it is installed (a faster event loop for thousands of SSE writes a second)."""
+    try:
+        import uvloop  # noqa: PLC0415
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

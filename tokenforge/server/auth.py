@@ -1,6 +1,8 @@
 """API-key authentication and the tenant identity it gives the prefix cache.
 
-When keys are configured, every path except /health needs `Authorization: Bearer <key>`. Keys
+When keys are configured, the OpenAI routes (/v1/*) need `Authorization: Bearer <key>`, as vLLM
+does; with --protect-all-routes every path except /health does (/tokenize, /detokenize,
+/tokenizer_info, /version, /metrics and /openapi.json are open otherwise). Keys
 are compared with hmac.compare_digest against every configured key (no early exit), so the
 response time does not reveal how much of a guess was right. The accepted key's hash becomes
 the request's tenant, which salts the prefix cache: one tenant cannot time-probe whether
@@ -39,12 +41,16 @@ def _bearer(headers: list[tuple[bytes, bytes]]) -> bytes | None:
 class APIKeyMiddleware:
     """Pure ASGI, so it also guards 404s and /openapi.json and never buffers streams."""
 
-    def __init__(self, app, api_keys: tuple[str, ...]) -> None:
+    def __init__(self, app, api_keys: tuple[str, ...], protect_all_routes: bool = False) -> None:
         self.app = app
         self.keys = [(key.encode(), tenant_of(key)) for key in api_keys]
+        self.protect_all = protect_all_routes
+
+    def _is_open(self, path: str) -> bool:
+        return path in OPEN_PATHS or not (self.protect_all or path == "/v1" or path.startswith("/v1/"))
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.keys or self._is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         token = _bearer(scope.get("headers", []))

@@ -15,7 +15,7 @@ import os
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception"}
+_RESERVED = {"messages", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "tools"}
 
 
 class TemplateError(ValueError):
@@ -50,12 +50,15 @@ class ChatTemplateRenderer:
         self.server_template = load_template(server_template)
 
     def render(self, messages: list[dict], *, add_generation_prompt: bool = True,
-               template: str | None = None, template_kwargs: dict | None = None) -> str:
+               template: str | None = None, template_kwargs: dict | None = None,
+               tools: list[dict] | None = None) -> str:
         source = template or self.server_template
         kwargs = dict(template_kwargs or {})
         clash = _RESERVED & kwargs.keys()
         if clash:
             raise TemplateError(f"chat_template_kwargs must not set {sorted(clash)}")
+        if tools is not None:
+            kwargs["tools"] = tools
         if source is None:
             return self._render_model_template(messages, add_generation_prompt, kwargs)
         try:

@@ -62,7 +62,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--host", default=d.host, help="address to bind (default %(default)s: local only)")
     g.add_argument("--port", type=int, default=d.port, help="port (default %(default)s; 0 picks a free one)")
     g.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' on every endpoint but /health; repeat for "
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (every route but /health with "
+                        f"--protect-all-routes); repeat for "
                         f"several tenants (each gets its own prefix-cache salt). Also read from ${API_KEY_ENV}")
     g.add_argument("--served-model-name", default=None, help="model id in the API (default: from the model path)")
     g.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
@@ -79,12 +80,28 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout, metavar="SECONDS",
                    help="on SIGTERM, time for in-flight requests to finish before they are cut "
                         "(default %(default)s)")
+    g.add_argument("--model-version", default=None, metavar="VERSION",
+                   help="the version label of the weights (playbook MODEL_VERSION); shown by /v1/models and "
+                        "/metrics, and a router refuses to mix replicas of one model with different versions")
+    g.add_argument("--model-checksum", default=None, metavar="SHA256",
+                   help="refuse to serve unless the weights hash to this (sha256sum of the .gguf; see the README "
+                        "for HF directories); the computed checksum is shown by /v1/models")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout, metavar="SECONDS",
+                   help="close idle keep-alive connections after this long (default %(default)s; keep it above "
+                        "clients' and load balancers' own idle timeouts)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="accept a chat_template in requests (rendered in a Jinja sandbox); refused by default")
     g.add_argument("--chat-template", default=None, help="a chat template (file or string) to use instead of the model's")
     g.add_argument("--log-level", default=d.log_level, type=str.lower,
                    choices=["debug", "info", "warning", "error"])
-    g.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    g.add_argument("--enable-access-log", "--access-log", dest="access_log", action="store_true",
+                   help="log one line per request: method, path, status, tokens in and out, TTFT, total time")
+    g.add_argument("--protect-all-routes", action="store_true",
+                   help="with --api-key, guard every route but /health; by default only /v1/* (as vLLM), "
+                        "so /tokenize, /detokenize, /tokenizer_info, /version and /metrics stay open")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+                   help="how tool calls are read from the model's text (default: from the chat template; "
+                        "hermes for templates without tool support)")
     g.add_argument("--inference-mode", action="store_true",
                    help="playbook flag, accepted as a no-op: serving never trains (see `tokenforge train`)")
     return parser

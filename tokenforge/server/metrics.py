@@ -7,7 +7,9 @@ Each server owns its own registry, so several apps in one process (tests) do not
 
 from __future__ import annotations
 
+import contextvars
 import time
+from dataclasses import dataclass, field
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,6 +22,7 @@ from prometheus_client import (
 )
 
 from tokenforge.messages import EngineStats, RequestOutput
+from tokenforge.server.tier_metrics import KVTierCollector
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 disable_created_metrics()   # the *_created samples only add noise to every scrape
@@ -59,10 +62,21 @@ class ServerMetrics:
         self.itl = histogram("inter_token_latency_seconds", "Time between successive output chunks.", _ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds", "Arrival to the first scheduled step.", _LATENCY_BUCKETS)
+        self.drain_aborted = counter("num_requests_drain_aborted",
+                                     "Requests cut (finish_reason abort) when the SIGTERM drain window ran out.")
         self._last_cumulative = (0, 0, 0)
+        self.kv_tiers = KVTierCollector(model_name)
+        self.registry.register(self.kv_tiers)
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
-                       self.generation_tokens):
+                       self.generation_tokens, self.drain_aborted):
             metric.labels(model_name)   # exported as 0 before the first request
+        self.children = _Children(self)
+
+    def set_model_info(self, version: str | None, checksum: str) -> None:
+        """`tokenforge:model_info{model_name, version, checksum} 1`: what a router compares."""
+        info = Gauge("tokenforge:model_info", "The served weights: pinned version and sha256 checksum.",
+                     ["model_name", "version", "checksum"], registry=self.registry)
+        info.labels(self.model_name, version or "", checksum).set(1)
 
     def update_engine(self, stats: EngineStats) -> None:
         m = self.model_name
@@ -70,6 +84,8 @@ class ServerMetrics:
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_usage)
         self.kv_fragmentation.labels(m).set(stats.kv_fragmentation)
+        if stats.kv_tiers is not None:
+            self.kv_tiers.stats = stats.kv_tiers
         # The core reports running totals; Prometheus counters only increase, so add the growth.
         now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now,
@@ -85,33 +101,74 @@ class ServerMetrics:
         return RequestTracker(self)
 
 
+@dataclass(slots=True)
+class AccessRecord:
+    """What the access log prints for one HTTP request (filled by its RequestTracker)."""
+
+    start: float = field(default_factory=time.time)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft: float | None = None
+
+
+# The access-log middleware sets this for the request's task; trackers created inside it fill it.
+CURRENT_ACCESS: contextvars.ContextVar[AccessRecord | None] = contextvars.ContextVar("access", default=None)
+
+
+class _Children:
+    """The model's labelled children, looked up once: `labels()` costs more than `observe()`."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        m = metrics.model_name
+        self.ttft = metrics.ttft.labels(m)
+        self.queue_time = metrics.queue_time.labels(m)
+        self.prompt_tokens = metrics.prompt_tokens.labels(m)
+        self.itl = metrics.itl.labels(m)
+        self.generation_tokens = metrics.generation_tokens.labels(m)
+        self.e2e = metrics.e2e.labels(m)
+
+
 class RequestTracker:
     """Observes one request's outputs as they arrive: TTFT, inter-chunk latency, totals."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self.metrics = metrics
+        self.children = metrics.children
         self.start = time.time()
         self.last: float | None = None
         self.prompt_tokens = 0
+        self.access = CURRENT_ACCESS.get()
+        self._prompts_seen: set[int] = set()
 
     def observe(self, output: RequestOutput) -> None:
         now = time.time()
-        m = self.metrics.model_name
-        new_tokens = sum(len(c.token_ids) for c in output.outputs)
+        c = self.children
+        new_tokens = sum(len(o.token_ids) for o in output.outputs)
+        if self.access is not None:
+            self._record(output, new_tokens, now)
         if new_tokens:
             if self.last is None:
                 arrival = output.metrics.get("arrival_time") or self.start
-                self.metrics.ttft.labels(m).observe(max(0.0, now - arrival))
-                self.metrics.queue_time.labels(m).observe(output.metrics.get("queue_time", 0.0))
+                c.ttft.observe(max(0.0, now - arrival))
+                c.queue_time.observe(output.metrics.get("queue_time", 0.0))
                 self.prompt_tokens = len(output.prompt_token_ids)
-                self.metrics.prompt_tokens.labels(m).inc(self.prompt_tokens)
+                c.prompt_tokens.inc(self.prompt_tokens)
             else:
-                self.metrics.itl.labels(m).observe(now - self.last)
+                c.itl.observe(now - self.last)
             self.last = now
-            self.metrics.generation_tokens.labels(m).inc(new_tokens)
+            c.generation_tokens.inc(new_tokens)
         for completion in output.outputs:
             if completion.finish_reason is not None:
-                self.metrics.request_success.labels(m, str(completion.finish_reason)).inc()
+                self.metrics.request_success.labels(self.metrics.model_name, str(completion.finish_reason)).inc()
         if output.finished:
             arrival = output.metrics.get("arrival_time") or self.start
-            self.metrics.e2e.labels(m).observe(max(0.0, now - arrival))
+            c.e2e.observe(max(0.0, now - arrival))
+
+    def _record(self, output: RequestOutput, new_tokens: int, now: float) -> None:
+        access = self.access
+        if output.request_id not in self._prompts_seen:
+            self._prompts_seen.add(output.request_id)
+            access.prompt_tokens += len(output.prompt_token_ids)
+        access.completion_tokens += new_tokens
+        if new_tokens and access.ttft is None:
+            access.ttft = now - access.start

@@ -1,5 +1,8 @@
 """Pure-ASGI gates in front of every route: service state (draining, dead engine) and body size.
 
+The access log (--enable-access-log) writes one line per request when its response is done:
+method, path, status, prompt and completion tokens, time to first token and total time.
+
 The state gate answers 503 for everything but /health (which reports the state itself) once
 the server is draining after SIGTERM or the engine core has died. The body gate refuses a body
 over the limit with 413 before any of it is parsed, whether or not it declared Content-Length.
@@ -7,9 +10,14 @@ over the limit with 413 before any of it is parsed, whether or not it declared C
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Callable
 
 from tokenforge.server.errors import body_too_large, unavailable
+from tokenforge.server.metrics import CURRENT_ACCESS, AccessRecord
+
+access_logger = logging.getLogger("tokenforge.access")
 
 
 class ServiceStateMiddleware:
@@ -90,3 +98,31 @@ def _replay(body: bytes, disconnected: bool, receive):
         return await receive()
 
     return replay
+
+
+class AccessLogMiddleware:
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        record = AccessRecord()
+        token = CURRENT_ACCESS.set(record)
+        status = 500
+
+        async def send_and_watch(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            CURRENT_ACCESS.reset(token)
+            ttft = "-" if record.ttft is None else f"{record.ttft * 1000:.1f}ms"
+            access_logger.info("%s %s %d tokens_in=%d tokens_out=%d ttft=%s total=%.1fms", scope["method"],
+                               scope["path"], status, record.prompt_tokens, record.completion_tokens, ttft,
+                               (time.time() - record.start) * 1000)

@@ -46,6 +46,15 @@ class SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(None, description="Salts the prefix cache (tenant isolation).")
+    prompt_logprobs: int | None = Field(None, description="Top-N logprobs of every prompt token (vLLM).")
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields and their newer
+    # spelling `structured_outputs` ({"json"|"regex"|"choice"|"grammar"|"json_object": ...}).
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 PromptInput = str | list[str] | list[int] | list[list[int]]
@@ -74,6 +83,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None     # an assistant's earlier calls
+    tool_call_id: str | None = None                    # a tool result answers this call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -84,7 +95,7 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     chat_template: str | None = Field(None, description="Refused unless the server trusts request templates.")
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -96,6 +107,7 @@ class TokenizeRequest(BaseModel):
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    add_special_tokens: bool = True
 
 
 class DetokenizeRequest(BaseModel):

@@ -23,6 +23,7 @@ from tokenforge.server.serving_common import (
     ServingContext,
     build_sampling_params,
     cancel_on_disconnect,
+    constrain,
     deadline_of,
     merge_streams,
     new_id,
@@ -33,6 +34,16 @@ from tokenforge.server.serving_common import (
     usage,
 )
 from tokenforge.server.streaming import EngineEventStream, sse
+from tokenforge.server.structured import structured_request
+from tokenforge.server.tools import (
+    ToolSetup,
+    extract_calls,
+    for_tool_template,
+    template_supports_tools,
+    tool_constraints,
+    tool_setup,
+    with_tool_prompt,
+)
 
 MULTIMODAL_PARTS = frozenset({"image_url", "image", "input_image", "image_file", "input_audio", "audio_url",
                               "audio", "video_url", "video", "file", "input_file"})
@@ -61,20 +72,29 @@ def template_messages(messages: list[ChatMessage], model_name: str) -> list[dict
         entry = {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
         if message.name is not None:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = message.tool_calls
+        if message.tool_call_id is not None:
+            entry["tool_call_id"] = message.tool_call_id
         out.append(entry)
     return out
 
 
 def render_prompt(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
-                  template: str | None = None, template_kwargs: dict | None = None) -> dict:
+                  template: str | None = None, template_kwargs: dict | None = None,
+                  tools: list[dict] | None = None) -> dict:
     """Messages -> {"prompt": text, "prompt_token_ids": ids}, tokenized as LLM.chat does."""
     if template is not None and not ctx.settings.trust_request_chat_template:
         raise bad_request("a chat_template in the request is refused: the server was not started with "
                           "--trust-request-chat-template", param="chat_template")
+    flat = template_messages(messages, ctx.model_name)
+    if template_supports_tools(ctx.template_source(template)):
+        flat = for_tool_template(flat)
+    else:
+        flat, tools = with_tool_prompt(flat, tools), None
     try:
-        text = ctx.renderer.render(template_messages(messages, ctx.model_name),
-                                   add_generation_prompt=add_generation_prompt, template=template,
-                                   template_kwargs=template_kwargs)
+        text = ctx.renderer.render(flat, add_generation_prompt=add_generation_prompt, template=template,
+                                   template_kwargs=template_kwargs, tools=tools)
     except TemplateError as err:
         raise bad_request(str(err), param="messages") from err
     return {"prompt": text, "prompt_token_ids": ctx.engine.tokenizer.encode(text, add_special_tokens=False)}
@@ -86,15 +106,18 @@ class _Choice:
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list | None = None
+    sent: int = 0                  # characters of content already streamed
+    holding: bool = False          # a tool call may have started: hold the rest back
 
 
 class ChatBuilder:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 top_logprobs: int | None) -> None:
+                 top_logprobs: int | None, tools: ToolSetup | None = None) -> None:
         self.ctx = ctx
         self.req = req
         self.request_id = request_id
         self.top_logprobs = top_logprobs
+        self.tools = tools
         self.created = now_s()
         self.choices = {i: _Choice(logprobs=[] if top_logprobs is not None else None) for i in range(req.n)}
         self.prompt_tokens = 0
@@ -135,15 +158,66 @@ class ChatBuilder:
     def _usage(self) -> dict:
         return usage(self.prompt_tokens, sum(c.num_tokens for c in self.choices.values()), self.cached_tokens)
 
+    def _message(self, choice: _Choice) -> tuple[dict, str | None]:
+        """The final assistant message and finish reason, with tool calls parsed out."""
+        if self.tools is None:
+            return {"role": "assistant", "content": choice.content}, choice.finish_reason
+        content, calls = extract_calls(self.tools, choice.content)
+        message = {"role": "assistant", "content": content}
+        if not calls:
+            return message, choice.finish_reason
+        message["tool_calls"] = [c.to_openai() for c in calls]
+        return message, "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+
     async def collect(self, outputs: AsyncIterator) -> dict:
         tracker = self.ctx.metrics.tracker()
         async for _, output in outputs:
             self._absorb(output, tracker)
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.content},
-                    "logprobs": None if c.logprobs is None else {"content": c.logprobs},
-                    "finish_reason": c.finish_reason}
-                   for i, c in sorted(self.choices.items())]
+        choices = []
+        for i, c in sorted(self.choices.items()):
+            message, finish_reason = self._message(c)
+            choices.append({"index": i, "message": message, "finish_reason": finish_reason,
+                            "logprobs": None if c.logprobs is None else {"content": c.logprobs}})
         return {**self._base(), "object": "chat.completion", "choices": choices, "usage": self._usage()}
+
+    def _streamable(self, choice: _Choice) -> str:
+        """Content that can go out now: all of it without tools; with tools, none once a call may
+        have started (and never a tail that could be the start of a call marker)."""
+        if self.tools is None:
+            text = choice.content[choice.sent:]
+        elif self.tools.constrained or choice.holding:
+            return ""
+        else:
+            text = self._before_marker(choice)
+        choice.sent += len(text)
+        return text
+
+    def _before_marker(self, choice: _Choice) -> str:
+        pending = choice.content[choice.sent:]
+        markers = self.tools.parser.start_markers
+        if self.tools.parser.name == "llama3_json":       # a JSON call is the whole answer
+            if not choice.content.strip() or choice.content.lstrip()[:1] in "{<":
+                choice.holding = True
+                return ""
+            return pending
+        for marker in markers:
+            at = pending.find(marker)
+            if at >= 0:
+                choice.holding = True
+                return pending[:at]
+        keep = max((k for m in markers for k in range(1, len(m)) if pending.endswith(m[:k])), default=0)
+        return pending[:len(pending) - keep]
+
+    def _final_chunks(self, index: int, choice: _Choice) -> tuple[list[dict], str | None]:
+        """Deltas at a choice's end: held-back content, then its tool calls."""
+        message, finish_reason = self._message(choice)
+        deltas = []
+        rest = (message["content"] or "")[choice.sent:] if "tool_calls" in message else choice.content[choice.sent:]
+        if rest and (self.tools is None or not self.tools.constrained or "tool_calls" not in message):
+            deltas.append({"content": rest})
+        if "tool_calls" in message:
+            deltas.append({"tool_calls": [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]})
+        return deltas, finish_reason
 
     async def stream(self, outputs: AsyncIterator) -> AsyncIterator[str]:
         tracker = self.ctx.metrics.tracker()
@@ -158,10 +232,15 @@ class ChatBuilder:
             yield chunk(index, {"role": "assistant", "content": ""})
         async for _, output in outputs:
             for index, completion, logprobs in self._absorb(output, tracker):
-                if completion.text or logprobs:
-                    yield chunk(index, {"content": completion.text}, {"content": logprobs} if logprobs else None)
+                choice = self.choices[index]
+                text = self._streamable(choice)
+                if text or logprobs:
+                    yield chunk(index, {"content": text}, {"content": logprobs} if logprobs else None)
                 if completion.finish_reason is not None:
-                    yield chunk(index, {}, None, completion.finish_reason)
+                    deltas, finish_reason = self._final_chunks(index, choice)
+                    for delta in deltas:
+                        yield chunk(index, delta)
+                    yield chunk(index, {}, None, finish_reason)
         if include_usage:
             yield sse({**self._base(), "choices": [], "usage": self._usage()})
 
@@ -171,26 +250,33 @@ def _token_entry(token: str, logprob: float) -> dict:
             "bytes": list(token.encode("utf-8"))}
 
 
-def _check_unsupported(req: ChatCompletionRequest) -> None:
-    if req.tools:
-        raise bad_request("tools are not supported by this server", param="tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice is not supported by this server", param="tool_choice")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than 'text' is not supported", param="response_format")
+def _check_request(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
     ctx.check_model(req.model)
-    _check_unsupported(req)
+    _check_request(req)
+    tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser,
+                       ctx.template_source(req.chat_template))
+    structured = structured_request(req)
+    if structured is not None and tools is not None and tools.constrained:
+        raise bad_request(f"{structured.param} cannot be combined with tool_choice {req.tool_choice!r}",
+                          param=structured.param)
     prompt = render_prompt(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
-                           template=req.chat_template, template_kwargs=req.chat_template_kwargs)
+                           template=req.chat_template, template_kwargs=req.chat_template_kwargs,
+                           tools=tools.in_prompt if tools is not None else None)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_logprobs)
-    builder = ChatBuilder(ctx, req, new_id("chatcmpl"), top_logprobs)
+    params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_logprobs,
+                                   logprobs_param="top_logprobs")
+    checks = tool_constraints(tools) if tools is not None else []
+    if structured is not None:
+        checks.append((structured.param, structured.spec))
+    params = await constrain(ctx, params, checks,
+                             apply_last=structured is not None or (tools is not None and tools.constrained))
+    builder = ChatBuilder(ctx, req, new_id("chatcmpl"), top_logprobs, tools)
     stack = contextlib.ExitStack()
     try:
         streams = submit(ctx, [prompt], params, builder.request_id, request_salt(request, req.cache_salt), stack,

@@ -60,6 +60,11 @@ class ServingContext:
     def vocab_size(self) -> int:
         return self.engine.runtime.vocab_size
 
+    def template_source(self, request_template: str | None = None) -> str | None:
+        """The chat template a request renders with: its own, the server's, or the model's."""
+        return (request_template or self.renderer.server_template
+                or getattr(self.engine.tokenizer, "chat_template", None))
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise model_not_found(model)
@@ -86,7 +91,8 @@ def request_salt(request: Request, cache_salt: str | None) -> str | None:
 # ---- request -> SamplingParams -----------------------------------------------------------------------
 
 def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_tokens: int | None,
-                          logprobs: int | None) -> SamplingParams:
+                          logprobs: int | None, logprobs_param: str = "logprobs",
+                          prompt_logprobs: int | None = None) -> SamplingParams:
     limits = ctx.settings
     if req.n > limits.max_n:
         raise bad_request(f"n must be <= {limits.max_n} (the server's --max-n), got {req.n}", param="n")
@@ -98,7 +104,12 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
     if max_tokens is None:
         max_tokens = limits.max_tokens_limit
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+        raise bad_request(f"{logprobs_param} must be an integer in [0, {MAX_LOGPROBS}], got {logprobs}",
+                          param=logprobs_param)
+    prompt_logprobs = req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
+                          param="prompt_logprobs")
     temperature = 1.0 if req.temperature is None else req.temperature
     if temperature > _MAX_TEMPERATURE:
         raise bad_request(f"temperature must be in [0, {_MAX_TEMPERATURE:g}], got {temperature}", param="temperature")
@@ -121,7 +132,7 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
             repetition_penalty=repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=req.skip_special_tokens)
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
     except ValueError as err:
         raise from_value_error(err) from err
 
@@ -133,6 +144,18 @@ def _top_k(top_k: int | None, vocab_size: int) -> int:
     if top_k < -1:
         raise bad_request(f"top_k must be -1 or 0 (disabled) or an integer >= 1, got {top_k}", param="top_k")
     return top_k
+
+
+async def constrain(ctx: ServingContext, params: SamplingParams, checks: list[tuple[str, object]],
+                    apply_last: bool = True) -> SamplingParams:
+    """Compile each (param, StructuredOutputsParams) in a worker thread (400 naming `param` when one
+    fails); with `apply_last`, the last becomes the request's constraint."""
+    for param, spec in checks:
+        try:
+            await ctx.engine.prepare(params.clone(structured_outputs=spec))
+        except ValueError as err:
+            raise bad_request(f"{param}: {err}", param=param.split("[")[0].split(".")[0]) from err
+    return params.clone(structured_outputs=checks[-1][1]) if checks and apply_last else params
 
 
 # ---- submitting and collecting ---------------------------------------------------------------------
@@ -171,6 +194,11 @@ async def merge_streams(ctx: ServingContext, streams: list[RequestStream],
     deadline passes. Engine-side failures come out as APIError."""
     pending: dict[asyncio.Future, int] = {}
     try:
+        if len(streams) == 1 and deadline is None:
+            # The common case, without a task and an asyncio.wait per chunk.
+            async for output in streams[0]:
+                yield 0, output
+            return
         pending = {asyncio.ensure_future(_next_or_none(s)): i for i, s in enumerate(streams)}
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()

@@ -2,6 +2,11 @@
 
 Choice i of prompt p has index p * n + i, as OpenAI numbers them. Logprobs use the legacy shape
 (tokens, token_logprobs, top_logprobs, text_offset).
+
+echo with logprobs (how evaluation harnesses score loglikelihood) puts the prompt's tokens first
+in that shape, scored by prompt logprobs: the first prompt token has a null token_logprob and
+top_logprobs entry. max_tokens 0 is allowed with echo: the engine samples one token, which is
+dropped. `prompt_logprobs` (vLLM's field) adds a per-choice `prompt_logprobs` list.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from tokenforge.server.serving_common import (
     ServingContext,
     build_sampling_params,
     cancel_on_disconnect,
+    constrain,
     deadline_of,
     merge_streams,
     new_id,
@@ -30,6 +36,7 @@ from tokenforge.server.serving_common import (
     usage,
 )
 from tokenforge.server.streaming import EngineEventStream, sse
+from tokenforge.server.structured import structured_request
 
 
 def normalize_prompts(prompt) -> list[str | list[int]]:
@@ -46,6 +53,7 @@ def normalize_prompts(prompt) -> list[str | list[int]]:
 class _Choice:
     text: str = ""
     num_tokens: int = 0
+    prompt_logprobs: list | None = None
     offset: int = 0                 # characters of text so far, for logprobs' text_offset
     finish_reason: str | None = None
     logprobs: dict | None = None
@@ -61,6 +69,7 @@ class CompletionBuilder:
     def __init__(self, ctx: ServingContext, req: CompletionRequest, request_id: str) -> None:
         self.ctx = ctx
         self.req = req
+        self.echo_only = req.max_tokens == 0       # the one sampled token is not part of the answer
         self.request_id = request_id
         self.created = now_s()
         self.choices: dict[int, _Choice] = {}
@@ -81,11 +90,19 @@ class CompletionBuilder:
         for completion in output.outputs:
             index = prompt_index * self.req.n + completion.index
             choice = self.choices.setdefault(index, _Choice())
-            text = completion.text
+            if self.echo_only:
+                completion.text, completion.token_ids, completion.logprobs = "", [], []
+            text, logprobs = completion.text, None
+            if self.req.logprobs is not None:
+                logprobs = self._logprobs(completion, text, choice.offset + self._echo_len(index, output))
             if self.req.echo and index not in self.echoed:
                 self.echoed.add(index)
-                text = self._prompt_text(output) + text
-            logprobs = self._logprobs(completion, text, choice.offset) if self.req.logprobs is not None else None
+                prompt_text = self._prompt_text(output)
+                text = prompt_text + text
+                if logprobs is not None:
+                    logprobs = _extend_logprobs(self._prompt_logprobs_body(output, prompt_text), logprobs)
+            if self.req.prompt_logprobs is not None and choice.prompt_logprobs is None:
+                choice.prompt_logprobs = _vllm_prompt_logprobs(output.prompt_logprobs)
             choice.text += text
             choice.offset += len(text)
             choice.num_tokens += len(completion.token_ids)
@@ -94,6 +111,34 @@ class CompletionBuilder:
                 choice.logprobs = _extend_logprobs(choice.logprobs, logprobs)
             deltas.append((index, completion, text, logprobs))
         return deltas
+
+    def _echo_len(self, index: int, output: RequestOutput) -> int:
+        """Characters of echoed prompt that precede this delta's first generated token."""
+        return len(self._prompt_text(output)) if self.req.echo and index not in self.echoed else 0
+
+    def _prompt_logprobs_body(self, output: RequestOutput, prompt_text: str) -> dict:
+        """The legacy logprobs of the echoed prompt: null for the first token (nothing scores it)."""
+        tokenizer = self.ctx.engine.tokenizer
+        body = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        positions = output.prompt_logprobs or []
+        offset = 0
+        for i, token_id in enumerate(output.prompt_token_ids):
+            position = positions[i] if i < len(positions) else None
+            token = token_text(tokenizer, token_id, None)
+            body["tokens"].append(token)
+            body["text_offset"].append(min(offset, len(prompt_text)))
+            offset += len(token)
+            if position is None:
+                body["token_logprobs"].append(None)
+                body["top_logprobs"].append(None)
+                continue
+            chosen = position.get(token_id) or Logprob(float("-inf"))
+            top = {token_text(tokenizer, t, lp.decoded_token): _finite(lp.logprob)
+                   for t, lp in _ranked(position)[:self.req.logprobs]}
+            top.setdefault(token, _finite(chosen.logprob))
+            body["token_logprobs"].append(_finite(chosen.logprob))
+            body["top_logprobs"].append(top)
+        return body
 
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
@@ -117,6 +162,13 @@ class CompletionBuilder:
             offset += len(token)
         return body
 
+    def _choice_body(self, index: int, c: _Choice) -> dict:
+        body = {"index": index, "text": c.text, "logprobs": c.logprobs,
+                "finish_reason": "length" if self.echo_only else c.finish_reason}
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = c.prompt_logprobs
+        return body
+
     def _usage(self) -> dict:
         completion_tokens = sum(c.num_tokens for c in self.choices.values())
         return usage(sum(self.totals.prompt_tokens.values()), completion_tokens,
@@ -126,8 +178,7 @@ class CompletionBuilder:
         tracker = self.ctx.metrics.tracker()
         async for prompt_index, output in outputs:
             self._absorb(prompt_index, output, tracker)
-        choices = [{"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
-                   for i, c in sorted(self.choices.items())]
+        choices = [self._choice_body(i, c) for i, c in sorted(self.choices.items())]
         return {**self._base(), "choices": choices, "usage": self._usage(), "system_fingerprint": None}
 
     async def stream(self, outputs: AsyncIterator) -> AsyncIterator[str]:
@@ -140,6 +191,8 @@ class CompletionBuilder:
                     continue   # only held-back bytes so far
                 choice = {"index": index, "text": text, "logprobs": logprobs,
                           "finish_reason": completion.finish_reason}
+                if self.req.prompt_logprobs is not None and completion.finish_reason is not None:
+                    choice["prompt_logprobs"] = self.choices[index].prompt_logprobs
                 yield sse({**self._base(), "choices": [choice], **extra})
         if include_usage:
             yield sse({**self._base(), "choices": [], "usage": self._usage()})
@@ -152,6 +205,15 @@ def _ranked(position: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
 def _finite(value: float) -> float | None:
     """JSON has no -inf; a token the model found impossible gets the lowest float instead."""
     return value if value > -1e38 else -9999.0
+
+
+def _vllm_prompt_logprobs(positions) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if p is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in p.items()}
+            for p in positions]
 
 
 def _extend_logprobs(total: dict | None, new: dict) -> dict:
@@ -168,10 +230,18 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request(f"best_of must equal n ({req.n}) if given, got {req.best_of}", param="best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported", param="echo")
+    if req.max_tokens == 0 and not req.echo:
+        raise bad_request("max_tokens must be >= 1 (0 is allowed only with echo), got 0", param="max_tokens")
     prompts = normalize_prompts(req.prompt)
-    params = build_sampling_params(ctx, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    # echo + logprobs scores the prompt: prompt logprobs with the same top-N.
+    prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+    if req.prompt_logprobs is not None:
+        prompt_logprobs = max(req.prompt_logprobs, prompt_logprobs or 0)
+    params = build_sampling_params(ctx, req, max_tokens=1 if req.max_tokens == 0 else req.max_tokens,
+                                   logprobs=req.logprobs, prompt_logprobs=prompt_logprobs)
+    structured = structured_request(req)
+    if structured is not None:
+        params = await constrain(ctx, params, [(structured.param, structured.spec)])
     builder = CompletionBuilder(ctx, req, new_id("cmpl"))
     stack = contextlib.ExitStack()
     try:

@@ -27,10 +27,15 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY
     request_timeout: float | None = None        # seconds; None = no limit
     shutdown_timeout: float = 30.0              # seconds to finish in-flight requests on SIGTERM
+    # Idle keep-alive connections close after this. Longer than clients' own pool expiry (httpx:
+    # 5 s), so a client never sends on a connection the server is closing at the same moment.
+    keep_alive_timeout: float = 75.0
     trust_request_chat_template: bool = False
     chat_template: str | None = None            # a template string or a path to one
     log_level: str = "info"
-    access_log: bool = False
+    access_log: bool = False                    # one line per request (method, path, status, tokens, times)
+    protect_all_routes: bool = False            # the API key guards every route, not only /v1/*
+    tool_call_parser: str | None = None         # None: chosen from the chat template
 
     def validate(self) -> ServerSettings:
         def check(cond: bool, message: str) -> None:
@@ -45,6 +50,7 @@ class ServerSettings:
         check(self.max_body_bytes >= 1024, f"max_body_size must be at least 1 KiB, got {self.max_body_bytes} bytes")
         check(self.request_timeout is None or self.request_timeout > 0,
               f"request_timeout must be positive, got {self.request_timeout}")
+        check(self.keep_alive_timeout > 0, f"keep_alive_timeout must be positive, got {self.keep_alive_timeout}")
         check(self.shutdown_timeout >= 0, f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         check(all(self.api_keys), "an API key must not be empty")
         return self
@@ -68,8 +74,11 @@ class ServerSettings:
             max_body_bytes=parse_size(body) if body is not None else defaults.max_body_bytes,
             request_timeout=getattr(args, "request_timeout", None),
             shutdown_timeout=getattr(args, "shutdown_timeout", defaults.shutdown_timeout),
+            keep_alive_timeout=getattr(args, "keep_alive_timeout", defaults.keep_alive_timeout),
             trust_request_chat_template=bool(getattr(args, "trust_request_chat_template", False)),
             chat_template=getattr(args, "chat_template", None),
             log_level=(getattr(args, "log_level", None) or defaults.log_level).lower(),
             access_log=bool(getattr(args, "access_log", False)),
+            protect_all_routes=bool(getattr(args, "protect_all_routes", False)),
+            tool_call_parser=getattr(args, "tool_call_parser", None),
         ).validate()

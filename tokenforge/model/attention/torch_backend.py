@@ -12,6 +12,11 @@ Per layer it writes the new k/v into the cache at `slot_mapping`, then attends:
 - each prefill chunk on its own, causal with an offset of `context_len` (its queries sit after
   the cached context); a chunk with no cached context attends to its own k/v without a gather.
 Everything index-like (block ids, masks) is built once per step in `build_metadata`.
+
+An fp8 (e4m3) cache is the reference for the Triton fp8 kernels: k/v are quantized on store with
+the layer's scales (kernels/kv_quant.py) and every read dequantizes to the query's dtype; the new
+tokens' own k/v are replaced by their dequantized values, so a chunk attends to exactly what the
+cache holds. The decode workspaces (a CPU speed path) stay off for fp8.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenforge.kernels.kv_quant import is_fp8, store_fp8
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.attention.decode_workspace import DecodeWorkspaces
 
@@ -90,25 +96,28 @@ class TorchAttentionBackend:
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: TorchAttentionMetadata, scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)     # [2, num_slots, Hkv, D]
-        flat[0].index_copy_(0, metadata.slot_mapping, k)
-        flat[1].index_copy_(0, metadata.slot_mapping, v)
+        if is_fp8(kv_cache):
+            k, v = store_fp8(flat, metadata.slot_mapping, k, v, kv_scales)   # k, v now as cached
+        else:
+            flat[0].index_copy_(0, metadata.slot_mapping, k)
+            flat[1].index_copy_(0, metadata.slot_mapping, v)
         d = metadata.decode
         if d is not None and not metadata.prefills and d.batch_size == q.shape[0]:
-            return self._decode(q, k, v, kv_cache, d, scale)    # pure decode step: no extra copy
+            return self._decode(q, k, v, kv_cache, d, scale, kv_scales)    # pure decode step: no extra copy
         out = torch.empty_like(q)
         if d is not None:
-            out[d.rows] = self._decode(q[d.rows], k[d.rows], v[d.rows], kv_cache, d, scale)
+            out[d.rows] = self._decode(q[d.rows], k[d.rows], v[d.rows], kv_cache, d, scale, kv_scales)
         for p in metadata.prefills:
-            out[p.start:p.end] = _prefill(q, k, v, kv_cache, p, scale)
+            out[p.start:p.end] = _prefill(q, k, v, kv_cache, p, scale, kv_scales)
         return out
 
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup,
-                scale: float) -> torch.Tensor:
-        if d.context_lens is not None:
+                scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
+        if d.context_lens is not None and not is_fp8(kv_cache):
             batch, num_heads, head_dim = q.shape
             num_kv_heads = k.shape[1]
             grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -118,7 +127,14 @@ class TorchAttentionBackend:
                                          d.key_mask, scale)
             if out is not None:
                 return out.reshape(batch, num_heads, head_dim)
-        return _decode(q, kv_cache, d, scale)
+        return _decode(q, kv_cache, d, scale, kv_scales)
+
+
+def _dequantized(kv: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered K/V [2, ...]: fp8 codes times their scale, in dtype; other caches as they are."""
+    if kv.dtype != torch.float8_e4m3fn:
+        return kv
+    return (kv.float() * kv_scales[:2].view(2, *[1] * (kv.dim() - 1))).to(dtype)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -128,12 +144,14 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(0, 1)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float,
+            kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D], attending over each sequence's cached keys."""
     _, _, bs, num_kv_heads, head_dim = kv_cache.shape
     batch, num_heads = d.batch_size, q.shape[1]
     kv = kv_cache.index_select(1, d.block_ids)                   # [2, B * max_blocks, bs, Hkv, D]
     kv = kv.view(2, batch, d.max_blocks * bs, num_kv_heads, head_dim)[:, :, : d.max_len]
+    kv = _dequantized(kv, kv_scales, q.dtype)
     keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
     # Query heads sharing a kv head act as that head's query rows: [B, Hkv, Hq/Hkv, D].
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
@@ -144,7 +162,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: floa
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             p: PrefillChunk, scale: float) -> torch.Tensor:
+             p: PrefillChunk, scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """This chunk's rows of q [T, Hq, D] -> [query_len, Hq, D]."""
     query = q[p.start:p.end].transpose(0, 1)                     # [Hq, Lq, D]
     if p.block_ids is None:
@@ -158,6 +176,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
     else:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         kv = kv_cache.index_select(1, p.block_ids).view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len]
+        kv = _dequantized(kv, kv_scales, q.dtype)
         keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)   # [Hkv, S, D]
         if p.mask.dtype != q.dtype:
             p.mask = p.mask.to(q.dtype)

@@ -144,12 +144,16 @@ class TritonAttentionBackend:
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TritonAttentionMetadata, scale: float, kv_stored: bool = False) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. `kv_stored`: the rotary kernel already stored k/v."""
+                metadata: TritonAttentionMetadata, scale: float, kv_stored: bool = False,
+                kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. `kv_stored`: the rotary kernel already stored k/v.
+        `kv_scales` [4]: the layer's fp8 scales (an fp8 cache only)."""
         if not kv_stored:
-            store_kv(k, v, kv_cache, metadata.slot_mapping)
+            store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         if metadata.is_decode_only:
             assert q.shape[0] == metadata.num_seqs, "decode q rows must match the (padded) batch"
-            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale)
+            return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
+                                    kv_scales=kv_scales)
         return prefill_attention(q, kv_cache, metadata.block_tables, metadata.query_start_loc,
-                                 metadata.seq_lens, scale, max_query_len=metadata.max_query_len)
+                                 metadata.seq_lens, scale, max_query_len=metadata.max_query_len,
+                                 kv_scales=kv_scales)

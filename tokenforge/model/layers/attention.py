@@ -4,6 +4,10 @@ It reads the step's metadata from the forward context and its own `kv_cache` ten
 the model runner after it allocates the cache), and hands both to the backend. With no metadata
 (`set_forward_context(None)`, e.g. a memory-profiling run before the cache exists) the whole
 batch is treated as one causal sequence and nothing is cached.
+
+fp8 KV: the runner also assigns `kv_scales` ([4] float32, kernels/kv_quant.py) when the cache is
+e4m3. Calibration: while `kv_amax` is a [2] tensor, every forward folds max|k| and max|v| (after
+rotary, i.e. what the cache would hold) into it; the runner turns those into scales.
 """
 
 from __future__ import annotations
@@ -27,15 +31,25 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = backend or TorchAttentionBackend()
         # [2, num_blocks, block_size, Hkv, D]; a plain attribute, not a buffer: the runner owns it.
         self.kv_cache = torch.empty(0)
+        self.kv_scales: torch.Tensor | None = None     # [4] for an fp8 cache
+        self.kv_amax: torch.Tensor | None = None       # [2] running max |k|, |v| while calibrating
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
         metadata = get_forward_context().attn_metadata
+        self._observe(k, v)
         if metadata is None:
             out = causal_attention(q, k, v, self.scale)
-        else:
+        elif self.kv_scales is None:
             out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        else:
+            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_scales=self.kv_scales)
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+
+    def _observe(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.kv_amax is not None and k.numel():
+            amax = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
+            torch.maximum(self.kv_amax, amax, out=self.kv_amax)
 
     def forward_with_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             rotary: nn.Module) -> torch.Tensor:
@@ -46,8 +60,10 @@ class Attention(nn.Module):
         if (metadata is not None and ops is not None and getattr(self.backend, "name", "") == "triton"
                 and self.head_dim & (self.head_dim - 1) == 0):
             ops.apply_rotary(q, k, positions, rotary.cos_sin_cache, v=v, kv_cache=self.kv_cache,
-                             slot_mapping=metadata.slot_mapping)
-            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_stored=True)
+                             slot_mapping=metadata.slot_mapping, kv_scales=self.kv_scales)
+            self._observe(k, v)
+            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_stored=True,
+                                       kv_scales=self.kv_scales)
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v)

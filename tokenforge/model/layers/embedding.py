@@ -53,12 +53,17 @@ class LMHead(VocabEmbedding):
     embedding's own Parameter (see `tie_to`)."""
 
     packed_weight: torch.Tensor | None = None           # MKL-packed copy on the CPU (cpu_packed.py)
+    quant_method = None   # set by --quantize-lm-head (tokenforge.model.quant)
+    bias = None
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = dense_linear(hidden, self.weight, None, self.packed_weight)    # [N, V_per_rank]
+        if self.quant_method is not None:
+            logits = self.quant_method.apply(self, hidden, None)
+        else:
+            logits = dense_linear(hidden, self.weight, None, self.packed_weight)    # [N, V_per_rank]
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits, self.tp_size)
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

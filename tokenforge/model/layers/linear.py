@@ -11,6 +11,11 @@ At decode sizes on CUDA the matmul is a Triton GEMV (kernel_dispatch.gemv_ops), 
 fold the neighbouring elementwise op into it: `forward_normed` (residual add + RMSNorm, then this
 column-parallel projection) and `forward_silu_mul` (SwiGLU, then this row-parallel projection).
 Every other case runs the unfused modules, so results agree up to bf16 rounding.
+
+A quantized layer carries a `quant_method` (tokenforge.model.quant) that owns its packed weights
+and replaces the matmul (and, where its kernels have them, the fused prologues). Loaders slice
+any parameter by the dims it declares (`output_dim`, `input_dim`, and a pack factor for each:
+packed int4 words, one scale per group), so pre-quantized checkpoints shard like dense ones.
 """
 
 from __future__ import annotations
@@ -36,6 +41,50 @@ def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> 
                          f"got {tuple(loaded.shape)}")
 
 
+def _packed(size: int, pack: int, what: str) -> int:
+    if size % pack:
+        raise ValueError(f"{what}: {size} rows/columns per rank do not split into whole packs (groups) of {pack}")
+    return size // pack
+
+
+def _narrow(t: torch.Tensor, dim: int, start: int, length: int, what: str) -> torch.Tensor:
+    if t.dim() <= dim or start + length > t.shape[dim]:
+        raise ValueError(f"{what}: a checkpoint tensor of shape {tuple(t.shape)} has no slice [{start}:{start + length}] "
+                         f"along dim {dim}")
+    return t.narrow(dim, start, length)
+
+
+def load_slice(param: nn.Parameter, loaded: torch.Tensor, what: str,
+               out: tuple[int, int, int] | None = None, inp: tuple[int, int] | None = None,
+               shard_index: int = 0) -> None:
+    """Copy this rank's part of a checkpoint tensor into param.
+
+    out = (target offset, size, source start) along the output dim, inp = (source start, size)
+    along the input dim, both in unpacked units; each applies only where the parameter declares
+    that dim (default: output 0, input 1 for a matrix). Per-tensor scales of fused layers
+    (`param.per_shard`) take one slot per checkpoint tensor instead.
+    """
+    if getattr(param, "per_shard", False):
+        _check_shape(param.data[shard_index].reshape(-1), loaded.reshape(-1), what)
+        param.data[shard_index].copy_(loaded.reshape(()))
+        return
+    target, part = param.data, loaded
+    out_dim = getattr(param, "output_dim", 0)
+    in_dim = getattr(param, "input_dim", 1 if param.dim() == 2 else None)
+    if out is not None and out_dim is not None:
+        pack = getattr(param, "output_pack", 1)
+        offset, size, start = out
+        n = _packed(size, pack, what)
+        target = target.narrow(out_dim, offset // pack, n)
+        part = _narrow(part, out_dim, start // pack, n, what)
+    if inp is not None and in_dim is not None:
+        pack = getattr(param, "input_pack", 1)
+        start, size = inp
+        part = _narrow(part, in_dim, start // pack, _packed(size, pack, what), what)
+    _check_shape(target, part, what)
+    target.copy_(part)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b, W split by output rows across ranks."""
 
@@ -50,23 +99,39 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (new_parameter(self.output_size_per_rank, dtype=params_dtype, weight_loader=self.weight_loader)
                      if bias else None)
 
+    def output_slice(self, shard_id=None) -> tuple[int, int, int]:
+        """(offset in this rank's output rows, size, start in the checkpoint tensor) of a shard."""
+        size = self.output_size_per_rank
+        return 0, size, self.tp_rank * size
+
+    def shard_index(self, shard_id=None) -> int:
+        return 0
+
+    def shard_sizes(self) -> list[int]:
+        """Output rows per checkpoint tensor fused into this layer (this rank's share)."""
+        return [self.output_size_per_rank]
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        size = param.shape[0]
-        part = loaded.narrow(0, self.tp_rank * size, size)
-        _check_shape(param.data, part, type(self).__name__)
-        param.data.copy_(part)
+        what = type(self).__name__ + ("" if shard_id is None else f" shard {shard_id}")
+        load_slice(param, loaded, what, out=self.output_slice(shard_id), shard_index=self.shard_index(shard_id))
 
     packed_weight: torch.Tensor | None = None           # MKL-packed or int8-packed copy (cpu_packed.py)
     quantizable = True    # dynamic int8 (cpu_packed.quantize_linears_int8)
+    quant_method = None   # a tokenforge.model.quant LinearMethod when quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant_method is not None:
+            return self.quant_method.apply(self, x, self.bias)
         return dense_linear(x, self.weight, self.bias, self.packed_weight)      # [T, out_per_rank]
 
     def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x, residual)) -> (y [T, out_per_rank], new residual [T, in]); `norm` is an
         RMSNorm. With residual None, x is the residual. One fused GEMV at decode sizes."""
-        ops = gemv_ops(x, self.weight) if self.packed_weight is None else None
+        fused = self.quant_method.apply_normed(self, norm, x, residual) if self.quant_method is not None else None
+        if fused is not None:
+            return fused
+        ops = gemv_ops(x, self.weight) if self.packed_weight is None and self.quant_method is None else None
         if ops is not None and ops.fuses_prologue(*self.weight.shape):
             return ops.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
         if residual is None:
@@ -86,14 +151,17 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias, params_dtype, tp_rank, tp_size)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def output_slice(self, shard_id=None) -> tuple[int, int, int]:
         assert isinstance(shard_id, int), "MergedColumnParallelLinear needs an int shard_id"
         offset = divide(sum(self.output_sizes[:shard_id]), self.tp_size)
         size = divide(self.output_sizes[shard_id], self.tp_size)
-        part = loaded.narrow(0, self.tp_rank * size, size)
-        target = param.data.narrow(0, offset, size)
-        _check_shape(target, part, f"{type(self).__name__} shard {shard_id}")
-        target.copy_(part)
+        return offset, size, self.tp_rank * size
+
+    def shard_index(self, shard_id=None) -> int:
+        return shard_id
+
+    def shard_sizes(self) -> list[int]:
+        return [divide(s, self.tp_size) for s in self.output_sizes]
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -121,16 +189,19 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim    # per rank
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    def output_slice(self, shard_id=None) -> tuple[int, int, int]:
         offsets = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size),
                    "v": (self.q_size + self.kv_size, self.kv_size)}
         assert shard_id in offsets, f"QKVParallelLinear shard_id must be q, k or v, got {shard_id!r}"
         offset, size = offsets[shard_id]
         source_rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
-        part = loaded.narrow(0, source_rank * size, size)
-        target = param.data.narrow(0, offset, size)
-        _check_shape(target, part, f"QKVParallelLinear shard {shard_id}")
-        target.copy_(part)
+        return offset, size, source_rank * size
+
+    def shard_index(self, shard_id=None) -> int:
+        return "qkv".index(shard_id)
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
 
 
 class RowParallelLinear(nn.Module):
@@ -146,27 +217,36 @@ class RowParallelLinear(nn.Module):
                                     weight_loader=self.weight_loader)
         self.bias = new_parameter(output_size, dtype=params_dtype, weight_loader=self.weight_loader) if bias else None
 
+    def input_slice(self) -> tuple[int, int]:
+        """(start in the checkpoint tensor, size) of this rank's input columns."""
+        return self.tp_rank * self.input_size_per_rank, self.input_size_per_rank
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        part = loaded
-        if param.dim() == 2:    # the bias is not split: rank 0 adds it once
-            size = param.shape[1]
-            part = loaded.narrow(1, self.tp_rank * size, size)
-        _check_shape(param.data, part, type(self).__name__)
-        param.data.copy_(part)
+        # the bias (1-D: no input dim) is not split: rank 0 adds it once
+        load_slice(param, loaded, type(self).__name__, inp=self.input_slice())
 
     packed_weight: torch.Tensor | None = None           # MKL-packed or int8-packed copy (cpu_packed.py)
     # o_proj and down_proj read the attention output and the SwiGLU product, whose outlier channels
     # per-tensor int8 activations lose: on SmolLM2 quantizing them raised perplexity ~50%, not ~1%.
     quantizable = False
+    quant_method = None   # a tokenforge.model.quant LinearMethod when quantized
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = self.bias if self.tp_rank == 0 else None
-        y = dense_linear(x, self.weight, bias, self.packed_weight)    # [T, out]
+        if self.quant_method is not None:
+            y = self.quant_method.apply(self, x, bias)
+        else:
+            y = dense_linear(x, self.weight, bias, self.packed_weight)    # [T, out]
         return all_reduce(y) if self.tp_size > 1 else y
 
     def forward_silu_mul(self, act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
         """self(act_fn(gate_up)) for gate_up [T, 2 * in_per_rank] = [gate | up] and act_fn a
         SiluAndMul; one fused GEMV at decode sizes."""
+        if self.quant_method is not None:
+            y = self.quant_method.apply_silu_mul(self, act_fn, gate_up, self.bias if self.tp_rank == 0 else None)
+            if y is None:
+                return self(act_fn(gate_up))
+            return all_reduce(y) if self.tp_size > 1 else y
         ops = gemv_ops(gate_up, self.weight) if self.packed_weight is None else None
         if ops is None or not ops.fuses_prologue(*self.weight.shape):
             return self(act_fn(gate_up))

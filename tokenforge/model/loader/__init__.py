@@ -2,7 +2,8 @@
 
 In: `model` (None = the bundled GGUF, a .gguf file, an HF directory, a config.json, or a shipped
 config name), `load_format` (auto | gguf | safetensors | dummy), dtype, device, seed.
-Out: `LoadedModel(model, arch_config, source_path, checksum_hint)`. The checksum hint is a cheap
+Out: `LoadedModel(model, arch_config, source_path, checksum_hint)`, plus the checkpoint's FP8 KV
+cache scales when it has them (kv_scales.py). The checksum hint is a cheap
 content fingerprint (sizes plus the first and last MiB of each weight file), enough to notice a
 swapped checkpoint without hashing gigabytes at start-up.
 """
@@ -27,9 +28,11 @@ from tokenforge.model.loader.dummy_loader import (
 )
 from tokenforge.model.loader.gguf_file import GGUFFile
 from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, find_bundled_gguf, gguf_weights
+from tokenforge.model.loader.kv_scales import KVScaleCollector, kv_scale_target
 from tokenforge.model.loader.safetensors_loader import read_hf_config, safetensors_files, safetensors_weights
 from tokenforge.model.loader.weight_cache import WeightCache, cache_key
 from tokenforge.model.models import get_model_class
+from tokenforge.model.quant import QuantOptions, after_loading, before_loading, checkpoint_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +58,7 @@ class LoadedModel:
     source_path: Path
     checksum_hint: str
     load_seconds: float = 0.0
+    kv_scales: list[tuple[float, float]] | None = None   # per layer (k_scale, v_scale) from the checkpoint
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,42 +112,61 @@ def read_arch_config(model: str | Path | None, load_format: str = "auto") -> Arc
 
 def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
                seed: int = 0, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
-               cache: CacheOptions | None = None) -> LoadedModel:
+               cache: CacheOptions | None = None, quant: QuantOptions | None = None,
+               cpu_int8_dynamic: bool = False) -> LoadedModel:
     """Build the model for this rank on `device` and fill it: from the engine cache when it holds
-    this rank's converted weights, else from the source (and then into the cache)."""
+    this rank's converted weights, else from the source (and then into the cache). `quant` then
+    quantizes or prunes it (each rank's shard), and a pre-quantized safetensors checkpoint is
+    converted to the kernels' format. The engine cache holds the weights before on-the-fly
+    quantization (which runs after every load); a pre-quantized checkpoint bypasses the cache."""
     start = time.perf_counter()
+    quant = quant or QuantOptions()
     source = resolve_model_source(model, load_format)
     gguf = GGUFFile(source.path) if source.config_kind == "gguf" else None
     config = _read_arch_config(source, gguf)
     with torch.device(device):
         net = get_model_class(config.architecture)(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
                                                          pp_rank=pp_rank, pp_size=pp_size)
+    prepared = before_loading(net, checkpoint_scheme(source.path) if source.kind == "safetensors" else None, quant)
     checksum = _checksum_hint(source, seed)
     entry = None
     if cache is not None and source.kind != "dummy":
-        entry = WeightCache(cache.root, cache_key(checksum, dtype, cache.quantization, tp_rank, tp_size, pp_rank,
-                                                  pp_size, cache.model_version))
+        if prepared.scheme is not None:
+            logger.info("engine cache: not used for a pre-quantized checkpoint (%s)", prepared.scheme.label)
+        else:
+            entry = WeightCache(cache.root, cache_key(checksum, dtype, cache.quantization, tp_rank, tp_size, pp_rank,
+                                                      pp_size, cache.model_version))
     from_cache = entry is not None and entry.load_into(net, map_on_cpu=load_format == "lazy")
-    if not from_cache:
-        _fill_from_source(net, source, gguf, config, seed + 1000 * (pp_rank * tp_size + tp_rank))
+    if from_cache:
+        kv_scales = entry.kv_scales()
+    else:
+        kv_scales = _fill_from_source(net, source, gguf, config, seed + 1000 * (pp_rank * tp_size + tp_rank))
         if entry is not None:
             entry.store(net, {"source": str(source.path), "checksum": checksum, "dtype": str(dtype),
-                              "tp": [tp_rank, tp_size], "pp": [pp_rank, pp_size]})
+                              "tp": [tp_rank, tp_size], "pp": [pp_rank, pp_size], "kv_scales": kv_scales})
+    after_loading(net, prepared, quant, cpu_int8_dynamic)
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s%s", source.path, source.kind, config.architecture, seconds,
                 " from the engine cache" if from_cache else "")
-    return LoadedModel(net, config, source.path, checksum, seconds)
+    return LoadedModel(net, config, source.path, checksum, seconds, kv_scales)
 
 
 def _fill_from_source(net: nn.Module, source: ModelSource, gguf: GGUFFile | None, config: ArchConfig,
-                      seed: int) -> None:
+                      seed: int) -> list[tuple[float, float]] | None:
+    """Fill `net` from the checkpoint; returns the checkpoint's per-layer fp8 KV scales (all
+    layers, whichever stage this rank is), or None."""
     if source.kind == "dummy":
         initialize_dummy_weights(net, seed)
     elif gguf is not None:
         net.load_weights(gguf_weights(gguf, config, net.wants_weight))
     else:
-        net.load_weights(safetensors_weights(source.path, net.wants_weight))
+        collector = KVScaleCollector()
+        # KV scales of every layer pass the stage filter: the collector wants them all.
+        wanted = lambda name: kv_scale_target(name) is not None or net.wants_weight(name)  # noqa: E731
+        net.load_weights(collector.filter(safetensors_weights(source.path, wanted)))
+        return collector.per_layer(config.num_hidden_layers)
+    return None
 
 
 def _from_gguf(path: Path, load_format: str) -> ModelSource:

@@ -83,6 +83,11 @@ class WeightCache:
             mapped.close()
         return True
 
+    def kv_scales(self) -> list[tuple[float, float]] | None:
+        """The checkpoint's per-layer fp8 KV scales, kept in the manifest (None: it had none)."""
+        scales = json.loads((self.entry / MANIFEST_FILE).read_text()).get("kv_scales")
+        return [tuple(pair) for pair in scales] if scales else None
+
     def _verified(self, params: dict[str, nn.Parameter]) -> MappedSafetensors:
         manifest = json.loads((self.entry / MANIFEST_FILE).read_text())
         path = self.entry / WEIGHTS_FILE

@@ -207,7 +207,13 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             param = params[target]
-            param.weight_loader(param, tensor, shard_id) if shard_id is not None else param.weight_loader(param, tensor)
+            try:
+                if shard_id is not None:
+                    param.weight_loader(param, tensor, shard_id)
+                else:
+                    param.weight_loader(param, tensor)
+            except ValueError as exc:    # name the tensor: a corrupt checkpoint must say which one
+                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from exc
             shards.setdefault(target, set()).add(shard_id)
         missing = [n for n in params if len(shards.get(n, ())) < _num_shards(n)]
         if missing:

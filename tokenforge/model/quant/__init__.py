@@ -1,0 +1,114 @@
+"""Weight quantization and pruning of the model's linears.
+
+In: the loaded model (each rank's shard, from the usual weight loaders) and the user's options,
+or a pre-quantized checkpoint's `quantization_config`. Out: linears that carry a `quant_method`
+(methods.py) and packed tensors in the kernels' format (kernels/quant_gemv.py).
+
+Modes (`--quantization`):
+- int8: weight-only, per output channel. CUDA: dequant-fused Triton GEMV at small M, dequantize
+  + cuBLAS above. The CPU keeps its dynamic int8 (fbgemm; executor/model_runner.py).
+- int4: weight-only, asymmetric, groups of `group_size` inputs. The CPU simulates it (weights
+  dequantized at load).
+- fp8: W8A8 e4m3, per-channel weight scales, dynamic per-token activation scales, torch._scaled_mm
+  (Hopper); refused elsewhere.
+- fp8-sim: fp8 W8A8 simulated by quantize-dequantize in float (any device), for quality tables.
+The lm_head and the embedding stay in the model dtype unless `quantize_lm_head`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tokenforge.model.quant.checkpoint import CheckpointScheme, detect, finish_model, prepare_model
+from tokenforge.model.quant.quantize import quantize_model
+from tokenforge.model.quant.sparsity import prune_model, sparsify_model
+
+logger = logging.getLogger(__name__)
+
+QUANT_MODES = ("int8", "int4", "fp8", "fp8-sim")
+
+
+@dataclass(frozen=True, slots=True)
+class QuantOptions:
+    quantization: str | None = None
+    group_size: int = 128
+    quantize_lm_head: bool = False
+    prune_rate: float | None = None
+    sparsity: str | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.quantization or self.prune_rate or self.sparsity)
+
+
+def check_device(quantization: str | None, device_type: str) -> None:
+    """Refuse modes this device cannot run, before anything is loaded."""
+    if quantization != "fp8":
+        return
+    if device_type != "cuda":
+        raise ValueError("quantization='fp8' (W8A8) needs a CUDA GPU with FP8 tensor cores (Hopper, sm90+); on "
+                         "the CPU use quantization='fp8-sim' to simulate its numerics (quality only, no speed-up)")
+    import torch  # noqa: PLC0415
+
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        raise ValueError(f"quantization='fp8' (W8A8) needs FP8 tensor cores with row-wise scaling (Hopper, sm90+); "
+                         f"this GPU is sm{major}{minor}: use int8 or int4 weight-only instead")
+
+
+def checkpoint_scheme(model_dir: Path) -> CheckpointScheme | None:
+    """The pre-quantized scheme of an HF directory (config.json), or None."""
+    config = model_dir / "config.json"
+    return detect(json.loads(config.read_text())) if config.is_file() else None
+
+
+@dataclass(slots=True)
+class PreparedModel:
+    scheme: CheckpointScheme | None
+    layers: list
+
+
+def before_loading(model: nn.Module, scheme: CheckpointScheme | None, options: QuantOptions) -> PreparedModel:
+    """Give a pre-quantized checkpoint's linears their parameters. Refuses mixing a pre-quantized
+    checkpoint with on-the-fly quantization or pruning."""
+    if scheme is None:
+        return PreparedModel(None, [])
+    if not options.is_empty:
+        flags = ", ".join(f"{k}={v!r}" for k, v in (("quantization", options.quantization),
+                          ("prune_rate", options.prune_rate), ("sparsity", options.sparsity)) if v)
+        raise ValueError(f"the checkpoint is already quantized ({scheme.label}): drop {flags}")
+    logger.info("pre-quantized checkpoint: %s", scheme.label)
+    return PreparedModel(scheme, prepare_model(model, scheme))
+
+
+def after_loading(model: nn.Module, prepared: PreparedModel, options: QuantOptions, cpu_int8_dynamic: bool) -> None:
+    """Convert pre-quantized tensors, then prune / sparsify / quantize on the fly as asked.
+    `cpu_int8_dynamic`: int8 on the CPU is the runner's dynamic int8, not done here."""
+    if prepared.scheme is not None:
+        finish_model(prepared.layers, prepared.scheme)
+    else:
+        _apply_options(model, options, cpu_int8_dynamic)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()       # the float copies freed by quantization go back to the driver
+
+
+def _apply_options(model: nn.Module, options: QuantOptions, cpu_int8_dynamic: bool) -> None:
+    if options.prune_rate:
+        prune_model(model, options.prune_rate)
+    if options.sparsity:
+        sparsify_model(model, options.sparsity)
+    mode = options.quantization
+    if mode and not (mode == "int8" and cpu_int8_dynamic):
+        count = quantize_model(model, mode, options.group_size, options.quantize_lm_head)
+        logger.info("quantized %d linears to %s%s", count, mode,
+                    f" (group {options.group_size})" if mode == "int4" else "")
+
+
+__all__ = ["QUANT_MODES", "PreparedModel", "QuantOptions", "after_loading", "before_loading", "check_device",
+           "checkpoint_scheme"]

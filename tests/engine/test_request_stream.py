@@ -1,0 +1,89 @@
+"""RequestStream coalescing, the drain's explicit abort, and its metric (no model, milliseconds)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tokenforge.engine.output_processor import OutputProcessor
+from tokenforge.engine.processor import ProcessedRequest
+from tokenforge.engine.request_stream import RequestStream
+from tokenforge.messages import CompletionOutput, EngineCoreOutput, EngineCoreRequest, RequestOutput, WireSamplingParams
+from tokenforge.sampling_params import SamplingParams
+from tokenforge.server.app import ServerState
+from tokenforge.server.metrics import ServerMetrics
+
+
+class _ByteTokenizer:
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.aborted: list[str] = []
+
+    def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def _delta(text: str, ids: list[int], finish: str | None = None, index: int = 0) -> RequestOutput:
+    return RequestOutput("r", None, [1, 2], [CompletionOutput(index, text, ids, None, None, finish)],
+                         finished=finish is not None, metrics={"queue_time": 0.5})
+
+
+def test_a_lagging_consumer_gets_queued_deltas_merged_in_order():
+    async def run():
+        stream = RequestStream(_Engine(), "r", 0.0, ["r"])
+        for i, ch in enumerate("abc"):
+            stream.put(_delta(ch, [i]))
+        first = await stream.__anext__()
+        stream.put(_delta("d", [3], finish="length"))
+        stream.put(_delta("late", [9]))           # after the finish: never merged in
+        last = await stream.__anext__()
+        return first, last, stream
+
+    first, last, stream = asyncio.run(run())
+    assert (first.outputs[0].text, first.outputs[0].token_ids, first.finished) == ("abc", [0, 1, 2], False)
+    assert first.metrics["queue_time"] == 0.5
+    assert (last.outputs[0].text, last.outputs[0].finish_reason, last.finished) == ("d", "length", True)
+    assert stream.finished
+
+
+def test_an_error_behind_outputs_is_raised_after_them():
+    async def run():
+        stream = RequestStream(_Engine(), "r", 0.0, ["r"])
+        stream.put(_delta("a", [0]))
+        stream.put(RuntimeError("core died"))
+        out = await stream.__anext__()
+        try:
+            await stream.__anext__()
+        except RuntimeError as err:
+            return out, str(err)
+
+    out, error = asyncio.run(run())
+    assert out.outputs[0].text == "a" and error == "core died"
+
+
+def test_finish_aborted_releases_held_text_and_names_the_children():
+    processor = OutputProcessor(_ByteTokenizer(), stream_deltas=True)
+    core = EngineCoreRequest("r-0", list(b"hi"), WireSamplingParams(max_tokens=50))
+    processed = ProcessedRequest("r", "hi", list(b"hi"), [core])
+    processor.add_request(processed, SamplingParams(max_tokens=50, stop=["xyz"]))
+    out = processor.process_outputs([EngineCoreOutput("r-0", list(b"abx"))])
+    assert out.request_outputs[0].outputs[0].text == "ab"          # "x" held back: maybe "xyz"
+    final, children = processor.finish_aborted("r")
+    assert children == ["r-0"] and final.finished
+    assert (final.outputs[0].text, final.outputs[0].finish_reason) == ("x", "abort")
+    assert not processor.has_unfinished()
+    assert processor.finish_aborted("r") == (None, [])
+
+
+def test_the_drain_counts_the_requests_it_cuts():
+    class Engine:
+        def abort_all(self, reason: str) -> int:
+            return 3
+
+    state = ServerState(Engine())
+    state.metrics = ServerMetrics("m")
+    assert state._drain_expired() == 3
+    assert b'tokenforge:num_requests_drain_aborted_total{model_name="m"} 3.0' in state.metrics.render()

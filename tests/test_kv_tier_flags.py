@@ -1,0 +1,35 @@
+"""Bad KV-tier flags are clear errors at start-up (exit code 2), before any model is loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenforge.cli import main
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-remote", "http://cache:6379"], "is not a Redis URL"),
+    (["--kv-remote", "redis://cache"], "is not host:port"),
+    (["--kv-remote", "redis://a:1,b:2"], "redis+cluster://"),
+    (["--kv-offload-cpu-gb", "-1"], "kv_offload_cpu_gb must be >= 0"),
+    (["--kv-offload-disk-dir", "/proc/tokenforge-kv", "--kv-offload-disk-gb", "1"], "cannot be created"),
+    (["--kv-offload-disk-dir", "/tmp"], "needs a size"),
+    (["--kv-remote-write-through"], "needs a remote tier"),
+    (["--kv-remote", "redis://127.0.0.1:1", "--kv-remote-ttl", "0"], "kv_remote_ttl must be >= 1"),
+])
+def test_bad_tier_flags_exit_2_with_the_reason(flags, message, capsys):
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tier_flags_reach_the_config():
+    from tokenforge.config import EngineConfig
+    from tokenforge.server.cli_args import engine_config_from_args
+    from tokenforge.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--kv-offload-cpu-gb", "2", "--kv-remote", "redis+cluster://a:1,b:2",
+                                      "--kv-remote-ttl", "60", "--kv-remote-write-through"])
+    cache = engine_config_from_args(args).cache
+    assert (cache.kv_offload_cpu_gb, cache.kv_remote, cache.kv_remote_ttl, cache.kv_remote_write_through) == \
+        (2.0, "redis+cluster://a:1,b:2", 60, True)
+    assert cache.kv_tiers_enabled and not EngineConfig().cache.kv_tiers_enabled
