@@ -43,9 +43,12 @@ def test_parse_size():
     assert parse_size("8GB") == 8 * 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size(100) == 100
 
 
-def test_batch_limits_default_by_device_and_explicit_values_win():
+def test_batch_limits_default_by_device_and_explicit_values_win(monkeypatch):
+    import torch
+
     from tokenforge.config import EngineConfig
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the GPU defaults, on any machine
     cpu = EngineConfig.from_kwargs(device="cpu").scheduler
     assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (256, 2048)
     gpu = EngineConfig.from_kwargs(device="cuda").scheduler

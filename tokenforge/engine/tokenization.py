@@ -128,6 +128,9 @@ class SyntheticTokenizer:
     def from_hf_config(cfg: dict[str, Any]) -> SyntheticTokenizer:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        if "vocab_size" not in cfg:
+            raise ValueError("the model's config.json has no vocab_size; dummy weights need one to size the "
+                             "synthetic tokenizer")
         return SyntheticTokenizer(int(cfg["vocab_size"]), eos_ids, cfg.get("bos_token_id"))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -18,6 +18,7 @@ between them, nanoGPT-style; attention runs across document boundaries.
 from __future__ import annotations
 
 import hashlib
+import math
 import json
 import struct
 from dataclasses import dataclass
@@ -165,9 +166,16 @@ def step_micro_batches(data: PackedTokens, order: SampleOrder, position: int, se
 def eval_micro_batches(data: PackedTokens, seq_len: int, micro_batch: int, max_samples: int, rank: int,
                        world: int, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `max_samples` validation samples, dealt round-robin to ranks, in micro batches."""
-    mine = list(range(min(max_samples, data.num_samples(seq_len))))[rank::world]
+    total = min(max_samples, data.num_samples(seq_len))
+    mine = list(range(total))[rank::world]
     out = []
     for start in range(0, len(mine), micro_batch):
         pairs = [data.sample(i, seq_len) for i in mine[start:start + micro_batch]]
         out.append((torch.stack([p[0] for p in pairs]).to(device), torch.stack([p[1] for p in pairs]).to(device)))
+    # Every rank runs the same number of forwards (DDP and FSDP forwards are collectives): a rank
+    # with fewer samples pads with a copy of sample 0 whose labels are all ignored (zero loss).
+    batches_per_rank = math.ceil(math.ceil(total / world) / micro_batch)
+    while len(out) < batches_per_rank:
+        input_ids, labels = data.sample(0, seq_len)
+        out.append((input_ids[None].to(device), torch.full_like(labels, IGNORE_INDEX)[None].to(device)))
     return out
