@@ -71,3 +71,22 @@ def test_bench_train_smoke(tmp_path):
     figures = result["figures"]
     assert figures["correct"] and figures["tokens_per_s"] > 0 and figures["grad_accum"] == 4
     assert math.isfinite(figures["mfu"]) and list(tmp_path.glob("*-W11-none-1gpu.json"))
+
+
+def test_eval_batches_give_every_rank_the_same_number_of_forwards():
+    """DDP/FSDP forwards are collectives: a rank with fewer validation samples must pad, or it hangs."""
+    from tokenforge.train.data import IGNORE_INDEX, eval_micro_batches
+
+    class Three:                       # three samples of 4 tokens
+        def num_samples(self, seq_len):
+            return 3
+
+        def sample(self, i, seq_len):
+            ids = torch.arange(seq_len) + 10 * i
+            return ids, ids + 1
+
+    per_rank = [eval_micro_batches(Three(), 4, 1, 8, rank, 2, torch.device("cpu")) for rank in (0, 1)]
+    assert [len(b) for b in per_rank] == [2, 2]
+    (_, real), (_, pad) = per_rank[1]
+    assert real.tolist() == [[11, 12, 13, 14]] and (pad == IGNORE_INDEX).all()
+    assert all((labels != IGNORE_INDEX).all() for _, labels in per_rank[0])
