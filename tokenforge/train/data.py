@@ -18,8 +18,8 @@ between them, nanoGPT-style; attention runs across document boundaries.
 from __future__ import annotations
 
 import hashlib
-import math
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
