@@ -97,14 +97,15 @@ def test_fp8_w8a8_matmul(rel_err, m):
     assert rel_err(y, y_ref) <= 1e-2
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind,split", [("int8", False), ("int4", False), ("int4", True)])
 @pytest.mark.parametrize("magic", [False, True])
-def test_qgemv_int_to_float_paths_agree(device, rel_err, kind, magic):
-    """Both integer -> float conversions (the converter, exponent bits) give the reference."""
+def test_qgemv_int_to_float_paths_agree(device, rel_err, kind, split, magic):
+    """Both integer -> float conversions (the converter, exponent bits) and both int4 nibble orders
+    (interleaved, split even/odd) give the reference."""
     from tokenforge.kernels.quant_gemv import QGemvConfig  # noqa: PLC0415
 
     x, _, _ = _problem(PLAIN, 1, 512, device)
     (q, scale, zero), w_ref = _weights(kind, 64, 512, device)
     quant = QUANT_INT4 if kind == "int4" else QUANT_CHANNEL
-    y, _ = qgemv(PLAIN, quant, x, q, scale, zero, config=QGemvConfig(4, 256, 4, magic))
+    y, _ = qgemv(PLAIN, quant, x, q, scale, zero, config=QGemvConfig(4, 256, 4, magic, split))
     assert rel_err(y, qgemv_ref(PLAIN, x, w_ref)[0]) <= (2e-2 if device.type == "cpu" else 1e-2)

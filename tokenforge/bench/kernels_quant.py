@@ -28,7 +28,8 @@ from tokenforge.model.quant.quantize import quantize_fp8_channel, quantize_int4_
 SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN, NORM), "o": (HIDDEN, HQ * D, PLAIN),
           "gate_up": (2 * INTER, HIDDEN, NORM), "down": (HIDDEN, INTER, SILU_MUL), "lm_head": (VOCAB, HIDDEN, PLAIN)}
 SWEEP = {QUANT_CHANNEL: [(2, 1024), (4, 1024), (8, 512), (2, 2048), (8, 1024, 8)],
-         QUANT_INT4: [(4, 512), (8, 256), (4, 1024), (8, 1024), (8, 1024, 8), (16, 1024, 8)]}
+         QUANT_INT4: [(4, 512), (8, 256), (8, 1024), (8, 1024, 8), (2, 1024), (8, 512, 4, True, True),
+                      (16, 512, 4, True, True)]}   # the last two: round 2's split nibbles
 GROUP = 128
 
 
@@ -71,10 +72,11 @@ def bench_m1(name: str, device, bw: float) -> list[dict]:
     for kind, quant in (("int8", QUANT_CHANNEL), ("int4", QUANT_INT4)):
         qs = _copies(kind, n, k, device)
         default = qgemv_config(quant, n, k, GROUP)
-        for tiles in [tuple(default[:3])] + [c for c in SWEEP[quant] if QGemvConfig(*c)[:3] != default[:3]]:
+        for tiles in [tuple(default)] + [c for c in SWEEP[quant] if QGemvConfig(*c) != default]:
             cfg = QGemvConfig(*tiles)
             fn = lambda cfg=cfg: [qgemv(PLAIN, quant, x, *q, group=GROUP, config=cfg) for q in qs]  # noqa: E731
-            tag = f"qgemv({cfg.block_n},{cfg.block_k},w{cfg.num_warps})" + ("*" if cfg[:3] == default[:3] else "")
+            tag = (f"qgemv({cfg.block_n},{cfg.block_k},w{cfg.num_warps}{',split' if cfg.int4_split else ''})"
+                   + ("*" if cfg == default else ""))
             rows.append(_row(name, 1, kind, tag, time_call(fn, device) / len(qs), _bytes(kind, n, k), bw))
         cfg = QGemvConfig(*default[:3], magic=False)          # the converter unit instead of exponent bits
         fn = lambda cfg=cfg: [qgemv(PLAIN, quant, x, *q, group=GROUP, config=cfg) for q in qs]  # noqa: E731

@@ -33,6 +33,7 @@ class QGemvConfig(NamedTuple):
     block_k: int
     num_warps: int = 4
     magic: bool = True      # integer -> float by exponent bits (ALU) instead of the converter unit
+    int4_split: bool = False  # int4: even/odd inputs per nibble (round 2) instead of interleaving (round 1)
 
 
 # ---- torch references -------------------------------------------------------------------------
@@ -117,15 +118,24 @@ def _int4_to_float(q, MAGIC: tl.constexpr):
 
 @triton.jit
 def _qfma(acc, w, s, z, xk, xo, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-          BLOCK_K: tl.constexpr, MAGIC: tl.constexpr):
+          BLOCK_K: tl.constexpr, MAGIC: tl.constexpr, SPLIT: tl.constexpr):
     """Accumulate one tile. Per-channel: xk [1, BLOCK_K] fp32, acc [BLOCK_N, BLOCK_K] += w * x.
-    int4: xk / xo [1, BLOCK_K / 2] are the even / odd inputs (the low / high nibbles: no
-    interleaving shuffle), acc [BLOCK_N, BLOCK_K / GROUP] += s * (sum_g q * x - z * sum_g x)."""
+    int4, acc [BLOCK_N, BLOCK_K / GROUP] += s * (sum_g q * x - z * sum_g x), two ways:
+    - SPLIT: xk / xo [1, BLOCK_K / 2] are the even / odd inputs (the low / high nibbles, no
+      interleaving shuffle, but strided input loads);
+    - else xk [1, BLOCK_K] and the nibbles are interleaved back into input order (join + reshape).
+    H200 (kernels_quant, 2026-12-01): SPLIT ran at 0.4 TB/s, interleaving at 0.9 (round 1)."""
     if QUANT == 2:
         b = w.to(tl.int32)
-        prod = _int4_to_float(b & 0xF, MAGIC) * xk + _int4_to_float(b >> 4, MAGIC) * xo     # [BN, BK/2]
-        qx = tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
-        xs = tl.sum(tl.reshape(xk + xo, [BLOCK_K // GROUP, GROUP // 2]), axis=1)          # [BK / G]
+        if SPLIT:
+            prod = _int4_to_float(b & 0xF, MAGIC) * xk + _int4_to_float(b >> 4, MAGIC) * xo     # [BN, BK/2]
+            qx = tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]), axis=2)
+            xs = tl.sum(tl.reshape(xk + xo, [BLOCK_K // GROUP, GROUP // 2]), axis=1)          # [BK / G]
+        else:
+            q = tl.reshape(tl.join(_int4_to_float(b & 0xF, MAGIC), _int4_to_float(b >> 4, MAGIC)),
+                           [BLOCK_N, BLOCK_K])                                                 # input order
+            qx = tl.sum(tl.reshape(q * xk, [BLOCK_N, BLOCK_K // GROUP, GROUP]), axis=2)
+            xs = tl.sum(tl.reshape(xk, [BLOCK_K // GROUP, GROUP]), axis=1)                    # [BK / G]
         acc += s.to(tl.float32) * (qx - z.to(tl.float32) * xs[None, :])
     elif MAGIC and w.dtype == tl.int8:   # 2^23 + 128 + q, exact for q in [-128, 127]
         acc += ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0) * xk
@@ -136,9 +146,10 @@ def _qfma(acc, w, s, z, xk, xo, QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_
 
 @triton.jit
 def _x_tile(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0, K, stride_xm, stride_rm, rstd,
-            PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The inputs of the tile at k0: all BLOCK_K (per-channel), or its even and odd halves (int4)."""
-    if QUANT == 2:
+            PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, QUANT: tl.constexpr, BLOCK_K: tl.constexpr,
+            SPLIT: tl.constexpr):
+    """The inputs of the tile at k0: all BLOCK_K, or (int4 SPLIT) its even and odd halves."""
+    if QUANT == 2 and SPLIT:
         kk = k0 + 2 * tl.arange(0, BLOCK_K // 2)
         xe = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, kk, K, stride_xm, stride_rm, rstd, PROLOGUE, HAS_RESIDUAL)
         xo = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, kk + 1, K, stride_xm, stride_rm, rstd, PROLOGUE,
@@ -157,7 +168,7 @@ def _qgemv_kernel(
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     QUANT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, MAGIC: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, MAGIC: tl.constexpr, SPLIT: tl.constexpr,
 ):
     # grid (M, N blocks): the M programs of one weight tile run back to back, so rows after the
     # first read it from L2
@@ -192,13 +203,13 @@ def _qgemv_kernel(
         # issue tile k0 before multiplying tile k0 - BLOCK_K: two tiles in flight per program
         w_next, s_next, z_next = _load_tile(w_ptrs, s_ptrs, z_ptrs, k0, rows_ok, K, QUANT, GROUP, BLOCK_K, EVEN_K)
         xe, xo = _x_tile(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0 - BLOCK_K, K, stride_xm, stride_rm, rstd,
-                         PROLOGUE, HAS_RESIDUAL, QUANT, BLOCK_K)
-        acc = _qfma(acc, w, s, z, xe, xo, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC)
+                         PROLOGUE, HAS_RESIDUAL, QUANT, BLOCK_K, SPLIT)
+        acc = _qfma(acc, w, s, z, xe, xo, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC, SPLIT)
         w, s, z = w_next, s_next, z_next
     last = (K - 1) // BLOCK_K * BLOCK_K
     xe, xo = _x_tile(x_ptr, r_ptr, nw_ptr, ms, m_mask, last, K, stride_xm, stride_rm, rstd,
-                     PROLOGUE, HAS_RESIDUAL, QUANT, BLOCK_K)
-    acc = _qfma(acc, w, s, z, xe, xo, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC)
+                     PROLOGUE, HAS_RESIDUAL, QUANT, BLOCK_K, SPLIT)
+    acc = _qfma(acc, w, s, z, xe, xo, QUANT, GROUP, BLOCK_N, BLOCK_K, MAGIC, SPLIT)
     y = tl.sum(acc, axis=1)                                          # [BLOCK_N]
     if QUANT == 1:
         y = y * tl.load(sc_ptr + rows, mask=rows_ok, other=0.0)
@@ -214,12 +225,12 @@ def qgemv_config(quant: int, n: int, k: int, group: int = 128) -> QGemvConfig:
     """Static tiles (graph-captured calls cannot autotune). Each tile re-reads its activations
     from L2: eight (int8) or eight to sixteen (int4) weight rows per program keep that re-read at a
     quarter of the weight bytes or less, as the bf16 GEMV's [4, 512] tiles do. H200, round 1:
-    [2-4, 1024-2048] tiles with the converter unit ran at 1.5-2.0 TB/s (int8), 0.9 (int4).
-    `bench kernels_quant` sweeps the alternatives."""
-    bk = min(512, next_power_of_2(k))
+    [2-4, 1024-2048] tiles with the converter unit ran at 1.5-2.0 TB/s (int8), 0.9 (int4); round 2
+    (2026-12-01): [8, 512] int8 1.7-2.0 TB/s, the split int4 0.4 TB/s, so int4 is back to round 1's
+    interleaving and tiles. `bench kernels_quant` sweeps the alternatives."""
     if quant == QUANT_INT4:
-        return QGemvConfig(8 if n <= 8192 else 16, max(group, bk))
-    return QGemvConfig(8, bk)
+        return QGemvConfig(4 if n <= 8192 else 8, max(group, min(1024, next_power_of_2(k))))
+    return QGemvConfig(8, min(512, next_power_of_2(k)))
 
 
 def qgemv(prologue: int, quant: int, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -251,7 +262,7 @@ def qgemv(prologue: int, quant: int, x: torch.Tensor, qweight: torch.Tensor, sca
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         QUANT=quant, GROUP=group, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM_BLOCK=min(next_power_of_2(k), max(cfg.block_k, 8192)),
-        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, MAGIC=cfg.magic, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl,
+        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, MAGIC=cfg.magic, SPLIT=cfg.int4_split, num_warps=cfg.num_warps, num_stages=1, launch_pdl=pdl,
     )
     return y, new_residual
 
