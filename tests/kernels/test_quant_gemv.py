@@ -82,17 +82,19 @@ def test_per_token_quant_fp8(device, rel_err, static):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="needs an sm90 GPU")
+@pytest.mark.parametrize("fast", [True, False])
 @pytest.mark.parametrize("m", [1, 5, 64, 300])
-def test_fp8_w8a8_matmul(rel_err, m):
-    """The fp8 method's many-row path (per-token quant + _scaled_mm) against the dequantized
-    reference of the same quantized operands."""
+def test_fp8_w8a8_matmul(rel_err, m, fast):
+    """The fp8 method's many-row path (per-token quant + _scaled_mm, with the fast accumulation
+    the engine uses and without) against the dequantized reference of the same quantized operands."""
     from tokenforge.model.quant.quantize import quantize_fp8_channel  # noqa: PLC0415
 
     x = torch.randn(m, 1024, device="cuda").bfloat16()
     w = torch.randn(768, 1024, device="cuda").bfloat16() * 0.03
     wq, ws = quantize_fp8_channel(w)
     xq, xs = per_token_quant_fp8(x)
-    y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16,
+                         use_fast_accum=fast)
     y_ref = (xq.float() * xs) @ (wq.float() * ws[:, None]).t()
     assert rel_err(y, y_ref) <= 1e-2
 

@@ -115,10 +115,11 @@ def bench_many_rows(name: str, device, bw: float, ms=(2, 4, 256)) -> list[dict]:
             cases[("int8", "qgemv")] = lambda: qgemv(PLAIN, QUANT_CHANNEL, x, q8, s8)
             cases[("int4", "qgemv")] = lambda: qgemv(PLAIN, QUANT_INT4, x, p4, sc4, z4, group=GROUP)
         else:
-            def fp8_mm():
+            def fp8_mm(fast: bool = True):
                 xq, xs = per_token_quant_fp8(x)
-                return torch._scaled_mm(xq, f8.t(), scale_a=xs, scale_b=fs_row, out_dtype=DT)
+                return torch._scaled_mm(xq, f8.t(), scale_a=xs, scale_b=fs_row, out_dtype=DT, use_fast_accum=fast)
             cases[("fp8", "quant+scaled_mm")] = fp8_mm
+            cases[("fp8", "quant+scaled_mm,exact")] = lambda: fp8_mm(False)
         for (kind, variant), fn in cases.items():
             sec = time_call(fn, device)
             row = _row(name, m, kind, variant, sec, _bytes(kind, n, k), bw)

@@ -103,7 +103,9 @@ class Fp8W8A8(ChannelWeightOnly):
     """e4m3 weights with per-channel scales, activations quantized per token (dynamic) or with
     the checkpoint's per-tensor scale (static), multiplied by torch._scaled_mm (Hopper). Up to
     QGEMV_MAX_TOKENS rows take the weight-only GEMV instead (activations unquantized): those
-    steps read weights only, and _scaled_mm pads them to a tile anyway."""
+    steps read weights only, and _scaled_mm pads them to a tile anyway. The products accumulate in
+    the tensor cores' fast mode (no periodic promotion to fp32), as float8 inference usually runs
+    (torchao's default): the per-token and per-channel scales are applied to fp32 sums either way."""
 
     name = "fp8"
 
@@ -113,7 +115,7 @@ class Fp8W8A8(ChannelWeightOnly):
         quantize = quant_ops.per_token_quant_fp8 if _on_gpu(x) else quant_ops.per_token_quant_fp8_ref
         xq, x_scale = quantize(x, layer.q_input_scale)
         return torch._scaled_mm(xq, layer.q_weight.t(), scale_a=x_scale, scale_b=layer.q_scale_row,
-                                bias=bias, out_dtype=x.dtype)
+                                bias=bias, out_dtype=x.dtype, use_fast_accum=True)
 
 
 class Fp8Simulated(LinearMethod):
