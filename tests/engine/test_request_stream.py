@@ -87,3 +87,42 @@ def test_the_drain_counts_the_requests_it_cuts():
     state.metrics = ServerMetrics("m")
     assert state._drain_expired() == 3
     assert b'tokenforge:num_requests_drain_aborted_total{model_name="m"} 3.0' in state.metrics.render()
+
+
+def _stream_tokens(processor: OutputProcessor, n: int, steps: list[list[int]], stop: list[str] | None = None):
+    """Feed one request (n samples) one step at a time; return, per step, the deltas released."""
+    cores = [EngineCoreRequest(f"r-{i}", list(b"hi"), WireSamplingParams(max_tokens=50)) for i in range(n)]
+    processor.add_request(ProcessedRequest("r", "hi", list(b"hi"), cores), SamplingParams(n=n, max_tokens=50, stop=stop))
+    released = []
+    for k, ids in enumerate(steps):
+        last = k == len(steps) - 1
+        outs = [EngineCoreOutput(f"r-{i}", [ids[i]] if i < len(ids) else [],
+                                 finish_reason="length" if last else None) for i in range(n)]
+        got = processor.process_outputs(outs).request_outputs
+        released.append([(c.index, c.text, c.finish_reason) for o in got for c in o.outputs])
+    return released
+
+
+def test_stream_interval_releases_the_first_token_then_every_k_then_the_finish():
+    steps = [[ord(ch)] for ch in "abcdefg"]
+    every = _stream_tokens(OutputProcessor(_ByteTokenizer(), stream_deltas=True), 1, steps)
+    assert every == [[(0, ch, None)] for ch in "abcdef"] + [[(0, "g", "length")]]     # the default: per token
+    by3 = _stream_tokens(OutputProcessor(_ByteTokenizer(), stream_deltas=True, stream_interval=3), 1, steps)
+    assert by3 == [[(0, "a", None)], [], [], [(0, "bcd", None)], [], [], [(0, "efg", "length")]]
+    assert "".join(t for step in by3 for _, t, _ in step) == "abcdefg"
+
+
+def test_stream_interval_releases_a_stop_string_finish_at_once():
+    steps = [[ord(ch)] for ch in "abXYZcd"]
+    got = _stream_tokens(OutputProcessor(_ByteTokenizer(), stream_deltas=True, stream_interval=10), 1, steps,
+                         stop=["XYZ"])
+    assert got[0] == [(0, "a", None)] and got[1] == []
+    assert got[4] == [(0, "b", "stop")]            # the stop string ends it at the step it completes
+    assert not any(got[5:])
+
+
+def test_stream_interval_must_be_positive():
+    import pytest
+
+    with pytest.raises(ValueError, match="stream_interval"):
+        OutputProcessor(_ByteTokenizer(), stream_deltas=True, stream_interval=0)

@@ -314,3 +314,23 @@ def test_both_processes_log_in_one_format(fake):
     tags = {line_format.match(line).group(2) for line in lines}
     assert tags == {"api", "engine-core"}, lines
     assert any("engine core ready in" in line for line in lines)
+
+
+def test_stream_interval_sends_the_first_token_then_groups():
+    """--stream-interval 4: chunks of >= 4 tokens after the first, the finish in the last; the text
+    is the same as with one chunk per token. (A loaded machine may merge the first token with
+    later ones, so its length is not asserted here; tests/engine/test_request_stream.py pins the
+    exact release points.)"""
+    server = fake_server("--stream-interval", "4", env={"TOKENFORGE_FAKE_STEP_S": "0.002"})
+    try:
+        body = {"prompt": "abc", "max_tokens": 13, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finally:
+        server.stop()
+    texts = [e["choices"][0]["text"] for e in events]
+    expected = "".join(chr(ord("a") + (3 + k) % 26) for k in range(13))
+    assert "".join(texts) == expected
+    assert all(len(t) >= 4 for t in texts[1:-1]) and len(texts) <= 5, texts
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(e["choices"][0]["finish_reason"] is None for e in events[:-1])

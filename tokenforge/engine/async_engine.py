@@ -69,13 +69,14 @@ def _in_daemon_thread(fn, *args) -> concurrent.futures.Future:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, runtime: RuntimeInfo, tokenizer, client: EngineCoreClient) -> None:
+    def __init__(self, config: EngineConfig, runtime: RuntimeInfo, tokenizer, client: EngineCoreClient,
+                 stream_interval: int = 1) -> None:
         self.config = config
         self.runtime = runtime
         self.tokenizer = tokenizer
         self.client = client
         self.processor = Processor(config, runtime, tokenizer)
-        self.output_processor = OutputProcessor(tokenizer, stream_deltas=True)
+        self.output_processor = OutputProcessor(tokenizer, stream_deltas=True, stream_interval=stream_interval)
         self._streams: dict[str, RequestStream] = {}
         self._child_to_parent: dict[str, str] = {}
         self._num_seqs = 0
@@ -88,8 +89,10 @@ class AsyncEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig, *, core_path: str = DEFAULT_CORE, tokenizer=None,
-                    ready_timeout: float | None = None) -> AsyncEngine:
-        """Spawn the engine core and, while it loads the model, load the tokenizer here."""
+                    ready_timeout: float | None = None, stream_interval: int = 1) -> AsyncEngine:
+        """Spawn the engine core and, while it loads the model, load the tokenizer here.
+        `stream_interval`: a request's delta is released at its first token, at a finish, and
+        otherwise once that many new tokens are waiting (1: every step)."""
         client = EngineCoreClient(config, core_path=core_path)
         client.spawn()
         try:
@@ -106,7 +109,7 @@ class AsyncEngine:
             raise
         runtime = RuntimeInfo(num_kv_blocks=ready.num_kv_blocks, vocab_size=ready.vocab_size,
                               eos_token_ids=tuple(tokenizer.eos_token_ids), max_model_len=ready.max_model_len)
-        engine = cls(config.with_max_model_len(ready.max_model_len), runtime, tokenizer, client)
+        engine = cls(config.with_max_model_len(ready.max_model_len), runtime, tokenizer, client, stream_interval)
         engine.identity = identity
         engine._begin()
         return engine

@@ -54,9 +54,12 @@ class ProcessedOutputs:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, stream_deltas: bool = False) -> None:
+    def __init__(self, tokenizer, stream_deltas: bool = False, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self.tokenizer = tokenizer
         self.stream_deltas = stream_deltas
+        self.stream_interval = stream_interval
         self._parents: dict[str, _Parent] = {}
         self._child_to_parent: dict[str, str] = {}
 
@@ -129,9 +132,19 @@ class OutputProcessor:
                 self._parents.pop(parent_id)
                 for child_id in parent.children:
                     self._child_to_parent.pop(child_id, None)
-            if self.stream_deltas or finished:
+            if finished or (self.stream_deltas and (self.stream_interval == 1 or self._due(parent))):
                 result.request_outputs.append(self._make_output(parent, finished))
         return result
+
+    def _due(self, parent: _Parent) -> bool:
+        """With stream_interval > 1: release a delta at a child's first token, at its finish, or
+        once stream_interval tokens wait; otherwise they ride along with a later delta."""
+        for child in parent.children.values():
+            waiting = len(child.token_ids) - child.sent_tokens
+            if (child.finish_reason is not None and not child.reported_finish) or (
+                    waiting and (child.sent_tokens == 0 or waiting >= self.stream_interval)):
+                return True
+        return False
 
     def _update_child(self, child: _Child, out: EngineCoreOutput) -> bool:
         """Apply one core output; True when a stop string ended the child (the core must abort it)."""

@@ -102,6 +102,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how tool calls are read from the model's text (default: from the chat template; "
                         "hermes for templates without tool support)")
+    g.add_argument("--stream-interval", type=int, default=d.stream_interval, metavar="TOKENS",
+                   help="streaming: send a chunk at the first token, at the finish, and otherwise every TOKENS "
+                        "tokens (default %(default)s: one chunk per token); larger values cut the server's "
+                        "per-chunk CPU cost (as vLLM's --stream-interval)")
     g.add_argument("--inference-mode", action="store_true",
                    help="playbook flag, accepted as a no-op: serving never trains (see `tokenforge train`)")
     return parser

@@ -36,6 +36,9 @@ class ServerSettings:
     access_log: bool = False                    # one line per request (method, path, status, tokens, times)
     protect_all_routes: bool = False            # the API key guards every route, not only /v1/*
     tool_call_parser: str | None = None         # None: chosen from the chat template
+    # Streaming: a delta goes out at the first token, at every finish, and otherwise once this many
+    # tokens are waiting (vLLM's --stream-interval). 1 = one chunk per token (the default).
+    stream_interval: int = 1
 
     def validate(self) -> ServerSettings:
         def check(cond: bool, message: str) -> None:
@@ -53,6 +56,7 @@ class ServerSettings:
         check(self.keep_alive_timeout > 0, f"keep_alive_timeout must be positive, got {self.keep_alive_timeout}")
         check(self.shutdown_timeout >= 0, f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         check(all(self.api_keys), "an API key must not be empty")
+        check(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
         return self
 
     @staticmethod
@@ -81,4 +85,5 @@ class ServerSettings:
             access_log=bool(getattr(args, "access_log", False)),
             protect_all_routes=bool(getattr(args, "protect_all_routes", False)),
             tool_call_parser=getattr(args, "tool_call_parser", None),
+            stream_interval=getattr(args, "stream_interval", defaults.stream_interval),
         ).validate()

@@ -8,10 +8,10 @@ but an unstarted one would not, and its request would run to max_tokens for nobo
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 
+import msgspec
 from fastapi.responses import StreamingResponse
 
 from tokenforge.server.errors import APIError
@@ -21,8 +21,14 @@ logger = logging.getLogger(__name__)
 DONE = "data: [DONE]\n\n"
 
 
-def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+# One encoder for every chunk: compact JSON, non-ASCII text as UTF-8 (as json.dumps with
+# ensure_ascii=False and tight separators writes it), ~10x cheaper than json.dumps per chunk.
+_ENCODER = msgspec.json.Encoder()
+
+
+def sse(payload: dict) -> bytes:
+    """One `data: {json}` event, as the bytes that go on the socket."""
+    return b"data: " + _ENCODER.encode(payload) + b"\n\n"
 
 
 class EngineEventStream(StreamingResponse):
