@@ -15,6 +15,7 @@ a Fatal message, when a step raises.
 from __future__ import annotations
 
 import importlib
+import gc
 import logging
 import os
 import signal
@@ -197,6 +198,11 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
             exit_code = 1
             return
         logger.info("engine core ready in %.2f s", time.perf_counter() - start)
+        # The model, its tensors' Python objects and the engine's tables live for the whole run:
+        # move them out of the cyclic GC, so its full passes scan only what the steps allocate
+        # (a full pass over the start-up heap is a host stall the step loop cannot hide).
+        gc.collect()
+        gc.freeze()
         output_socket.send(encoder.encode(_ready_message(core)))
         CoreLoop(core, input_socket, output_socket, parent_pid).run()
     except Exception:   # noqa: BLE001 - a crashed step must reach the frontend as a message
