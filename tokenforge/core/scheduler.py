@@ -246,9 +246,11 @@ class Scheduler:
 
     def _release_restored(self, req: Request) -> None:
         """A waiting request must not hold blocks the running ones need (nothing could preempt it):
-        its restored blocks stay in the prefix cache, where its next lookup may find them."""
+        its restored blocks stay in the prefix cache, where its next lookup may find them. Those
+        the running requests take meanwhile are still in the tiers: it may look them up again."""
         self.kv.free(req)
         req.num_computed_tokens = req.num_tier_hit_tokens = 0
+        req.tier_looked_up = False
 
     def _add_sequence(self, req: Request, n: int, decodes: list[ScheduledSequence],
                       prefills: list[ScheduledSequence]) -> None:
