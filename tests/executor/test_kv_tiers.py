@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import struct
+import threading
 import time
 
 import pytest
@@ -103,6 +104,7 @@ def test_cpu_lru_cascades_to_disk_and_restores_exactly(tmp_path):
     hashes = [block_hash(i) for i in range(4)]
     m.submit([BlockSave(b, h) for b, h in zip([1, 2, 3, 4], hashes)], [])
     settle(m, "puts", "cpu", 4)
+    settle(m, "puts", "disk", 2)
     assert len(m.host) == 2 and len(m.disk) == 2       # the two least recent went to disk
     assert not [f for f in os.listdir(m.disk.dir) if f.endswith(".tmp")]
     for t in kv:
@@ -208,3 +210,37 @@ def test_redis_round_trip_ttl_and_bad_values():
 @needs_cluster
 def test_redis_cluster_round_trip_ttl_and_bad_values():
     _remote_round_trip(CLUSTER, f"{os.getpid()}-{time.time_ns()}")
+
+
+def test_slot_runs_batch_consecutive_slots_in_either_order():
+    from tokenforge.executor.tiers.blocks import slot_runs
+
+    order, runs = slot_runs([7, 6, 5, 4, 10, 2, 3])
+    assert [[7, 6, 5, 4, 10, 2, 3][p] for p in order] == [2, 3, 4, 5, 6, 7, 10]
+    assert runs == [(0, 2, 6), (6, 10, 1)]
+    assert slot_runs([]) == ([], [])
+
+
+def test_cpu_tier_load_finds_the_saves_of_its_own_step_without_the_worker(tmp_path, monkeypatch):
+    """W9's lost restores: a load must see every block saved before it, even one whose copy is
+    still landing, and must not queue behind the worker (disk or Redis jobs)."""
+    from tokenforge.executor.tiers.manager import _DiskJob
+
+    kv = kv_caches()
+    original = [t.clone() for t in kv]
+    m = make_manager(kv, tmp_path, cpu_blocks=8, disk_blocks=8)
+    release = threading.Event()
+    slow_put = m.disk.put
+    monkeypatch.setattr(m.disk, "put", lambda h, p: release.wait(10) and slow_put(h, p))
+    m._jobs.put((1, -5, _DiskJob([(block_hash(50), torch.zeros(m.mover.block_shape))])))   # the worker is busy
+    hashes = [block_hash(i, "same-step") for i in range(4)]
+    # Blocks 4..1 are evicted (tail first, as the pool does) and a request needs them in the same step.
+    m.submit([BlockSave(b, h) for b, h in zip([4, 3, 2, 1], reversed(hashes))],
+             [TierLoad("r", hashes, [8, 9, 10, 11])])
+    done = m.poll()
+    assert [d.found for d in done] == [[True] * 4]
+    assert blocks_equal(kv, original, [8, 9, 10, 11], [1, 2, 3, 4])
+    s = m.counters.snapshot()
+    assert s.puts == {"cpu": 4} and s.hits == {"cpu": 4} and s.restored_tokens == 4 * m.mover.block_size
+    release.set()
+    m.shutdown()

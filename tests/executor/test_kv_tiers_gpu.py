@@ -50,3 +50,22 @@ def test_engine_restores_an_evicted_prefix_from_the_cpu_tier():
     assert restored.num_cached_tokens == 800
     assert restored.outputs[0].token_ids == device_hit.outputs[0].token_ids
     assert llm.get_stats().num_free_blocks == 96
+
+
+@needs_cuda
+def test_batched_store_copies_round_trip_on_the_save_and_load_streams():
+    from tokenforge.executor.tiers.blocks import BlockMover
+
+    kv = [torch.randn(2, 32, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    original = [t.clone() for t in kv]
+    mover = BlockMover(kv, pin=True)
+    store = torch.zeros((16, *mover.block_shape), dtype=mover.dtype, pin_memory=True)
+    blocks, slots = [1, 3, 7, 9, 11], [6, 5, 4, 12, 0]          # descending run, single slots
+    mover.save_to_store(blocks, store, slots, reused_slots=False)
+    for t in kv:          # the main stream overwrites the blocks right after: the gather came first
+        t[:, blocks] = 0
+    handle = mover.load_from_store(store, slots, [20, 21, 22, 23, 24], mover.mark_main_stream())
+    handle.synchronize()
+    assert handle.query() and handle.copy_seconds() > 0
+    for t, o in zip(kv, original):
+        assert torch.equal(t[:, [20, 21, 22, 23, 24]], o[:, blocks])

@@ -65,6 +65,9 @@ def run_variant(llm, prompts, args, tiers_on: bool, label: str) -> tuple[dict, l
     figures["restore_gbps"] = restored / copy_s / 1e9 if copy_s > 0 else None
     figures["restore_end_to_end_gbps"] = restored / restore_s / 1e9 if restore_s > 0 else None
     figures["tier_puts"] = {k: v - t0.puts.get(k, 0) for k, v in t1.puts.items()}
+    figures["tier_dropped_puts"] = {k: v - t0.dropped_puts.get(k, 0) for k, v in t1.dropped_puts.items()}
+    figures["tier_hits"] = {k: v - t0.hits.get(k, 0) for k, v in t1.hits.items()}
+    figures["tier_misses"] = {k: v - t0.misses.get(k, 0) for k, v in t1.misses.items()}
     figures["tier_errors"] = dict(t1.errors)
     print(f"{label}: {seconds:.2f} s, {figures['output_tok_s']:.0f} output tok/s, "
           f"restored {figures['tier_restored_tokens']} tokens", flush=True)

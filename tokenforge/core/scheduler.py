@@ -232,6 +232,12 @@ class Scheduler:
             if self.kv.allocate_slots(req, n, hit_blocks) is None:
                 if holds_blocks:
                     self._release_restored(req)
+                elif self.tiers is not None and not self.running and not self.tiers.loading:
+                    # Restored requests behind the head hold the blocks it needs, and nothing
+                    # else will ever free any: they give theirs back (still in the prefix cache).
+                    for other in self.waiting:
+                        if other is not req and self.kv.block_table(other):
+                            self._release_restored(other)
                 break                          # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             self.kv.record_prefix_lookup(req, num_hit - req.num_tier_hit_tokens)
@@ -246,9 +252,11 @@ class Scheduler:
 
     def _release_restored(self, req: Request) -> None:
         """A waiting request must not hold blocks the running ones need (nothing could preempt it):
-        its restored blocks stay in the prefix cache, where its next lookup may find them."""
+        its restored blocks stay in the prefix cache, where its next lookup may find them. Those
+        the running requests take meanwhile are still in the tiers: it may look them up again."""
         self.kv.free(req)
         req.num_computed_tokens = req.num_tier_hit_tokens = 0
+        req.tier_looked_up = False
 
     def _add_sequence(self, req: Request, n: int, decodes: list[ScheduledSequence],
                       prefills: list[ScheduledSequence]) -> None:
