@@ -5,7 +5,7 @@
 # the device prefix cache alone in the same engine). Writes OUTDIR/issue10.json and prints a table.
 # Extra wheels: none (W9 uses the CPU tier only; redis-py is needed only with --kv-remote).
 set -euo pipefail
-export PYTHONPATH=$PWD
+export PYTHONPATH=${PYTHONPATH:-$PWD}
 OUT=${1:?usage: bench/gpu/issue10.sh OUTDIR}
 mkdir -p "$OUT"
 start=$(date +%s)
