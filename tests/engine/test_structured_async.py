@@ -106,3 +106,30 @@ def test_constrained_batch_is_identical_with_async_scheduling_on_and_off(kwargs)
     assert sum(async_late) >= 15 and all(async_late)
     if "num_kv_blocks" in kwargs:
         assert llm.get_stats().num_preemptions > 0
+
+
+def test_a_deferred_step_must_be_sampled_before_the_next_launch_or_collect():
+    """The runner's contract for `launch(defer_sampling=True)`: the next step's placeholders read
+    this step's sampled ids, so neither a launch nor a collect may overtake its `sample`."""
+    from tokenforge.core.outputs import ScheduledSequence, SchedulerOutput
+    from tokenforge.messages import WireSamplingParams
+
+    llm = LLM("tiny-llama", load_format="dummy", device="cpu", max_model_len=256, num_kv_blocks=8)
+    runner = llm.engine.executor.runner
+    seq = ScheduledSequence("r", [1, 2, 3], 0, [0], True, WireSamplingParams(max_tokens=4, temperature=0.0),
+                            [1, 2, 3], [])
+    step = runner.launch(SchedulerOutput([seq]), defer_sampling=True)
+    assert step.sample_pending and step.sampler_output is None
+    with pytest.raises(RuntimeError, match="before the previous one was sampled"):
+        runner.launch(SchedulerOutput([seq]))
+    with pytest.raises(RuntimeError, match="collected before"):
+        runner.collect(step)
+    vocab = runner.vocab_size
+    width = (vocab + 31) // 32
+    first = llm.engine.executor.grammar_bitmask_buffer(1, width)
+    second = llm.engine.executor.grammar_bitmask_buffer(1, width)
+    assert first.ctypes.data != second.ctypes.data, "two slots, alternating"
+    second[:] = 0
+    second[0, 7 // 32] = 1 << 7                          # only token 7 is allowed
+    runner.sample(step, SchedulerOutput([seq], grammar_rows=[0], grammar_bitmask=second))
+    assert runner.collect(step).sampled_token_ids == {"r": 7}
