@@ -102,3 +102,13 @@ def test_requests_that_read_each_step_output_turn_scheduling_ahead_off(params):
     sched.add_request(make_request("needs2", [4, 5, 6], max_tokens=2, **params))
     run_to_completion(sched)
     assert sched.can_schedule_ahead()
+
+
+def test_grammar_requests_keep_scheduling_ahead():
+    """The engine defers only the sampling of a step scheduled ahead until its grammar masks are
+    filled (engine/structured_output.py): the scheduler need not wait for each step's output."""
+    sched = make_scheduler()
+    sched.add_request(make_request("constrained", [4, 5, 6], max_tokens=3, grammar='start: "a"'))
+    assert sched.can_schedule_ahead()
+    res = run_async_to_completion(sched)
+    assert len(res.tokens["constrained"]) == 3

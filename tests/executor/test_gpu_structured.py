@@ -1,7 +1,8 @@
 """Structured outputs and min_tokens on the GPU path (async scheduling on), on dummy weights of
-the Llama-3.2-1B shape (the GPU image has no bundled model): constrained requests force the
-synchronous path, their outputs follow the grammar, and free rows in a mixed batch produce the
-tokens they produce in an all-free batch of the same shape (ignore_eos keeps every row running)."""
+the Llama-3.2-1B shape (the GPU image has no bundled model): constrained requests keep async
+scheduling (the sampling of a step scheduled ahead waits for its masks, the forward does not),
+their outputs follow the grammar, and free rows in a mixed batch produce the tokens they produce
+in an all-free batch of the same shape (ignore_eos keeps every row running)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,18 @@ def test_mixed_batch_on_gpu(llm):
     free = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     constrained = free.clone(structured_outputs=StructuredOutputsParams(json=SCHEMA))
     alone = llm.generate(PROMPTS, free, use_tqdm=False)
-    mixed = llm.generate(PROMPTS, [constrained if i % 2 else free for i in range(8)], use_tqdm=False)
+    real_sample, late = llm.engine.executor.sample, []
+
+    def spy(handle, sched):
+        late.append(bool(sched.grammar_rows))
+        real_sample(handle, sched)
+
+    llm.engine.executor.sample = spy
+    try:
+        mixed = llm.generate(PROMPTS, [constrained if i % 2 else free for i in range(8)], use_tqdm=False)
+    finally:
+        del llm.engine.executor.sample
+    assert sum(late) >= 40 and all(late), "constrained steps were not scheduled ahead"
     for i, (a, m) in enumerate(zip(alone, mixed)):
         if i % 2:
             value = json.loads(m.outputs[0].text)        # EOS (skipped in text) pads after the JSON

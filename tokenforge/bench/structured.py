@@ -3,8 +3,9 @@
 In: one engine and one batch of random prompts, run twice per repeat: all requests free, then half
 of them constrained by a JSON schema (the grammar is applied every step: strings of unbounded
 length keep random-weight models inside it). Output lengths are forced (ignore_eos), so both runs
-produce the same number of tokens. Out: output tok/s of each and the overhead of the mixed batch,
-which includes the synchronous path constrained requests force (no step scheduled ahead).
+produce the same number of tokens. Out: output tok/s of each and the overhead of the mixed batch
+(mask computation, upload and application; with async scheduling the masks are filled while the
+next step's forward runs, so on a GPU mostly the device-side masking remains).
 Defaults: the bundled SmolLM2 on the CPU; on a GPU pass `--model llama-3.1-8b` (dummy weights).
 """
 

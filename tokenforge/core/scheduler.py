@@ -14,9 +14,10 @@ Async scheduling: `schedule()` may run again before the previous step's output h
 scheduled, and a sequence that samples leaves a placeholder: the next step computes that
 placeholder token (PLACEHOLDER_TOKEN_ID in `token_ids`; the runner takes its id from the device),
 and `update_from_output` replaces the placeholder with the real token. Requests whose sampling
-reads their own output history (penalties), that want prompt logprobs, or whose output follows a
-grammar (its next mask depends on the token just sampled) need each step's output before the
-next is scheduled: while any is unfinished, `can_schedule_ahead()` is False.
+reads their own output history (penalties) or that want prompt logprobs need each step's output
+before the next is scheduled: while any is unfinished, `can_schedule_ahead()` is False. Grammar
+requests do not: the engine defers only the sampling of a step scheduled ahead until the masks,
+which need the step before's tokens, are computed (engine/structured_output.py).
 
 min_tokens: until a request has that many output tokens, its sequence carries the EOS ids
 (unless ignore_eos) and its stop_token_ids as `banned_token_ids`, which the sampler sets to -inf.
@@ -80,8 +81,7 @@ class Scheduler:
         request = Request.from_engine_core_request(req)
         p = request.params
         request.needs_sync = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
-                              or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-                              or p.grammar is not None)
+                              or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
         self._num_needs_sync += request.needs_sync
         self.requests[request.request_id] = request
         self.waiting.append(request)

@@ -72,6 +72,9 @@ class EngineCore:
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
         self.async_scheduling = mode if mode is not None else self.executor.is_async_device
         self._in_flight: tuple[SchedulerOutput, object] | None = None
+        # The step launched ahead whose sampling waits for its grammar masks (async scheduling):
+        # queued by `finish_step` of the step before it, once that step's tokens are known.
+        self._awaiting_masks: tuple[SchedulerOutput, object] | None = None
         model, load_format = self.config.model.model, self.config.load.load_format
         self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
                                         self.vocab_size)
@@ -103,7 +106,9 @@ class EngineCore:
 
         With async scheduling, the next step is scheduled and queued on the device before this
         one's results are read back, so the host work of both (scheduling, input building,
-        output processing by the caller) runs while the device computes.
+        output processing by the caller) runs while the device computes. Grammar requests keep
+        this: a step whose masks need the tokens of the step in flight is launched with its
+        sampling deferred, and `finish_step` samples it once those tokens are in.
         """
         if not self.async_scheduling:
             return self.finish_step(self.launch_step())
@@ -111,12 +116,13 @@ class EngineCore:
             self._in_flight = self._launch_if_any()
             if self._in_flight is None:
                 return []
-        ahead = self._launch_if_any() if self.scheduler.can_schedule_ahead() else None
+        ahead = self._launch_if_any(ahead=True) if self.scheduler.can_schedule_ahead() else None
         done, self._in_flight = self._in_flight, ahead
         return self.finish_step(done)
 
     def drain(self) -> list[EngineCoreOutput]:
         """Wait for the step still in flight (async scheduling) and return its outputs."""
+        self._sample_awaiting()        # only after an error: finish_step samples it otherwise
         done, self._in_flight = self._in_flight, None
         outputs = self.finish_step(done) if done is not None else []
         self._flush_kv_saves()
@@ -131,13 +137,15 @@ class EngineCore:
             if saves or loads:
                 self.executor.submit_kv_transfers(SchedulerOutput(kv_saves=saves, kv_loads=loads))
 
-    def _launch_if_any(self) -> tuple[SchedulerOutput, object] | None:
-        launched = self.launch_step()
+    def _launch_if_any(self, ahead: bool = False) -> tuple[SchedulerOutput, object] | None:
+        launched = self.launch_step(ahead)
         return None if launched[1] is None else launched
 
-    def launch_step(self) -> tuple[SchedulerOutput, object]:
+    def launch_step(self, ahead: bool = False) -> tuple[SchedulerOutput, object]:
         """Schedule and queue one step on the device. The caller may do host work (such as
-        detokenizing the previous step's outputs) before `finish_step`, overlapping the GPU."""
+        detokenizing the previous step's outputs) before `finish_step`, overlapping the GPU.
+        `ahead`: a step is still in flight (async scheduling); grammar rows that wait for its
+        tokens defer this step's sampling to the `finish_step` of that step."""
         tiers = self.scheduler.tiers
         if tiers is not None and tiers.loading:
             self.scheduler.finish_tier_loads(self.executor.poll_kv_loads())
@@ -148,8 +156,12 @@ class EngineCore:
                 self.executor.wait_kv_loads(0.005)    # nothing to run but loads: do not spin
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
             return scheduler_output, None
-        # Constrained requests never run ahead (needs_sync), so every matcher is up to date here.
-        self.grammars.fill(scheduler_output)
+        if ahead and self.grammars.waits_for_tokens(scheduler_output):
+            handle = self.executor.launch(scheduler_output, defer_sampling=True)
+            self._awaiting_masks = (scheduler_output, handle)
+            return scheduler_output, handle
+        # Every matcher this step reads has consumed all its request's known tokens.
+        self.grammars.fill(scheduler_output, self.executor.grammar_bitmask_buffer)
         return scheduler_output, self.executor.launch(scheduler_output)
 
     def finish_step(self, launched: tuple[SchedulerOutput, object]) -> list[EngineCoreOutput]:
@@ -157,12 +169,24 @@ class EngineCore:
         if handle is None:
             return []
         runner_output = self.executor.collect(handle)
+        if len(self.grammars):
+            self.grammars.advance(scheduler_output, runner_output)
+        # The step launched ahead runs its forward on the device meanwhile (the forward never
+        # waits for grammar work); its masks need the tokens just collected, and nothing else.
+        self._sample_awaiting()
         if scheduler_output.is_empty:
             return []
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         if len(self.grammars):
-            self.grammars.accept(outputs)
+            self.grammars.forget_finished(outputs)
         return outputs
+
+    def _sample_awaiting(self) -> None:
+        if self._awaiting_masks is None:
+            return
+        (sched, handle), self._awaiting_masks = self._awaiting_masks, None
+        self.grammars.fill(sched, self.executor.grammar_bitmask_buffer)
+        self.executor.sample(handle, sched)
 
     def has_unfinished_requests(self) -> bool:
         return self._in_flight is not None or self.scheduler.has_unfinished_requests()

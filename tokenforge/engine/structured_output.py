@@ -7,11 +7,13 @@ thread, so neither the event loop nor the engine loop compiles. The text travels
 `WireSamplingParams.grammar`; it is the grammar's identity there.
 
 Engine core (`GrammarMatchers`): one matcher template per grammar text (LRU), deep-copied per
-request. Before a step runs, `fill` computes the allowed-token bitmask of every constrained row that
-samples (llguidance's thread pool, numpy int32, 1 bit per token); the sampler applies it on the
-device. After the step, `accept` advances each matcher by the sampled token. Requests with a grammar
-force the synchronous path (the scheduler's `needs_sync`): the next mask needs the token just
-sampled on the host.
+request. `fill` computes the allowed-token bitmask of every constrained row that samples
+(llguidance's thread pool, 1 bit per token) into a reused host slot of the executor's (pinned on
+CUDA); the sampler applies it on the device. `advance` moves each matcher on by the token its step
+sampled. With async scheduling the next step is launched before this one's tokens are known: when
+a constrained row of it ends with such a token (`waits_for_tokens`), the engine launches its
+forward with the sampling deferred, collects the step before, advances the matchers, fills the
+mask and then queues the sampling, while the device runs the forward.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from tokenforge.core.outputs import SchedulerOutput
+from tokenforge.core.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from tokenforge.messages import EngineCoreOutput
 from tokenforge.sampling_params import StructuredOutputsParams
 
@@ -157,8 +159,17 @@ class GrammarMatchers:
         for rid in request_ids:
             self._matchers.pop(rid, None)
 
-    def fill(self, sched: SchedulerOutput) -> None:
-        """Set the step's grammar rows and bitmask (rows index the sequences that sample)."""
+    def waits_for_tokens(self, sched: SchedulerOutput) -> bool:
+        """Whether a constrained row that samples this step ends with a token still on the device
+        (async scheduling): its mask needs the step in flight first."""
+        if not self._matchers:
+            return False
+        return any(seq.sample and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID and seq.request_id in self._matchers
+                   for seq in sched.sequences)
+
+    def fill(self, sched: SchedulerOutput, buffer: Callable[[int, int], np.ndarray] | None = None) -> None:
+        """Set the step's grammar rows and bitmask (rows index the sequences that sample).
+        `buffer(rows, width)` gives the host array to fill (the executor's reused slot)."""
         if not self._matchers:
             return
         pairs, rows, row = [], [], 0
@@ -172,25 +183,33 @@ class GrammarMatchers:
             row += 1
         if not rows:
             return
-        bitmask = np.empty((len(rows), self.mask_width), dtype=np.int32)     # [R, ceil(V / 32)]
+        if buffer is None:
+            bitmask = np.empty((len(rows), self.mask_width), dtype=np.int32)     # [R, ceil(V / 32)]
+        else:
+            bitmask = buffer(len(rows), self.mask_width)
         self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, self.mask_width * 4, len(rows))
         sched.grammar_rows, sched.grammar_bitmask = rows, bitmask
 
-    def accept(self, outputs: list[EngineCoreOutput]) -> None:
-        """Advance each constrained request by its new tokens; forget finished ones."""
-        for out in outputs:
-            matcher = self._matchers.get(out.request_id)
-            if matcher is None:
+    def advance(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
+        """Advance each constrained request by the token its step sampled. Requests finished or
+        aborted since have no matcher left; a token that finished its request is consumed too (the
+        matcher is dropped by `forget_finished`)."""
+        sampled = runner_output.sampled_token_ids
+        for seq in sched.sequences:
+            if not seq.sample:
                 continue
-            for token in out.new_token_ids:
-                if matcher.is_stopped():
-                    break          # complete: its mask allows only EOS (ignore_eos may go on)
-                if not matcher.consume_token(token):
-                    # Only reachable if a token outside the mask was sampled (a bug): stop
-                    # constraining rather than fail the request.
-                    logger.error("request %s: token %d does not fit its grammar (%s); constraint dropped",
-                                 out.request_id, token, matcher.get_error())
-                    self._matchers.pop(out.request_id, None)
-                    break
+            matcher = self._matchers.get(seq.request_id)
+            token = sampled.get(seq.request_id)
+            if matcher is None or token is None or matcher.is_stopped():
+                continue       # stopped: complete, its mask allows only EOS (ignore_eos may go on)
+            if not matcher.consume_token(token):
+                # Only reachable if a token outside the mask was sampled (a bug): stop
+                # constraining rather than fail the request.
+                logger.error("request %s: token %d does not fit its grammar (%s); constraint dropped",
+                             seq.request_id, token, matcher.get_error())
+                self._matchers.pop(seq.request_id, None)
+
+    def forget_finished(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
             if out.finished:
                 self._matchers.pop(out.request_id, None)

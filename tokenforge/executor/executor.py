@@ -78,9 +78,19 @@ class Executor:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
 
-    def launch(self, scheduler_output: SchedulerOutput):
-        """Queue a step on the device; `collect` waits for it. Host work in between overlaps it."""
-        return self.runner.launch(scheduler_output)
+    def launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False):
+        """Queue a step on the device; `collect` waits for it. Host work in between overlaps it.
+        With `defer_sampling` only the forward is queued; `sample` queues the rest."""
+        return self.runner.launch(scheduler_output, defer_sampling)
+
+    def sample(self, handle, scheduler_output: SchedulerOutput) -> None:
+        """Queue the sampling of a step launched with `defer_sampling`, reading the grammar rows
+        and bitmask set on `scheduler_output` since; before the next `launch`."""
+        self.runner.sample(handle, scheduler_output)
+
+    def grammar_bitmask_buffer(self, rows: int, width: int):
+        """A reused host array [rows, width] int32 to write a step's grammar bitmask into."""
+        return self.runner.grammar_bitmask_buffer(rows, width)
 
     def collect(self, handle) -> ModelRunnerOutput:
         return self.runner.collect(handle)

@@ -47,6 +47,8 @@ class StepInFlight:
     host_token_ids: torch.Tensor | None = None  # [N] sampled ids, copied back asynchronously
     host_logprobs: LogprobsTensors | None = None
     copied: torch.cuda.Event | None = None      # recorded after those copies (CUDA only)
+    logits: torch.Tensor | None = None          # [N, V] of the sampling rows while sampling waits
+    sample_pending: bool = False                # launched with defer_sampling: `sample` not run yet
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
 
 
@@ -80,6 +82,11 @@ class ModelRunner:
         # the next step's placeholder tokens are read from here (async scheduling).
         self._prev_rows: dict[str, int] = {}
         self._prev_tokens: torch.Tensor | None = None
+        self._deferred: StepInFlight | None = None     # launched, its sampling not queued yet
+        # Grammar bitmasks travel from two reused host slots (pinned on CUDA), alternating: the
+        # upload of one step's mask may still be queued while the next step's mask is filled.
+        self._mask_slots: torch.Tensor | None = None   # [2, rows, ceil(V / 32)] int32
+        self._mask_slot = 0
 
     # ---- init steps -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
@@ -163,8 +170,16 @@ class ModelRunner:
         return self.collect(self.launch(sched))
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput) -> StepInFlight:
-        """Queue the step's device work (forward + sampling) without waiting for it."""
+    def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> StepInFlight:
+        """Queue the step's device work (forward + sampling) without waiting for it.
+
+        `defer_sampling`: queue the forward and the logits only; `sample(step, sched)` queues the
+        sampling later, once `sched.grammar_rows/grammar_bitmask` are known (async scheduling with
+        grammar requests: their masks need the previous step's tokens, which arrive meanwhile).
+        It must be called before the next `launch`, which reads this step's sampled ids.
+        """
+        if self._deferred is not None:
+            raise RuntimeError("a step was launched before the previous one was sampled")
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
         step = StepInFlight(sched.sequences)
@@ -180,16 +195,50 @@ class ModelRunner:
         if not self.rank.is_first_stage:      # later stages neither sample nor read the ids back
             return step
         if self.rank.is_driver:
-            self._sample(step, sched)
-            self._prev_tokens = step.sampler_output.token_ids if step.sampler_output is not None else None
+            step.logits = self._sampling_logits(step)
+            if defer_sampling and step.logits is not None:
+                self._prompt_logits(step)     # the LM head's collectives keep the workers' order
+                step.sample_pending, self._deferred = True, step
+                return step
+            self._finish_launch(step, sched)
         else:
             self._prev_tokens = self._follow_sampling(step)
-        self._prompt_logits(step)
+            self._prompt_logits(step)
+            self._broadcast_sampled(step)
+        return step
+
+    @torch.inference_mode()
+    def sample(self, step: StepInFlight, sched: SchedulerOutput) -> None:
+        """Queue the sampling of a step launched with `defer_sampling` (a no-op for any other)."""
+        if not step.sample_pending:
+            return
+        step.sample_pending, self._deferred = False, None
+        self._finish_launch(step, sched, prompt_logits_done=True)
+
+    def _finish_launch(self, step: StepInFlight, sched: SchedulerOutput, prompt_logits_done: bool = False) -> None:
+        self._sample(step, sched)
+        self._prev_tokens = step.sampler_output.token_ids if step.sampler_output is not None else None
+        if not prompt_logits_done:
+            self._prompt_logits(step)
+        self._broadcast_sampled(step)
+        self._copy_back(step)
+
+    def _broadcast_sampled(self, step: StepInFlight) -> None:
         if self.rank.tp_size > 1 and step.sampling:
             # Every rank of the first stage embeds the next step's placeholders: one source of truth.
             torch.distributed.broadcast(self._prev_tokens, src=0, group=parallel_state.tp_group())
-        self._copy_back(step)
-        return step
+
+    def grammar_bitmask_buffer(self, rows: int, width: int):
+        """A host array [rows, width] int32 for a step's grammar bitmask: a view of a reused slot
+        (pinned on CUDA, so its upload is one asynchronous copy). Slots alternate; a slot is
+        reused two steps later, after the step that uploaded from it was collected."""
+        slots = self._mask_slots
+        if slots is None or slots.shape[1] < rows or slots.shape[2] != width:
+            cap = max(rows, self.config.scheduler.max_num_seqs)
+            slots = torch.empty((2, cap, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            self._mask_slots = slots
+        self._mask_slot ^= 1
+        return slots[self._mask_slot, :rows].numpy()
 
     def _follow_sampling(self, step: StepInFlight) -> torch.Tensor | None:
         """A first-stage worker: take part in the LM head's collectives; rank 0 samples."""
@@ -236,6 +285,8 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if step.inputs is None:
             return out
+        if step.sample_pending:
+            raise RuntimeError("a step launched with defer_sampling was collected before `sample`")
         if step.copied is not None:
             # Waits for this step only: a step queued after it keeps the device busy.
             step.copied.synchronize()
@@ -298,12 +349,16 @@ class ModelRunner:
         for layer in layers:
             layer.kv_cache = None
 
-    def _sample(self, step: StepInFlight, sched: SchedulerOutput) -> None:
+    def _sampling_logits(self, step: StepInFlight) -> torch.Tensor | None:
         rows = [i for i, s in enumerate(step.sequences) if s.sample]
         if not rows:
+            return None
+        return self.model.compute_logits(step.hidden[step.inputs.last_token_index(rows)])   # [N, V]
+
+    def _sample(self, step: StepInFlight, sched: SchedulerOutput) -> None:
+        logits, step.logits = step.logits, None
+        if logits is None:
             return
-        step.sampling = [step.sequences[i] for i in rows]
-        logits = self.model.compute_logits(step.hidden[step.inputs.last_token_index(rows)])   # [N, V]
         batch = SamplingBatch.build(
             [s.params for s in step.sampling], [s.prompt_token_ids for s in step.sampling],
             [s.output_token_ids for s in step.sampling], [self._generator(s) for s in step.sampling],

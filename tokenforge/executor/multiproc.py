@@ -137,10 +137,12 @@ class MultiprocExecutor(Executor):
         logger.info("per rank: %s", self.sizing.summary(config.cache.block_size, max_len))
         return num_blocks
 
-    def launch(self, scheduler_output: SchedulerOutput):
+    def launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False):
+        # The workers never sample: a deferred sampling changes nothing for them (rank 0 runs the
+        # LM head's collectives at launch and broadcasts the sampled ids when it samples).
         if not scheduler_output.is_empty or scheduler_output.finished_request_ids:
             self._send(to_worker_step(scheduler_output))
-        return self.runner.launch(scheduler_output)
+        return self.runner.launch(scheduler_output, defer_sampling)
 
     def execute(self, scheduler_output: SchedulerOutput):
         return self.collect(self.launch(scheduler_output))

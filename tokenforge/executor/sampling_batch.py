@@ -115,16 +115,18 @@ def _build_masks(banned: list[tuple[int, ...]] | None, grammar_rows: list[int] |
         banned_rows, banned_ids = both[0], both[1]
     if grammar_rows:
         rows = upload(torch.tensor(grammar_rows, dtype=torch.long), device)
-        bitmask = upload(torch.from_numpy(grammar_bitmask), device)
+        # The engine fills the executor's pinned slot (grammar_bitmask_buffer): one async copy.
+        bitmask = upload(torch.from_numpy(grammar_bitmask), device, pinned=True)
     return TokenMasks(banned_rows, banned_ids, rows, bitmask)
 
 
-def upload(cpu: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """Host -> device without a host sync: a pinned staging copy, then a non-blocking copy."""
+def upload(cpu: torch.Tensor, device: torch.device | str, pinned: bool = False) -> torch.Tensor:
+    """Host -> device without a host sync: a pinned staging copy (unless `pinned` says the
+    memory may already be pinned), then a non-blocking copy."""
     device = torch.device(device)
     if device.type == "cpu":
         return cpu
-    if device.type == "cuda":
+    if device.type == "cuda" and not (pinned and cpu.is_pinned()):
         cpu = cpu.pin_memory()
     return cpu.to(device, non_blocking=True)
 
