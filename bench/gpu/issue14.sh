@@ -13,7 +13,7 @@ OUT=${1:?out dir}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 if ls .whl/llguidance*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site14 .whl/llguidance*.whl
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site14 .whl/*.whl
   export PYTHONPATH=/tmp/site14:$PWD
 fi
 python3 -c "import llguidance; print('llguidance', llguidance.__version__)"
