@@ -60,6 +60,9 @@ def test_generate_on_the_bundled_model():
                           "--max-tokens", "6", "--quiet"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+    assert "start-up: before_engine" in out.stderr            # the phase breakdown at the default log level
+    # one sequence: decode never reaches the 32 rows MKL's packed weights serve, so no packing
+    assert "not prepacked" in out.stderr and "(max_num_seqs 1)" in out.stderr
 
 
 def test_async_scheduling_and_batch_limits_default_to_the_device():

@@ -5,6 +5,11 @@ repacking costs about as much as the multiply itself; packing once at load time 
 SmolLM2 matmul 1.8x faster here, with bit-identical results (same kernel, no repack). The packed
 copy costs one more copy of the linear weights, so it is only made on the CPU, in float32, when
 torch was built with MKL and the weights are small enough (`MAX_PACKED_BYTES`).
+
+MKL uses the packed copy only for a call of exactly `PACKED_ROWS` rows (any other row count
+reads the plain weight), and packing SmolLM2 takes about 1.7 s of one core. So the model runner
+packs only when a decode batch can reach that size (`packing_pays`): a one-prompt `generate`
+skips it, a server or a 32-prompt bench does it once at start-up.
 """
 
 from __future__ import annotations
@@ -16,27 +21,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenforge.model.layers import cpu_split
+
 logger = logging.getLogger(__name__)
 
 MAX_PACKED_BYTES = 4 * 2**30
-_BATCH_HINT = 32      # the row count MKL tunes the packed layout for (decode batches)
+PACKED_ROWS = 32      # the row count MKL tunes the packed layout for, and the only one it uses it for
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   packed: torch.Tensor | None) -> torch.Tensor:
-    """F.linear, through the prepacked weight when there is one. x [T, in] -> [T, out]."""
-    if packed is None:
-        return F.linear(x, weight, bias)
+    """F.linear, through the prepacked weight when there is one. x [T, in] -> [T, out]. One
+    float32 row (MKL would read the plain weight anyway) runs on two cores (cpu_split.py)."""
+    if packed is None or (isinstance(packed, torch.Tensor) and x.dim() == 2 and x.shape[0] == 1):
+        return cpu_split.linear(x, weight, bias)
     if not isinstance(packed, torch.Tensor):          # int8 (fbgemm): the bias is packed with the weight
         out = torch.ops.quantized.linear_dynamic(x.reshape(-1, x.shape[-1]), packed)
         return out.reshape(*x.shape[:-1], out.shape[-1])
     if x.dim() != 2:
         return F.linear(x, weight, bias)
-    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, _BATCH_HINT)
+    return torch.ops.mkl._mkl_linear(x, packed, weight, bias, PACKED_ROWS)
 
 
 def can_prepack() -> bool:
     return bool(torch._C.has_mkl) and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
+
+
+def packing_pays(max_num_seqs: int) -> bool:
+    """Whether decode batches of PACKED_ROWS rows can occur (the only size the packed copy serves)."""
+    return max_num_seqs >= PACKED_ROWS
 
 
 def quantize_linears_int8(model: nn.Module) -> int:
@@ -77,5 +90,5 @@ def prepack_linears(model: nn.Module) -> int:
                     MAX_PACKED_BYTES / 2**30)
         return 0
     for module in modules:
-        module.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(module.weight.detach(), _BATCH_HINT)
+        module.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(module.weight.detach(), PACKED_ROWS)
     return len(modules)
