@@ -98,3 +98,19 @@ def test_engine_prepacks_only_when_decode_batches_can_reach_packed_rows():
         assert len(packed) > 100 and set(packed) == {max_num_seqs >= PACKED_ROWS}
         outs[max_num_seqs] = llm.generate("The capital of France is", greedy, use_tqdm=False)[0].outputs[0].token_ids
     assert outs[1] == outs[PACKED_ROWS]
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="no fork")
+def test_a_forked_child_gets_its_own_helper(two_threads):
+    import os
+
+    weight = torch.randn(3072, 576)
+    x = torch.randn(1, 576)
+    with torch.no_grad():
+        cpu_split.linear(x, weight, None)          # the parent's helper thread exists now
+        pid = os.fork()
+        if pid == 0:                               # the child: the parent's helper did not survive the fork
+            ok = cpu_split._helper is None and torch.equal(cpu_split.linear(x, weight, None), F.linear(x, weight))
+            os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

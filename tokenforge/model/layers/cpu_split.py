@@ -15,6 +15,7 @@ and a call while the helper is busy with another caller, runs the plain product.
 
 from __future__ import annotations
 
+import os
 import threading
 
 import torch
@@ -66,6 +67,16 @@ class _Helper:
 
 _helper: _Helper | None = None
 _helper_lock = threading.Lock()
+
+
+def _forget_helper() -> None:
+    """A forked child has no helper thread (only the forking thread survives a fork): start afresh."""
+    global _helper, _helper_lock
+    _helper, _helper_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_helper)
 
 
 def _get_helper() -> _Helper:
