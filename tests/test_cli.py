@@ -60,6 +60,33 @@ def test_generate_on_the_bundled_model():
                           "--max-tokens", "6", "--quiet"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout
+    assert "start-up: before_engine" in out.stderr            # the phase breakdown at the default log level
+    # one sequence: decode never reaches the 32 rows MKL's packed weights serve, so no packing
+    assert "not prepacked" in out.stderr and "(max_num_seqs 1)" in out.stderr
+
+
+def test_the_script_exits_fast_after_generate_yet_runs_the_exit_handlers(tmp_path):
+    """console_main leaves a finished `generate` through os._exit (the interpreter's teardown is a
+    second of pure cost), after the atexit handlers and with every line of output written."""
+    marker, fast = tmp_path / "atexit-ran", tmp_path / "os-exit"
+    script = (
+        "import atexit, os, sys\n"
+        f"atexit.register(lambda: open({str(marker)!r}, 'w').write('yes'))\n"
+        "real_exit = os._exit\n"
+        f"os._exit = lambda rc: (open({str(fast)!r}, 'w').write(str(rc)), real_exit(rc))\n"
+        "import tokenforge.cli as cli\n"
+        "sys.argv = ['tokenforge', 'generate', 'The capital of France is', '-n', '2', '--max-tokens', '4',\n"
+        "            '--quiet', '--log-level', 'warning']\n"
+        "cli.console_main()\n"
+        "print('NOT REACHED')\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert marker.read_text() == "yes" and fast.read_text() == "0"
+    assert "NOT REACHED" not in out.stdout
+    assert out.stdout.count("-" * 40) == 2                      # both completions printed and flushed
+    bad = subprocess.run([sys.executable, "-c", script.replace("'--max-tokens', '4'", "'--max-tokens', '0'")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "max_tokens" in bad.stderr  # an error keeps its exit status
 
 
 def test_async_scheduling_and_batch_limits_default_to_the_device():

@@ -1,8 +1,6 @@
 """`python -m tokenforge ...` (what `torchrun -m tokenforge serve ...` runs on every rank)."""
 
-import sys
-
-from tokenforge.cli import main
+from tokenforge.cli import console_main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

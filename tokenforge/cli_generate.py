@@ -76,17 +76,20 @@ def run_generate(args: argparse.Namespace, engine_kwargs) -> int:
     if device == "cpu" and kwargs.get("num_kv_blocks") is None and kwargs.get("kv_cache_memory") is None:
         # The run is known: a KV cache for it, not the 1 GiB default (that takes a while to zero).
         kwargs["num_kv_blocks"] = workload_kv_blocks(prompts, params, args.chat, kwargs.get("block_size") or 16)
+    if device == "cpu" and kwargs.get("max_num_seqs") is None:
+        # Every sequence of the run fits at once; the engine sizes CPU work (weight prepacking) by it.
+        kwargs["max_num_seqs"] = len(prompts) * params.n
     from tokenforge import LLM  # noqa: PLC0415 - torch: only once the arguments are known good
 
-    llm = LLM(**kwargs)
-    start = time.perf_counter()
-    if args.chat:
-        outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
-    tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
-    logger.info("generated %d tokens in %.2f s", tokens, time.perf_counter() - start)
-    _print_outputs(prompts, outs, args)
+    with LLM(**kwargs) as llm:   # shut down explicitly (worker processes too): the CLI may exit fast
+        start = time.perf_counter()
+        if args.chat:
+            outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=not args.quiet)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=not args.quiet)
+        tokens = sum(len(c.token_ids) for out in outs for c in out.outputs)
+        logger.info("generated %d tokens in %.2f s", tokens, time.perf_counter() - start)
+        _print_outputs(prompts, outs, args)
     return 0
 
 

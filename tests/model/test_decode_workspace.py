@@ -40,3 +40,26 @@ def test_workspace_matches_gather_path():
         torch.testing.assert_close(out_fast, out_ref, atol=1e-5, rtol=1e-5)
         ctx = [c + 1 for c in ctx]
     assert fast.workspaces.continues, "steady decode steps should reuse the workspace"
+
+
+def test_one_sequence_and_sorted_batches_skip_reordering():
+    """One sequence (the plain `generate "Hi"`) and a batch already longest first take the
+    no-reordering path, step after step through capacity growth, with the gather path's output."""
+    torch.manual_seed(1)
+    for ctx in ([3], [40, 17, 9]):
+        fast, ref = TorchAttentionBackend(), TorchAttentionBackend(use_workspaces=False)
+        cache_fast = torch.randn(2, NUM_BLOCKS, BS, HKV, D)
+        cache_ref = cache_fast.clone()
+        free = list(range(NUM_BLOCKS))
+        tables = [[free.pop() for _ in range(-(-(c + 1) // BS))] for c in ctx]
+        for _ in range(80):                 # past the first capacity (max_len + 64)
+            for i, c in enumerate(ctx):
+                if c // BS >= len(tables[i]):
+                    tables[i].append(free.pop())
+            n = len(ctx)
+            q, k, v = torch.randn(n, HKV * G, D), torch.randn(n, HKV, D), torch.randn(n, HKV, D)
+            out_fast = _step(fast, cache_fast, tables, ctx, q, k, v)
+            assert fast.workspaces.identity
+            torch.testing.assert_close(out_fast, _step(ref, cache_ref, tables, ctx, q, k, v), atol=1e-5, rtol=1e-5)
+            ctx = [c + 1 for c in ctx]
+        assert fast.workspaces.continues

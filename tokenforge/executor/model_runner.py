@@ -28,7 +28,7 @@ from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
-from tokenforge.model.layers.cpu_packed import prepack_linears, quantize_linears_int8
+from tokenforge.model.layers.cpu_packed import packing_pays, prepack_linears, quantize_linears_int8
 from tokenforge.model.loader import CacheOptions, load_model
 from tokenforge.model.offload import offload_layers
 from tokenforge.model.quant import QuantOptions, check_device
@@ -119,7 +119,12 @@ class ModelRunner:
         self.offloader = self._offload()
         if self.device.type == "cpu" and self.config.load.load_format != "lazy":
             # Lazy keeps the weights where the loader put them (views of the engine cache's map).
-            logger.info("MKL-prepacked %d CPU linear weights", prepack_linears(self.model))
+            max_seqs = self.config.scheduler.max_num_seqs
+            if packing_pays(max_seqs):
+                logger.info("MKL-prepacked %d CPU linear weights", prepack_linears(self.model))
+            else:
+                logger.info("CPU linear weights not prepacked: decode batches stay below the packed row count "
+                            "(max_num_seqs %d)", max_seqs)
 
     def _offload(self):
         gb = self.config.load.cpu_offload_gb

@@ -48,6 +48,8 @@ class DecodeWorkspaces:
         self.order: list[int] = []
         self._order_t = torch.empty(0, dtype=torch.int64)
         self.groups: list[tuple[int, int, int]] = []
+        self.identity = False
+        self._context_lens: list[int] = []
 
     def plan(self, tables: list[list[int]], context_lens: list[int]) -> None:
         """Once per step: does this decode batch continue the previous step's, token for token?
@@ -59,9 +61,12 @@ class DecodeWorkspaces:
             ctx == p_ctx + 1 and table[:len(p_table)] == p_table
             for table, ctx, (p_table, p_ctx) in zip(tables, context_lens, prev))
         self._prev = [(list(t), c) for t, c in zip(tables, context_lens)]
+        self._context_lens = list(context_lens)
         if not self.continues:
             self.order = sorted(range(len(context_lens)), key=lambda i: -context_lens[i])
             self._order_t = torch.tensor(self.order, dtype=torch.int64)
+            # Already longest first (always for one sequence): attend skips every reordering copy.
+            self.identity = self.order == list(range(len(self.order)))
         bounds = _group_bounds(len(self.order))
         self.groups = [(start, end, context_lens[self.order[start]] + 1) for start, end in bounds]
 
@@ -70,34 +75,42 @@ class DecodeWorkspaces:
                scale: float) -> torch.Tensor | None:
         """grouped_q [B, Hkv, G, D]; k_new/v_new [B, Hkv, D] -> [B, Hkv, G, D], or None past the cap."""
         batch = grouped_q.shape[0]
-        order = self._order_t.to(grouped_q.device)
+        identity = self.identity
+        order = None if identity else self._order_t.to(grouped_q.device)
         key = kv_cache.data_ptr()
         ws = self._layers.get(key)
         reusable = (ws is not None and self.continues and ws.step == self.step - 1
                     and ws.kv.shape[1] == batch and ws.kv.shape[3] >= max_len)
-        if reusable:
+        if reusable and batch == 1:
+            pos = self._context_lens[0]
+            ws.kv[0, 0, :, pos] = k_new[0]                 # [Hkv, D] at the sequence's new position
+            ws.kv[1, 0, :, pos] = v_new[0]
+        elif reusable:
             rows = torch.arange(batch, device=k_new.device)
-            positions = context_lens[order]
-            ws.kv[0, rows, :, positions] = k_new[order]    # [B, Hkv, D] at each sequence's new position
-            ws.kv[1, rows, :, positions] = v_new[order]
+            positions = context_lens if identity else context_lens[order]
+            ws.kv[0, rows, :, positions] = k_new if identity else k_new[order]   # [B, Hkv, D] at each new position
+            ws.kv[1, rows, :, positions] = v_new if identity else v_new[order]
         else:
-            sorted_blocks = block_ids.view(batch, -1)[order].reshape(-1)
+            sorted_blocks = block_ids if identity else block_ids.view(batch, -1)[order].reshape(-1)
             ws = self._rebuild(kv_cache, sorted_blocks, batch, max_len)
             if ws is None:
                 self._layers.pop(key, None)
                 return None
             self._layers[key] = ws
         ws.step = self.step
-        q_sorted = grouped_q[order]
-        mask_sorted = key_mask[order] if key_mask is not None else None
+        q_sorted = grouped_q if identity else grouped_q[order]
+        mask_sorted = key_mask if key_mask is None or identity else key_mask[order]
         parts = []
         for start, end, length in self.groups:
             keys, values = ws.kv[0, start:end, :, :length], ws.kv[1, start:end, :, :length]   # [b, Hkv, L, D]
             mask = mask_sorted[start:end, :, :, :length] if mask_sorted is not None else None
             parts.append(F.scaled_dot_product_attention(q_sorted[start:end], keys, values, attn_mask=mask,
                                                         scale=scale))
+        joined = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if identity:
+            return joined
         out = torch.empty_like(grouped_q)
-        out[order] = torch.cat(parts) if len(parts) > 1 else parts[0]
+        out[order] = joined
         return out
 
     def _rebuild(self, kv_cache: torch.Tensor, block_ids: torch.Tensor, batch: int,

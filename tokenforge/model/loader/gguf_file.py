@@ -141,14 +141,21 @@ def dequantize(raw: torch.Tensor, ggml_type: int) -> torch.Tensor:
     block_elems, block_bytes = _FAST_BLOCKS[ggml_type]
     blocks = raw.view(-1, block_bytes)                            # [nb, block_bytes]
     scale = blocks[:, :2].contiguous().view(torch.float16).float()   # [nb, 1]
+    # One float32 result filled in place: no float temporaries of the tensor's size (each one
+    # is fresh memory to fault in). q * d is exact in float32 (a 4- or 8-bit integer times a
+    # float16), so the in-place steps round exactly as `m + q * d` does.
+    out = torch.empty(blocks.shape[0], block_elems, dtype=torch.float32)
     if ggml_type == Q8_0:
-        return (blocks[:, 2:].contiguous().view(torch.int8).float() * scale).view(-1)
+        out.copy_(blocks[:, 2:].view(torch.int8))
+        return out.mul_(scale).view(-1)
     packed = blocks[:, block_bytes - 16:]                          # [nb, 16]: element j low nibble, j+16 high
-    quants = torch.cat((packed & 0x0F, packed >> 4), dim=1).float()  # [nb, 32]
+    halves = out.view(-1, 2, 16)
+    halves[:, 0].copy_(packed & 0x0F)
+    halves[:, 1].copy_(packed >> 4)
     if ggml_type == Q4_0:
-        return ((quants - 8.0) * scale).view(-1)
+        return out.sub_(8.0).mul_(scale).view(-1)
     minimum = blocks[:, 2:4].contiguous().view(torch.float16).float()  # Q4_1: value = d * q + m
-    return torch.addcmul(minimum, quants, scale).view(-1)
+    return torch.addcmul(minimum, out, scale, out=out).view(-1)
 
 
 def _type_size(ggml_type: int) -> tuple[int, int]:
