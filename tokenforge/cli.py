@@ -321,7 +321,10 @@ def _bench_name(argv: list[str]) -> str | None:
     return words[words.index("bench") + 1] if "bench" in words[:-1] else None
 
 
-_last_command: str | None = None     # the single-process command main() last ran, for console_main
+# Set once a single-process `generate` ran: it shuts its engine down itself, and the interpreter's
+# teardown after it (freeing torch's modules and the weights one object at a time) takes about a
+# second on a 2-core machine that the OS does in milliseconds at exit.
+_fast_exit = False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("serve", "generate") and _is_torchrun_worker():
             return _run_torchrun_worker(args)
         if args.command == "generate":
-            global _last_command
-            _last_command = "generate"     # not for a torchrun rank: it leaves through torch.distributed
+            global _fast_exit
+            _fast_exit = True     # not for a torchrun rank: it leaves through torch.distributed
             return run_generate(args, engine_kwargs)
         if args.command == "doctor":
             return _doctor(args)
@@ -354,18 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-# Commands after which the interpreter's own teardown is pure cost: they shut their engine down
-# themselves, and what is left (freeing torch's modules and the weights one object at a time) takes
-# about a second on a 2-core machine that the OS does in milliseconds at exit.
-_FAST_EXIT_COMMANDS = frozenset({"generate"})
-
-
 def console_main() -> None:
-    """The `tokenforge` script: main(), then, after a command in _FAST_EXIT_COMMANDS, flush the
-    streams, run the atexit handlers (logging, KV tiers) and leave with os._exit."""
+    """The `tokenforge` script: main(), then, after a `generate` (`_fast_exit`), run the atexit
+    handlers (logging, KV tiers), flush the streams and leave with os._exit."""
     rc = main()
     waiting = [t for t in threading.enumerate() if not t.daemon and t is not threading.main_thread()]
-    if _last_command not in _FAST_EXIT_COMMANDS or waiting:
+    if not _fast_exit or waiting:
         sys.exit(rc)     # the normal exit (it also waits for a non-daemon thread that still runs)
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):

@@ -78,7 +78,8 @@ def run_generate(args: argparse.Namespace, engine_kwargs) -> int:
         kwargs["num_kv_blocks"] = workload_kv_blocks(prompts, params, args.chat, kwargs.get("block_size") or 16)
     if device == "cpu" and kwargs.get("max_num_seqs") is None:
         # Every sequence of the run fits at once; the engine sizes CPU work (weight prepacking) by it.
-        kwargs["max_num_seqs"] = len(prompts) * params.n
+        from tokenforge.config import DEVICE_BATCH_DEFAULTS  # noqa: PLC0415
+        kwargs["max_num_seqs"] = min(len(prompts) * params.n, DEVICE_BATCH_DEFAULTS["cpu"]["max_num_seqs"])
     from tokenforge import LLM  # noqa: PLC0415 - torch: only once the arguments are known good
 
     with LLM(**kwargs) as llm:   # shut down explicitly (worker processes too): the CLI may exit fast
