@@ -10,6 +10,9 @@
   worst-case per token on this model, and +0.1..0.3% perplexity. The bounds below leave 2x room
   (mean <= 0.15 nats, worst <= 1.5, top-1 agreement >= 90%, perplexity within the issue's +1%)
   and still fail for a broken scale (a 2x wrong scale saturates or loses most values).
+  The perplexity runs on 1,500 tokens (+0.30% with ATen's AVX512 kernels, +0.23% with its AVX2
+  ones): on 300 tokens the same cache measured +0.89% and +1.14%, a sample too small for a 1%
+  bound.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from tokenforge.eval.hf_reference import hf_perplexity
 from tokenforge.eval.perplexity import perplexity, sliding_windows
 
 TEXT = Path(__file__).resolve().parents[1] / "data" / "quality_text.txt"
-WINDOW, STRIDE = 96, 48
+WINDOW, STRIDE = 256, 128
 
 
 @pytest.fixture(scope="module")
 def token_ids(engines):
-    return engines["auto"].tokenizer.encode(TEXT.read_text(encoding="utf-8")[:1300])
+    return engines["auto"].tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:1500]
 
 
 @pytest.fixture(scope="module")
