@@ -31,15 +31,12 @@ def bundled_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_reference():
-    """(tokenizer, model) from HF transformers' own GGUF loader, float32."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def hf_reference(hf_gguf_model):
+    """(tokenizer, model) from HF transformers' own GGUF loader, float32 (the model is the
+    session's shared `hf_gguf_model`)."""
+    from transformers import AutoTokenizer
 
-    d = bundled_dir()
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=GGUF_NAME)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=GGUF_NAME, dtype=torch.float32).eval()
-    return tok, model
+    return AutoTokenizer.from_pretrained(bundled_dir(), gguf_file=GGUF_NAME), hf_gguf_model
 
 
 @pytest.fixture(scope="session")

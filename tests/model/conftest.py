@@ -67,12 +67,3 @@ def bundled_gguf():
 
     return find_bundled_gguf()
 
-
-@pytest.fixture(scope="session")
-def hf_gguf_model(bundled_gguf):
-    """HF transformers' own load of the bundled GGUF (fp32); ~15 s, so once per session."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(bundled_gguf.parent), gguf_file=bundled_gguf.name,
-                                                 dtype=torch.float32)
-    return model.eval()

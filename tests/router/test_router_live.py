@@ -28,7 +28,7 @@ from ..server.servers import ServerProcess, free_port
 
 pytestmark = pytest.mark.slow
 
-SERVE = [sys.executable, "-m", "tokenforge.cli", "serve", "--device", "cpu", "--max-num-seqs", "64",
+SERVE = [sys.executable, "-m", "tokenforge.cli", "serve", "--device", "cpu", "--max-num-seqs", "64", "--num-threads", "1",
          "--num-kv-blocks", "1024", "--model-version", "v1", "--log-level", "warning"]
 ROUTER = [sys.executable, "-m", "tokenforge.cli", "router", "--health-interval", "0.5", "--log-level", "warning"]
 WORDS = storm._WORDS
