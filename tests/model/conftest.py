@@ -4,6 +4,8 @@ and the HF reference for the bundled GGUF (slow to load, so built once per sessi
 from __future__ import annotations
 
 import random
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,3 +69,19 @@ def bundled_gguf():
 
     return find_bundled_gguf()
 
+
+
+QUALITY_TEXT = Path(__file__).resolve().parents[1] / "data" / "quality_text.txt"
+QUALITY_WINDOW, QUALITY_STRIDE = 256, 128
+
+
+@pytest.fixture(scope="session")
+def quality_float32():
+    """The float32 baseline of the int8 and fp8-KV quality checks: the engine, the first 1,500
+    tokens of the quality text, and their sliding-window perplexity (windows of 256, stride 128)."""
+    from tokenforge import LLM
+    from tokenforge.eval.perplexity import perplexity
+
+    llm = LLM(dtype="float32", num_kv_blocks=128, max_model_len=512)
+    ids = llm.tokenizer.encode(QUALITY_TEXT.read_text(encoding="utf-8"))[:1500]
+    return SimpleNamespace(llm=llm, ids=ids, perplexity=perplexity(llm, ids, QUALITY_WINDOW, QUALITY_STRIDE).perplexity)

@@ -17,7 +17,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,25 +25,26 @@ from tokenforge import LLM, SamplingParams
 from tokenforge.eval.hf_reference import hf_perplexity
 from tokenforge.eval.perplexity import perplexity, sliding_windows
 
-TEXT = Path(__file__).resolve().parents[1] / "data" / "quality_text.txt"
-WINDOW, STRIDE = 256, 128
+from .conftest import QUALITY_STRIDE as STRIDE
+from .conftest import QUALITY_WINDOW as WINDOW
 
 
 @pytest.fixture(scope="module")
-def token_ids(engines):
-    return engines["auto"].tokenizer.encode(TEXT.read_text(encoding="utf-8"))[:1500]
+def token_ids(quality_float32):
+    return quality_float32.ids
 
 
 @pytest.fixture(scope="module")
-def engines():
-    out = {kv: LLM(dtype="float32", kv_cache_dtype=kv, num_kv_blocks=128, max_model_len=512) for kv in ("auto", "fp8")}
+def engines(quality_float32):
+    out = {"auto": quality_float32.llm,
+           "fp8": LLM(dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=128, max_model_len=512)}
     yield out
     out.clear()
 
 
 @pytest.fixture(scope="module")
-def perplexities(engines, token_ids):
-    return {kv: perplexity(llm, token_ids, WINDOW, STRIDE).perplexity for kv, llm in engines.items()}
+def perplexities(engines, token_ids, quality_float32):
+    return {"auto": quality_float32.perplexity, "fp8": perplexity(engines["fp8"], token_ids, WINDOW, STRIDE).perplexity}
 
 
 def test_float32_perplexity_matches_hf(perplexities, token_ids, hf_gguf_model):
