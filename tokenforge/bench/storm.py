@@ -34,7 +34,8 @@ _KEEPALIVE_S = 6.0       # the router's idle upstream connections expire after 5
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--launch", type=int, default=None, metavar="N",
                    help="start N `tokenforge serve` replicas (bundled model, CPU) and a router for the run")
-    p.add_argument("--serve-flags", default="--device cpu --max-num-seqs 256", help="flags of launched replicas")
+    p.add_argument("--serve-flags", default="--device cpu --max-num-seqs 256",
+                   help="flags of launched replicas (without --num-threads, each gets its share of the cores)")
     p.add_argument("--router", default=None, help="router URL (instead of --launch)")
     p.add_argument("--replica", nargs="*", default=[], help="replica URLs to check afterwards (with --router)")
     p.add_argument("--pids", nargs="*", type=int, default=[], help="local pids whose fds to check (with --router)")
@@ -134,10 +135,13 @@ def check(router: str, replicas: list[str], pids: list[int], args) -> dict:
 def launched_fleet(n: int, serve_flags: str):
     """N replicas and a prefix router on free local ports: (router URL, replica URLs, pids)."""
     procs, urls = [], []
+    flags = serve_flags.split()
+    if "--num-threads" not in flags:       # N replicas on one host: each its share, not all the cores
+        flags += ["--num-threads", str(max(1, (os.cpu_count() or 1) // n))]
     try:
         for _ in range(n):
             port = _free_port()
-            procs.append(subprocess.Popen([sys.executable, "-m", "tokenforge.cli", "serve", *serve_flags.split(),
+            procs.append(subprocess.Popen([sys.executable, "-m", "tokenforge.cli", "serve", *flags,
                                            "--port", str(port), "--log-level", "warning"]))
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
@@ -174,6 +178,9 @@ def _wait_healthy(url: str, procs: list, timeout: float = 600.0) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
+    import logging  # noqa: PLC0415
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)      # not a line per request
     if args.launch:
         with launched_fleet(args.launch, args.serve_flags) as (router, replicas, pids):
             result = check(router, replicas, pids, args)
