@@ -84,10 +84,10 @@ def packing_pays(max_num_seqs: int) -> bool:
 def int8_weight_max() -> int:
     """The largest weight code one fbgemm call may see. Without AVX512-VNNI, fbgemm multiplies u8
     activations by s8 weights with vpmaddubsw, which adds each pair of products into a saturating
-    int16: two full-range products (255 * 127 * 2) overflow it, and the bundled model's int8
-    perplexity went from -0.4% to 28x on such a host. Codes within +-64 (255 * 64 * 2 < 2^15)
-    cannot overflow. Not fbgemm's `reduce_range` (7-bit activations): activations carry the
-    outliers, and that cost +26% perplexity on the bundled model; 7-bit weights cost +6%."""
+    int16: two full-range products (255 * 127 * 2) overflow it, and on such a host (CI's) the
+    bundled model's int8 perplexity of a 30-token text went from -0.4% to 28x. Codes within +-64
+    (255 * 64 * 2 < 2^15) cannot overflow. Not fbgemm's `reduce_range` (7-bit activations):
+    activations carry the outliers, and that cost +26% on the same text; 7-bit weights +6%."""
     has_vnni = getattr(torch.cpu, "_is_vnni_supported", None)
     return 127 if has_vnni is not None and has_vnni() else 64
 

@@ -23,13 +23,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenforge.model.layers.cpu_packed import packed_linear
+from tokenforge.model.layers.cpu_packed import Int8Weight, packed_linear
 from tokenforge.model.layers.kernel_dispatch import gemv_ops
 from tokenforge.model.layers.parallel import all_reduce, divide, new_parameter
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed: object) -> torch.Tensor:
+                 packed: torch.Tensor | Int8Weight | None) -> torch.Tensor:
     """x [T, in] @ weight^T (+ bias): a Triton GEMV at decode sizes on CUDA, else packed_linear."""
     ops = gemv_ops(x, weight) if packed is None else None
     return ops.gemv(x, weight, bias) if ops is not None else packed_linear(x, weight, bias, packed)
@@ -115,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
         what = type(self).__name__ + ("" if shard_id is None else f" shard {shard_id}")
         load_slice(param, loaded, what, out=self.output_slice(shard_id), shard_index=self.shard_index(shard_id))
 
-    packed_weight: object = None   # an MKL-packed tensor or an Int8Weight (cpu_packed.py)
+    packed_weight: torch.Tensor | Int8Weight | None = None   # MKL-packed copy or dynamic int8 (cpu_packed.py)
     quantizable = True    # dynamic int8 (cpu_packed.quantize_linears_int8)
     quant_method = None   # a tokenforge.model.quant LinearMethod when quantized
 
@@ -225,7 +225,7 @@ class RowParallelLinear(nn.Module):
         # the bias (1-D: no input dim) is not split: rank 0 adds it once
         load_slice(param, loaded, type(self).__name__, inp=self.input_slice())
 
-    packed_weight: object = None   # an MKL-packed tensor or an Int8Weight (cpu_packed.py)
+    packed_weight: torch.Tensor | Int8Weight | None = None   # MKL-packed copy or dynamic int8 (cpu_packed.py)
     # o_proj and down_proj read the attention output and the SwiGLU product, whose outlier channels
     # per-tensor int8 activations lose: on SmolLM2 quantizing them raised perplexity ~50%, not ~1%.
     quantizable = False
