@@ -1,5 +1,6 @@
 """Fixtures for model tests: a tiny paged-KV driver (what the model runner does, minus scheduling)
-and the HF reference for the bundled GGUF (slow to load, so built once per session)."""
+and the float32 quality baseline shared by the int8 and fp8-KV checks (the HF reference model is
+tests/conftest.py's `hf_gguf_model`)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,6 @@ def bundled_gguf():
     from tokenforge.model.loader import find_bundled_gguf
 
     return find_bundled_gguf()
-
 
 
 QUALITY_TEXT = Path(__file__).resolve().parents[1] / "data" / "quality_text.txt"
