@@ -28,7 +28,7 @@ import httpx
 
 _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
           "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
-_KEEPALIVE_S = 6.0       # the router's idle upstream connections expire after 5 s
+_KEEPALIVE_S = 6.0       # the router's idle upstream connections expire after 5 s (--upstream-keepalive)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -109,16 +109,18 @@ def _engine_state(url: str) -> dict:
 
 
 def check(router: str, replicas: list[str], pids: list[int], args) -> dict:
-    """Baseline fds, the storm, settling, fds again after idle connections expired."""
+    """Baseline fds, the storm, settling, fds again after idle connections expired (`args.idle_s`,
+    longer than the router's --upstream-keepalive)."""
+    idle_s = getattr(args, "idle_s", _KEEPALIVE_S)
     httpx.get(f"{router}/v1/models", timeout=30)
-    time.sleep(_KEEPALIVE_S)
+    time.sleep(idle_s)
     httpx.get(f"{router}/v1/models", timeout=30)         # the pool drops expired connections on use
     before = {pid: fd_count(pid) for pid in pids}
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     result = asyncio.run(run_storm(router, args.streams, args.max_tokens, args.disconnect_frac, seed))
     result["seed"] = seed
     result["replicas"] = settle(replicas)
-    time.sleep(_KEEPALIVE_S)
+    time.sleep(idle_s)
     httpx.get(f"{router}/v1/models", timeout=30)
     time.sleep(0.5)
     after = {pid: fd_count(pid) for pid in pids}

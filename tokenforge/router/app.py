@@ -53,7 +53,8 @@ def build(settings: RouterSettings, client: httpx.AsyncClient, discovery=None) -
 async def serve(settings: RouterSettings) -> int:
     timeout = httpx.Timeout(connect=settings.connect_timeout, read=None, write=60.0, pool=None)
     # Unbounded concurrency, a bounded idle pool: after a burst the spare connections close.
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=5.0)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                          keepalive_expiry=settings.upstream_keepalive)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         app = build(settings, client)
         await app.pool.refresh()

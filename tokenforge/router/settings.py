@@ -33,6 +33,7 @@ class RouterSettings:
     eject_after: int = 2                    # consecutive failed polls (or proxy connect errors) to eject
     retries: int = 2                        # other replicas tried on a connect error or 503 (before any byte)
     connect_timeout: float = 5.0
+    upstream_keepalive: float = 5.0         # seconds an idle upstream connection stays open
     allow_mixed_versions: bool = False
     model_version: str | None = None        # pin: admit only replicas reporting this version
     log_level: str = "info"
@@ -53,6 +54,7 @@ class RouterSettings:
         check(self.health_interval > 0, f"health_interval must be positive, got {self.health_interval}")
         check(self.eject_after >= 1, f"eject_after must be >= 1, got {self.eject_after}")
         check(self.retries >= 0, f"retries must be >= 0, got {self.retries}")
+        check(self.upstream_keepalive >= 0, f"upstream_keepalive must be >= 0, got {self.upstream_keepalive}")
         check(all(self.api_keys), "an API key must not be empty")
         return self
 
@@ -93,6 +95,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=d.health_interval)
     p.add_argument("--eject-after", type=int, default=d.eject_after)
     p.add_argument("--retries", type=int, default=d.retries)
+    p.add_argument("--upstream-keepalive", type=float, default=d.upstream_keepalive, metavar="SECONDS",
+                   help="how long an idle connection to a replica is kept for reuse (default %(default)s)")
     p.add_argument("--allow-mixed-versions", action="store_true",
                    help="admit replicas of one model that report different --model-version values")
     p.add_argument("--model-version", default=None, help="admit only replicas reporting this version")
