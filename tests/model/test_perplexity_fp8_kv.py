@@ -46,9 +46,12 @@ def perplexities(engines, token_ids, quality_float32):
     return {"auto": quality_float32.perplexity, "fp8": perplexity(engines["fp8"], token_ids, WINDOW, STRIDE).perplexity}
 
 
-def test_float32_perplexity_matches_hf(perplexities, token_ids, hf_gguf_model):
-    ours = perplexities["auto"]
-    theirs = hf_perplexity(hf_gguf_model, token_ids, sliding_windows(len(token_ids), WINDOW, STRIDE))
+def test_float32_perplexity_matches_hf(engines, token_ids, hf_gguf_model):
+    """On the first 640 tokens (4 windows): HF's eager model is the slow side, and float32 agrees
+    to ~1e-6 (the full 5,873-token text: `tokenforge eval perplexity --compare-hf`)."""
+    ids = token_ids[:640]
+    ours = perplexity(engines["auto"], ids, WINDOW, STRIDE).perplexity
+    theirs = hf_perplexity(hf_gguf_model, ids, sliding_windows(len(ids), WINDOW, STRIDE))
     assert abs(ours / theirs - 1) <= 5e-4, (ours, theirs)
 
 

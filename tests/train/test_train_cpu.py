@@ -33,8 +33,8 @@ def _cfg(data_dir, out, **kw) -> TrainConfig:
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory, data_dir, tokenizer, bundled_model):
-    out = tmp_path_factory.mktemp("runs") / "a"
+def run_a(module_run_root, data_dir, tokenizer, bundled_model):
+    out = module_run_root / "a"
     result = train(_cfg(data_dir, out), tokenizer, model=copy.deepcopy(bundled_model))
     return out, result
 
@@ -58,18 +58,18 @@ def test_loss_falls_and_logs(run_a):
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_00000003", "step_00000006"]
 
 
-def test_resume_reproduces_losses_bit_for_bit(run_a, tmp_path, data_dir, tokenizer, bundled_model):
+def test_resume_reproduces_losses_bit_for_bit(run_a, run_root, data_dir, tokenizer, bundled_model):
     out_a, result_a = run_a
-    out_b = tmp_path / "b"
+    out_b = run_root / "b"
     shutil.copytree(out_a / "checkpoints" / "step_00000003", out_b / "checkpoints" / "step_00000003")
     result = train(_cfg(data_dir, out_b, resume=True), tokenizer, model=copy.deepcopy(bundled_model))
     assert result.steps == 6
     assert result.losses == result_a.losses[3:]          # exact float equality
 
 
-def test_ddp_two_gloo_processes_match_one_process(run_a, tmp_path, data_dir):
+def test_ddp_two_gloo_processes_match_one_process(run_a, run_root, data_dir):
     _, result_a = run_a
-    out = tmp_path / "ddp"
+    out = run_root / "ddp"
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "tokenforge.cli", "train", "--data", str(data_dir), "--output", str(out), "--strategy", "ddp",
@@ -106,19 +106,19 @@ def test_export_loads_in_hf_with_identical_logits_and_serves(run_a):
         server.stop()
 
 
-def test_sigterm_saves_a_resumable_checkpoint_and_returns(tmp_path, data_dir, tokenizer, bundled_model):
-    result = train(_cfg(data_dir, tmp_path / "s", max_steps=50), tokenizer, model=copy.deepcopy(bundled_model),
+def test_sigterm_saves_a_resumable_checkpoint_and_returns(run_root, data_dir, tokenizer, bundled_model):
+    result = train(_cfg(data_dir, run_root / "s", max_steps=50), tokenizer, model=copy.deepcopy(bundled_model),
                    on_step=lambda step: os.kill(os.getpid(), signal.SIGTERM))
     assert result.interrupted and result.steps == 1 and result.final_dir is None
     assert (result.checkpoint / "trainer.json").is_file()
     assert json.loads((result.checkpoint / "trainer.json").read_text())["position"] == 2
 
 
-def test_lora_trains_adapters_only_and_exports_both_ways(tmp_path, data_dir, tokenizer, bundled_model):
+def test_lora_trains_adapters_only_and_exports_both_ways(run_root, data_dir, tokenizer, bundled_model):
     from safetensors.torch import load_file
 
     base = copy.deepcopy(bundled_model)
-    result = train(_cfg(data_dir, tmp_path / "l", max_steps=2, lora_rank=4, lora_export="adapter", lr=1e-2),
+    result = train(_cfg(data_dir, run_root / "l", max_steps=2, lora_rank=4, lora_export="adapter", lr=1e-2),
                    tokenizer, model=base)
     final = result.final_dir
     assert (final / "adapter_config.json").is_file()
