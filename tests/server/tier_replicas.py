@@ -137,9 +137,10 @@ def check_shared_prefix_ttft(a: ServerProcess, b: ServerProcess, seed: int, pref
     puts = wait_for_metric(a, "tokenforge:kv_tier_puts_total", prefix_len // 16, tier="remote")
     assert puts >= prefix_len // 16, f"A wrote {puts} blocks through to Redis"
     suffix = random_ids(rng, 12)
-    _, ttft_unseen = complete(b, random_ids(rng, prefix_len + 12))
     text_hit, ttft_hit = complete(b, prefix + suffix)
-    text_cold, _ = complete(a, prefix + suffix, cache_salt=f"cold-{seed}")   # another salt: no cache
+    # The same prompt under another cache salt shares no block: a cold prefill of the same length,
+    # on an identical replica, is both the reference text and the unseen TTFT.
+    text_cold, ttft_unseen = complete(a, prefix + suffix, cache_salt=f"cold-{seed}")
     hits = metric_sum(b, "tokenforge:kv_tier_hits_total", tier="remote")
     r = {"ttft_unseen": ttft_unseen, "ttft_hit": ttft_hit, "text_hit": text_hit, "text_cold": text_cold,
          "remote_hits": hits}
