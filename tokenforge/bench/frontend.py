@@ -14,7 +14,6 @@ frontend's efficiency. (3) On the same server, W4 runs at each of `--rates` with
 from __future__ import annotations
 
 import argparse
-import asyncio
 import signal
 import sys
 
@@ -55,7 +54,7 @@ def server_runs(args: argparse.Namespace, vocab: int, result: dict) -> None:
         model = serve.served_model(url)
         shape = serve.Load(num_prompts=args.num_prompts, rate=float("inf"), input_len=args.input_len,
                            output_len=args.output_len, seed=args.seed + 1000, id_range=ids)
-        at_inf = asyncio.run(serve.run_load(url, model, shape))
+        at_inf = serve.run(serve.run_load(url, model, shape))
         print(f"server at rate inf: {at_inf['output_tok_per_s']:,.0f} output tok/s, {at_inf['failed']} failed",
               flush=True)
         result["server_inf"] = at_inf
@@ -65,7 +64,7 @@ def server_runs(args: argparse.Namespace, vocab: int, result: dict) -> None:
         for i, rate in enumerate(float(r) for r in args.rates.split(",") if r.strip()):
             load = serve.Load(num_prompts=args.w4_num_prompts, rate=rate, input_len=args.input_len,
                               output_len=args.w4_output_len or args.output_len, seed=args.seed + 2000 + i, id_range=ids)
-            w4.append(asyncio.run(serve.run_load(url, model, load, warm_up=False)))
+            w4.append(serve.run(serve.run_load(url, model, load, warm_up=False)))
             print(f"W4 {rate:g} req/s: {w4[-1]['completed']} ok, {w4[-1]['failed']} failed "
                   f"{w4[-1]['errors']}", flush=True)
             _save(result, args)

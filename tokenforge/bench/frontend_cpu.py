@@ -167,7 +167,7 @@ async def _client(host: str, port: int, streams: int, input_len: int, output_len
 
 
 async def _bench_client(host: str, port: int, streams: int, input_len: int, output_len: int) -> dict:
-    """The GPU bench's own client (tokenforge.bench.serve: httpx, one json.loads per chunk)."""
+    """The GPU bench's own client (tokenforge.bench.serve: raw HTTP/1.1, one json.loads per SSE event)."""
     from tokenforge.bench import serve  # noqa: PLC0415
 
     url = f"http://{host}:{port}"
@@ -182,15 +182,10 @@ def _client_main(argv: list[str]) -> int:
 
     kind, host, port = argv[0], argv[1], int(argv[2])
     streams, input_len, output_len = int(argv[3]), int(argv[4]), int(argv[5])
-    run = asyncio.run
-    if kind == "raw":
-        try:
-            import uvloop  # noqa: PLC0415
-            run = uvloop.run
-        except ImportError:
-            pass
+    from tokenforge.bench import serve  # noqa: PLC0415
+
     client = _client if kind == "raw" else _bench_client
-    result = run(client(host, port, streams, input_len, output_len))
+    result = serve.run(client(host, port, streams, input_len, output_len))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     result["client_cpu_s"] = usage.ru_utime + usage.ru_stime
     print(json.dumps(result), flush=True)
@@ -253,7 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--serve-flags", default="", help="extra `serve` flags (e.g. --api-server-count 2)")
     p.add_argument("--profile", default=None, help="py-spy record the API process: .svg flamegraph, .json speedscope, .txt collapsed stacks")
     p.add_argument("--client", default="raw", choices=["raw", "bench"],
-                   help="raw: a light asyncio client that counts events; bench: tokenforge.bench.serve's httpx client")
+                   help="raw: a light asyncio client that counts events; bench: tokenforge.bench.serve's client (times every chunk)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
 
