@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32))
+    """Buckets up to max_num_seqs (the default CUDA batch, 512, captures 40; up to 1024, 48)."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32)) + list(range(576, 1025, 64))
     return [s for s in sizes if s <= max_num_seqs] or [1]
 
 
