@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # 2026-12-01 (second session) device calls on one H200. STEPS picks parts, run in this order:
 #   w8        issue 8: W8 fp8 weights + fp8 KV, default batch (512) and --max-num-seqs 1024
+#   w8prof    issue 8: the same W8 (default batch) once more under torch.profiler: kernel table
 #   frontend  issue 11: offline LLM vs `tokenforge serve` at rate inf, 300 x 1024/1024 (the issue's
 #             shape), with the raw-socket bench client; then W4 at 4/8/16 req/s, 60 requests each
 #   w4kv      issue 8: W4 at 16 req/s, 300 x 1024/1024, bf16 KV then fp8 KV (same machine, back to back)
 #   coldstart issue 9: W10, a real 8B safetensors checkpoint, cold and warm engine cache
 #   STEPS="frontend w8" bash bench/gpu/session_dec01_e.sh OUTDIR
-# Carry .whl (the serving stack: fastapi, starlette, uvicorn, pydantic(-core), annotated_types,
+# Carry .whl (the serving stack: fastapi, opentelemetry_api, typing_extensions, starlette, uvicorn, pydantic(-core), annotated_types,
 # typing_inspection, msgspec, pyzmq, httptools, llguidance, gguf).
 set -uo pipefail
 OUT=${1:?out dir}; mkdir -p "$OUT/r"
@@ -15,6 +16,7 @@ has() { [[ " $STEPS " == *" $1 "* ]]; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 git rev-parse HEAD > "$OUT/commit.txt" 2>/dev/null
+python3 -c "import tokenforge.server.app, uvloop, httptools" || { echo "the serving stack does not import"; exit 1; }
 T0=$(date +%s)
 at() { echo "=== $1 at $(( $(date +%s) - T0 ))s"; }
 B="python3 -m tokenforge.cli bench"
@@ -28,6 +30,14 @@ if has w8; then
       --quick-ceilings --results-dir "$OUT/r" > "$OUT/w8-$seqs.log" 2>&1
     echo "rc $?"; grep -A3 "^variant" "$OUT/w8-$seqs.log" | tail -2; grep -i "error" "$OUT/w8-$seqs.log" | tail -3
   done
+fi
+
+if has w8prof; then
+  at "W8 fp8 weights + fp8 KV under the profiler"
+  timeout 240 $B throughput $M --no-baseline --max-model-len 512 --workload W8 --quantization fp8 \
+    --kv-cache-dtype fp8 --repeats 1 --sweep '' --quick-ceilings --profile-dir /tmp/w8prof \
+    --results-dir "$OUT/r" > "$OUT/w8prof.log" 2>&1
+  echo "rc $?"; cp /tmp/w8prof/summary.txt "$OUT/w8-profile.txt"; head -40 "$OUT/w8-profile.txt"
 fi
 
 if has frontend; then
