@@ -183,16 +183,18 @@ def test_concurrent_streams_with_disconnects(live):
     assert metric(live, "tokenforge:request_success_total") >= 33
 
 
-def test_bench_serve_smoke(live, capsys):
-    from tokenforge.bench.serve import main
-
-    from tokenforge.bench.serve import Load
+def test_bench_serve_smoke(live, capsys, tmp_path):
+    from tokenforge.bench.serve import Load, main
 
     args = Namespace(url=live.url, api_key=KEY, model=None, num_prompts=4, request_rate=8.0, input_len=40,
                      output_len=6, seed=None)
     assert Load.from_args(args).seed != Load.from_args(args).seed      # fresh prompts per run
     args.seed = 12345
-    first, again = main(args), main(args)
+    first = main(args)
+    args.results_dir = str(tmp_path)
+    again = main(args)
+    saved = json.loads(next(tmp_path.glob("*W4*.json")).read_text())
+    assert saved["workload"] == "W4" and saved["completed"] == 4 and saved["variant"] == "rate-8"
     for result in (first, again):
         assert result["completed"] == 4 and result["failed"] == 0
         assert result["output_tokens"] == 4 * 6

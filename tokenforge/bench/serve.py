@@ -408,8 +408,8 @@ def _bench(args: argparse.Namespace, url: str) -> dict:
     if getattr(args, "out", None) or getattr(args, "results_dir", None):
         from tokenforge.bench import report  # noqa: PLC0415
 
-        variant = "-".join(f"{k}-{v}" for k, v in flags.items() if v not in (None, "auto"))
-        variant += f"-rate-{_opt(args, 'request_rate'):g}"
+        parts = [f"{k}-{v}" for k, v in result["flags"].items() if v not in (None, "auto")]
+        variant = "-".join([*parts, f"rate-{_opt(args, 'request_rate'):g}"])
         report.save({**report.new_result("W4", model, "server"), **result, "variant": variant}, args)
     _print(result)
     return result
