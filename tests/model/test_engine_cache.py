@@ -98,3 +98,23 @@ def test_cache_ls_and_rm(checkpoint, tmp_path, capsys):
     assert str(checkpoint) in listing and "tp 0/1" in listing
     assert main(["cache", "rm", "--engine-cache-dir", str(root), "--all"]) == 0
     assert list_entries(root) == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_staged_copy_to_the_gpu_is_byte_exact(tmp_path):
+    from tokenforge.model.loader.safetensors_mmap import MappedSafetensors, write_safetensors
+    from tokenforge.model.loader.weight_cache import staged_copy
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"empty": (0, 8), "tiny": (3,), "exact": (64, 64), "odd": (37, 129), "big": (300, 257)}
+    host = {n: torch.randn(s, generator=g).to(torch.bfloat16) for n, s in shapes.items()}
+    host["ints"] = torch.randint(-128, 127, (1000,), dtype=torch.int8, generator=g)
+    write_safetensors(tmp_path / "w.safetensors", host.items())
+    mapped = MappedSafetensors(tmp_path / "w.safetensors")
+    for threads, chunk in ((1, 1 << 20), (3, 4096), (8, 1000)):    # chunks cut through tensors, more threads than chunks
+        params = {n: torch.nn.Parameter(torch.full_like(t, 7, device="cuda"), requires_grad=False) for n, t in host.items()}
+        staged_copy(mapped, params, threads=threads, chunk_bytes=chunk)
+        for name, t in host.items():
+            assert torch.equal(params[name].data.cpu(), t), (threads, chunk, name)
+    mapped.close()

@@ -17,7 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -113,39 +115,63 @@ class WeightCache:
         logger.info("engine cache: stored %.2f GB of converted weights in %s", size / 1e9, self.entry)
 
 
-_STAGING_BYTES = 256 << 20
+_STAGING_BYTES = 64 << 20
+_COPY_THREADS = 4
 
 
 @torch.no_grad()
-def staged_copy(mapped: MappedSafetensors, params: dict[str, nn.Parameter]) -> None:
-    """File -> two rotating pinned buffers -> the GPU: reads overlap the copies, and the DMA runs
-    from pinned pages (about twice the bandwidth of copying from the mapping)."""
-    staging = [torch.empty(_STAGING_BYTES, dtype=torch.uint8).pin_memory() for _ in range(2)]
-    done: list[torch.cuda.Event | None] = [None, None]
-    turn = 0
-    order = sorted(params, key=lambda n: mapped.entries[n]["data_offsets"][0])     # sequential reads
-    with open(mapped.path, "rb", buffering=0) as f:
-        for name in order:
-            begin, end = mapped.entries[name]["data_offsets"]
-            dst = params[name].data.view(-1).view(torch.uint8)
-            for off in range(0, end - begin, _STAGING_BYTES):
-                n = min(_STAGING_BYTES, end - begin - off)
-                k = turn % 2
-                if done[k] is not None:
-                    done[k].synchronize()          # the buffer's previous copy has left it
-                f.seek(mapped.data_start + begin + off)
-                view = memoryview(staging[k].numpy())[:n]
-                got = 0
-                while got < n:
-                    read = f.readinto(view[got:])
-                    if not read:
-                        raise ValueError(f"{mapped.path} ends early")
-                    got += read
-                dst[off:off + n].copy_(staging[k][:n], non_blocking=True)
-                done[k] = torch.cuda.Event()
-                done[k].record()
-                turn += 1
-    torch.cuda.synchronize()
+def staged_copy(mapped: MappedSafetensors, params: dict[str, nn.Parameter],
+                threads: int = _COPY_THREADS, chunk_bytes: int = _STAGING_BYTES) -> None:
+    """File -> pinned buffers -> the GPU, in `threads` threads: each reads its share of the
+    chunks with pread (no GIL held) into two rotating pinned buffers of its own and copies them to
+    the GPU on its own stream, so reads overlap one another and the DMA runs from pinned pages.
+    One thread read ~4 GB/s from the page cache (16 GB of 8B weights in ~3.9 s on an H200 host)."""
+    chunks = []        # (destination bytes, file offset, length), in file order
+    for name in sorted(params, key=lambda n: mapped.entries[n]["data_offsets"][0]):
+        begin, end = mapped.entries[name]["data_offsets"]
+        dst = params[name].data.view(-1).view(torch.uint8)
+        chunks += [(dst[off:off + min(chunk_bytes, end - begin - off)], mapped.data_start + begin + off)
+                   for off in range(0, end - begin, chunk_bytes)]
+    if not chunks:
+        return
+    threads = max(1, min(threads, len(chunks)))
+    device = next(iter(params.values())).device
+    allocated = torch.cuda.current_stream(device)
+    fd = os.open(mapped.path, os.O_RDONLY)
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="weight-copy") as pool:
+            for job in [pool.submit(_copy_share, fd, chunks[i::threads], allocated, chunk_bytes, str(mapped.path))
+                        for i in range(threads)]:
+                job.result()
+    finally:
+        os.close(fd)
+    torch.cuda.synchronize(device)
+
+
+def _copy_share(fd: int, chunks: list[tuple[torch.Tensor, int]], allocated: torch.cuda.Stream,
+                chunk_bytes: int, path: str) -> None:
+    torch.cuda.set_device(allocated.device)          # a new thread starts on device 0
+    stream = torch.cuda.Stream(allocated.device)
+    stream.wait_stream(allocated)                    # the parameters were allocated on that stream
+    staging = [torch.empty(min(chunk_bytes, max(d.numel() for d, _ in chunks)), dtype=torch.uint8).pin_memory()
+               for _ in range(min(2, len(chunks)))]
+    done: list[torch.cuda.Event | None] = [None] * len(staging)
+    for i, (dst, offset) in enumerate(chunks):
+        k = i % len(staging)
+        if done[k] is not None:
+            done[k].synchronize()                    # the buffer's previous copy has left it
+        view = memoryview(staging[k].numpy())[:dst.numel()]
+        got = 0
+        while got < len(view):
+            read = os.preadv(fd, [view[got:]], offset + got)
+            if not read:
+                raise ValueError(f"{path} ends early")
+            got += read
+        with torch.cuda.stream(stream):
+            dst.copy_(staging[k][:dst.numel()], non_blocking=True)
+            done[k] = torch.cuda.Event()
+            done[k].record(stream)
+    stream.synchronize()
 
 
 def list_entries(root: str | Path) -> list[dict]:
