@@ -20,7 +20,7 @@ import pytest
 from tokenforge.config import EngineConfig
 from tokenforge.engine.async_engine import AsyncEngine
 
-from .fakes import START_ENV, FakeEngineCore
+from .fakes import START_ENV, FakeEngineCore, FakeTokenizer
 from .servers import HERE, REPO, free_port
 
 ENV = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -92,3 +92,43 @@ def test_bad_serve_arguments_are_one_line(argv, rc, needle):
     assert code == rc, output
     assert output.strip().splitlines() == [f"tokenforge: error: {output.split('error: ', 1)[1].strip()}"]
     assert needle in output and not any(n in output for n in NOISE)
+
+
+FAKE_CORE = f"{FakeEngineCore.__module__}:FakeEngineCore"
+
+
+@pytest.mark.timeout(90)
+def test_a_prestarted_core_is_configured_later_or_stopped_unconfigured(tmp_path, monkeypatch):
+    """`serve` starts the core before its config is resolved (the core imports meanwhile), then
+    hands the config over; a core that never gets one (a bad flag) is stopped without a trace."""
+    from tokenforge.engine.core_client import EngineCoreClient
+
+    monkeypatch.setenv("PYTHONPATH", ENV["PYTHONPATH"])       # the child imports the fake core
+    idle = EngineCoreClient.prestart(FAKE_CORE)
+    assert idle.process.is_alive()
+    idle.shutdown()
+    assert not idle.process.is_alive() and not multiprocessing.active_children()
+    with pytest.raises(RuntimeError, match="prestart"):
+        EngineCoreClient(EngineConfig.from_kwargs(device="cpu"), core_path=FAKE_CORE).configure(
+            EngineConfig.from_kwargs(device="cpu"))
+
+    async def serve_one() -> int:
+        config = EngineConfig.from_kwargs(device="cpu", load_format="dummy", model="tiny-llama", num_kv_blocks=48)
+        engine = await AsyncEngine.start(config, client=EngineCoreClient.prestart(FAKE_CORE), tokenizer=FakeTokenizer())
+        try:
+            return engine.runtime.num_kv_blocks
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(serve_one()) == 48
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_flag_leaves_no_engine_core_behind():
+    code, output, _ = _run(_cli("--log-level", "debug", "serve", "/no/such/model", "--port", str(free_port())))
+    assert code == 2, output
+    pid = int(output.split("engine core process started (pid ", 1)[1].split(")", 1)[0])
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)

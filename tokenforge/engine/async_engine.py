@@ -89,13 +89,18 @@ class AsyncEngine:
 
     @classmethod
     async def start(cls, config: EngineConfig, *, core_path: str = DEFAULT_CORE, tokenizer=None,
-                    ready_timeout: float | None = None, stream_interval: int = 1) -> AsyncEngine:
-        """Spawn the engine core and, while it loads the model, load the tokenizer here.
-        `stream_interval`: a request's delta is released at its first token, at a finish, and
-        otherwise once that many new tokens are waiting (1: every step)."""
-        client = EngineCoreClient(config, core_path=core_path)
-        client.spawn()
+                    ready_timeout: float | None = None, stream_interval: int = 1,
+                    client: EngineCoreClient | None = None) -> AsyncEngine:
+        """Spawn the engine core (or configure `client`, one from EngineCoreClient.prestart) and,
+        while it loads the model, load the tokenizer here. `stream_interval`: a request's delta is
+        released at its first token, at a finish, and otherwise once that many new tokens are
+        waiting (1: every step)."""
+        if client is None:
+            client = EngineCoreClient(config, core_path=core_path)
+            client.spawn()
         try:
+            if client.config is None:
+                client.configure(config)
             # While the core loads the model: the tokenizer, and the weights' checksum (a pinned
             # one that does not match raises ModelChecksumError before the model is waited for).
             checking = _in_daemon_thread(verify_model, config)

@@ -47,8 +47,9 @@ class EngineDeadError(RuntimeError):
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, *, core_path: str = DEFAULT_CORE) -> None:
-        self.config = config
+    def __init__(self, config: EngineConfig | None, *, core_path: str = DEFAULT_CORE) -> None:
+        self.config = config                    # None: prestart(), then configure()
+        self._config_pipe: multiprocessing.connection.Connection | None = None
         self.core_path = core_path
         self._dir = tempfile.mkdtemp(prefix="tokenforge-")
         self.input_address = f"ipc://{os.path.join(self._dir, 'input.sock')}"
@@ -70,16 +71,47 @@ class EngineCoreClient:
         self._closing = False
 
     # ---- lifecycle --------------------------------------------------------------------------------
+    @classmethod
+    def prestart(cls, core_path: str = DEFAULT_CORE) -> EngineCoreClient:
+        """Start a core before the config is known: it imports torch and the engine while this
+        process resolves and checks the config (which imports torch here too), then waits for
+        `configure`. On an 8B start that overlap is seconds of the time to /health."""
+        client = cls(None, core_path=core_path)
+        client.spawn()
+        return client
+
     def spawn(self) -> None:
         # Not a daemon: the core may start its own workers (one per GPU rank).
         context = multiprocessing.get_context("spawn")
-        config_bytes = encode_config(self.config)
+        config_bytes, reader = None, None
+        if self.config is not None:
+            config_bytes = encode_config(self.config)
+        else:     # the config follows through a pipe, as msgpack bytes (configure)
+            reader, self._config_pipe = context.Pipe(duplex=False)
         self.process = context.Process(
             target=run_engine_core, name="tokenforge-engine-core",
             args=(config_bytes, self.input_address, self.output_address, os.getpid(), self.core_path,
-                  logging.getLogger().getEffectiveLevel()))
+                  logging.getLogger().getEffectiveLevel(), reader))
         self.process.start()
-        logger.info("engine core process started (pid %d)", self.process.pid)
+        if reader is not None:
+            reader.close()      # the child has its own copy
+        logger.log(logging.INFO if self.config is not None else logging.DEBUG,
+                   "engine core process started (pid %d)", self.process.pid)
+
+    def configure(self, config: EngineConfig) -> None:
+        """Hand a pre-started core its config; it starts loading the model."""
+        if self._config_pipe is None:
+            raise RuntimeError("configure() is for a core started with prestart()")
+        self.config = config
+        try:
+            self._config_pipe.send_bytes(encode_config(config))
+        except OSError as err:      # the core died while importing
+            raise EngineDeadError(f"engine core process exited with code {self.process.exitcode} "
+                                  f"during start-up ({err})") from err
+        finally:
+            self._config_pipe.close()
+            self._config_pipe = None
+        logger.info("engine core process started (pid %d, pre-started)", self.process.pid)
 
     async def wait_ready(self, timeout: float | None = None,
                          also: concurrent.futures.Future | None = None) -> Ready:
@@ -118,6 +150,12 @@ class EngineCoreClient:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._closing = True
+        if self._config_pipe is not None:       # never configured (a bad flag): nothing to drain
+            self._config_pipe.close()
+            self._config_pipe = None
+            if self.process is not None:
+                self.process.kill()
+                self.process.join(2.0)
         if self.process is not None and self.process.is_alive():
             try:
                 self.send(ShutdownRequest())

@@ -170,9 +170,30 @@ def _ready_message(core) -> Ready:
     return Ready(os.getpid(), core.num_kv_blocks, core.vocab_size, core.max_model_len)
 
 
-def run_engine_core(config_bytes: bytes, input_address: str, output_address: str, parent_pid: int,
-                    core_path: str = DEFAULT_CORE, log_level: int = logging.INFO) -> None:
-    """The child process's entry point. The config arrives as msgpack bytes, not a pickle."""
+def _await_config(core_path: str, pipe) -> bytes | None:
+    """A pre-started core: import the engine (torch, the model code, the driver's init) while the
+    frontend resolves the config, then wait for it. None: the frontend closed the pipe instead."""
+    start = time.perf_counter()
+    load_core_class(core_path)
+    import torch  # noqa: PLC0415 - imported by the engine already; here for the driver's init
+
+    torch.cuda.is_available()
+    imported = time.perf_counter() - start
+    try:
+        config_bytes = pipe.recv_bytes()
+    except EOFError:
+        return None
+    finally:
+        pipe.close()
+    logger.info("engine core: imports done in %.2f s, then %.2f s waiting for the config", imported,
+                time.perf_counter() - start - imported)
+    return config_bytes
+
+
+def run_engine_core(config_bytes: bytes | None, input_address: str, output_address: str, parent_pid: int,
+                    core_path: str = DEFAULT_CORE, log_level: int = logging.INFO, config_pipe=None) -> None:
+    """The child process's entry point. The config arrives as msgpack bytes, not a pickle: in the
+    arguments, or (config_bytes None, a pre-started core) later through `config_pipe`."""
     # The frontend owns shutdown: Ctrl-C on the terminal or a SIGTERM to the process group must
     # not kill the core while the server is still draining in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -187,6 +208,10 @@ def run_engine_core(config_bytes: bytes, input_address: str, output_address: str
     exit_code = 0
     core = None
     try:
+        if config_bytes is None:
+            config_bytes = _await_config(core_path, config_pipe)
+            if config_bytes is None:
+                return          # the frontend stopped before configuring (a bad flag): nothing to report
         config = decode_config(config_bytes)
         try:
             start = time.perf_counter()

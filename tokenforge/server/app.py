@@ -318,14 +318,17 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
     return state.exit_code
 
 
-def run_server(args, engine_config: EngineConfig | None = None, sock: socket.socket | None = None) -> int:
-    """The CLI entry: `tokenforge serve`. Returns the exit code (0 after a graceful stop)."""
+def run_server(args, engine_config: EngineConfig | None = None, sock: socket.socket | None = None,
+               core=None) -> int:
+    """The CLI entry: `tokenforge serve`. Returns the exit code (0 after a graceful stop). `core`:
+    an EngineCoreClient from prestart(), configured with the config here."""
     from tokenforge.server.cli_args import engine_config_from_args  # noqa: PLC0415
 
     settings = ServerSettings.from_args(args)
     config = engine_config or engine_config_from_args(args)
     configure_logging(settings.log_level, "api")
-    return _run_loop(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port)))
+    options = {"client": core} if core is not None else {}
+    return _run_loop(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port), **options))
 
 
 def _run_loop(main) -> int:
