@@ -48,19 +48,9 @@ class RequestAbortedError(RuntimeError):
 
 
 def _load_tokenizer(config: EngineConfig):
-    return load_tokenizer_for(config.model.model, config.load.load_format)
-
-
-def load_tokenizer_for(model: str | None, load_format: str):
     from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - slow import
 
-    return load_engine_tokenizer(model, load_format)
-
-
-def load_tokenizer_early(model: str | None, load_format: str | None) -> concurrent.futures.Future:
-    """Start loading the tokenizer now, in a daemon thread (seconds for an HF tokenizer: the
-    transformers import and the vocabulary), for AsyncEngine.start(tokenizer=future)."""
-    return _in_daemon_thread(load_tokenizer_for, model, load_format or "auto")
+    return load_engine_tokenizer(config.model.model, config.load.load_format)
 
 
 def _in_daemon_thread(fn, *args) -> concurrent.futures.Future:
@@ -102,8 +92,7 @@ class AsyncEngine:
                     ready_timeout: float | None = None, stream_interval: int = 1,
                     client: EngineCoreClient | None = None) -> AsyncEngine:
         """Spawn the engine core (or configure `client`, one from EngineCoreClient.prestart) and,
-        while it loads the model, load the tokenizer here (`tokenizer`: a loaded one, or the
-        future of load_tokenizer_early). `stream_interval`: a request's delta is
+        while it loads the model, load the tokenizer here. `stream_interval`: a request's delta is
         released at its first token, at a finish, and otherwise once that many new tokens are
         waiting (1: every step)."""
         if client is None:
@@ -115,10 +104,7 @@ class AsyncEngine:
             # While the core loads the model: the tokenizer, and the weights' checksum (a pinned
             # one that does not match raises ModelChecksumError before the model is waited for).
             checking = _in_daemon_thread(verify_model, config)
-            if isinstance(tokenizer, concurrent.futures.Future):    # load_tokenizer_early
-                pending, tokenizer = tokenizer, None
-            else:
-                pending = None if tokenizer is not None else _in_daemon_thread(_load_tokenizer, config)
+            pending = None if tokenizer is not None else _in_daemon_thread(_load_tokenizer, config)
             identity = await asyncio.wrap_future(checking)
             ready = await client.wait_ready(ready_timeout, also=pending)
             if pending is not None:

@@ -319,16 +319,15 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
 
 
 def run_server(args, engine_config: EngineConfig | None = None, sock: socket.socket | None = None,
-               core=None, tokenizer=None) -> int:
+               core=None) -> int:
     """The CLI entry: `tokenforge serve`. Returns the exit code (0 after a graceful stop). `core`:
-    an EngineCoreClient from prestart(), configured with the config here; `tokenizer`: one being
-    loaded already (AsyncEngine.start's argument)."""
+    an EngineCoreClient from prestart(), configured with the config here."""
     from tokenforge.server.cli_args import engine_config_from_args  # noqa: PLC0415
 
     settings = ServerSettings.from_args(args)
     config = engine_config or engine_config_from_args(args)
     configure_logging(settings.log_level, "api")
-    options = {k: v for k, v in (("client", core), ("tokenizer", tokenizer)) if v is not None}
+    options = {"client": core} if core is not None else {}
     return _run_loop(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port), **options))
 
 

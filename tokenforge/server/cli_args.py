@@ -33,8 +33,7 @@ def add_serve_parser(subparsers, add_engine_args, epilog: str | None = None,
 
 def _run_serve(args: argparse.Namespace, engine_kwargs, check_engine_args=None) -> int:
     """Every check that can fail (flags, model path, device, fit) runs before the engine starts."""
-    from tokenforge.engine.async_engine import load_tokenizer_early  # noqa: PLC0415 - keep `tokenforge --help` fast
-    from tokenforge.engine.core_client import EngineCoreClient  # noqa: PLC0415
+    from tokenforge.engine.core_client import EngineCoreClient  # noqa: PLC0415 - keep `tokenforge --help` fast
     from tokenforge.server.app import bind_socket, run_server  # noqa: PLC0415
 
     if args.model_tag is not None:
@@ -44,11 +43,9 @@ def _run_serve(args: argparse.Namespace, engine_kwargs, check_engine_args=None) 
     settings = ServerSettings.from_args(args)
     sock = bind_socket(settings.host, settings.port)   # a port in use fails before anything loads
     # The core imports torch and the engine while the config is resolved and checked here.
-    # The tokenizer loads here meanwhile too.
     core = EngineCoreClient.prestart()
     try:
         kwargs = engine_kwargs(args)
-        tokenizer = load_tokenizer_early(kwargs["model"], kwargs["load_format"])
         config = EngineConfig.from_kwargs(**kwargs)
         if check_engine_args is not None:
             check_engine_args(kwargs)
@@ -56,7 +53,7 @@ def _run_serve(args: argparse.Namespace, engine_kwargs, check_engine_args=None) 
         core.shutdown()
         sock.close()
         raise
-    return run_server(args, config, sock, core, tokenizer)
+    return run_server(args, config, sock, core)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
