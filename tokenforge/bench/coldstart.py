@@ -26,6 +26,9 @@ from tokenforge.bench import report, workloads
 from tokenforge.bench.checkpoint import write_random_checkpoint
 
 _PHASES = re.compile(r"start-up: (.*)$")
+# the log lines that place the phases on the clock (both processes), kept in the result
+_EVENTS = re.compile(r"engine core process started|imports done|loaded .* in|KV cache ready|start-up:|"
+                     r"tokenizer loaded|checksum|ready in|serving|Uvicorn running|WARNING|ERROR")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -82,7 +85,10 @@ def time_start(checkpoint: Path, env: dict, serve_args: list[str], timeout: floa
     phases = [m.group(1) for m in map(_PHASES.search, text.splitlines()) if m]
     if seconds is None:
         print(text[-4000:], flush=True)
-    return {"seconds": seconds, "phases": phases[-1] if phases else None, "exit_code": proc.returncode}
+    started = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.perf_counter() - t0)))
+    events = [line[:200] for line in text.splitlines() if _EVENTS.search(line)]
+    return {"seconds": seconds, "phases": phases[-1] if phases else None, "exit_code": proc.returncode,
+            "started_at": started, "log": events}
 
 
 def main(args: argparse.Namespace) -> dict:

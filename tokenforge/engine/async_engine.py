@@ -50,7 +50,17 @@ class RequestAbortedError(RuntimeError):
 def _load_tokenizer(config: EngineConfig):
     from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - slow import
 
-    return load_engine_tokenizer(config.model.model, config.load.load_format)
+    start = time.perf_counter()
+    tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format)
+    logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
+    return tokenizer
+
+
+def _verify_model(config: EngineConfig):
+    start = time.perf_counter()
+    identity = verify_model(config)
+    logger.info("weights checksum %s in %.2f s", identity.checksum[:16], time.perf_counter() - start)
+    return identity
 
 
 def _in_daemon_thread(fn, *args) -> concurrent.futures.Future:
@@ -103,7 +113,7 @@ class AsyncEngine:
                 client.configure(config)
             # While the core loads the model: the tokenizer, and the weights' checksum (a pinned
             # one that does not match raises ModelChecksumError before the model is waited for).
-            checking = _in_daemon_thread(verify_model, config)
+            checking = _in_daemon_thread(_verify_model, config)
             pending = None if tokenizer is not None else _in_daemon_thread(_load_tokenizer, config)
             identity = await asyncio.wrap_future(checking)
             ready = await client.wait_ready(ready_timeout, also=pending)
