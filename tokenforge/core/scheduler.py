@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from math import ceil
 from collections.abc import Iterable
+from math import ceil
 
 from tokenforge.config import CacheConfig, SchedulerConfig
 from tokenforge.core.kv_cache_manager import KVCacheManager, cdiv

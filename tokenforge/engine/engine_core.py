@@ -114,7 +114,8 @@ class EngineCore:
         one's results are read back, so the host work of both (scheduling, input building,
         output processing by the caller) runs while the device computes. Grammar requests keep
         this: a step whose masks need the tokens of the step in flight is launched with its
-        sampling deferred, and `finish_step` samples it once those tokens are in.
+        sampling deferred, and `finish_step` samples it once those tokens are in. Under pipeline
+        parallelism up to `pipeline_steps` steps over disjoint requests are in flight instead.
         """
         if self.pipeline_steps > 1:
             return self._step_pipelined()
