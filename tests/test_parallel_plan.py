@@ -58,3 +58,29 @@ def test_playbook_aliases(argv, tp, pp):
 def test_conflicting_num_gpus_is_an_error():
     with pytest.raises(ValueError, match="--num-gpus 3 does not equal"):
         engine_kwargs(build_parser().parse_args(["generate", "hi", "-tp", "2", "--num-gpus", "3"]))
+
+
+@pytest.mark.parametrize("argv,steps", [
+    (["-pp", "2"], 2),                                          # default: one step per stage
+    (["-pp", "2", "--pipeline-steps", "3"], 3),
+    (["--pipe_parallelism", "4", "--pipeline_steps", "1"], 1),  # one step passes the stages at a time
+    ([], 1),
+])
+def test_pipeline_steps_flag(argv, steps):
+    from tokenforge.config import EngineConfig
+
+    kwargs = engine_kwargs(build_parser().parse_args(["generate", "hi", *argv]))
+    config = EngineConfig.from_kwargs(device="cpu", pipeline_parallel_size=kwargs["pipeline_parallel_size"],
+                                      pipeline_steps=kwargs["pipeline_steps"])
+    assert config.scheduler.pipeline_steps == steps
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"pipeline_parallel_size": 2, "pipeline_steps": 0}, "pipeline_steps must be an integer >= 1, got 0"),
+    ({"pipeline_steps": 2}, "pipeline_steps 2 keeps several steps in flight .* needs pipeline_parallel_size > 1"),
+])
+def test_bad_pipeline_steps_are_refused(kwargs, message):
+    from tokenforge.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.from_kwargs(device="cpu", **kwargs)

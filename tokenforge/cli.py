@@ -115,7 +115,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-type", action=_KVCacheType, help="playbook alias: only 'block'")
     g.add_argument("--max-num-seqs", "--max-parallel-batch", "--batch-size", "--micro-batch-size",
                    "--micro_batch_size", type=int, default=None,
-                   help="sequences per step (default: 512 on CUDA, 256 on the CPU)")
+                   help="sequences per step (default: 512 on CUDA, 256 on the CPU); with --pipeline-steps K, "
+                        "up to K steps of this many run at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step; long prompts are chunked to fit (chunked prefill); "
                         "default: 8192 on CUDA, 2048 on the CPU")

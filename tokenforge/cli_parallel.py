@@ -2,6 +2,7 @@
 
     --tensor-parallel-size N   (-tp, --model_parallelism, --model_parallelism_level, --shard-size)
     --pipeline-parallel-size N (-pp, --pipe_parallelism, --pipe_parallelism_level)
+    --pipeline-steps N         (--pipeline_steps): steps in flight across the stages (default: PP)
     --num-gpus N               (--num_devices, --num_processes): N ranks, split as
                                --model-sharding-type says: parallel (TP = N, the default) or pipe
                                (PP = N); `load` means lazy loading (--load-format lazy)
@@ -37,8 +38,9 @@ def add_parallel_args(p: argparse.ArgumentParser) -> None:
                    type=int, default=None, help="ranks in all; split as --model-sharding-type says")
     g.add_argument("--model-sharding-type", "--model_sharding_type", choices=["parallel", "pipe", "load"],
                    default=None, help="playbook: parallel = TP, pipe = PP over --num-gpus; load = lazy loading")
-    g.add_argument("--pipeline-steps", "--pipeline_steps", type=int, default=1,
-                   help="batches in flight across pipeline stages; only 1 is implemented so far")
+    g.add_argument("--pipeline-steps", "--pipeline_steps", dest="pipeline_steps", type=int, default=None,
+                   metavar="N", help="with pipeline parallelism: steps (batches of distinct requests) in flight at "
+                                     "once, so every stage has work (default: the pipeline parallel size)")
     g.add_argument("--parallel", choices=["auto", "manual"], default="manual",
                    help="auto: TP x PP from `tokenforge doctor --gpus` for the visible GPUs (playbook: "
                         "--dynamic_sharding, --sharding_strategy auto)")
@@ -75,9 +77,6 @@ def cache_kwargs(args: argparse.Namespace) -> dict:
 
 
 def parallel_kwargs(args: argparse.Namespace) -> dict:
-    if getattr(args, "pipeline_steps", 1) != 1:
-        raise ValueError(f"--pipeline-steps {args.pipeline_steps}: several batches in flight across pipeline "
-                         "stages are not implemented yet; a step passes the stages one after another (use 1)")
     if args.model_sharding_type == "load":
         args.load_format = "lazy"
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
@@ -96,4 +95,5 @@ def parallel_kwargs(args: argparse.Namespace) -> dict:
             raise ValueError(f"--num-gpus {n} does not equal --tensor-parallel-size x --pipeline-parallel-size "
                              f"= {(tp or 1)} x {(pp or 1)}")
     return {"tensor_parallel_size": tp or 1, "pipeline_parallel_size": pp or 1,
+            "pipeline_steps": getattr(args, "pipeline_steps", None),
             "distributed_executor_backend": args.distributed_executor_backend}

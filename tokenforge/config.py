@@ -171,9 +171,14 @@ class SchedulerConfig:
     max_model_len: int = 2048               # resolved against the model by EngineConfig.create
     max_tokens_default: int | None = None   # default max_tokens cap (playbook: --max-inference-steps)
     async_scheduling: bool | None = None    # schedule step N+1 while step N runs; None: on for CUDA
+    # Pipeline parallelism: steps in flight at once, each over its own requests, so every stage
+    # has work (playbook: --pipeline-steps). From kwargs, None: pipeline_parallel_size.
+    pipeline_steps: int = 1
 
     def validate(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _check(isinstance(self.pipeline_steps, int) and self.pipeline_steps >= 1,
+               f"pipeline_steps must be an integer >= 1, got {self.pipeline_steps!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_tokens_default is None or self.max_tokens_default >= 1,
@@ -259,6 +264,9 @@ class EngineConfig:
     def validate(self) -> EngineConfig:
         for sub in (self.model, self.cache, self.scheduler, self.parallel, self.load, self.device):
             sub.validate()
+        steps, pp = self.scheduler.pipeline_steps, self.parallel.pipeline_parallel_size
+        _check(steps == 1 or pp > 1, f"pipeline_steps {steps} keeps several steps in flight across pipeline "
+               "stages: it needs pipeline_parallel_size > 1 (or pipeline_steps 1)")
         return self
 
     @staticmethod
@@ -273,6 +281,8 @@ class EngineConfig:
                 raise TypeError(f"unknown engine argument {key!r}")
             groups[owners[key]][key] = value
         _fill_device_defaults(groups)
+        if groups["scheduler"].get("pipeline_steps") is None:     # one step per stage in flight
+            groups["scheduler"]["pipeline_steps"] = groups["parallel"].get("pipeline_parallel_size") or 1
         quant = groups["model"].get("quantization")
         groups["model"]["quantization"] = QUANTIZATION_ALIASES.get(quant, quant)
         if "kv_cache_memory" in groups["cache"]:

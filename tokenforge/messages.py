@@ -132,6 +132,12 @@ class WorkerStep(msgspec.Struct, tag="step", array_like=True):
         return not self.sequences
 
 
+class WorkerFinishStep(msgspec.Struct, tag="finish", array_like=True):
+    """Pipelined steps with TP: the first stage's ranks finish their oldest step in flight (take the
+    last stage's hidden states, run the LM head's collectives, take the sampled ids), as rank 0
+    does when it collects that step. The other stages have nothing to finish and skip it."""
+
+
 class WorkerInitKVCache(msgspec.Struct, tag="init_kv", array_like=True):
     """Profile memory (a forward pass every rank runs in step), agree on the block count, allocate."""
 
@@ -146,7 +152,7 @@ class WorkerShutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-WorkerMessage = WorkerStep | WorkerInitKVCache | WorkerProfile | WorkerShutdown
+WorkerMessage = WorkerStep | WorkerFinishStep | WorkerInitKVCache | WorkerProfile | WorkerShutdown
 
 
 # ---- user-facing outputs (vLLM-shaped) ----------------------------------------------------------

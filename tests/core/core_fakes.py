@@ -85,9 +85,9 @@ class FakeRunner:
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
                    max_num_batched_tokens: int = 32, max_model_len: int = 256,
-                   enable_prefix_caching: bool = True) -> Scheduler:
+                   enable_prefix_caching: bool = True, pipeline_steps: int = 1) -> Scheduler:
     sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                         max_model_len=max_model_len)
+                         max_model_len=max_model_len, pipeline_steps=pipeline_steps)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     return Scheduler(sc, cc, num_blocks)
 

@@ -1,6 +1,7 @@
 """Tensor and pipeline parallelism on the CPU: gloo, one process per rank, the engine core on rank 0.
 
-Greedy tokens of every layout equal TP=1's on the same weights (the widened bundled model, fp32);
+Greedy tokens of every layout equal TP=1's on the same weights (the widened bundled model, fp32),
+with one step passing the stages at a time and with several in flight (--pipeline-steps);
 bad layouts fail before any process starts; a rank that fails to start takes the others down.
 """
 
@@ -15,22 +16,54 @@ import uuid
 
 import pytest
 
-from tests.distributed.conftest import ENGINE, assert_same_outputs, processes_with_env, run_mixed
+from tests.distributed.conftest import ENGINE, PROMPTS, assert_same_outputs, processes_with_env, run_mixed
 from tokenforge import LLM
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
-                                    {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
-                         ids=["tp2", "pp2", "tp2xpp2"])
-def test_outputs_match_tp1(widened_model, tp1_outputs, layout):
-    """Greedy tokens, a seeded sample (rank 0 samples and broadcasts) and logprobs, against TP=1."""
+@pytest.mark.parametrize("layout,in_flight", [
+    ({"tensor_parallel_size": 2}, 0),
+    ({"pipeline_parallel_size": 2}, 2),                        # pipeline_steps defaults to PP
+    ({"pipeline_parallel_size": 2, "pipeline_steps": 1}, 0),   # one step passes the stages at a time
+    ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, 2),
+], ids=["tp2", "pp2", "pp2-steps1", "tp2xpp2"])
+def test_outputs_match_tp1(widened_model, tp1_outputs, layout, in_flight):
+    """Greedy tokens, a seeded sample (rank 0 samples and broadcasts) and logprobs, against TP=1.
+    With pipelined steps the 7 requests split into two steps in flight at once."""
     with LLM(widened_model, **ENGINE, **layout) as llm:
         assert_same_outputs(run_mixed(llm), tp1_outputs)
         stats = llm.get_stats()
+        assert llm.engine.max_steps_in_flight == in_flight
     assert stats.num_free_blocks == stats.num_kv_blocks      # every block back after the batch
     assert not multiprocessing.active_children()              # the workers are gone
+
+
+def test_pipelined_steps_with_preemption_and_shared_prefixes(widened_model):
+    """Three steps in flight on two stages, more requests than a step takes, prompts sharing a
+    prefix block, two grammar-constrained requests (masks filled at launch, used at collect), a KV
+    cache small enough to preempt: greedy tokens equal TP=1's, and every block comes back."""
+    from tokenforge import SamplingParams, StructuredOutputsParams
+
+    shared = "In a quiet village by the sea, the old lighthouse keeper told the children a story about"
+    prompts = [f"{shared} {topic}" for topic in ("a whale", "the storm of 1902", "his first ship")]
+    prompts += [*PROMPTS, "Water boils at", "import numpy as np\n", "Roses are red,"]
+    params = [SamplingParams(max_tokens=3 + 4 * (i % 4), temperature=0) for i in range(len(prompts))]
+    prompts += ["The year the war ended:", "My favourite colour is"]
+    params += [SamplingParams(max_tokens=8, temperature=0, structured_outputs=grammar)
+               for grammar in (StructuredOutputsParams(regex="[0-9]{4}"),
+                               StructuredOutputsParams(choice=["red", "green", "blue"]))]
+    small = {**ENGINE, "num_kv_blocks": 9}
+    with LLM(widened_model, **small) as llm:
+        expected = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+    with LLM(widened_model, **small, pipeline_parallel_size=2, pipeline_steps=3) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got, texts = [list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs]
+        stats, most = llm.get_stats(), llm.engine.max_steps_in_flight
+    assert got == expected
+    assert len(texts[-2]) == 4 and texts[-2].isdigit() and texts[-1] in ("red", "green", "blue")
+    assert most == 3 and stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert stats.num_free_blocks == stats.num_kv_blocks
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -86,9 +86,13 @@ def reference(checkpoint) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "enforce_eager": True},
-                                    {"pipeline_parallel_size": 2}], ids=["tp2-graphs", "tp2-eager", "pp2"])
+                                    {"pipeline_parallel_size": 2}, {"pipeline_parallel_size": 2, "pipeline_steps": 1},
+                                    {"pipeline_parallel_size": 2, "pipeline_steps": 3}],
+                         ids=["tp2-graphs", "tp2-eager", "pp2", "pp2-steps1", "pp2-steps3"])
 def test_parallel_greedy_matches_tp1(checkpoint, reference, layout):
-    """TP=2 with the NCCL all-reduce captured in the decode graphs, TP=2 eager, PP=2."""
+    """TP=2 with the NCCL all-reduce captured in the decode graphs, TP=2 eager, PP=2 with two steps
+    in flight (the default), one, and three (prefill steps of MBs: sends and receives of the one
+    NCCL pair must keep the last stage's order)."""
     assert _greedy(checkpoint, **layout) == reference
 
 

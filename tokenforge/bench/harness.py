@@ -144,7 +144,8 @@ def build_llm(args: argparse.Namespace, **overrides):
     # What the engine resolved (device defaults included), recorded in the result JSON.
     args.resolved_engine = {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
                             "max_model_len": sched.max_model_len, "num_kv_blocks": llm.engine.num_kv_blocks,
-                            "async_scheduling": llm.engine.async_scheduling, "flags": quality_flags(kwargs)}
+                            "async_scheduling": llm.engine.async_scheduling, "pipeline_steps": sched.pipeline_steps,
+                            "flags": quality_flags(kwargs)}
     print(f"tokenforge: engine {args.resolved_engine}", flush=True)
     return llm
 

@@ -33,7 +33,9 @@ def parse_layout(text: str) -> tuple[int, int]:
 
 def measure_layout(args: argparse.Namespace, tp: int, pp: int, w1: list[list[int]], w2: list[list[int]]) -> dict:
     label = f"tp{tp}pp{pp}"
-    llm = harness.build_llm(args, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    # --pipeline-steps applies to the pipelined layouts only (the default there: PP steps in flight).
+    steps = {"pipeline_steps": 1} if pp == 1 else {}
+    llm = harness.build_llm(args, tensor_parallel_size=tp, pipeline_parallel_size=pp, **steps)
     out = {"tp": tp, "pp": pp, "engine": dict(getattr(args, "resolved_engine", {})),
            "startup_phases": dict(getattr(llm.engine, "startup_phases", {}))}
     timing, _ = harness.run_checked(llm, w1, 256, args.w1_repeats, f"{label}-W1")
@@ -43,6 +45,7 @@ def measure_layout(args: argparse.Namespace, tp: int, pp: int, w1: list[list[int
     if not args.skip_w2:
         timing, _ = harness.run_checked(llm, w2, args.output_len, args.repeats, f"{label}-W2")
         out["W2"] = {**harness.rates(len(w2), args.input_len, args.output_len, timing.median), **timing.summary()}
+    out["max_steps_in_flight"] = llm.engine.max_steps_in_flight
     harness.shutdown(llm)
     del llm
     harness.release_memory()

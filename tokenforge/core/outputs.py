@@ -13,7 +13,8 @@ from tokenforge.messages import PositionLogprobs, WireSamplingParams
 
 # A token id the host does not know yet: the previous step sampled it and it is still on the
 # device. Only the last token of a scheduled sequence can be one; the runner fills it in on the
-# device from the previous step's sampled ids (async scheduling).
+# device from the previous step's sampled ids (async scheduling). Pipelined steps (pipeline
+# parallelism, several steps in flight) never carry one: a request is in one step in flight at most.
 PLACEHOLDER_TOKEN_ID = -1
 
 

@@ -19,6 +19,15 @@ before the next is scheduled: while any is unfinished, `can_schedule_ahead()` is
 requests do not: the engine defers only the sampling of a step scheduled ahead until the masks,
 which need the step before's tokens, are computed (engine/structured_output.py).
 
+Pipelined steps (pipeline parallelism, `pipeline_steps` K > 1): up to K steps are in flight at
+once, each over a disjoint set of requests, so the first stage runs one step's layers while later
+stages run another's. A request in a step still in flight (`_busy`) is not scheduled again until
+that step's output is in, so no step carries placeholders. Each step takes about 1/K of the
+unfinished requests (at most `max_num_seqs`; up to K x `max_num_seqs` run at once), so the steps
+in flight stay balanced. Preempting or aborting a request in flight is safe as under async
+scheduling: every stage runs the steps in order, so a freed block is written by the old step
+before the new one touches it.
+
 min_tokens: until a request has that many output tokens, its sequence carries the EOS ids
 (unless ignore_eos) and its stop_token_ids as `banned_token_ids`, which the sampler sets to -inf.
 """
@@ -28,6 +37,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Iterable
+from math import ceil
 
 from tokenforge.config import CacheConfig, SchedulerConfig
 from tokenforge.core.kv_cache_manager import KVCacheManager, cdiv
@@ -55,6 +65,9 @@ class Scheduler:
         self._finished_ids: list[str] = []         # finished or aborted since the last schedule()
         self._num_needs_sync = 0                   # unfinished requests with `needs_sync`
         self.num_preemptions = 0
+        self.pipeline_steps = scheduler_config.pipeline_steps
+        self._max_running = scheduler_config.max_num_seqs * self.pipeline_steps
+        self._busy: set[str] = set()               # pipelined: ids in a step still in flight
         # CPU/disk/Redis tiers below the device cache; None (no per-step work) when none is set.
         self.tiers: KVTierPolicy | None = None
         if cache_config.kv_tiers_enabled:
@@ -154,13 +167,21 @@ class Scheduler:
         self._finished_ids = []
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
-        budget = self._schedule_running(self.config.max_num_batched_tokens, decodes, prefills,
-                                        out.preempted_request_ids)
+        if self.pipeline_steps == 1:
+            budget = self._schedule_running(self.config.max_num_batched_tokens, decodes, prefills,
+                                            out.preempted_request_ids)
+            room = self.config.max_num_seqs - len(self.running)
+        else:
+            budget, room = self._schedule_idle_running(self.config.max_num_batched_tokens, decodes, prefills,
+                                                       out.preempted_request_ids)
+            room = min(room, self._max_running - len(self.running))
         # Blocks ran out this step: admitting new work would only preempt it again.
         if not out.preempted_request_ids:
-            self._schedule_waiting(budget, decodes, prefills)
+            self._schedule_waiting(budget, room, decodes, prefills)
         decodes.extend(prefills)
         out.sequences = decodes
+        if self.pipeline_steps > 1:
+            self._busy.update(s.request_id for s in decodes)
         if self.tiers is not None:
             out.kv_saves, out.kv_loads = self.tiers.take_step_ops()
         return out
@@ -182,6 +203,27 @@ class Scheduler:
             budget -= n
             i += 1
         return budget
+
+    def _schedule_idle_running(self, budget: int, decodes: list[ScheduledSequence],
+                               prefills: list[ScheduledSequence], preempted: list[str]) -> tuple[int, int]:
+        """Pipelined steps: `_schedule_running` over the running requests no step in flight holds,
+        at most this step's share of the unfinished requests. Returns (tokens, sequences) left."""
+        room = min(self.config.max_num_seqs,
+                   ceil((len(self.running) + len(self.waiting)) / self.pipeline_steps))
+        busy, i = self._busy, 0
+        while i < len(self.running) and budget > 0 and room > 0:
+            req = self.running[i]
+            i += 1
+            if req.request_id in busy:
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0, f"request {req.request_id}: nothing left to compute, yet unfinished"
+            if not self._allocate_or_preempt(req, n, preempted):
+                break
+            self._add_sequence(req, n, decodes, prefills)
+            budget -= n
+            room -= 1
+        return budget, room
 
     def _ends_with_pending_token(self, req: Request) -> bool:
         """True when the tokens still on the device already reach max_tokens or the length cap."""
@@ -209,13 +251,14 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def _schedule_waiting(self, budget: int, decodes: list[ScheduledSequence],
+    def _schedule_waiting(self, budget: int, room: int, decodes: list[ScheduledSequence],
                           prefills: list[ScheduledSequence]) -> None:
+        """Admit waiting requests FCFS: at most `room` of them and `budget` tokens."""
         now: float | None = None
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and room > 0:
             req = self.waiting[0]
-            if req.num_output_placeholders:
-                break                          # preempted with a token in flight: next step
+            if req.num_output_placeholders or (self._busy and req.request_id in self._busy):
+                break                          # preempted with a step in flight: after it
             if self.tiers is not None and self.tiers.should_look_up(req):
                 started = self.tiers.start_load(req, reserve=len(self.running))
                 if started is None:
@@ -249,6 +292,7 @@ class Scheduler:
             self.running.append(req)
             self._add_sequence(req, n, decodes, prefills)
             budget -= n
+            room -= 1
 
     def _release_restored(self, req: Request) -> None:
         """A waiting request must not hold blocks the running ones need (nothing could preempt it):
@@ -309,6 +353,8 @@ class Scheduler:
         outputs: list[EngineCoreOutput] = []
         now = time.time()
         finished_running = finished_waiting = False
+        if self.pipeline_steps > 1:
+            self._busy.difference_update(s.request_id for s in scheduler_output.sequences)
         for seq in scheduler_output.sequences:
             req = self.requests.get(seq.request_id)
             if req is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
@@ -75,6 +76,11 @@ class EngineCore:
         # The step launched ahead whose sampling waits for its grammar masks (async scheduling):
         # queued by `finish_step` of the step before it, once that step's tokens are known.
         self._awaiting_masks: tuple[SchedulerOutput, object] | None = None
+        # Pipeline parallelism: up to `pipeline_steps` steps in flight, oldest first, each over
+        # requests no other one holds (the scheduler keeps them apart); no placeholders.
+        self.pipeline_steps = self.config.scheduler.pipeline_steps
+        self._pipeline: deque[tuple[SchedulerOutput, object]] = deque()
+        self.max_steps_in_flight = 0
         model, load_format = self.config.model.model, self.config.load.load_format
         self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
                                         self.vocab_size)
@@ -108,8 +114,11 @@ class EngineCore:
         one's results are read back, so the host work of both (scheduling, input building,
         output processing by the caller) runs while the device computes. Grammar requests keep
         this: a step whose masks need the tokens of the step in flight is launched with its
-        sampling deferred, and `finish_step` samples it once those tokens are in.
+        sampling deferred, and `finish_step` samples it once those tokens are in. Under pipeline
+        parallelism up to `pipeline_steps` steps over disjoint requests are in flight instead.
         """
+        if self.pipeline_steps > 1:
+            return self._step_pipelined()
         if not self.async_scheduling:
             return self.finish_step(self.launch_step())
         if self._in_flight is None:
@@ -120,11 +129,28 @@ class EngineCore:
         done, self._in_flight = self._in_flight, ahead
         return self.finish_step(done)
 
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Fill the pipeline up to `pipeline_steps` steps, then finish the oldest. The first stage
+        queues each new step's layers while the later stages still run the older steps."""
+        pipeline = self._pipeline
+        while len(pipeline) < self.pipeline_steps:
+            launched = self._launch_if_any()
+            if launched is None:
+                break
+            pipeline.append(launched)
+        if not pipeline:
+            return []
+        self.max_steps_in_flight = max(self.max_steps_in_flight, len(pipeline))
+        return self.finish_step(pipeline.popleft())
+
     def drain(self) -> list[EngineCoreOutput]:
-        """Wait for the step still in flight (async scheduling) and return its outputs."""
+        """Wait for the steps still in flight (async scheduling, pipelined steps) and return their
+        outputs."""
         self._sample_awaiting()        # only after an error: finish_step samples it otherwise
         done, self._in_flight = self._in_flight, None
         outputs = self.finish_step(done) if done is not None else []
+        while self._pipeline:
+            outputs += self.finish_step(self._pipeline.popleft())
         self._flush_kv_saves()
         return outputs
 
@@ -189,7 +215,8 @@ class EngineCore:
         self.executor.sample(handle, sched)
 
     def has_unfinished_requests(self) -> bool:
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        return (self._in_flight is not None or self.scheduler.has_unfinished_requests()
+                or bool(self._pipeline))
 
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.get_stats()

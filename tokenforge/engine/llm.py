@@ -105,10 +105,12 @@ class LLM:
                 self.engine.add_request(core_request)
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(processed), use_tqdm)
+        # step() itself keeps steps queued on the device (async scheduling, pipelined steps).
+        steps_ahead = self.engine.async_scheduling or self.engine.pipeline_steps > 1
         try:
             pending = []
             while outputs.has_unfinished():
-                if self.engine.async_scheduling:
+                if steps_ahead:
                     # step() leaves the next step queued on the device: this detokenizes meanwhile.
                     core_outputs = self.engine.step()
                 else:

@@ -10,6 +10,7 @@ per step. Per-request seeded generators live here, keyed by request id, and die 
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -50,6 +51,14 @@ class StepInFlight:
     logits: torch.Tensor | None = None          # [N, V] of the sampling rows while sampling waits
     sample_pending: bool = False                # launched with defer_sampling: `sample` not run yet
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
+    # Pipelined steps, first stage: its layers ran and were sent on, and the receive of the last
+    # stage's hidden states is posted (work, [T, hidden]); the rest waits for `finish_stages`.
+    last_stage: tuple | None = None
+    sched: SchedulerOutput | None = None        # kept for that rest (sampling reads its grammar rows)
+
+    @property
+    def awaits_last_stage(self) -> bool:
+        return self.last_stage is not None
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,7 +82,10 @@ class ModelRunner:
         self._init_threads()
         self._init_model()
         self._init_attention()
-        self.stages = StageComm(self.rank, self.device, self.dtype, self.arch.hidden_size)
+        self.stages = StageComm(self.rank, self.device, self.dtype, self.arch.hidden_size,
+                                config.scheduler.pipeline_steps)
+        # Pipelined steps, first stage: steps started, oldest first, waiting for the last stage.
+        self._unfinished: deque[StepInFlight] = deque()
         self.sampler = Sampler()
         self.generators: dict[str, torch.Generator] = {}
         self.kv_caches: list[torch.Tensor] = []
@@ -194,7 +206,15 @@ class ModelRunner:
                                    self._prev_rows)
         if self.rank.is_first_stage:
             self._fill_placeholders(step.inputs)
+            if self.stages.pipelined:
+                self._start_stages(step, sched, defer_sampling)
+                return step
         step.hidden = self._forward(step.inputs)
+        return self._after_forward(step, sched, defer_sampling)
+
+    def _after_forward(self, step: StepInFlight, sched, defer_sampling: bool) -> StepInFlight:
+        """Queue what follows the forward: logits and sampling (rank 0), the LM head's collectives
+        (the first stage's other ranks)."""
         step.sampling = [s for s in step.sequences if s.sample]
         self._prev_rows = {s.request_id: i for i, s in enumerate(step.sampling)}
         if not self.rank.is_first_stage:      # later stages neither sample nor read the ids back
@@ -210,6 +230,26 @@ class ModelRunner:
             self._prev_tokens = self._follow_sampling(step)
             self._prompt_logits(step)
             self._broadcast_sampled(step)
+        return step
+
+    def _start_stages(self, step: StepInFlight, sched, defer_sampling: bool) -> None:
+        """Pipelined steps, first stage: run this stage's layers and send them on; the step's
+        sampling waits for the last stage (`finish_stages`), so the next step can start first."""
+        assert not defer_sampling, "pipelined steps carry no placeholders: nothing waits for masks"
+        metadata = self.backend.build_metadata(step.inputs.attn_batch)
+        with set_forward_context(metadata):
+            step.last_stage = self.stages.start(self.model, step.inputs.input_ids, step.inputs.positions)
+        step.sched = sched
+        self._unfinished.append(step)
+
+    @torch.inference_mode()
+    def finish_stages(self) -> StepInFlight:
+        """Pipelined steps, first stage: the oldest step started takes the last stage's hidden
+        states, then queues its logits and sampling as `launch` does for an unsplit step."""
+        step = self._unfinished.popleft()
+        step.hidden = self.stages.finish(step.last_stage)
+        sched, step.sched, step.last_stage = step.sched, None, None
+        self._after_forward(step, sched, defer_sampling=False)
         return step
 
     @torch.inference_mode()
@@ -240,9 +280,11 @@ class ModelRunner:
         slots = self._mask_slots
         if slots is None or slots.shape[1] < rows or slots.shape[2] != width:
             cap = max(rows, self.config.scheduler.max_num_seqs)
-            slots = torch.empty((2, cap, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
+            # Pipelined steps sample at collect: a slot waits for K steps in flight, so K + 1 slots.
+            count = max(2, self.config.scheduler.pipeline_steps + 1)
+            slots = torch.empty((count, cap, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._mask_slots = slots
-        self._mask_slot ^= 1
+        self._mask_slot = (self._mask_slot + 1) % slots.shape[0]
         return slots[self._mask_slot, :rows].numpy()
 
     def _follow_sampling(self, step: StepInFlight) -> torch.Tensor | None:
@@ -292,6 +334,8 @@ class ModelRunner:
             return out
         if step.sample_pending:
             raise RuntimeError("a step launched with defer_sampling was collected before `sample`")
+        if step.awaits_last_stage and self.finish_stages() is not step:
+            raise RuntimeError("pipelined steps must be collected in the order they were launched")
         if step.copied is not None:
             # Waits for this step only: a step queued after it keeps the device busy.
             step.copied.synchronize()

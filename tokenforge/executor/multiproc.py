@@ -4,7 +4,10 @@ In: an EngineConfig with tensor_parallel_size x pipeline_parallel_size > 1. Out:
 interface. Each step rank 0 encodes the SchedulerOutput as a msgspec `WorkerStep` (token ids,
 positions, block tables; never a pickle), writes it into a shared-memory ring that every worker
 reads (or, under torchrun, broadcasts the bytes over gloo), then runs the step itself; the ranks
-meet in the model's collectives, and rank 0 samples.
+meet in the model's collectives, and rank 0 samples. With pipelined steps, `launch` returns once
+the first stage's layers are queued (the next step may start before this one comes back), and
+`collect` finishes the oldest step: with TP, it tells the first stage's other ranks to do the same
+(`WorkerFinishStep`), so their LM-head collectives meet rank 0's in order.
 
 Failure: a monitor thread waits on the workers' process sentinels. A worker that dies, while
 starting or while serving, takes the engine down: the other workers are killed and this process
@@ -33,8 +36,8 @@ from tokenforge.executor.engine_cache import use_engine_cache
 from tokenforge.executor.executor import Executor
 from tokenforge.executor.model_runner import prompt_logprob_rows
 from tokenforge.executor.worker import RankHandlers, run_worker
-from tokenforge.messages import (WorkerInitKVCache, WorkerProfile, WorkerSequence, WorkerShutdown,
-                                 WorkerStep)
+from tokenforge.messages import (WorkerFinishStep, WorkerInitKVCache, WorkerProfile, WorkerSequence,
+                                 WorkerShutdown, WorkerStep)
 
 logger = logging.getLogger(__name__)
 
@@ -143,6 +146,11 @@ class MultiprocExecutor(Executor):
         if not scheduler_output.is_empty or scheduler_output.finished_request_ids:
             self._send(to_worker_step(scheduler_output))
         return self.runner.launch(scheduler_output, defer_sampling)
+
+    def collect(self, handle):
+        if handle.awaits_last_stage and self.config.parallel.tensor_parallel_size > 1:
+            self._send(WorkerFinishStep())
+        return self.runner.collect(handle)
 
     def execute(self, scheduler_output: SchedulerOutput):
         return self.collect(self.launch(scheduler_output))

@@ -27,8 +27,8 @@ from tokenforge.distributed import parallel_state
 from tokenforge.distributed.channel import BroadcastChannel, ShmChannel
 from tokenforge.distributed.parallel_state import ParallelRank
 from tokenforge.distributed.shm_ring import RingClosedError, ShmRing
-from tokenforge.messages import (WorkerInitKVCache, WorkerMessage, WorkerProfile, WorkerShutdown,
-                                 WorkerStep)
+from tokenforge.messages import (WorkerFinishStep, WorkerInitKVCache, WorkerMessage, WorkerProfile,
+                                 WorkerShutdown, WorkerStep)
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +89,9 @@ def serve_rank(handlers: RankHandlers, channel) -> int:
             message = decoder.decode(channel.recv())
             if isinstance(message, WorkerStep):
                 runner.launch(message)
+            elif isinstance(message, WorkerFinishStep):
+                if runner.rank.is_first_stage:     # later stages finished the step as it came
+                    runner.finish_stages()
             elif isinstance(message, WorkerInitKVCache):
                 handlers.init_kv_cache(message.max_model_len)
             elif isinstance(message, WorkerProfile):
