@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenforge.bench import workloads
+from tokenforge.config import ModelConfig
 
 # Engine flags of the fallback set (used when the CLI does not hand its own to the benches).
 ENGINE_ARGS = ("load_format", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "kv_cache_memory",
@@ -119,7 +120,7 @@ def profile_run(llm, prompts: list[list[int]], args: argparse.Namespace) -> None
 # Engine flags that change the numerics or the bytes moved: recorded in every result, and a
 # non-default one names the result file (W8-kv_cache_dtype-fp8.json beside W8.json).
 QUALITY_FLAGS = ("quantization", "quantization_group_size", "kv_cache_dtype", "sparsity", "prune_rate")
-_FLAG_DEFAULTS = {"kv_cache_dtype": "auto"}
+_FLAG_DEFAULTS = {"kv_cache_dtype": "auto", "quantization_group_size": ModelConfig().quantization_group_size}
 
 
 def quality_flags(kwargs: dict) -> dict:
