@@ -110,6 +110,42 @@ def test_hf_directory_with_generation_config(ours, cache_dir, tmp_path):
     assert tok.apply_chat_template(CONVERSATIONS[0]) == ours.apply_chat_template(CONVERSATIONS[0])
 
 
+def test_hf_directory_of_the_generic_fast_class_loads_without_transformers(ours, cache_dir, tmp_path):
+    """A tokenizer_config.json naming PreTrainedTokenizerFast is read with `tokenizers` alone, and
+    matches what transformers' AutoTokenizer builds from the same files."""
+    from transformers import AutoTokenizer
+
+    from tokenforge.engine.tokenization import FastTokenizerFiles, _generic_fast_tokenizer
+
+    (converted,) = (cache_dir / "tokenizers").iterdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(converted / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == "TokenizersBackend"       # transformers 5's name for the class
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"           # as Llama 3 on the Hub names it
+    for key in ("bos_token", "eos_token"):      # the AddedToken form some checkpoints write
+        config[key] = {"__type": "AddedToken", "content": config[key], "lstrip": False, "normalized": False, "rstrip": False,
+                       "single_word": False, "special": True}
+    config["clean_up_tokenization_spaces"] = True
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tok, ref = load_tokenizer(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    assert isinstance(tok.hf, FastTokenizerFiles) and type(ref).__name__ in ("PreTrainedTokenizerFast", "TokenizersBackend")
+    assert (tok.bos_token_id, tok.eos_token_ids[0]) == (ref.bos_token_id, ref.eos_token_id) == (1, 2)
+    for text in TEXTS:
+        for special in (True, False):
+            ids = tok.encode(text, add_special_tokens=special)
+            assert ids == ref.encode(text, add_special_tokens=special), text
+        ids = [1, *ref.encode(text), 2]
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), text
+    for messages in CONVERSATIONS:
+        assert tok.apply_chat_template(messages) == ref.apply_chat_template(messages, tokenize=False,
+                                                                            add_generation_prompt=True)
+    config["tokenizer_class"] = "LlamaTokenizerFast"          # a subclass with its own behaviour
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    assert not _generic_fast_tokenizer(tmp_path)
+
+
 def test_template_sandbox_and_errors(ours):
     ours.chat_template = "{{ messages | tojson }}{{ ''.__class__.__mro__ }}"
     with pytest.raises(ValueError, match="chat template error"):

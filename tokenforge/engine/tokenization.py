@@ -78,7 +78,7 @@ class FastTokenizerFiles:
         self.name_or_path = str(directory)          # as transformers names it (lm-eval, llguidance)
         self._tok = RustTokenizer.from_file(str(directory / "tokenizer.json"))
         self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
-        self.special_tokens_map = {k: config[k] for k in self._SPECIAL if isinstance(config.get(k), str)}
+        self.special_tokens_map = {k: v for k in self._SPECIAL if (v := _token_text(config.get(k))) is not None}
         for key in self._SPECIAL:
             setattr(self, key, self.special_tokens_map.get(key))
         self.eos_token_id = self._token_id(self.eos_token)
@@ -105,6 +105,13 @@ class FastTokenizerFiles:
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         return [self._tok.id_to_token(i) for i in ids]
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 class SyntheticTokenizer:
@@ -213,9 +220,15 @@ def load_tokenizer(source: str | Path | None = None, cache_dir: str | Path | Non
 
 
 def _load_hf_dir_tokenizer(model_dir: Path) -> Tokenizer:
-    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when loading
+    if _generic_fast_tokenizer(model_dir):
+        # transformers would build exactly its generic fast tokenizer from these files: read them
+        # with `tokenizers` alone. Importing transformers' AutoTokenizer took 7.7-8.8 s of a
+        # server's warm start on the H200 host (its import chain reaches torch and the model code).
+        hf = FastTokenizerFiles(model_dir)
+    else:
+        from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when loading
 
-    hf = AutoTokenizer.from_pretrained(str(model_dir))
+        hf = AutoTokenizer.from_pretrained(str(model_dir))
     extra: list[int] = []
     for name in ("generation_config.json", "config.json"):
         file = model_dir / name
@@ -223,6 +236,24 @@ def _load_hf_dir_tokenizer(model_dir: Path) -> Tokenizer:
             eos = json.loads(file.read_text()).get("eos_token_id")
             extra += eos if isinstance(eos, list) else ([] if eos is None else [eos])
     return Tokenizer(hf, tuple(int(e) for e in extra), str(model_dir))
+
+
+_GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")    # the class's name before / since transformers 5
+
+
+def _generic_fast_tokenizer(model_dir: Path) -> bool:
+    """Whether the directory holds a tokenizer.json whose config names transformers' generic fast
+    tokenizer (Llama 3 and SmolLM2 on the Hub, our converted files), with nothing that class
+    would add on top of the files (auto_map code, extra special-token lists)."""
+    config_file = model_dir / "tokenizer_config.json"
+    if not (model_dir / "tokenizer.json").is_file() or not config_file.is_file():
+        return False
+    try:
+        config = json.loads(config_file.read_text())
+    except ValueError:
+        return False
+    return (config.get("tokenizer_class") in _GENERIC_FAST and "auto_map" not in config
+            and not config.get("additional_special_tokens") and not config.get("extra_special_tokens"))
 
 
 def _load_gguf_tokenizer(path: Path, cache_dir: Path) -> Tokenizer:

@@ -32,26 +32,31 @@ def add_serve_parser(subparsers, add_engine_args, epilog: str | None = None,
 
 
 def _run_serve(args: argparse.Namespace, engine_kwargs, check_engine_args=None) -> int:
-    """Every check that can fail (flags, model path, device, fit) runs before the engine starts."""
+    """Every check that can fail (flags, port, model path, device, fit) runs before the engine
+    loads anything. The engine core process is started first, though: it imports torch and the
+    engine while this process imports the server and resolves the config, and it is stopped,
+    unseen, if a check fails."""
     from tokenforge.engine.core_client import EngineCoreClient  # noqa: PLC0415 - keep `tokenforge --help` fast
-    from tokenforge.server.app import bind_socket, run_server  # noqa: PLC0415
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}): give one")
         args.model = args.model_tag
     settings = ServerSettings.from_args(args)
-    sock = bind_socket(settings.host, settings.port)   # a port in use fails before anything loads
-    # The core imports torch and the engine while the config is resolved and checked here.
     core = EngineCoreClient.prestart()
+    sock = None
     try:
+        from tokenforge.server.app import bind_socket, run_server  # noqa: PLC0415
+
+        sock = bind_socket(settings.host, settings.port)   # a port in use is one line, like any bad flag
         kwargs = engine_kwargs(args)
         config = EngineConfig.from_kwargs(**kwargs)
         if check_engine_args is not None:
             check_engine_args(kwargs)
     except BaseException:
         core.shutdown()
-        sock.close()
+        if sock is not None:
+            sock.close()
         raise
     return run_server(args, config, sock, core)
 
