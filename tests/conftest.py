@@ -2,7 +2,31 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_default_threads():
+    """torch's intra-op thread count when the session starts (None without torch)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.get_num_threads()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _torch_threads_restored(_torch_default_threads):
+    """An in-process engine built with num_threads=1 (tests/distributed, the engine cache test)
+    sets torch's thread count for the whole process: every later module then ran on one thread
+    (the training tests took ~1.6x longer after them). Each module gets the default back at its
+    end; inside a module nothing changes, so its engines keep the numerics they were built with."""
+    yield
+    torch = sys.modules.get("torch")
+    if torch is not None and _torch_default_threads and torch.get_num_threads() != _torch_default_threads:
+        torch.set_num_threads(_torch_default_threads)
 
 
 @pytest.fixture(scope="session")
