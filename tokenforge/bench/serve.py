@@ -14,7 +14,8 @@ chunks), TPOT ((e2e - TTFT) / (tokens - 1)) and the exact token count from the u
 Every run draws fresh prompts (a new seed unless --seed is given), so a second run against the
 same server does not hit the prefix cache; the hit rate measured from the server's /metrics over
 the timed run is in the JSON. Before timing, one request checks the forced length and bursts of
-1, 2, 4, ... 32 concurrent fresh prompts warm every prefill shape (Triton JIT, graph buckets).
+1, 2, 4, ... 32 (--warm-up-max-burst) concurrent fresh prompts warm every prefill shape (Triton
+JIT, graph buckets).
 Prints a table last; with --out or --results-dir also writes the results JSON.
 """
 
@@ -41,7 +42,7 @@ import httpx
 DEFAULTS = {"url": "http://127.0.0.1:8000", "api_key": None, "model": None, "num_prompts": 300,
             "request_rate": 16.0, "input_len": 1024, "output_len": 1024, "seed": None, "max_concurrency": None,
             "token_id_range": "100,30000", "out": None, "results_dir": None, "timeout": 3600.0,
-            "launch": None}
+            "launch": None, "warm_up_max_burst": 32}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +61,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--token-id-range", default=DEFAULTS["token_id_range"],
                    help="random prompt ids are drawn from [lo, hi) (avoids special tokens)")
     g.add_argument("--timeout", type=float, default=DEFAULTS["timeout"], help="per-request timeout, seconds")
+    g.add_argument("--warm-up-max-burst", type=int, default=DEFAULTS["warm_up_max_burst"],
+                   help="untimed warm-up bursts of 1, 2, 4, ... up to this many concurrent prompts "
+                        "(default %(default)s; 0: only the forced-length check)")
     g.add_argument("--launch", default=None, metavar="SERVE_FLAGS",
                    help="start `tokenforge serve SERVE_FLAGS` on a free port for the run (instead of --url)")
     g.add_argument("--out", default=None, help="also write the results JSON here")
@@ -211,6 +215,7 @@ class Load:
     max_concurrency: int | None = None
     timeout: float = 3600.0
     api_key: str | None = None
+    warm_up_max_burst: int = 32
 
     @staticmethod
     def from_args(args: argparse.Namespace, **overrides) -> Load:
@@ -220,7 +225,8 @@ class Load:
                       input_len=_opt(args, "input_len"), output_len=_opt(args, "output_len"),
                       seed=random.SystemRandom().randrange(2**31) if seed is None else seed,
                       id_range=(lo, hi), max_concurrency=_opt(args, "max_concurrency"),
-                      timeout=_opt(args, "timeout"), api_key=getattr(args, "api_key", None))
+                      timeout=_opt(args, "timeout"), api_key=getattr(args, "api_key", None),
+                      warm_up_max_burst=_opt(args, "warm_up_max_burst"))
         return Load(**{**fields, **overrides})
 
 
@@ -231,16 +237,19 @@ def _prompts(rng: random.Random, load: Load, count: int) -> list[list[int]]:
 
 async def _warm_up(ep: Endpoint, model: str, load: Load, rng: random.Random) -> None:
     """Check the forced length, then compile every prefill shape: bursts of fresh prompts that
-    arrive together, so steps with 1 to 32 prefills (and their chunks) all run once untimed."""
+    arrive together, so steps with 1 to `warm_up_max_burst` (32) prefills and their chunks all run
+    once untimed."""
     check_len = min(load.output_len, 32)
     warm = await _one(ep, model, _prompts(rng, load, 1)[0], check_len, load.timeout)
     if not warm.ok or warm.output_tokens != check_len:
         raise RuntimeError(f"warm-up request failed the forced-length check: {warm.error or warm.output_tokens}")
-    for burst in (1, 2, 4, 8, 16, 32):
+    burst = 1
+    while burst <= load.warm_up_max_burst:
         results = await asyncio.gather(*[_one(ep, model, p, 2, load.timeout) for p in _prompts(rng, load, burst)])
         failed = [r.error for r in results if not r.ok]
         if failed:
             raise RuntimeError(f"warm-up burst of {burst} failed: {failed[0]}")
+        burst *= 2
 
 
 async def _prefix_counters(client: httpx.AsyncClient) -> tuple[float, float] | None:
