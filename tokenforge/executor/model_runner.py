@@ -341,11 +341,11 @@ class ModelRunner:
             step.copied.synchronize()
         if step.host_token_ids is not None:
             for s, tok in zip(step.sampling, step.host_token_ids.tolist()):
-                out.sampled_token_ids[s.request_id] = tok
+                out.sampled_token_ids[s.request_id] = [tok]
             if step.host_logprobs is not None:
                 for s, pos in zip(step.sampling, step.host_logprobs.to_position_logprobs()):
                     if s.params.logprobs is not None:
-                        out.logprobs[s.request_id] = pos
+                        out.logprobs[s.request_id] = [pos]
         self._prompt_logprobs(step, out)
         self._release_fragmented_memory()
         return out
@@ -429,7 +429,7 @@ class ModelRunner:
         """Logits of the prompt rows that asked for logprobs, taken at launch so that every TP rank
         runs the LM head's collective in the same order (a worker passes its row counts)."""
         for i, s in enumerate(step.sequences):
-            n = s.prompt_logprob_rows if hasattr(s, "prompt_logprob_rows") else prompt_logprob_rows(s)
+            n = s.prompt_logprob_rows
             if n <= 0:
                 continue
             start = step.inputs.query_start_loc[i]
@@ -442,10 +442,3 @@ class ModelRunner:
                                    device=self.device)
             out.prompt_logprobs[s.request_id] = compute_prompt_logprobs(logits, targets, s.params.prompt_logprobs)
 
-
-def prompt_logprob_rows(s: ScheduledSequence) -> int:
-    """Rows of this chunk whose logits give prompt logprobs: row j predicts prompt token
-    start + j + 1, so the chunk stops counting at the prompt's end."""
-    if not s.want_prompt_logprobs:
-        return 0
-    return max(0, min(s.num_tokens, len(s.prompt_token_ids) - 1 - s.start_position))
