@@ -147,7 +147,12 @@ def test_drain_samples_a_deferred_step_before_collecting_it(monkeypatch):
     engine.step()
     assert len(engine.in_flight) == 1
     real_collect = ex.collect
-    ex.collect = lambda h: (_ for _ in ()).throw(RuntimeError("device error"))
+
+    def failing_collect(handle):
+        ex.in_flight.remove(handle)              # that step is lost with the error
+        raise RuntimeError("device error")
+
+    ex.collect = failing_collect
     with pytest.raises(RuntimeError, match="device error"):
         engine.step()
     waiting = engine.in_flight.oldest()

@@ -360,6 +360,8 @@ class Scheduler:
             if seq.sample:
                 req.num_output_placeholders -= 1
                 tokens, status = append_until_stop(req, sampled[req.request_id], self.max_len)
+                if not tokens and running and not req.num_output_placeholders:
+                    req.num_computed_tokens -= 1   # nothing sampled: the next step samples its last token again
             if running:
                 self.kv.cache_blocks(req)
             if not tokens:
