@@ -100,12 +100,14 @@ class EngineCore:
 
     @property
     def async_scheduling(self) -> bool:
-        return self.in_flight.is_async
+        """Scheduling one step ahead (under pipelined steps the queue keeps K steps instead)."""
+        return self._async_scheduling
 
     @async_scheduling.setter
     def async_scheduling(self, enabled: bool) -> None:
         """The step timing (engine/inflight.py): set at start-up, or between generate() calls."""
         assert not getattr(self, "in_flight", None), "steps are in flight"
+        self._async_scheduling = enabled
         self.in_flight = InFlightQueue.for_engine(self.config.scheduler.pipeline_steps, enabled)
 
     @property
