@@ -154,3 +154,24 @@ def test_pipelined_steps_finish_oldest_first():
     done = pipeline.finish_oldest()
     assert done is first and not first.awaits_last_stage and first.hidden.shape == (3, HIDDEN)
     assert second.awaits_last_stage and pipeline.finish_oldest() is second
+
+
+def test_a_dropped_engine_frees_its_runner_without_the_cycle_collector():
+    """A role keeps what it works with, not the runner: no reference cycle holds the weights and the
+    KV cache of an engine nobody uses until the collector happens to run."""
+    import gc
+    import weakref
+
+    from tokenforge import LLM
+
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        llm = LLM("tiny-llama", load_format="dummy", device="cpu", max_model_len=128, num_kv_blocks=8)
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+        runner = weakref.ref(llm.engine.executor.runner)
+        del llm
+        assert runner() is None
+    finally:
+        if enabled:
+            gc.enable()

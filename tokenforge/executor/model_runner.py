@@ -59,8 +59,8 @@ class ModelRunner:
                                 config.scheduler.pipeline_steps)
         # Pipelined steps, first stage: steps started, oldest first, waiting for the last stage.
         self.pipeline = PipelinedSteps(self.stages) if self.stages.pipelined and self.rank.is_first_stage else None
-        self.role = make_role(self)
         self.previous = PreviousSample()
+        self.role = make_role(self)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
 

@@ -64,7 +64,10 @@ class LaterStage:
     is_driver = False
 
     def __init__(self, runner) -> None:
-        self.runner = runner
+        # What the role works with, not the runner itself: no reference cycle, so an engine's
+        # weights and KV cache are freed as soon as it is dropped.
+        self.rank, self.device, self.model = runner.rank, runner.device, runner.model
+        self.previous, self.vocab_size, self.config = runner.previous, runner.vocab_size, runner.config
 
     def check_launch(self) -> None:
         pass
@@ -78,7 +81,7 @@ class LaterStage:
 
 class TPFollower(LaterStage):
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
-        r = self.runner
+        r = self
         # Rank 0 samples; this rank takes part in the LM head's collectives, then its broadcast.
         tokens = None
         if sampling_logits(r, step) is not None:
@@ -110,9 +113,9 @@ class Driver(LaterStage):
             self.generators.pop(rid, None)
 
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
-        step.logits = sampling_logits(self.runner, step)
+        step.logits = sampling_logits(self, step)
         if defer_sampling and step.logits is not None:
-            prompt_logits(self.runner, step)     # the LM head's collectives keep the workers' order
+            prompt_logits(self, step)     # the LM head's collectives keep the workers' order
             self.deferred = step
             return
         self._finish_launch(step, step.sched)
@@ -125,7 +128,7 @@ class Driver(LaterStage):
         self._finish_launch(step, sched, prompt_logits_done=True)
 
     def _finish_launch(self, step: StepInFlight, sched: SchedulerOutput, prompt_logits_done: bool = False) -> None:
-        r = self.runner
+        r = self
         logits, step.logits = step.logits, None
         if logits is not None:
             step.sampler_output = self.sampler(logits, self._sampling_batch(step, sched))
@@ -139,7 +142,7 @@ class Driver(LaterStage):
         seqs = step.sampling
         return SamplingBatch.build(
             [s.params for s in seqs], [s.prompt_token_ids for s in seqs], [s.output_token_ids for s in seqs],
-            [self._generator(s) for s in seqs], self.runner.vocab_size, self.runner.device,
+            [self._generator(s) for s in seqs], self.vocab_size, self.device,
             banned=[s.banned_token_ids for s in seqs], grammar_rows=sched.grammar_rows,
             grammar_bitmask=sched.grammar_bitmask)
 
@@ -148,7 +151,7 @@ class Driver(LaterStage):
             return None
         gen = self.generators.get(seq.request_id)
         if gen is None:
-            gen = torch.Generator(device=self.runner.device)
+            gen = torch.Generator(device=self.device)
             gen.manual_seed(seq.params.seed)
             self.generators[seq.request_id] = gen
         return gen
@@ -165,7 +168,7 @@ class Driver(LaterStage):
                 for s, pos in zip(step.sampling, host.logprobs.to_position_logprobs()):
                     if s.params.logprobs is not None:
                         out.logprobs[s.request_id] = [pos]
-        device = self.runner.device
+        device = self.device
         for i, n, logits in step.prompt_logits:
             s = step.sched.sequences[i]
             targets = torch.tensor(s.prompt_token_ids[s.start_position + 1:s.start_position + 1 + n], device=device)
@@ -175,25 +178,25 @@ class Driver(LaterStage):
         """A host array [rows, width] int32 for a step's grammar bitmask: a view of a reused slot
         (pinned on CUDA, so its upload is one asynchronous copy). A slot is reused once the step
         that uploaded from it was collected: two slots, or K + 1 with K pipelined steps."""
-        slots, cfg = self._mask_slots, self.runner.config
+        slots, cfg = self._mask_slots, self.config
         if slots is None or slots.shape[1] < rows or slots.shape[2] != width:
             cap = max(rows, cfg.scheduler.max_num_seqs)
             count = max(2, cfg.scheduler.pipeline_steps + 1)
-            slots = torch.empty((count, cap, width), dtype=torch.int32, pin_memory=self.runner.device.type == "cuda")
+            slots = torch.empty((count, cap, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._mask_slots = slots
         self._mask_slot = (self._mask_slot + 1) % slots.shape[0]
         return slots[self._mask_slot, :rows].numpy()
 
 
-def sampling_logits(runner, step: StepInFlight) -> torch.Tensor | None:
+def sampling_logits(role, step: StepInFlight) -> torch.Tensor | None:
     """[N, V] logits of the rows that sample (None when none does)."""
     rows = [i for i, s in enumerate(step.sched.sequences) if s.sample]
     if not rows:
         return None
-    return runner.model.compute_logits(step.hidden[step.inputs.last_token_index(rows)])
+    return role.model.compute_logits(step.hidden[step.inputs.last_token_index(rows)])
 
 
-def prompt_logits(runner, step: StepInFlight) -> None:
+def prompt_logits(role, step: StepInFlight) -> None:
     """Logits of the prompt rows that asked for logprobs, taken at launch so that every TP rank
     runs the LM head's collective in the same order (a worker's sequences carry the row counts)."""
     for i, s in enumerate(step.sched.sequences):
@@ -201,13 +204,13 @@ def prompt_logits(runner, step: StepInFlight) -> None:
         if n <= 0:
             continue
         start = step.inputs.query_start_loc[i]
-        step.prompt_logits.append((i, n, runner.model.compute_logits(step.hidden[start:start + n])))
+        step.prompt_logits.append((i, n, role.model.compute_logits(step.hidden[start:start + n])))
 
 
-def broadcast_sampled(runner, step: StepInFlight) -> None:
-    if runner.rank.tp_size > 1 and step.sampling:
+def broadcast_sampled(role, step: StepInFlight) -> None:
+    if role.rank.tp_size > 1 and step.sampling:
         # Every rank of the first stage embeds the next step's placeholders: one source of truth.
-        torch.distributed.broadcast(runner.previous.tokens, src=0, group=parallel_state.tp_group())
+        torch.distributed.broadcast(role.previous.tokens, src=0, group=parallel_state.tp_group())
 
 
 def copy_back(out: SamplerOutput | None, device: torch.device) -> HostCopy | None:
