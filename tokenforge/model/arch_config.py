@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "qwen2",
 }
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
 
@@ -51,7 +52,9 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None          # the checkpoint's own dtype name, e.g. "bfloat16"
-    sliding_window: int | None = None       # parsed for doctor; attention is always full
+    sliding_window: int | None = None       # keys a query sees (itself included) on sliding layers
+    layer_types: tuple[str, ...] = ()       # per layer "full_attention" | "sliding_attention"; () = all
+                                            # sliding when sliding_window is set (Mistral)
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
@@ -80,7 +83,7 @@ class ArchConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            sliding_window=_sliding_window(cfg, arch),
+            **_sliding_window(cfg, arch),
         ).validated()
 
     def validated(self) -> ArchConfig:
@@ -89,7 +92,22 @@ class ArchConfig:
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_hidden_layers}")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {', '.join(LAYER_TYPES)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         return self
+
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        """The window of one layer's attention, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def replace(self, **changes: Any) -> ArchConfig:
         return dataclasses.replace(self, **changes).validated()
@@ -160,8 +178,16 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        return None
+def _sliding_window(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """sliding_window and layer_types. Qwen2 slides only with use_sliding_window, and then only on
+    the layers from max_window_layers on (HF's rule), unless config.json lists layer_types."""
     window = cfg.get("sliding_window")
-    return int(window) if window else None
+    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
+        window = None
+    if not window:
+        return {"sliding_window": None, "layer_types": ()}
+    types = cfg.get("layer_types")
+    if not types and arch == "Qwen2ForCausalLM":
+        first = int(cfg.get("max_window_layers", 0))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+    return {"sliding_window": int(window), "layer_types": tuple(types or ())}

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tokenforge.model.attention.backend import AttentionBackend
+from tokenforge.model.attention.spec import FULL_ATTENTION, AttentionSpec
 from tokenforge.model.attention.torch_backend import TorchAttentionBackend, causal_attention
 from tokenforge.model.forward_context import get_forward_context
 from tokenforge.model.layers.kernel_dispatch import triton_ops
@@ -23,11 +24,12 @@ from tokenforge.model.layers.kernel_dispatch import triton_ops
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, spec: AttentionSpec = FULL_ATTENTION) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_idx = layer_idx
+        self.spec = spec
         self.backend: AttentionBackend = backend or TorchAttentionBackend()
         # [2, num_blocks, block_size, Hkv, D]; a plain attribute, not a buffer: the runner owns it.
         self.kv_cache = torch.empty(0)
@@ -39,11 +41,9 @@ class Attention(nn.Module):
         metadata = get_forward_context().attn_metadata
         self._observe(k, v)
         if metadata is None:
-            out = causal_attention(q, k, v, self.scale)
-        elif self.kv_scales is None:
-            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+            out = causal_attention(q, k, v, self.scale, self.spec.sliding_window)
         else:
-            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_scales=self.kv_scales)
+            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **self._per_call())
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _observe(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -63,11 +63,21 @@ class Attention(nn.Module):
                              slot_mapping=metadata.slot_mapping, kv_scales=self.kv_scales)
             self._observe(k, v)
             out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_stored=True,
-                                       kv_scales=self.kv_scales)
+                                       **self._per_call())
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v)
 
+    def _per_call(self) -> dict:
+        """The layer's own backend arguments: its fp8 scales and its spec's window, when it has them."""
+        extra = {}
+        if self.kv_scales is not None:
+            extra["kv_scales"] = self.kv_scales
+        if self.spec.sliding_window is not None:
+            extra["sliding_window"] = self.spec.sliding_window
+        return extra
+
     def extra_repr(self) -> str:
+        window = "" if self.spec.sliding_window is None else f", sliding_window={self.spec.sliding_window}"
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, backend={self.backend.name}")
+                f"head_dim={self.head_dim}, backend={self.backend.name}{window}")

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.attention.spec import AttentionSpec
 from tokenforge.model.models.llama_train import run_decoder_layer_train
 from tokenforge.model.layers import (
     Attention,
@@ -49,7 +50,8 @@ class LlamaAttention(nn.Module):
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, layer_idx)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5, layer_idx,
+                              spec=AttentionSpec(cfg.sliding_window_of(layer_idx)))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return self.attend(positions, self.qkv_proj(hidden))
