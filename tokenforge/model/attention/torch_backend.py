@@ -140,14 +140,25 @@ def _dequantized(kv: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     sliding_window: int | None = None) -> torch.Tensor:
-    """One causal sequence with no cache (profiling runs): q [T, Hq, D], k/v [T, Hkv, D]."""
-    num_tokens = q.shape[0]
-    mask = (causal_mask(0, num_tokens, sliding_window, q.device).to(q.dtype)
-            if sliding_window is not None and sliding_window < num_tokens else None)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=mask is None, attn_mask=mask, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+                     sliding_window: int | None = None, num_rows: int = 1) -> torch.Tensor:
+    """Uncached causal attention over `num_rows` equal-length sequences laid out row after row:
+    q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. One row: a profiling run; B rows: a training batch
+    (differentiable; its K/V heads are expanded, which keeps SDPA on its fused path on every
+    torch version, where GQA support varies)."""
+    num_tokens, num_heads, head_dim = q.shape
+    seq_len = num_tokens // num_rows
+    mask = (causal_mask(0, seq_len, sliding_window, q.device).to(q.dtype)
+            if sliding_window is not None and sliding_window < seq_len else None)
+    if num_rows == 1:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=mask is None, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+    q, k, v = (x.view(num_rows, seq_len, x.shape[1], head_dim).transpose(1, 2) for x in (q, k, v))   # [B, H, S, D]
+    group = num_heads // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, key_mask: torch.Tensor | None, scale: float,

@@ -3,7 +3,9 @@
 It reads the step's metadata from the forward context and its own `kv_cache` tensor (assigned by
 the model runner after it allocates the cache), and hands both to the backend. With no metadata
 (`set_forward_context(None)`, e.g. a memory-profiling run before the cache exists) the whole
-batch is treated as one causal sequence and nothing is cached.
+batch is treated as one causal sequence and nothing is cached; with `TrainingMetadata` each of
+its B rows is one causal sequence, uncached and differentiable. Its `AttentionSpec` (per layer,
+from the model's config) carries the sliding window every path applies.
 
 fp8 KV: the runner also assigns `kv_scales` ([4] float32, kernels/kv_quant.py) when the cache is
 e4m3. Calibration: while `kv_amax` is a [2] tensor, every forward folds max|k| and max|v| (after
@@ -18,7 +20,7 @@ from torch import nn
 from tokenforge.model.attention.backend import AttentionBackend
 from tokenforge.model.attention.spec import FULL_ATTENTION, AttentionSpec
 from tokenforge.model.attention.torch_backend import TorchAttentionBackend, causal_attention
-from tokenforge.model.forward_context import get_forward_context
+from tokenforge.model.forward_context import TrainingMetadata, get_forward_context
 from tokenforge.model.layers.kernel_dispatch import triton_ops
 
 
@@ -40,8 +42,9 @@ class Attention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
         metadata = get_forward_context().attn_metadata
         self._observe(k, v)
-        if metadata is None:
-            out = causal_attention(q, k, v, self.scale, self.spec.sliding_window)
+        if metadata is None or isinstance(metadata, TrainingMetadata):     # no KV cache
+            rows = 1 if metadata is None else metadata.batch_size
+            out = causal_attention(q, k, v, self.scale, self.spec.sliding_window, rows)
         else:
             out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **self._per_call())
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
@@ -57,7 +60,7 @@ class Attention(nn.Module):
         cache, so attention skips its own store: one launch per layer fewer on every step."""
         metadata = get_forward_context().attn_metadata
         ops = triton_ops(q.device)
-        if (metadata is not None and ops is not None and getattr(self.backend, "name", "") == "triton"
+        if (ops is not None and metadata is not None and getattr(self.backend, "name", "") == "triton"
                 and self.head_dim & (self.head_dim - 1) == 0):
             ops.apply_rotary(q, k, positions, rotary.cos_sin_cache, v=v, kv_cache=self.kv_cache,
                              slot_mapping=metadata.slot_mapping, kv_scales=self.kv_scales)
