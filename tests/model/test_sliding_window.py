@@ -96,3 +96,14 @@ def test_greedy_tokens_match_hf_generate(checkpoint, paged_driver):
         got.append(int(logits[-1].argmax()))
         logits = driver.step([("s", got[-1:])])[0]
     assert got == want
+
+
+def test_training_forward_slides_too(checkpoint):
+    """The training forward ([B, S] ids, positions None) is the same forward: HF's logits per row."""
+    hf, _, path = checkpoint
+    model = load_model(str(path), "auto", torch.float32, "cpu").model
+    ids = torch.randint(0, 331, (2, 17), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = model.compute_logits(model(ids, None))                    # [2, 17, V]
+        theirs = hf(ids).logits
+    assert (ours - theirs).abs().max().item() < ATOL
