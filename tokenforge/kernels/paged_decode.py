@@ -19,6 +19,9 @@ was tried and was slower at every batch-1 length, so it is not here.
 An fp8 cache is a compile-time variant (KV_FP8): tiles are read as e4m3 (half the bytes) and
 widened to q's dtype before the dots; k_scale folds into the softmax scale and v_scale into the
 output, so dequantizing costs no extra multiply per element. The bf16 variant is unchanged.
+A sliding window (SLIDING, compile-time) moves the key range to the last `window` positions, found
+on the device from seq_lens like the rest, so the splits share only the window's tiles and a
+graph captured for a layer keeps its window (a launch argument).
 """
 
 import torch
@@ -31,14 +34,25 @@ _SM_COUNT: dict[int, int] = {}
 
 
 @triton.jit
+def _key_tiles(seq_len, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
+    """(first key, first tile, tile count) of the keys the sequence's newest query sees."""
+    if SLIDING:
+        key_lo = tl.maximum(seq_len - window, 0)
+    else:
+        key_lo = seq_len * 0
+    first_tile = key_lo // BLOCK_N
+    return key_lo, first_tile, tl.cdiv(seq_len, BLOCK_N) - first_tile
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_ptr,
-    qk_scale, num_splits,
+    qk_scale, num_splits, window,
     stride_qb, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel, let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -47,11 +61,11 @@ def _decode_split_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    key_lo, first_tile, num_tiles = _key_tiles(seq_len, window, BLOCK_N, SLIDING)
     tiles_per_split = tl.cdiv(num_tiles, num_splits)
     active = tl.cdiv(num_tiles, tl.maximum(tiles_per_split, 1))  # splits with keys
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = first_tile + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, first_tile + num_tiles)
     if not SINGLE_SPLIT:
         # splits without keys exit; split 0 stays even for a padding row (it writes the zeros)
         if split >= tl.maximum(active, 1):
@@ -74,6 +88,8 @@ def _decode_split_kernel(
     for t in range(tile_lo, tile_hi):
         pos = t * BLOCK_N + tl.arange(0, BLOCK_N)               # [BLOCK_N] key positions
         valid = pos < seq_len
+        if SLIDING:
+            valid = valid & (pos >= key_lo)                     # every tile keeps at least one key
         block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         off = block * stride_c_block + (pos % BLOCK_SIZE) * stride_c_slot
         k = tl.load(k_base + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)  # [BLOCK_N, D]
@@ -123,8 +139,9 @@ def _merge_head(part_out_ptr, part_lse_ptr, row0, active, o_ptr, SPLITS_PAD: tl.
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits, window, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, SLIDING: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -132,7 +149,7 @@ def _decode_reduce_kernel(
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b)
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    _, _, num_tiles = _key_tiles(seq_len, window, BLOCK_N, SLIDING)
     active = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))  # splits that wrote partials
     if active <= 1:                                             # the split kernel wrote the output
         return
@@ -158,9 +175,10 @@ def choose_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) 
 def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
-                     num_stages: int | None = None, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, D] -> out [B, Hq, D], attending to seq_lens[b] cached keys of each sequence.
-    An fp8 cache needs the layer's kv_scales [4]."""
+                     num_stages: int | None = None, kv_scales: torch.Tensor | None = None,
+                     sliding_window: int | None = None) -> torch.Tensor:
+    """q [B, Hq, D] -> out [B, Hq, D], attending to seq_lens[b] cached keys of each sequence (the
+    last `sliding_window` of them with a window). An fp8 cache needs the layer's kv_scales [4]."""
     require_triton(q, kv_cache)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -184,17 +202,19 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, kv_scales if fp8 else seq_lens,
-        scale * _LOG2E, splits,
+        scale * _LOG2E, splits, sliding_window or 0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SINGLE_SPLIT=single, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_FP8=fp8, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
+        KV_FP8=fp8, SLIDING=sliding_window is not None, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        launch_pdl=pdl,
     )
     if not single:
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part_out, part_lse, seq_lens, out, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(splits), USE_PDL=pdl,
+            part_out, part_lse, seq_lens, out, splits, sliding_window or 0, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(splits),
+            SLIDING=sliding_window is not None, USE_PDL=pdl,
             num_warps=4, launch_pdl=pdl,
         )
     return out

@@ -14,6 +14,9 @@ only the diagonal tiles build one. Programs map to (sequence, query block) with 
 over `query_start_loc // BLOCK_Q + i`, a monotone upper bound, so the grid needs only T and B
 and no host-side lengths. An fp8 cache is a compile-time variant (KV_FP8), as in paged_decode.py:
 e4m3 tiles are widened to q's dtype, k_scale folds into the softmax scale, v_scale into the output.
+A sliding window is a compile-time variant too (SLIDING): query p sees keys p - window + 1 .. p, so
+a program starts at the first tile its earliest query's window reaches and masks every tile (a
+row may see none of a tile's keys: the running max then stays -inf and must not make NaNs).
 """
 
 import torch
@@ -40,10 +43,10 @@ def _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
+def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d, window,
                  stride_c_kv, stride_c_block, stride_c_slot,
                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL_MASK: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr, SLIDING: tl.constexpr):
     pos = t * BLOCK_N + tl.arange(0, BLOCK_N)                   # [BLOCK_N] key positions
     valid = pos < seq_len
     block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
@@ -52,11 +55,19 @@ def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
     if KV_FP8:
         k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale              # [BLOCK_M, BLOCK_N]
-    if CAUSAL_MASK:
-        s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    if SLIDING:
+        seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window) & valid[None, :]
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)      # rows that saw no key yet stay at zero
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
+    else:
+        if CAUSAL_MASK:
+            s = tl.where((pos[None, :] <= q_pos[:, None]) & valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
     l = l * alpha + tl.sum(p, axis=1)
     v = tl.load(k_base + stride_c_kv + off[:, None] + d[None, :], mask=valid[:, None], other=0.0)
     if KV_FP8:
@@ -68,12 +79,12 @@ def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
 @triton.jit
 def _prefill_kernel(
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_ptr,
-    qk_scale, num_seqs,
+    qk_scale, num_seqs, window,
     stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
         tl.extra.cuda.gdc_wait()
@@ -107,18 +118,26 @@ def _prefill_kernel(
     bt_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if KV_FP8:
         qk_scale = qk_scale * tl.load(scale_ptr)                # k = code * k_scale
-    # keys below the block's first query are visible to every row: no mask needed
     first_q_pos = ctx_len + q_block * BLOCK_Q
-    full_tiles = first_q_pos // BLOCK_N
-    for t in range(0, full_tiles):
-        acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
-                                 stride_c_kv, stride_c_block, stride_c_slot,
-                                 BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8)
     kv_end = tl.minimum(seq_len, first_q_pos + BLOCK_Q)         # one past the block's last key
-    for t in range(full_tiles, tl.cdiv(kv_end, BLOCK_N)):
-        acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d,
-                                 stride_c_kv, stride_c_block, stride_c_slot,
-                                 BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8)
+    if SLIDING:
+        # the earliest query's window starts the range; every tile is masked
+        first_tile = tl.maximum(first_q_pos - window + 1, 0) // BLOCK_N
+        for t in range(first_tile, tl.cdiv(kv_end, BLOCK_N)):
+            acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d, window,
+                                     stride_c_kv, stride_c_block, stride_c_slot,
+                                     BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8, True)
+    else:
+        # keys below the block's first query are visible to every row: no mask needed
+        full_tiles = first_q_pos // BLOCK_N
+        for t in range(0, full_tiles):
+            acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d, window,
+                                     stride_c_kv, stride_c_block, stride_c_slot,
+                                     BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION, KV_FP8, False)
+        for t in range(full_tiles, tl.cdiv(kv_end, BLOCK_N)):
+            acc, m, l = _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d, window,
+                                     stride_c_kv, stride_c_block, stride_c_slot,
+                                     BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8, False)
 
     acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     if KV_FP8:
@@ -141,9 +160,10 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       max_query_len: int | None = None, out: torch.Tensor | None = None,
                       config: tuple[int, int, int, int] | None = None,
-                      kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_scales: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
     """Causal attention for T new tokens of B sequences over their paged K/V; out [T, Hq, D].
-    An fp8 cache needs the layer's kv_scales [4]."""
+    An fp8 cache needs the layer's kv_scales [4]; `sliding_window`: each query sees its last
+    that many keys (itself included)."""
     require_triton(q, kv_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -161,11 +181,11 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     assert not fp8 or kv_scales is not None, "an fp8 KV cache needs its scales"
     _prefill_kernel[grid](
         q, kv_cache, out, block_tables, query_start_loc, seq_lens, kv_scales if fp8 else seq_lens,
-        scale * _LOG2E, num_seqs,
+        scale * _LOG2E, num_seqs, sliding_window or 0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_FP8=fp8, USE_PDL=use_pdl(q), num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl(q),
+        KV_FP8=fp8, SLIDING=sliding_window is not None, USE_PDL=use_pdl(q), num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl(q),
     )
     return out

@@ -1,9 +1,11 @@
 """ArchConfig: the architecture facts the model code needs, parsed once from an HF config.json dict.
 
 In: the dict of an HF `config.json` (transformers 4.x `rope_scaling`/`rope_theta` or 5.x
-`rope_parameters` spelling), or values read from GGUF metadata. Out: a frozen `ArchConfig`, plus
-size helpers (parameter count, weight bytes, KV bytes per token) that `tokenforge doctor` and the
-KV-cache sizing use.
+`rope_parameters` spelling), or values read from GGUF metadata. The architecture must be one the
+model registry knows (registry.py); the family's spec adds what its config spells its own way
+(`config_extras`: Qwen2's implicit q/k/v bias, Qwen's `use_sliding_window`). Out: a frozen
+`ArchConfig`, plus size helpers (parameter count from a meta-device build of the family's model,
+weight bytes, KV bytes per token) that `tokenforge doctor` and the KV-cache sizing use.
 """
 
 from __future__ import annotations
@@ -12,13 +14,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-# HF architecture name -> the `model_type` a config.json may carry instead.
-SUPPORTED_ARCHITECTURES: dict[str, str] = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+from tokenforge.model import registry
+
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
 
@@ -51,18 +50,20 @@ class ArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None          # the checkpoint's own dtype name, e.g. "bfloat16"
-    sliding_window: int | None = None       # parsed for doctor; attention is always full
+    sliding_window: int | None = None       # keys a query sees (itself included) on sliding layers
+    layer_types: tuple[str, ...] = ()       # per layer "full_attention" | "sliding_attention"; () = all
+                                            # sliding when sliding_window is set (Mistral)
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
-        arch = _architecture_of(cfg)
+        spec = registry.spec_for_config(cfg)
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         head_dim = cfg.get("head_dim") or hidden // heads
         theta, scaling = _parse_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-        return ArchConfig(
-            architecture=arch,
+        fields = dict(
+            architecture=spec.architecture,
             hidden_size=hidden,
             intermediate_size=int(cfg["intermediate_size"]),
             num_hidden_layers=int(cfg["num_hidden_layers"]),
@@ -74,14 +75,14 @@ class ArchConfig:
             rope_scaling=scaling,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v bias; its config.json does not say so.
-            attention_bias=arch == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
-            sliding_window=_sliding_window(cfg, arch),
-        ).validated()
+            **sliding_window_fields(cfg),
+        )
+        return ArchConfig(**{**fields, **spec.config_extras(cfg)}).validated()
 
     def validated(self) -> ArchConfig:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -89,7 +90,22 @@ class ArchConfig:
                              f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(f"layer_types names {len(self.layer_types)} layers, the model has {self.num_hidden_layers}")
+        unknown = set(self.layer_types) - set(LAYER_TYPES)
+        if unknown:
+            raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {', '.join(LAYER_TYPES)}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
         return self
+
+    def sliding_window_of(self, layer_idx: int) -> int | None:
+        """The window of one layer's attention, or None for full attention."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types and self.layer_types[layer_idx] != "sliding_attention":
+            return None
+        return self.sliding_window
 
     def replace(self, **changes: Any) -> ArchConfig:
         return dataclasses.replace(self, **changes).validated()
@@ -105,15 +121,9 @@ class ArchConfig:
         return self.num_key_value_heads * self.head_dim
 
     def num_parameters(self) -> int:
-        """Parameter count as stored in a checkpoint (a tied lm_head counts once)."""
-        h = self.hidden_size
-        attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
-        if self.attention_bias:
-            attn += self.q_size + 2 * self.kv_size
-        per_layer = attn + 3 * h * self.intermediate_size + 2 * h
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_hidden_layers * per_layer + h + head
+        """Parameter count as stored in a checkpoint (a tied lm_head counts once): the family's
+        model built on the meta device, so every architecture counts its own modules."""
+        return registry.get_spec(self.architecture).num_parameters(self)
 
     def weight_bytes(self, dtype: str = "bfloat16") -> int:
         return self.num_parameters() * dtype_bytes(dtype)
@@ -128,18 +138,6 @@ def dtype_bytes(dtype: str) -> int:
     if name not in _DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(_DTYPE_BYTES)}")
     return _DTYPE_BYTES[name]
-
-
-def _architecture_of(cfg: dict[str, Any]) -> str:
-    archs = cfg.get("architectures") or []
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    by_type = {t: a for a, t in SUPPORTED_ARCHITECTURES.items()}
-    if not archs and cfg.get("model_type") in by_type:
-        return by_type[cfg["model_type"]]
-    found = archs or [cfg.get("model_type")]
-    raise ValueError(f"unsupported model architecture {found}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
@@ -160,8 +158,22 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
-def _sliding_window(cfg: dict[str, Any], arch: str) -> int | None:
-    if arch == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        return None
+def sliding_window_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window and layer_types as config.json states them: a window applies to the layers
+    `layer_types` marks "sliding_attention", or to every layer when it lists none (Mistral)."""
     window = cfg.get("sliding_window")
-    return int(window) if window else None
+    if not window:
+        return {"sliding_window": None, "layer_types": ()}
+    return {"sliding_window": int(window), "layer_types": tuple(cfg.get("layer_types") or ())}
+
+
+def qwen_sliding_window_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Qwen2/Qwen3: a window only with use_sliding_window, and then on the layers from
+    max_window_layers on (HF's rule), unless config.json lists layer_types."""
+    if not cfg.get("use_sliding_window", False) or not cfg.get("sliding_window"):
+        return {"sliding_window": None, "layer_types": ()}
+    types = cfg.get("layer_types")
+    if not types:
+        first = int(cfg.get("max_window_layers", 0))
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+    return {"sliding_window": int(cfg["sliding_window"]), "layer_types": tuple(types)}

@@ -4,19 +4,39 @@ The model runner enters `set_forward_context(metadata)` around the model call. A
 read it with `get_forward_context()`, so model code keeps the signature
 `forward(input_ids, positions)` and stays CUDA-graph friendly (the metadata's tensors are
 persistent buffers the runner refills in place).
+
+Three kinds of metadata, one model forward:
+- a backend's metadata (serving: paged KV cache, varlen batch);
+- `None` (a profiling run before the cache exists): the tokens are one causal sequence, uncached;
+- `TrainingMetadata` (training and evaluation of a [B, S] batch flattened to B*S tokens): each row
+  is its own causal sequence from position 0, uncached, and the layers run their differentiable
+  torch implementations (`is_training()`), since the Triton kernels have no backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 
+@dataclass(frozen=True, slots=True)
+class TrainingMetadata:
+    batch_size: int      # B rows ...
+    seq_len: int         # ... of S tokens each, laid out row after row
+
+    @staticmethod
+    @functools.cache
+    def of(batch_size: int, seq_len: int) -> TrainingMetadata:
+        """One object per shape: compiled layers that read the context see the same object each step."""
+        return TrainingMetadata(batch_size, seq_len)
+
+
 @dataclass(slots=True)
 class ForwardContext:
-    attn_metadata: Any          # the active backend's metadata object
+    attn_metadata: Any          # the active backend's metadata object, None, or TrainingMetadata
 
 
 _current: ForwardContext | None = None
@@ -35,3 +55,13 @@ def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
 def get_forward_context() -> ForwardContext:
     assert _current is not None, "attention ran outside set_forward_context()"
     return _current
+
+
+def is_training() -> bool:
+    """Whether the running forward is a training batch (the layers then avoid the Triton kernels)."""
+    return _current is not None and isinstance(_current.attn_metadata, TrainingMetadata)
+
+
+def current_attn_metadata() -> Any:
+    """The running forward's metadata, or None outside any forward context."""
+    return None if _current is None else _current.attn_metadata

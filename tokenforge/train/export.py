@@ -22,15 +22,13 @@ import torch
 from safetensors.torch import save_file
 
 from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.registry import get_spec
 from tokenforge.train.lora import lora_tensors, merge_lora
 from tokenforge.train.tokenize import rust_tokenizer
 
-_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
-
-
 def hf_config(cfg: ArchConfig, dtype: torch.dtype) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "architectures": [cfg.architecture], "model_type": _MODEL_TYPES[cfg.architecture],
+        "architectures": [cfg.architecture], "model_type": get_spec(cfg.architecture).model_type,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_hidden_layers, "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size,
@@ -48,6 +46,9 @@ def hf_config(cfg: ArchConfig, dtype: torch.dtype) -> dict[str, Any]:
                                "original_max_position_embeddings": rs.original_max_position_embeddings}
     if cfg.sliding_window is not None:
         out["sliding_window"] = cfg.sliding_window
+        out["use_sliding_window"] = True           # Qwen's switch; the others ignore it
+        if cfg.layer_types:                        # some layers full (Qwen's max_window_layers)
+            out["layer_types"] = list(cfg.layer_types)
     return out
 
 

@@ -1,8 +1,8 @@
 """LoRA: low-rank adapters on the linear projections, the base weights frozen.
 
 In: a model and (rank, alpha, target names). Out: each targeted linear carries `linear.lora`,
-a `LoRA` module whose delta the training path adds (model/models/llama_train.py `train_linear`);
-only adapter parameters require gradients. `merge_lora` folds W += (alpha / r) B A into the base
+a `LoRA` module whose delta a forward hook on the linear adds to its output (the model has one
+forward, serving and training alike); only adapter parameters require gradients. `merge_lora` folds W += (alpha / r) B A into the base
 weights for a merged export; `lora_tensors` names the adapters for a PEFT-layout export.
 """
 
@@ -47,10 +47,16 @@ def attach_lora(model: nn.Module, rank: int, alpha: float, targets: tuple[str, .
             out_features, in_features = module.weight.shape
             with torch.device(module.weight.device):
                 module.lora = LoRA(in_features, out_features, rank, alpha)
+            module.register_forward_hook(_add_lora_delta)
             count += 1
     if not count:
         raise ValueError(f"no linear named {', '.join(targets)} to put LoRA adapters on")
     return count
+
+
+def _add_lora_delta(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """y = base(x) + lora(x): x [..., in] is the linear's input, output [..., out] its result."""
+    return output + module.lora(args[0])
 
 
 @torch.no_grad()

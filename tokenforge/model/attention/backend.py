@@ -42,6 +42,8 @@ class AttentionBackend(Protocol):
         """Per-step metadata shared by all layers (slot mapping, block tables, lengths)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: Any, scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                metadata: Any, scale: float, kv_scales: torch.Tensor | None = None,
+                sliding_window: int | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]; stores k/v into kv_cache first.
-        An fp8 (e4m3) kv_cache needs the layer's kv_scales [4] (kernels/kv_quant.py)."""
+        An fp8 (e4m3) kv_cache needs the layer's kv_scales [4] (kernels/kv_quant.py).
+        `sliding_window` (the layer's AttentionSpec): each query sees only its last that many keys."""

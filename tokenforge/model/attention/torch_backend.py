@@ -40,6 +40,8 @@ class DecodeGroup:
     max_len: int                        # longest sequence; keys past it are never read
     key_mask: torch.Tensor | None       # [B, 1, 1, max_len] float (0 / -inf); None if all lengths equal
     context_lens: torch.Tensor | None = None   # [B] int64: where each sequence's new token sits
+    seq_lens: list[int] = field(default_factory=list)
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # by sliding window, built on first use
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class PrefillChunk:
     seq_len: int
     block_ids: torch.Tensor | None      # [num_blocks] covering seq_len; None: no cached context
     mask: torch.Tensor | None           # [query_len, seq_len] float causal-with-offset; None: no context
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # by sliding window, built on first use
 
 
 @dataclass(slots=True)
@@ -96,7 +99,8 @@ class TorchAttentionBackend:
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: TorchAttentionMetadata, scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+                metadata: TorchAttentionMetadata, scale: float, kv_scales: torch.Tensor | None = None,
+                sliding_window: int | None = None) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)     # [2, num_slots, Hkv, D]
         if is_fp8(kv_cache):
@@ -106,28 +110,26 @@ class TorchAttentionBackend:
             flat[1].index_copy_(0, metadata.slot_mapping, v)
         d = metadata.decode
         if d is not None and not metadata.prefills and d.batch_size == q.shape[0]:
-            return self._decode(q, k, v, kv_cache, d, scale, kv_scales)    # pure decode step: no extra copy
+            return self._decode(q, k, v, kv_cache, d, scale, kv_scales, sliding_window)   # pure decode: no copy
         out = torch.empty_like(q)
         if d is not None:
-            out[d.rows] = self._decode(q[d.rows], k[d.rows], v[d.rows], kv_cache, d, scale, kv_scales)
+            out[d.rows] = self._decode(q[d.rows], k[d.rows], v[d.rows], kv_cache, d, scale, kv_scales, sliding_window)
         for p in metadata.prefills:
-            out[p.start:p.end] = _prefill(q, k, v, kv_cache, p, scale, kv_scales)
+            out[p.start:p.end] = _prefill(q, k, v, kv_cache, p, scale, kv_scales, sliding_window)
         return out
 
-
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup,
-                scale: float, kv_scales: torch.Tensor | None) -> torch.Tensor:
+                scale: float, kv_scales: torch.Tensor | None, sliding_window: int | None) -> torch.Tensor:
+        key_mask = _decode_mask(d, sliding_window, q.dtype)
         if d.context_lens is not None and not is_fp8(kv_cache):
             batch, num_heads, head_dim = q.shape
             num_kv_heads = k.shape[1]
             grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-            if d.key_mask is not None and d.key_mask.dtype != q.dtype:
-                d.key_mask = d.key_mask.to(q.dtype)
             out = self.workspaces.attend(grouped, k, v, kv_cache, d.block_ids, d.context_lens, d.max_len,
-                                         d.key_mask, scale)
+                                         key_mask, scale)
             if out is not None:
                 return out.reshape(batch, num_heads, head_dim)
-        return _decode(q, kv_cache, d, scale, kv_scales)
+        return _decode(q, kv_cache, d, key_mask, scale, kv_scales)
 
 
 def _dequantized(kv: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -137,14 +139,29 @@ def _dequantized(kv: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.
     return (kv.float() * kv_scales[:2].view(2, *[1] * (kv.dim() - 1))).to(dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One causal sequence with no cache (profiling runs): q [T, Hq, D], k/v [T, Hkv, D]."""
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         is_causal=True, scale=scale, enable_gqa=True)
-    return out.transpose(0, 1)
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     sliding_window: int | None = None, num_rows: int = 1) -> torch.Tensor:
+    """Uncached causal attention over `num_rows` equal-length sequences laid out row after row:
+    q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. One row: a profiling run; B rows: a training batch
+    (differentiable; its K/V heads are expanded, which keeps SDPA on its fused path on every
+    torch version, where GQA support varies)."""
+    num_tokens, num_heads, head_dim = q.shape
+    seq_len = num_tokens // num_rows
+    mask = (causal_mask(0, seq_len, sliding_window, q.device).to(q.dtype)
+            if sliding_window is not None and sliding_window < seq_len else None)
+    if num_rows == 1:
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=mask is None, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)
+    q, k, v = (x.view(num_rows, seq_len, x.shape[1], head_dim).transpose(1, 2) for x in (q, k, v))   # [B, H, S, D]
+    group = num_heads // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
 
 
-def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: float,
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, key_mask: torch.Tensor | None, scale: float,
             kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D], attending over each sequence's cached keys."""
     _, _, bs, num_kv_heads, head_dim = kv_cache.shape
@@ -155,16 +172,60 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, scale: floa
     keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
     # Query heads sharing a kv head act as that head's query rows: [B, Hkv, Hq/Hkv, D].
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    if d.key_mask is not None and d.key_mask.dtype != q.dtype:
-        d.key_mask = d.key_mask.to(q.dtype)     # once per step: SDPA wants the query's dtype
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=d.key_mask, scale=scale)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=key_mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 
+def _decode_mask(d: DecodeGroup, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The decode key mask [B, 1, 1, max_len] in the query's dtype (SDPA wants it): padding past
+    each sequence's length, and with a window shorter than the longest sequence, the keys before
+    each sequence's window too. Built once per step and window, shared by the layers."""
+    if sliding_window is None or sliding_window >= d.max_len:
+        if d.key_mask is not None and d.key_mask.dtype != dtype:
+            d.key_mask = d.key_mask.to(dtype)       # once per step
+        return d.key_mask
+    mask = d.window_masks.get(sliding_window)
+    if mask is None or mask.dtype != dtype:
+        device = d.block_ids.device
+        lens = torch.tensor(d.seq_lens, device=device)[:, None]            # [B, 1]
+        pos = torch.arange(d.max_len, device=device)[None, :]              # [1, L]
+        hidden = (pos >= lens) | (pos <= lens - 1 - sliding_window)        # the query sits at lens - 1
+        mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+        mask = d.window_masks[sliding_window] = mask[:, None, None, :]
+    return mask
+
+
+def _prefill_mask(p: PrefillChunk, sliding_window: int | None, dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor | None:
+    """The chunk's [query_len, seq_len] mask (None: plain causal without cached context)."""
+    if sliding_window is None or sliding_window >= p.seq_len:
+        if p.mask is not None and p.mask.dtype != dtype:
+            p.mask = p.mask.to(dtype)
+        return p.mask
+    mask = p.window_masks.get(sliding_window)
+    if mask is None or mask.dtype != dtype:
+        mask = causal_mask(p.context_len, p.seq_len, sliding_window, device).to(dtype)
+        p.window_masks[sliding_window] = mask
+    return mask
+
+
+def causal_mask(context_len: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+    """[seq_len - context_len, seq_len] float (0 / -inf): query i sits at context_len + i and sees
+    the keys up to itself, and with a window only the last sliding_window of them."""
+    key_pos = torch.arange(seq_len, device=device)[None, :]
+    query_pos = torch.arange(context_len, seq_len, device=device)[:, None]
+    hidden = key_pos > query_pos
+    if sliding_window is not None:
+        hidden |= key_pos <= query_pos - sliding_window
+    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, float("-inf"))
+
+
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-             p: PrefillChunk, scale: float, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+             p: PrefillChunk, scale: float, kv_scales: torch.Tensor | None = None,
+             sliding_window: int | None = None) -> torch.Tensor:
     """This chunk's rows of q [T, Hq, D] -> [query_len, Hq, D]."""
     query = q[p.start:p.end].transpose(0, 1)                     # [Hq, Lq, D]
+    mask = _prefill_mask(p, sliding_window, q.dtype, q.device)
     if p.block_ids is None:
         keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)   # [Hkv, Lq, D]
         # SDPA's fused (flash) path takes no GQA flag; repeating this chunk's few K/V heads is cheaper
@@ -172,15 +233,14 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
         group = query.shape[0] // keys.shape[0]
         if group > 1:
             keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale)
+        out = F.scaled_dot_product_attention(query, keys, values, is_causal=mask is None, attn_mask=mask,
+                                             scale=scale)
     else:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         kv = kv_cache.index_select(1, p.block_ids).view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len]
         kv = _dequantized(kv, kv_scales, q.dtype)
         keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)   # [Hkv, S, D]
-        if p.mask.dtype != q.dtype:
-            p.mask = p.mask.to(q.dtype)
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(0, 1)
 
 
@@ -197,10 +257,7 @@ def _prefill_chunk(start: int, q_len: int, ctx: int, table: list[int], bs: int,
     if ctx == 0:
         return PrefillChunk(start, start + q_len, 0, seq_len, None, None)
     num_blocks = -(-seq_len // bs)
-    # Query i sits at absolute position ctx + i and sees keys 0 .. ctx + i.
-    key_pos = torch.arange(seq_len, device=device)
-    query_pos = torch.arange(ctx, seq_len, device=device)
-    mask = torch.zeros(q_len, seq_len, device=device).masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    mask = causal_mask(ctx, seq_len, None, device)          # query i at ctx + i sees keys 0 .. ctx + i
     block_ids = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
     return PrefillChunk(start, start + q_len, ctx, seq_len, block_ids, mask)
 
@@ -223,4 +280,4 @@ def _decode_group(batch: AttentionBatch, idx: list[int], starts: list[int], devi
     contiguous = rows_list == list(range(rows_list[0], rows_list[0] + len(idx)))
     rows = (slice(rows_list[0], rows_list[0] + len(idx)) if contiguous
             else torch.tensor(rows_list, dtype=torch.int64, device=device))
-    return DecodeGroup(rows, block_ids, len(idx), max_blocks, max_len, key_mask)
+    return DecodeGroup(rows, block_ids, len(idx), max_blocks, max_len, key_mask, seq_lens=seq_lens)

@@ -3,7 +3,9 @@
 It reads the step's metadata from the forward context and its own `kv_cache` tensor (assigned by
 the model runner after it allocates the cache), and hands both to the backend. With no metadata
 (`set_forward_context(None)`, e.g. a memory-profiling run before the cache exists) the whole
-batch is treated as one causal sequence and nothing is cached.
+batch is treated as one causal sequence and nothing is cached; with `TrainingMetadata` each of
+its B rows is one causal sequence, uncached and differentiable. Its `AttentionSpec` (per layer,
+from the model's config) carries the sliding window every path applies.
 
 fp8 KV: the runner also assigns `kv_scales` ([4] float32, kernels/kv_quant.py) when the cache is
 e4m3. Calibration: while `kv_amax` is a [2] tensor, every forward folds max|k| and max|v| (after
@@ -16,18 +18,20 @@ import torch
 from torch import nn
 
 from tokenforge.model.attention.backend import AttentionBackend
+from tokenforge.model.attention.spec import FULL_ATTENTION, AttentionSpec
 from tokenforge.model.attention.torch_backend import TorchAttentionBackend, causal_attention
-from tokenforge.model.forward_context import get_forward_context
+from tokenforge.model.forward_context import TrainingMetadata, get_forward_context
 from tokenforge.model.layers.kernel_dispatch import triton_ops
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, spec: AttentionSpec = FULL_ATTENTION) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_idx = layer_idx
+        self.spec = spec
         self.backend: AttentionBackend = backend or TorchAttentionBackend()
         # [2, num_blocks, block_size, Hkv, D]; a plain attribute, not a buffer: the runner owns it.
         self.kv_cache = torch.empty(0)
@@ -38,12 +42,11 @@ class Attention(nn.Module):
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
         metadata = get_forward_context().attn_metadata
         self._observe(k, v)
-        if metadata is None:
-            out = causal_attention(q, k, v, self.scale)
-        elif self.kv_scales is None:
-            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale)
+        if metadata is None or isinstance(metadata, TrainingMetadata):     # no KV cache
+            rows = 1 if metadata is None else metadata.batch_size
+            out = causal_attention(q, k, v, self.scale, self.spec.sliding_window, rows)
         else:
-            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_scales=self.kv_scales)
+            out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **self._per_call())
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
 
     def _observe(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -57,17 +60,27 @@ class Attention(nn.Module):
         cache, so attention skips its own store: one launch per layer fewer on every step."""
         metadata = get_forward_context().attn_metadata
         ops = triton_ops(q.device)
-        if (metadata is not None and ops is not None and getattr(self.backend, "name", "") == "triton"
+        if (ops is not None and metadata is not None and getattr(self.backend, "name", "") == "triton"
                 and self.head_dim & (self.head_dim - 1) == 0):
             ops.apply_rotary(q, k, positions, rotary.cos_sin_cache, v=v, kv_cache=self.kv_cache,
                              slot_mapping=metadata.slot_mapping, kv_scales=self.kv_scales)
             self._observe(k, v)
             out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_stored=True,
-                                       kv_scales=self.kv_scales)
+                                       **self._per_call())
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
         q, k = rotary(positions, q, k)
         return self.forward(q, k, v)
 
+    def _per_call(self) -> dict:
+        """The layer's own backend arguments: its fp8 scales and its spec's window, when it has them."""
+        extra = {}
+        if self.kv_scales is not None:
+            extra["kv_scales"] = self.kv_scales
+        if self.spec.sliding_window is not None:
+            extra["sliding_window"] = self.spec.sliding_window
+        return extra
+
     def extra_repr(self) -> str:
+        window = "" if self.spec.sliding_window is None else f", sliding_window={self.spec.sliding_window}"
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-                f"head_dim={self.head_dim}, backend={self.backend.name}")
+                f"head_dim={self.head_dim}, backend={self.backend.name}{window}")

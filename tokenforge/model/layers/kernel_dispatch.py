@@ -18,6 +18,8 @@ from types import SimpleNamespace
 
 import torch
 
+from tokenforge.model.forward_context import is_training
+
 logger = logging.getLogger(__name__)
 
 GEMV_MAX_TOKENS = 1       # measured on an H200: faster than cuBLAS at M = 1, slower at M = 2-4
@@ -62,8 +64,9 @@ def _load_triton_ops() -> SimpleNamespace | None:
 
 
 def triton_ops(device: torch.device) -> SimpleNamespace | None:
-    """The Triton kernel namespace for tensors on `device`, or None to use torch."""
-    if device.type != "cuda" or not _enabled:
+    """The Triton kernel namespace for tensors on `device`, or None to use torch (always within a
+    training forward: the kernels have no backward)."""
+    if device.type != "cuda" or not _enabled or is_training():
         return None
     return _load_triton_ops()
 

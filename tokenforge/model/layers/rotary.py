@@ -50,8 +50,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: RopeScaling | None) -> None:
         super().__init__()
         self.head_dim = head_dim
-        self.register_buffer("cos_sin_cache", build_cos_sin_cache(head_dim, max_position, theta, scaling),
-                             persistent=False)
+        if torch.empty(0).is_meta:       # a meta-device build (parameter counts) needs shapes only
+            cache = torch.empty(max_position, head_dim)
+        else:
+            cache = build_cos_sin_cache(head_dim, max_position, theta, scaling)
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,19 +1,19 @@
-"""Model classes by HF architecture name."""
+"""Model families, one module each; importing this package registers them (registry.py).
+
+Adding a dense family: a module here with its `@register(...)` class, and its import below.
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
-from tokenforge.model.arch_config import SUPPORTED_ARCHITECTURES
+from tokenforge.model.models import llama, mistral, qwen2, qwen3  # noqa: F401 - registers the families
 from tokenforge.model.models.llama import LlamaForCausalLM
-
-_REGISTRY: dict[str, type[nn.Module]] = {arch: LlamaForCausalLM for arch in SUPPORTED_ARCHITECTURES}
+from tokenforge.model.registry import get_spec
 
 
 def get_model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in _REGISTRY:
-        raise ValueError(f"unsupported model architecture {architecture!r}; supported: {', '.join(_REGISTRY)}")
-    return _REGISTRY[architecture]
+    return get_spec(architecture).model_class
 
 
 __all__ = ["LlamaForCausalLM", "get_model_class"]
