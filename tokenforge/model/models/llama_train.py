@@ -8,8 +8,8 @@ It reads the very parameters the serving path reads, but runs plain differentiab
 of the serving path have no backward. Numerics match the serving path's torch fallback (and HF):
 norms in fp32 rounded to the model dtype, cos/sin rounded to the model dtype.
 
-Optional per-linear LoRA adapters hang off a linear as `linear.lora` (see tokenforge.train.lora):
-their delta is added here, so the frozen base weight is untouched.
+Linears are called as modules: the dense method runs F.linear on these [B, S, H] inputs, and a
+LoRA hook in a linear's `lora` slot (model/layers/lora.py) adds its delta there.
 """
 
 from __future__ import annotations
@@ -22,9 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 def train_linear(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x [..., in] -> [..., out]: the base projection plus a LoRA delta when one is attached."""
-    y = F.linear(x, linear.weight, linear.bias)
-    lora = getattr(linear, "lora", None)
-    return y if lora is None else y + lora(x)
+    return linear(x)
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
