@@ -11,12 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenforge.model.layers.linear import dense_method
 from tokenforge.model.layers.parallel import (
     all_gather_last_dim,
     all_reduce,
     new_parameter,
 )
-from tokenforge.model.quant.dense import DENSE
 
 
 class VocabEmbedding(nn.Module):
@@ -60,8 +60,8 @@ class LMHead(VocabEmbedding):
         super().__init__(vocab_size, hidden_size, params_dtype, tp_rank, tp_size)
         self.in_features, self.out_features = hidden_size, self.vocab_per_rank
         self.params_dtype = params_dtype or torch.get_default_dtype()
-        self.quant_method = DENSE
-        DENSE.create_weights(self)          # keeps the weight just made (or, once tied, the embedding's)
+        self.quant_method = dense_method()
+        self.quant_method.create_weights(self)          # keeps the weight just made (or, once tied, the embedding's)
 
     def shard_sizes(self) -> list[int]:
         return [self.vocab_per_rank]

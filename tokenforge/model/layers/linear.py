@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 from tokenforge.model.layers.parallel import all_reduce, divide, new_parameter
-from tokenforge.model.quant.dense import DENSE
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -81,6 +80,15 @@ def load_slice(param: nn.Parameter, loaded: torch.Tensor, what: str,
     target.copy_(part)
 
 
+def dense_method():
+    """The method every linear is built with. Imported here, not at the top: the quant package
+    uses the layers' helpers (parallel.py, kernel_dispatch.py), so importing it while this package
+    loads would be circular."""
+    from tokenforge.model.quant.dense import DENSE  # noqa: PLC0415
+
+    return DENSE
+
+
 class LinearBase(nn.Module):
     """What the column- and row-parallel linears share: this rank's weight shape, the model dtype,
     the quant method that owns the weight, and the LoRA slot."""
@@ -94,8 +102,8 @@ class LinearBase(nn.Module):
         self.params_dtype = params_dtype or torch.get_default_dtype()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.lora = None              # a hook from model/layers/lora.py, or None
-        self.quant_method = DENSE
-        DENSE.create_weights(self)
+        self.quant_method = dense_method()
+        self.quant_method.create_weights(self)
 
     def shard_sizes(self) -> list[int]:
         """Output rows per checkpoint tensor fused into this layer (this rank's share)."""
