@@ -189,7 +189,7 @@ def test_bench_results_go_to_the_current_directory_by_default(tmp_path, monkeypa
 def test_int8_quantization_prints_no_torch_deprecation_warning():
     """A fresh process, since torch warns once per process: -W error makes any warning fail it."""
     code = ("import torch\nfrom tokenforge.model.loader import load_model\n"
-            "from tokenforge.model.layers.cpu_packed import quantize_linears_int8\n"
+            "from tokenforge.model.quant.cpu_int8 import quantize_linears_int8\n"
             "model = load_model('tiny-llama', 'dummy', torch.float32, 'cpu').model\n"
             "assert quantize_linears_int8(model) > 0\n")
     out = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], cwd=REPO, env=ENV,

@@ -87,7 +87,7 @@ def test_per_token_quant_fp8(device, rel_err, static):
 def test_fp8_w8a8_matmul(rel_err, m, fast):
     """The fp8 method's many-row path (per-token quant + _scaled_mm, with the fast accumulation
     the engine uses and without) against the dequantized reference of the same quantized operands."""
-    from tokenforge.model.quant.quantize import quantize_fp8_channel  # noqa: PLC0415
+    from tokenforge.model.quant.fp8 import quantize_fp8_channel  # noqa: PLC0415
 
     x = torch.randn(m, 1024, device="cuda").bfloat16()
     w = torch.randn(768, 1024, device="cuda").bfloat16() * 0.03

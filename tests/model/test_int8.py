@@ -10,8 +10,8 @@ import torch
 
 from tokenforge import LLM
 from tokenforge.eval.perplexity import perplexity
-from tokenforge.model.layers import cpu_packed
-from tokenforge.model.layers.cpu_packed import int8_planes, packed_linear, quantize_linears_int8
+from tokenforge.model.quant import cpu_int8
+from tokenforge.model.quant.cpu_int8 import int8_planes, quantize_linears_int8
 from tokenforge.model.layers.linear import ColumnParallelLinear
 
 from .conftest import QUALITY_STRIDE, QUALITY_WINDOW
@@ -19,7 +19,7 @@ from .conftest import QUALITY_STRIDE, QUALITY_WINDOW
 
 @pytest.fixture(params=[127, 64], ids=["one-plane", "two-planes"])
 def weight_max(request, monkeypatch):
-    monkeypatch.setattr(cpu_packed, "int8_weight_max", lambda: request.param)
+    monkeypatch.setattr(cpu_int8, "int8_weight_max", lambda: request.param)
     return request.param
 
 
@@ -41,8 +41,8 @@ def test_quantized_linear_is_close_to_float32(weight_max):
     x = torch.randn(16, 256)
     reference = torch.nn.functional.linear(x, layer.weight, layer.bias)
     assert quantize_linears_int8(layer) == 1
-    assert len(layer.packed_weight.planes) == (1 if weight_max == 127 else 2)
-    out = packed_linear(x, layer.weight, layer.bias, layer.packed_weight)
+    assert len(layer.int8_weight.planes) == (1 if weight_max == 127 else 2)
+    out = layer(x)
     assert out.shape == reference.shape
     # 8-bit activations and weights: 1.1% here (a saturating host without planes measured 3.5%)
     assert ((out - reference).norm() / reference.norm()).item() < 0.015
@@ -57,14 +57,14 @@ def test_two_planes_give_the_one_plane_product(monkeypatch):
     x[0] *= 50.0
     outs = []
     for limit in (127, 64):
-        monkeypatch.setattr(cpu_packed, "int8_weight_max", lambda limit=limit: limit)
+        monkeypatch.setattr(cpu_int8, "int8_weight_max", lambda limit=limit: limit)
         torch.manual_seed(3)
         layer = ColumnParallelLinear(256, 384, bias=True, params_dtype=torch.float32)
         torch.nn.init.normal_(layer.weight, std=0.05)
         layer.weight.data[:, :8] *= 4.0                 # outlier columns: many codes beyond +-64
         torch.nn.init.normal_(layer.bias, std=0.05)
         quantize_linears_int8(layer)
-        outs.append(packed_linear(x, layer.weight, layer.bias, layer.packed_weight))
+        outs.append(layer(x))
     assert ((outs[0] - outs[1]).norm() / outs[0].norm()).item() < 1e-5
 
 
@@ -89,7 +89,7 @@ def test_rows_are_quantized_on_their_own_range(weight_max):
     x[0] *= 300.0                                       # a massive-activation row, as SmolLM2's first token
     reference = torch.nn.functional.linear(x, layer.weight, layer.bias)
     quantize_linears_int8(layer)
-    out = packed_linear(x, layer.weight, layer.bias, layer.packed_weight)
+    out = layer(x)
     row_err = (out - reference).norm(dim=1) / reference.norm(dim=1)
     assert row_err.max() < 0.02, row_err
 

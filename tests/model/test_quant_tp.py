@@ -9,7 +9,7 @@ import torch
 
 from tests.model.quant_checkpoints import _pack_awq
 from tokenforge.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from tokenforge.model.quant.checkpoint import CheckpointScheme, create_weights, process_weights
+from tokenforge.model.quant.checkpoint import CheckpointScheme, create_weights
 
 G = 32
 
@@ -34,7 +34,7 @@ def _load(layer, scheme, tensors_by_shard):
         for name, t in tensors.items():
             p = params[name]
             p.weight_loader(p, t, shard_id) if shard_id is not None else p.weight_loader(p, t)
-    process_weights(layer, scheme)
+    layer.quant_method.process_weights_after_loading(layer)
     return layer.weight.detach()
 
 

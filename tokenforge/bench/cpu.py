@@ -16,7 +16,7 @@ import torch
 
 from tokenforge.bench import ceilings, harness, hf_baseline, report, workloads
 
-# The modules tokenforge's dynamic int8 quantizes (model/layers/cpu_packed.py), by HF's names.
+# The modules tokenforge's dynamic int8 quantizes (model/quant/cpu_int8.py), by HF's names.
 INT8_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 
 # A fixed English passage for the perplexity check (written for this bench).

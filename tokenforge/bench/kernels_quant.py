@@ -23,7 +23,9 @@ from tokenforge.bench.kernels import DT, HIDDEN, HKV, HQ, INTER, VOCAB, D, guard
 from tokenforge.kernels.gemv import NORM, PLAIN, SILU_MUL, gemv
 from tokenforge.kernels.quant_gemv import QUANT_CHANNEL, QUANT_INT4, QGemvConfig, qgemv, qgemv_config
 from tokenforge.kernels.quant_ops import dequantize_channel, dequantize_int4, per_token_quant_fp8
-from tokenforge.model.quant.quantize import quantize_fp8_channel, quantize_int4_groups, quantize_int8_channel
+from tokenforge.model.quant.fp8 import quantize_fp8_channel
+from tokenforge.model.quant.int4 import quantize_int4_groups
+from tokenforge.model.quant.int8 import quantize_int8_channel
 
 SHAPES = {"qkv": ((HQ + 2 * HKV) * D, HIDDEN, NORM), "o": (HIDDEN, HQ * D, PLAIN),
           "gate_up": (2 * INTER, HIDDEN, NORM), "down": (HIDDEN, INTER, SILU_MUL), "lm_head": (VOCAB, HIDDEN, PLAIN)}

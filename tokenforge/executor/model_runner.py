@@ -27,10 +27,9 @@ from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
-from tokenforge.model.layers.cpu_packed import packing_pays, prepack_linears, quantize_linears_int8
 from tokenforge.model.loader import CacheOptions, load_model
 from tokenforge.model.offload import offload_layers
-from tokenforge.model.quant import QuantOptions, check_device
+from tokenforge.model.quant import QuantOptions, check_device, packing_pays, prepack_linears, quantize_linears_int8
 
 logger = logging.getLogger(__name__)
 

@@ -11,6 +11,9 @@ Three kinds of metadata, one model forward:
 - `TrainingMetadata` (training and evaluation of a [B, S] batch flattened to B*S tokens): each row
   is its own causal sequence from position 0, uncached, and the layers run their differentiable
   torch implementations (`is_training()`), since the Triton kernels have no backward.
+
+`lora_indices` [T] is the adapter slot of each token row (-1: none), read by multi-adapter LoRA
+hooks (model/layers/lora.py); None when no adapters are served.
 """
 
 from __future__ import annotations
@@ -37,19 +40,25 @@ class TrainingMetadata:
 @dataclass(slots=True)
 class ForwardContext:
     attn_metadata: Any          # the active backend's metadata object, None, or TrainingMetadata
+    lora_indices: Any = None    # torch.Tensor [T] int: each token row's adapter slot, -1 for none
 
 
 _current: ForwardContext | None = None
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: Any) -> Iterator[ForwardContext]:
+def set_forward_context(attn_metadata: Any, lora_indices: Any = None) -> Iterator[ForwardContext]:
     global _current
-    previous, _current = _current, ForwardContext(attn_metadata)
+    previous, _current = _current, ForwardContext(attn_metadata, lora_indices)
     try:
         yield _current
     finally:
         _current = previous
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The context of the forward pass running now, or None outside one (training, tests)."""
+    return _current
 
 
 def get_forward_context() -> ForwardContext:

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenforge.model.layers.linear import dense_linear
+from tokenforge.model.layers.linear import dense_method
 from tokenforge.model.layers.parallel import (
     all_gather_last_dim,
     all_reduce,
@@ -50,20 +50,27 @@ class VocabEmbedding(nn.Module):
 
 class LMHead(VocabEmbedding):
     """hidden [N, H] -> logits [N, V]. With tied embeddings the runner-visible weight is the
-    embedding's own Parameter (see `tie_to`)."""
+    embedding's own Parameter (see `tie_to`). Its weight is owned by a quant method like a
+    linear's: dense, or the `--quantize-lm-head` mode's (tokenforge.model.quant)."""
 
-    packed_weight: torch.Tensor | None = None           # MKL-packed copy on the CPU (cpu_packed.py)
-    quant_method = None   # set by --quantize-lm-head (tokenforge.model.quant)
     bias = None
+
+    def __init__(self, vocab_size: int, hidden_size: int, params_dtype: torch.dtype | None = None,
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        super().__init__(vocab_size, hidden_size, params_dtype, tp_rank, tp_size)
+        self.in_features, self.out_features = hidden_size, self.vocab_per_rank
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.quant_method = dense_method()
+        self.quant_method.create_weights(self)          # keeps the weight just made (or, once tied, the embedding's)
+
+    def shard_sizes(self) -> list[int]:
+        return [self.vocab_per_rank]
 
     def tie_to(self, embedding: VocabEmbedding) -> None:
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            logits = self.quant_method.apply(self, hidden, None)
-        else:
-            logits = dense_linear(hidden, self.weight, None, self.packed_weight)    # [N, V_per_rank]
+        logits = self.quant_method.apply(self, hidden, None)    # [N, V_per_rank]
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits, self.tp_size)
         return logits[..., : self.vocab_size] if logits.shape[-1] != self.vocab_size else logits

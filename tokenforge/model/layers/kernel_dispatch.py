@@ -75,6 +75,6 @@ def gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> SimpleNamespace | None:
     """The Triton namespace when x [T, in] @ weight^T should run as a GEMV, else None (cuBLAS/CPU)."""
     if (not _gemv_enabled or x.dim() != 2 or x.shape[0] > GEMV_MAX_TOKENS or weight.dtype not in _GEMV_DTYPES
             or x.dtype != weight.dtype or weight.stride(-1) != 1
-            or (weight.requires_grad and torch.is_grad_enabled())):    # the kernels have no backward
+            or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):   # no backward
         return None
     return triton_ops(x.device)

@@ -7,15 +7,19 @@ shard_id naming which checkpoint tensor is arriving. Weights are [out, in] as in
 Column-parallel layers split the output dim across ranks (no communication); row-parallel layers
 split the input dim and all-reduce the partial sums.
 
-At decode sizes on CUDA the matmul is a Triton GEMV (kernel_dispatch.gemv_ops), and two fusions
-fold the neighbouring elementwise op into it: `forward_normed` (residual add + RMSNorm, then this
-column-parallel projection) and `forward_silu_mul` (SwiGLU, then this row-parallel projection).
-Every other case runs the unfused modules, so results agree up to bf16 rounding.
+A linear's weight is owned by one `quant_method` (tokenforge.model.quant: dense by default,
+or int8, int4, fp8, a checkpoint format, ...): the method registers the parameters, processes
+them after loading and multiplies. The layer keeps the shard arithmetic, the bias, the all-reduce
+and two optional prologues, `forward_normed` (residual add + RMSNorm, then this column-parallel
+projection) and `forward_silu_mul` (SwiGLU, then this row-parallel projection), which the method
+fuses into one kernel where it has one (at decode sizes on CUDA) and otherwise runs unfused, so
+results agree up to bf16 rounding. Loaders slice any parameter by the dims it declares
+(`output_dim`, `input_dim`, and a pack factor for each: packed int4 words, one scale per group),
+so pre-quantized checkpoints shard like dense ones.
 
-A quantized layer carries a `quant_method` (tokenforge.model.quant) that owns its packed weights
-and replaces the matmul (and, where its kernels have them, the fused prologues). Loaders slice
-any parameter by the dims it declares (`output_dim`, `input_dim`, and a pack factor for each:
-packed int4 words, one scale per group), so pre-quantized checkpoints shard like dense ones.
+Each linear also has a `lora` slot (model/layers/lora.py): a hook whose delta is added to the
+output, before the row-parallel all-reduce. With a hook the fused prologues are skipped, since the
+hook reads the projection's input.
 """
 
 from __future__ import annotations
@@ -23,16 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenforge.model.layers.cpu_packed import Int8Weight, packed_linear
-from tokenforge.model.layers.kernel_dispatch import gemv_ops
 from tokenforge.model.layers.parallel import all_reduce, divide, new_parameter
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 packed: torch.Tensor | Int8Weight | None) -> torch.Tensor:
-    """x [T, in] @ weight^T (+ bias): a Triton GEMV at decode sizes on CUDA, else packed_linear."""
-    ops = gemv_ops(x, weight) if packed is None else None
-    return ops.gemv(x, weight, bias) if ops is not None else packed_linear(x, weight, bias, packed)
 
 
 def _check_shape(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -85,17 +80,48 @@ def load_slice(param: nn.Parameter, loaded: torch.Tensor, what: str,
     target.copy_(part)
 
 
-class ColumnParallelLinear(nn.Module):
+def dense_method():
+    """The method every linear is built with. Imported here, not at the top: the quant package
+    uses the layers' helpers (parallel.py, kernel_dispatch.py), so importing it while this package
+    loads would be circular."""
+    from tokenforge.model.quant.dense import DENSE  # noqa: PLC0415
+
+    return DENSE
+
+
+class LinearBase(nn.Module):
+    """What the column- and row-parallel linears share: this rank's weight shape, the model dtype,
+    the quant method that owns the weight, and the LoRA slot."""
+
+    input_is_parallel = False     # row-parallel: the input arrives split across ranks
+
+    def __init__(self, in_features: int, out_features: int, params_dtype: torch.dtype | None,
+                 tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features       # this rank's
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.lora = None              # a hook from model/layers/lora.py, or None
+        self.quant_method = dense_method()
+        self.quant_method.create_weights(self)
+
+    def shard_sizes(self) -> list[int]:
+        """Output rows per checkpoint tensor fused into this layer (this rank's share)."""
+        return [self.out_features]
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        y = self.quant_method.apply(self, x, bias)
+        return y if self.lora is None else self.lora(x, y)
+
+
+class ColumnParallelLinear(LinearBase):
     """y = x W^T + b, W split by output rows across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.output_size_per_rank = divide(output_size, tp_size)
-        self.weight = new_parameter(self.output_size_per_rank, input_size, dtype=params_dtype,
-                                    weight_loader=self.weight_loader)
+        super().__init__(input_size, self.output_size_per_rank, params_dtype, tp_rank, tp_size)
         self.bias = (new_parameter(self.output_size_per_rank, dtype=params_dtype, weight_loader=self.weight_loader)
                      if bias else None)
 
@@ -107,33 +133,21 @@ class ColumnParallelLinear(nn.Module):
     def shard_index(self, shard_id=None) -> int:
         return 0
 
-    def shard_sizes(self) -> list[int]:
-        """Output rows per checkpoint tensor fused into this layer (this rank's share)."""
-        return [self.output_size_per_rank]
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         what = type(self).__name__ + ("" if shard_id is None else f" shard {shard_id}")
         load_slice(param, loaded, what, out=self.output_slice(shard_id), shard_index=self.shard_index(shard_id))
 
-    packed_weight: torch.Tensor | Int8Weight | None = None   # MKL-packed copy or dynamic int8 (cpu_packed.py)
-    quantizable = True    # dynamic int8 (cpu_packed.quantize_linears_int8)
-    quant_method = None   # a tokenforge.model.quant LinearMethod when quantized
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quant_method is not None:
-            return self.quant_method.apply(self, x, self.bias)
-        return dense_linear(x, self.weight, self.bias, self.packed_weight)      # [T, out_per_rank]
+        return self._project(x, self.bias)      # [T, out_per_rank]
 
     def forward_normed(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x, residual)) -> (y [T, out_per_rank], new residual [T, in]); `norm` is an
-        RMSNorm. With residual None, x is the residual. One fused GEMV at decode sizes."""
-        fused = self.quant_method.apply_normed(self, norm, x, residual) if self.quant_method is not None else None
-        if fused is not None:
-            return fused
-        ops = gemv_ops(x, self.weight) if self.packed_weight is None and self.quant_method is None else None
-        if ops is not None and ops.fuses_prologue(*self.weight.shape):
-            return ops.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        RMSNorm. With residual None, x is the residual. One fused kernel where the method has one."""
+        if self.lora is None:
+            fused = self.quant_method.apply_normed(self, x, residual, norm, self.bias)
+            if fused is not None:
+                return fused
         if residual is None:
             return self(norm(x)), x
         h, residual = norm(x, residual)
@@ -204,17 +218,16 @@ class QKVParallelLinear(ColumnParallelLinear):
         return [self.q_size, self.kv_size, self.kv_size]
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(LinearBase):
     """y = x W^T + b, W split by input columns across ranks; partial sums all-reduced."""
+
+    input_is_parallel = True
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  params_dtype: torch.dtype | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
-        super().__init__()
         self.input_size, self.output_size = input_size, output_size
-        self.tp_rank, self.tp_size = tp_rank, tp_size
         self.input_size_per_rank = divide(input_size, tp_size)
-        self.weight = new_parameter(output_size, self.input_size_per_rank, dtype=params_dtype,
-                                    weight_loader=self.weight_loader)
+        super().__init__(self.input_size_per_rank, output_size, params_dtype, tp_rank, tp_size)
         self.bias = new_parameter(output_size, dtype=params_dtype, weight_loader=self.weight_loader) if bias else None
 
     def input_slice(self) -> tuple[int, int]:
@@ -225,30 +238,16 @@ class RowParallelLinear(nn.Module):
         # the bias (1-D: no input dim) is not split: rank 0 adds it once
         load_slice(param, loaded, type(self).__name__, inp=self.input_slice())
 
-    packed_weight: torch.Tensor | Int8Weight | None = None   # MKL-packed copy or dynamic int8 (cpu_packed.py)
-    # o_proj and down_proj read the attention output and the SwiGLU product, whose outlier channels
-    # per-tensor int8 activations lose: on SmolLM2 quantizing them raised perplexity ~50%, not ~1%.
-    quantizable = False
-    quant_method = None   # a tokenforge.model.quant LinearMethod when quantized
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias if self.tp_rank == 0 else None
-        if self.quant_method is not None:
-            y = self.quant_method.apply(self, x, bias)
-        else:
-            y = dense_linear(x, self.weight, bias, self.packed_weight)    # [T, out]
+        y = self._project(x, self.bias if self.tp_rank == 0 else None)    # [T, out]
         return all_reduce(y) if self.tp_size > 1 else y
 
     def forward_silu_mul(self, act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
         """self(act_fn(gate_up)) for gate_up [T, 2 * in_per_rank] = [gate | up] and act_fn a
-        SiluAndMul; one fused GEMV at decode sizes."""
-        if self.quant_method is not None:
-            y = self.quant_method.apply_silu_mul(self, act_fn, gate_up, self.bias if self.tp_rank == 0 else None)
-            if y is None:
-                return self(act_fn(gate_up))
-            return all_reduce(y) if self.tp_size > 1 else y
-        ops = gemv_ops(gate_up, self.weight) if self.packed_weight is None else None
-        if ops is None or not ops.fuses_prologue(*self.weight.shape):
+        SiluAndMul; one fused kernel where the method has one."""
+        y = None
+        if self.lora is None:
+            y = self.quant_method.apply_silu_mul(self, gate_up, self.bias if self.tp_rank == 0 else None)
+        if y is None:
             return self(act_fn(gate_up))
-        y = ops.silu_mul_gemv(gate_up, self.weight, self.bias if self.tp_rank == 0 else None)   # [T, out]
         return all_reduce(y) if self.tp_size > 1 else y

@@ -34,13 +34,15 @@ def all_gather_last_dim(x: torch.Tensor, tp_size: int) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
-def new_parameter(*shape: int, dtype: torch.dtype | None, weight_loader) -> nn.Parameter:
-    """An uninitialised parameter on the current default device, carrying its weight_loader.
+def new_parameter(*shape: int, dtype: torch.dtype | None, weight_loader,
+                  device: torch.device | None = None) -> nn.Parameter:
+    """An uninitialised parameter on `device` (None: the current default device), carrying its
+    weight_loader.
 
     Uninitialised on purpose: the loader (or the dummy initialiser) writes every value, and
     default nn.Linear init would cost seconds on a large model.
     """
-    param = nn.Parameter(torch.empty(*shape, dtype=dtype))
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
     param.weight_loader = _without_cycle(weight_loader)
     return param
 

@@ -1,12 +1,17 @@
 """Weight quantization and pruning of the model's linears.
 
-In: the loaded model (each rank's shard, from the usual weight loaders) and the user's options,
-or a pre-quantized checkpoint's `quantization_config`. Out: linears that carry a `quant_method`
-(methods.py) and packed tensors in the kernels' format (kernels/quant_gemv.py).
+In: the built model (every linear runs the dense method) and the user's options, or a
+pre-quantized checkpoint's `quantization_config`. Out: each linear run by one quant method
+(base.py has the interface, registry.py the list) with its tensors in the kernels' format.
+
+`before_loading` hands a pre-quantized checkpoint's linears to their format's method, which
+registers the checkpoint's parameters. `after_loading` prunes (`--prune-rate`), hands the linears
+to the `--quantization` / `--sparsity` method, and has every method process what was loaded, so
+on-the-fly modes work on each rank's shard as the loaders left it.
 
 Modes (`--quantization`):
 - int8: weight-only, per output channel. CUDA: dequant-fused Triton GEMV at small M, dequantize
-  + cuBLAS above. The CPU keeps its dynamic int8 (fbgemm; executor/model_runner.py).
+  + cuBLAS above. The CPU keeps its dynamic int8 (fbgemm; cpu_int8.py, applied by the runner).
 - int4: weight-only, asymmetric, groups of `group_size` inputs. The CPU simulates it (weights
   dequantized at load).
 - fp8: W8A8 e4m3, per-channel weight scales, dynamic per-token activation scales, torch._scaled_mm
@@ -19,15 +24,19 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from tokenforge.model.quant.checkpoint import CheckpointScheme, detect, finish_model, prepare_model
-from tokenforge.model.quant.quantize import quantize_model
-from tokenforge.model.quant.sparsity import prune_model, sparsify_model
+from tokenforge.model.quant.base import linear_layers
+from tokenforge.model.quant.checkpoint import CheckpointScheme, detect, prepare_model
+from tokenforge.model.quant.cpu_int8 import quantize_linears_int8
+from tokenforge.model.quant.dense import packing_pays, prepack_linears
+from tokenforge.model.quant.registry import ON_THE_FLY
+from tokenforge.model.quant.sparsity import prune_model
 
 logger = logging.getLogger(__name__)
 
@@ -88,27 +97,37 @@ def before_loading(model: nn.Module, scheme: CheckpointScheme | None, options: Q
 
 
 def after_loading(model: nn.Module, prepared: PreparedModel, options: QuantOptions, cpu_int8_dynamic: bool) -> None:
-    """Convert pre-quantized tensors, then prune / sparsify / quantize on the fly as asked.
-    `cpu_int8_dynamic`: int8 on the CPU is the runner's dynamic int8, not done here."""
-    if prepared.scheme is not None:
-        finish_model(prepared.layers, prepared.scheme)
-    else:
-        _apply_options(model, options, cpu_int8_dynamic)
+    """Prune and quantize on the fly as asked, then let every linear's method process its loaded
+    tensors. `cpu_int8_dynamic`: int8 on the CPU is the runner's dynamic int8, not done here."""
+    if prepared.scheme is None:
+        _assign_on_the_fly(model, options, cpu_int8_dynamic)
+    counts = Counter()
+    for _, layer in linear_layers(model, include_lm_head=True):
+        layer.quant_method.process_weights_after_loading(layer)
+        counts[layer.quant_method.name] += 1
+    if set(counts) != {"dense"}:
+        logger.info("linear methods after loading: %s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()       # the float copies freed by quantization go back to the driver
 
 
-def _apply_options(model: nn.Module, options: QuantOptions, cpu_int8_dynamic: bool) -> None:
+def _assign_on_the_fly(model: nn.Module, options: QuantOptions, cpu_int8_dynamic: bool) -> None:
     if options.prune_rate:
-        prune_model(model, options.prune_rate)
-    if options.sparsity:
-        sparsify_model(model, options.sparsity)
-    mode = options.quantization
-    if mode and not (mode == "int8" and cpu_int8_dynamic):
-        count = quantize_model(model, mode, options.group_size, options.quantize_lm_head)
-        logger.info("quantized %d linears to %s%s", count, mode,
-                    f" (group {options.group_size})" if mode == "int4" else "")
+        prune_model(linear_layers(model), options.prune_rate)
+    mode = options.sparsity or options.quantization
+    if not mode or (mode == "int8" and cpu_int8_dynamic):
+        return
+    method = ON_THE_FLY[mode](options.group_size)
+    layers = linear_layers(model, include_lm_head=options.quantize_lm_head and not options.sparsity)
+    for name, layer in layers:                     # check every shape before changing any
+        method.check(layer, name)
+    for _, layer in layers:
+        layer.quant_method = method
+        method.create_weights(layer)               # on-the-fly: the loaded float weight stays
+    logger.info("%s: %d linears%s", mode, len(layers), f" (group {options.group_size})" if mode == "int4" else "")
+    if options.quantize_lm_head and getattr(model.config, "tie_word_embeddings", False):
+        logger.info("--quantize-lm-head with tied embeddings: the embedding keeps its float copy")
 
 
 __all__ = ["QUANT_MODES", "PreparedModel", "QuantOptions", "after_loading", "before_loading", "check_device",
-           "checkpoint_scheme"]
+           "checkpoint_scheme", "linear_layers", "packing_pays", "prepack_linears", "quantize_linears_int8"]

@@ -1,13 +1,15 @@
 """Pruning: unstructured magnitude pruning (`--prune-rate`) and 2:4 semi-structured sparsity
-(`--sparsity 2:4`), applied to every parallel linear of a loaded float model (not the lm_head or
-the embedding).
+(`--sparsity 2:4`, `Sparse24Method`), for every parallel linear of a loaded float model (not the
+lm_head or the embedding).
 
 - prune_rate p: per linear, the fraction p of weights with the smallest |w| become zero. The
-  weights stay dense, so this changes quality only (no speed or memory gain).
+  weights stay dense, so this changes quality only (no speed or memory gain). It runs before any
+  method processes its weights, so it composes with the quantization modes.
 - 2:4: in every group of 4 consecutive inputs the 2 smallest |w| become zero. On CUDA with a
-  16-bit dtype the weight becomes a torch semi-structured sparse tensor (cuSPARSELt or CUTLASS
+  16-bit dtype the layer also keeps a torch semi-structured sparse copy (cuSPARSELt or CUTLASS
   kernels on the GPU's sparse tensor cores) for steps of more than QGEMV_MAX_TOKENS rows; smaller
-  steps keep the dense GEMV. On the CPU the pruned weight stays dense.
+  steps keep the dense GEMV. Elsewhere (and for shapes the sparse kernels refuse) the pruned
+  weight runs dense.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenforge.model.layers.linear import ColumnParallelLinear, RowParallelLinear, dense_linear
-from tokenforge.model.quant.methods import QGEMV_MAX_TOKENS, LinearMethod
+from tokenforge.model.quant.dense import DenseMethod, become_dense
+from tokenforge.model.quant.quantized import QGEMV_MAX_TOKENS
 
 logger = logging.getLogger(__name__)
 
@@ -44,31 +46,44 @@ def prune_2_4_(w: torch.Tensor) -> None:
     groups.masked_fill_(~mask, 0)
 
 
-class SemiStructured24(LinearMethod):
-    """A 2:4-pruned weight: the dense copy for tiny steps (the GEMV), the sparse one above."""
+class Sparse24Method(DenseMethod):
+    """The pruned float weight (`weight`: the GEMV for tiny steps) and its semi-structured sparse
+    copy (`sparse_weight`) for the rest."""
 
     name = "2:4"
 
+    def check(self, layer: nn.Module, name: str) -> None:
+        if layer.in_features % 4:
+            raise ValueError(f"2:4 sparsity needs an input size divisible by 4; {name} has {layer.in_features}")
+
+    @torch.no_grad()
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        prune_2_4_(layer.weight.data)
+        w = layer.weight
+        if not (w.is_cuda and w.dtype in (torch.float16, torch.bfloat16)):
+            become_dense(layer, w.detach())
+            return
+        try:
+            layer.sparse_weight = torch.sparse.to_sparse_semi_structured(w.detach())
+        except (RuntimeError, ValueError) as exc:     # shapes the sparse kernels do not take
+            logger.info("2:4: a [%d, %d] linear stays dense on the GPU (%s)", *w.shape, exc)
+            become_dense(layer, w.detach())
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] <= QGEMV_MAX_TOKENS:
-            return dense_linear(x, layer.weight, bias, None)
+            return super().apply(layer, x, bias)
         # the sparse kernels may return a transposed view; attention needs contiguous rows
         return F.linear(x, layer.sparse_weight, bias).contiguous()
 
-    def apply_normed(self, layer, norm, x, residual):
+    def apply_normed(self, layer, x, residual, norm, bias):
         return None
 
-    def apply_silu_mul(self, layer, act_fn, gate_up, bias):
+    def apply_silu_mul(self, layer, gate_up, bias):
         return None
-
-
-def _linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
 
 
 @torch.no_grad()
-def prune_model(model: nn.Module, rate: float) -> int:
-    layers = _linears(model)
+def prune_model(layers: list[tuple[str, nn.Module]], rate: float) -> int:
     for _, layer in layers:
         prune_magnitude_(layer.weight.data, rate)
     logger.info("pruned %.0f%% of the weights of %d linears by magnitude: this changes quality only (the "
@@ -76,29 +91,4 @@ def prune_model(model: nn.Module, rate: float) -> int:
     return len(layers)
 
 
-@torch.no_grad()
-def sparsify_model(model: nn.Module, pattern: str) -> int:
-    """2:4-prune every linear; on CUDA (16-bit) attach the semi-structured sparse weight."""
-    if pattern not in SPARSITY_PATTERNS:
-        raise ValueError(f"sparsity {pattern!r} is not supported: only 2:4 (what sparse tensor cores run)")
-    layers = _linears(model)
-    for name, layer in layers:
-        if layer.weight.shape[1] % 4:
-            raise ValueError(f"2:4 sparsity needs an input size divisible by 4; {name} has {layer.weight.shape[1]}")
-    sparse = 0
-    for name, layer in layers:
-        prune_2_4_(layer.weight.data)
-        if layer.weight.is_cuda and layer.weight.dtype in (torch.float16, torch.bfloat16):
-            try:
-                layer.sparse_weight = torch.sparse.to_sparse_semi_structured(layer.weight.detach())
-            except (RuntimeError, ValueError) as exc:     # shapes the sparse kernels do not take
-                logger.info("2:4: %s stays dense on the GPU (%s)", name, exc)
-                continue
-            layer.quant_method = SemiStructured24()
-            sparse += 1
-    logger.info("2:4 sparsity: %d linears pruned, %d run as semi-structured sparse tensors", len(layers), sparse)
-    return len(layers)
-
-
-__all__ = ["SPARSITY_PATTERNS", "SemiStructured24", "prune_2_4_", "prune_magnitude_", "prune_model",
-           "sparsify_model"]
+__all__ = ["SPARSITY_PATTERNS", "Sparse24Method", "prune_2_4_", "prune_magnitude_", "prune_model"]
