@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from tokenforge.bench import add_bench_args, main, report, workloads
+from tokenforge.bench.lib import report, workloads
+from tokenforge.cli.bench import add_bench_parser as add_bench_args
+from tokenforge.cli.main import bench_main as main
 
 TINY = "tiny-llama"     # a shipped config (tokenforge/model/configs), dummy weights
 COMMON = ["--dtype", "float32", "--quick-ceilings", "--repeats", "1", "--max-num-batched-tokens", "64"]

@@ -38,6 +38,7 @@ from tokenforge.executor.model_runner import prompt_logprob_rows
 from tokenforge.executor.worker import RankHandlers, run_worker
 from tokenforge.messages import (WorkerFinishStep, WorkerInitKVCache, WorkerProfile, WorkerSequence,
                                  WorkerShutdown, WorkerStep)
+from tokenforge import envs
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class MultiprocExecutor(Executor):
         self.ring: ShmRing | None = None
         self.tiers = None          # KV tiers: one process only (parallel_check refuses them here)
         device = config.device.resolved_device()
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        envs.set_default("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         use_engine_cache(config)       # before the workers start: they inherit the environment
         if device == "cuda":
             parallel_state.set_nccl_env()

@@ -29,10 +29,11 @@ from tokenforge.distributed.parallel_state import ParallelRank
 from tokenforge.distributed.shm_ring import RingClosedError, ShmRing
 from tokenforge.messages import (WorkerFinishStep, WorkerInitKVCache, WorkerMessage, WorkerProfile,
                                  WorkerShutdown, WorkerStep)
+from tokenforge import envs
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "TOKENFORGE_FAULT_RANK"     # tests: "start:R" makes rank R fail while starting
+FAULT_ENV = envs.FAULT_RANK     # tests: "start:R" makes rank R fail while starting
 
 
 class RankHandlers:
@@ -127,5 +128,5 @@ def _die_with_parent() -> None:
 
 
 def _maybe_inject_fault(phase: str, rank: int) -> None:
-    if os.environ.get(FAULT_ENV) == f"{phase}:{rank}":
+    if envs.fault_rank() == f"{phase}:{rank}":
         raise RuntimeError(f"injected fault: rank {rank} fails during {phase} ({FAULT_ENV})")

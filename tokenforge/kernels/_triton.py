@@ -7,6 +7,7 @@ functions work. Launching a kernel without Triton raises through `require_triton
 """
 
 import types
+from tokenforge import envs
 
 try:
     import triton
@@ -47,7 +48,7 @@ def _interpreting() -> bool:
     # TRITON_INTERPRET=1 runs kernels on the CPU through numpy: used to debug without a GPU.
     import os
 
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return envs.triton_interpret()
 
 
 _pdl_setting: bool | None = None          # None: on where the GPU supports it (sm90+)

@@ -24,6 +24,7 @@ from tokenforge.train.config import TrainConfig
 from tokenforge.train.data import DataError, read_meta
 from tokenforge.train.lora import attach_lora
 from tokenforge.train.tokenize import tokenizer_fingerprint
+from tokenforge import envs
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +45,7 @@ def resolve_model(model: str | None) -> str | None:
 
 
 def check_inputs(cfg: TrainConfig, tokenizer: Any) -> Checked:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = envs.world_size()
     source = resolve_model(cfg.model)
     arch = read_arch_config(source, cfg.load_format)
     meta = read_meta(Path(cfg.data))
