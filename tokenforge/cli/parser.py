@@ -10,7 +10,6 @@ Nothing here imports torch: `tokenforge --help` must stay fast.
 from __future__ import annotations
 
 import argparse
-import sys
 
 # Planned, not implemented yet: one row per flag, flag value or subcommand. Delete a row when
 # its feature lands (a row whose flag or value already exists is ignored, so a late delete is

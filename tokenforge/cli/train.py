@@ -16,6 +16,7 @@ import sys
 
 from tokenforge import envs
 
+
 TRAIN_NOTES = """playbook aliases:
   --sharding_strategy ddp|fsdp   = --strategy (--model-sharding-type too)
   --use-checkpointing            = --activation-checkpointing

@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
 from tokenforge import envs
 
 logger = logging.getLogger(__name__)

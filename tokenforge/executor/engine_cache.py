@@ -10,8 +10,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from tokenforge.config import EngineConfig
 from tokenforge import envs
+from tokenforge.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

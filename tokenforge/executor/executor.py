@@ -11,11 +11,11 @@ import logging
 import os
 import time
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, TierLoadResult
 from tokenforge.executor.engine_cache import use_engine_cache
 from tokenforge.messages import KVTierStats
-from tokenforge import envs
 
 logger = logging.getLogger(__name__)
 

@@ -4,12 +4,11 @@ first, so a bad one fails before any process starts or any memory is allocated."
 
 from __future__ import annotations
 
-
+from tokenforge import envs
 from tokenforge.config import EngineConfig
 from tokenforge.distributed.parallel_state import ParallelRank
 from tokenforge.executor.executor import Executor
 from tokenforge.executor.parallel_check import check_parallel_layout
-from tokenforge import envs
 
 
 def torchrun_rank(config: EngineConfig) -> ParallelRank | None:

@@ -26,6 +26,7 @@ import threading
 
 import msgspec
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig, encode_config
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.distributed import parallel_state
@@ -38,7 +39,6 @@ from tokenforge.executor.model_runner import prompt_logprob_rows
 from tokenforge.executor.worker import RankHandlers, run_worker
 from tokenforge.messages import (WorkerFinishStep, WorkerInitKVCache, WorkerProfile, WorkerSequence,
                                  WorkerShutdown, WorkerStep)
-from tokenforge import envs
 
 logger = logging.getLogger(__name__)
 

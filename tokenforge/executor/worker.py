@@ -22,6 +22,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig, decode_config
 from tokenforge.distributed import parallel_state
 from tokenforge.distributed.channel import BroadcastChannel, ShmChannel
@@ -29,7 +30,6 @@ from tokenforge.distributed.parallel_state import ParallelRank
 from tokenforge.distributed.shm_ring import RingClosedError, ShmRing
 from tokenforge.messages import (WorkerFinishStep, WorkerInitKVCache, WorkerMessage, WorkerProfile,
                                  WorkerShutdown, WorkerStep)
-from tokenforge import envs
 
 logger = logging.getLogger(__name__)
 

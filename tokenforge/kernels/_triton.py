@@ -7,6 +7,7 @@ functions work. Launching a kernel without Triton raises through `require_triton
 """
 
 import types
+
 from tokenforge import envs
 
 try:
@@ -46,8 +47,6 @@ def require_triton(*tensors) -> None:
 
 def _interpreting() -> bool:
     # TRITON_INTERPRET=1 runs kernels on the CPU through numpy: used to debug without a GPU.
-    import os
-
     return envs.triton_interpret()
 
 

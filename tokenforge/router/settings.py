@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+
 from tokenforge import envs
 
 API_KEY_ENV = envs.ROUTER_API_KEY

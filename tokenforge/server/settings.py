@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenforge.config import parse_size
 from tokenforge import envs
+from tokenforge.config import parse_size
 
 API_KEY_ENV = envs.API_KEY
 DEFAULT_MAX_BODY = 8 * 2**20

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
 from tokenforge import envs
 
 logger = logging.getLogger(__name__)

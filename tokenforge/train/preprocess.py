@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from tokenforge import envs
 from tokenforge.train.data import SPLITS, file_digest, pack_header, token_dtype
 from tokenforge.train.sources import FORMATS, check_inputs, iter_units
 from tokenforge.train.tokenize import set_worker_tokenizer, tokenize_unit, tokenizer_fingerprint
-from tokenforge import envs
 
 logger = logging.getLogger(__name__)
 PARTS = "parts"

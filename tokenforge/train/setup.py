@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenforge import envs
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader import load_model, read_arch_config
 from tokenforge.train.checkpoint import latest_checkpoint
@@ -24,7 +25,6 @@ from tokenforge.train.config import TrainConfig
 from tokenforge.train.data import DataError, read_meta
 from tokenforge.train.lora import attach_lora
 from tokenforge.train.tokenize import tokenizer_fingerprint
-from tokenforge import envs
 
 
 @dataclass(frozen=True, slots=True)

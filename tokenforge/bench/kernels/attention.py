@@ -14,13 +14,14 @@ Triton's interpreter (TRITON_INTERPRET=1) to check the script itself; its number
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenforge.bench.kernels.common import (
-    BS, DT, HIDDEN, HKV, HQ, D, guarded, layers_for, paged_caches, print_table, save_result, start_run, time_call,
+    BS, DT, HIDDEN, HKV, HQ, INTER, D, guarded, layers_for, paged_caches, print_table, save_result, start_run, time_call,
 )
 from tokenforge.bench.kernels.gemv import bench_full_decode_step
-
 from tokenforge.kernels._triton import set_pdl
 from tokenforge.kernels.activation import silu_and_mul
 from tokenforge.kernels.kv_store import store_kv
@@ -206,8 +207,8 @@ def bench_decode_step(ctx: int, device, layers: int = 32) -> list[dict]:
     return rows
 
 
-def main(out_dir: str, smoke: bool = False) -> dict:
-    
+def run(out_dir: str, smoke: bool = False) -> dict:
+    """The attention, fused-op and decode-step tables into OUT/kernels.json."""
     device, bw, result = start_run(out_dir, smoke)
     result |= {"decode": [], "prefill": [], "ops": []}
     bw = bw if not smoke else 1.0

@@ -9,9 +9,7 @@ Lengths are forced: EOS is disabled and `min_new_tokens == max_new_tokens`.
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from pathlib import Path
 
 import torch
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import torch
+
 from tokenforge import envs
 
 DEFAULT_RESULTS_DIR = "."   # a user's run never overwrites the committed records in bench/results

@@ -22,9 +22,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tokenforge import envs
 from tokenforge.bench.lib import report, workloads
 from tokenforge.bench.lib.checkpoint import write_random_checkpoint
-from tokenforge import envs
 
 _PHASES = re.compile(r"start-up: (.*)$")
 # the log lines that place the phases on the clock (both processes), kept in the result

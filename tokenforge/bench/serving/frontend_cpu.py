@@ -29,8 +29,8 @@ import subprocess
 import sys
 import time
 
-from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 from tokenforge import envs
+from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 STEP_MS_ENV = envs.PACED_STEP_MS
 CORE_PATH = "tokenforge.bench.serving.frontend_cpu:PacedCore"
