@@ -15,8 +15,8 @@ import pytest
 
 from tokenforge import __version__
 from tokenforge.cli import build_parser, main
-from tokenforge.cli_generate import sampling_params, workload_kv_blocks
-from tokenforge.cli_parser import PLANNED
+from tokenforge.cli.generate import sampling_params, workload_kv_blocks
+from tokenforge.cli.parser import PLANNED
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -176,7 +176,7 @@ def test_a_model_that_cannot_fit_is_refused_before_allocation(capsys, tmp_path):
 
 
 def test_bench_results_go_to_the_current_directory_by_default(tmp_path, monkeypatch):
-    from tokenforge.bench import report
+    from tokenforge.bench.lib import report
 
     monkeypatch.chdir(tmp_path)
     result = {"workload": "W0", "date": "2026-11-30T00:00:00", "figures": {}}

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tokenforge import LLM, SamplingParams
-from tokenforge.bench.checkpoint import write_random_checkpoint
+from tokenforge.bench.lib.checkpoint import write_random_checkpoint
 from tokenforge.config import EngineConfig
 
 CFG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -74,7 +74,7 @@ def test_cli_reports_a_missing_hub_model(offline, capsys):
 
 
 def test_local_paths_and_shipped_names_are_not_hub_ids(tmp_path):
-    from tokenforge.hub import looks_like_repo_id
+    from tokenforge.source import looks_like_repo_id
 
     assert looks_like_repo_id("meta-llama/Llama-3.1-8B-Instruct")
     assert not looks_like_repo_id("llama-3.1-8b")

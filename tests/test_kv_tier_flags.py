@@ -24,8 +24,9 @@ def test_bad_tier_flags_exit_2_with_the_reason(flags, message, capsys):
 
 def test_tier_flags_reach_the_config():
     from tokenforge.config import EngineConfig
-    from tokenforge.server.cli_args import engine_config_from_args
     from tokenforge.cli import build_parser
+
+    engine_config_from_args = EngineConfig.from_cli     # the one converter (was server/cli_args.py)
 
     args = build_parser().parse_args(["serve", "--kv-offload-cpu-gb", "2", "--kv-remote", "redis+cluster://a:1,b:2",
                                       "--kv-remote-ttl", "60", "--kv-remote-write-through"])

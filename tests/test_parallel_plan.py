@@ -6,7 +6,7 @@ import pytest
 
 from tokenforge.cli import build_parser, engine_kwargs, main
 from tokenforge.model.loader import read_arch_config
-from tokenforge.parallel_plan import plan_layout, valid_tp_sizes
+from tokenforge.planning.layout import plan_layout, valid_tp_sizes
 
 GIB = 2**30
 

@@ -12,11 +12,10 @@ import os
 import re
 from dataclasses import dataclass, field
 
-_SIZE_UNITS = {
-    "": 1, "b": 1,
-    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
+from tokenforge.source import resolve_hub_fields
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
 def parse_size(value: str | int | float | None) -> int | None:
@@ -31,28 +30,49 @@ def parse_size(value: str | int | float | None) -> int | None:
 
 QUANTIZATION_MODES = (None, "int8", "int4", "fp8", "fp8-sim")
 QUANTIZATION_ALIASES = {"8bit": "int8", "4bit": "int4"}    # the playbook's spellings
+TIERS, PARALLEL, CACHE = "KV cache tiers (device -> CPU -> disk -> Redis, keyed by prefix hash)", "parallelism", "engine cache"
+
+
+def flag(default, help: str, *aliases: str, **cli):
+    """A field that is also the engine flag --<name> (cli/engine_args.py builds it, from_cli reads it back). cli:
+    group, cli_default (the flag's default; None: the config decides), choices, values (spelling -> value) and invalid
+    (the error), switches (flag -> value or (value, help)), serve, negate (--no-<name>), flag, metavar, type."""
+    return field(default=default, metadata={"help": help, "aliases": aliases, **cli})
 
 
 def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
+    if not cond: raise ValueError(message)  # noqa: E701
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    model: str | None = None            # a GGUF file, an HF directory, or a config.json (dummy); None = bundled
-    dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
-    max_model_len: int | None = None    # None = the model's max_position_embeddings
-    seed: int = 0
-    model_version: str | None = None    # the operator's label for the weights; shown by /v1/models, /metrics
-    model_checksum: str | None = None   # sha256 the weights must hash to (engine/model_identity.py), or refuse
-    quantization: str | None = None     # None | int8 | int4 | fp8 | fp8-sim (aliases 8bit, 4bit)
-    quantization_group_size: int = 128  # int4 inputs per scale / zero point
-    quantize_lm_head: bool = False
-    quantization_backend: str = "tokenforge"
-    prune_rate: float | None = None     # unstructured magnitude pruning per linear (quality only)
-    sparsity: str | None = None         # None | 2:4
-    revision: str | None = None         # a Hub model's branch, tag or commit
+    model: str | None = flag(None, "GGUF file, HF directory, a Hugging Face Hub id (org/name; honours HF_TOKEN and "
+                             "HF_HUB_OFFLINE=1), or a shipped config name (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
+                             "llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")  # source.py
+    revision: str | None = flag(None, "branch, tag or commit of a Hub model")
+    dtype: str = flag("auto", "auto: bfloat16 on CUDA, float32 on the CPU",
+                      choices=("auto", "float32", "bfloat16", "float16"),
+                      switches={"--fp16": "float16", "--half": "float16", "--bf16": "bfloat16"})
+    max_model_len: int | None = flag(None, "context length (default: the model's)", "--max-seq-length")
+    seed: int = flag(0, "the random seed: of the dummy weights, and in generate of sampling too (each prompt's "
+                     "sample is reproducible; greedy needs none)")
+    model_version: str | None = flag(
+        None, "the version label of the weights (playbook MODEL_VERSION); shown by /v1/models and /metrics, and a "
+        "router refuses to mix replicas of one model with different versions", serve=True, metavar="VERSION")
+    model_checksum: str | None = flag(
+        None, "refuse to serve unless the weights hash to this (sha256sum of the .gguf; see the README for HF "
+        "directories); the computed checksum is shown by /v1/models", serve=True, metavar="SHA256")
+    quantization: str | None = flag(
+        None, "int8: weight-only per output channel (on the CPU: dynamic int8 linears, fbgemm); int4: weight-only, "
+        "asymmetric groups (--quantization-group-size; on the CPU simulated by dequantizing); fp8: W8A8 e4m3 with "
+        "per-token activation scales (Hopper GPUs); fp8-sim: fp8 numerics simulated in float (any device; quality "
+        "checks). Playbook: 8bit, 4bit", values={m: m for m in QUANTIZATION_MODES if m} | QUANTIZATION_ALIASES,
+        invalid="is not a quantization mode: int8 (alias 8bit), int4 (alias 4bit), fp8, fp8-sim")
+    quantization_group_size: int = flag(128, "int4: inputs per scale (default 128)")
+    quantize_lm_head: bool = flag(False, "quantize the lm_head too (default: model dtype)")
+    quantization_backend: str = flag("tokenforge", "tokenforge (the default and only backend; bitsandbytes is refused)")
+    prune_rate: float | None = flag(None, "zero this fraction of each linear's weights by magnitude (quality only: weights stay dense)")
+    sparsity: str | None = flag(None, "2:4: semi-structured pruning, run as sparse tensors on the GPU (dense on the CPU)")
     model_id: str | None = None         # the Hub id the user gave, when `model` is its local snapshot
 
     def validate(self) -> None:
@@ -88,22 +108,31 @@ class ModelConfig:
 
 @dataclass(frozen=True, slots=True)
 class CacheConfig:
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None        # overrides the sizing below
-    kv_cache_memory: int | None = None      # bytes; absolute KV budget
-    gpu_memory_utilization: float = 0.9
-    memory_profile: str = "server"          # server: profile then fill; client: max_num_seqs x max_model_len
-    kv_cache_dtype: str = "auto"            # auto (the model's dtype) | fp8 (e4m3, per-layer scales)
-    memory_fragmentation_threshold: float | None = None
-    pin_memory: bool = True
+    block_size: int = flag(16, None, "--kv-cache-block-size")
+    enable_prefix_caching: bool = flag(True, "turn the prefix cache off", negate=True)
+    num_kv_blocks: int | None = flag(None, "KV blocks, overriding the memory sizing")
+    kv_cache_memory: int | None = flag(None, "absolute KV budget, e.g. 8GiB", "--memory-limit", type="str")  # bytes
+    gpu_memory_utilization: float = flag(0.9, "share of the device memory for weights, activations and the KV cache")
+    memory_profile: str = flag("server", "server: profile, then fill the memory; client: max-num-seqs x "
+                               "max-model-len only", choices=("server", "client"))
+    kv_cache_dtype: str = flag("auto", "auto: the model's dtype; fp8 (alias fp8_e4m3): e4m3 with per-layer K/V "
+                               "scales, half the bytes per token (GPUs with FP8: sm89+; the torch backend on the CPU)",
+                               values={"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"},
+                               invalid="is not a KV cache dtype: use auto or fp8 (e4m3, alias fp8_e4m3)")
+    memory_fragmentation_threshold: float | None = flag(None, "release cached blocks between steps above this allocator fragmentation")
+    pin_memory: bool = flag(True, "host buffers for copies", flag="--memory-policy", cli_default="pin",
+                            values={"pin": True, "pageable": False}, metavar="{pin,pageable}",
+                            invalid="is not a memory policy: use pin or pageable")
     # KV tiers below the device (see executor/tiers): sizes in GB (10**9 bytes), 0 = off.
-    kv_offload_cpu_gb: float = 0.0
-    kv_offload_disk_dir: str | None = None
-    kv_offload_disk_gb: float = 0.0
-    kv_remote: str | None = None            # redis://h:p[/db], rediss://..., redis+cluster://h1:p1,h2:p2
-    kv_remote_ttl: int = 3600               # seconds; every key gets one, so volatile-lru applies
-    kv_remote_write_through: bool = False   # also put a request's blocks when it completes
+    kv_offload_cpu_gb: float = flag(0.0, "host memory (pinned on CUDA) for KV blocks evicted from the device, LRU "
+                                    "(default off)", group=TIERS, metavar="GB")
+    kv_offload_disk_dir: str | None = flag(None, "local disk tier under the CPU tier", group=TIERS, metavar="DIR")
+    kv_offload_disk_gb: float = flag(0.0, "size of the disk tier", group=TIERS, metavar="GB")
+    kv_remote: str | None = flag(None, "shared tier: redis://host:port[/db], rediss://host:port or "
+                                 "redis+cluster://h1:p1,h2:p2", group=TIERS, metavar="URL")
+    kv_remote_ttl: int = flag(3600, "TTL of every remote key, so maxmemory-policy volatile-lru applies (default %(default)s)", group=TIERS, metavar="SECONDS")
+    kv_remote_write_through: bool = flag(False, "also put a request's prefix blocks to the remote tier when it "
+                                         "completes (not only on eviction)", group=TIERS)
 
     @property
     def kv_tiers_enabled(self) -> bool:
@@ -166,14 +195,18 @@ def validate_kv_tiers(c: CacheConfig) -> None:
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = flag(256, "sequences per step (default: 512 on CUDA, 256 on the CPU); with --pipeline-steps "
+                             "K, up to K steps of this many run at once", "--max-parallel-batch", "--batch-size",
+                             "--micro-batch-size", "--micro_batch_size", cli_default=None)
+    max_num_batched_tokens: int = flag(2048, "token budget per step; long prompts are chunked to fit (chunked "
+                                       "prefill); default: 8192 on CUDA, 2048 on the CPU", cli_default=None)
     max_model_len: int = 2048               # resolved against the model by EngineConfig.create
-    max_tokens_default: int | None = None   # default max_tokens cap (playbook: --max-inference-steps)
-    async_scheduling: bool | None = None    # schedule step N+1 while step N runs; None: on for CUDA
-    # Pipeline parallelism: steps in flight at once, each over its own requests, so every stage
-    # has work (playbook: --pipeline-steps). From kwargs, None: pipeline_parallel_size.
-    pipeline_steps: int = 1
+    max_tokens_default: int | None = flag(None, "cap (and default) for max_tokens", "--max-inference-steps",
+                                          flag="--max-tokens-limit")
+    async_scheduling: bool | None = flag(None, "schedule step N+1 while step N runs on the device (default: on for CUDA)")
+    pipeline_steps: int = flag(1, "with pipeline parallelism: steps (batches of distinct requests) in flight at "
+                               "once, so every stage has work (default: the pipeline parallel size)",
+                               "--pipeline_steps", cli_default=None, group=PARALLEL, metavar="N")
 
     def validate(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -190,11 +223,17 @@ EXECUTOR_BACKENDS = ("auto", "uni", "mp", "torchrun")
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    # auto: one process without parallelism; `torchrun` when launched by it (WORLD_SIZE > 1 in the
-    # environment); else `mp`, one worker process per rank on this host.
-    distributed_executor_backend: str = "auto"
+    tensor_parallel_size: int = flag(1, "split every layer across N ranks (GPUs, or CPU processes with gloo)",
+                                     "-tp", "--model_parallelism", "--model_parallelism_level",
+                                     "--model-parallelism", "--shard-size", cli_default=None, group=PARALLEL)
+    pipeline_parallel_size: int = flag(1, "split the layers into N contiguous stages, one rank (or TP group) each",
+                                       "-pp", "--pipe_parallelism", "--pipe_parallelism_level", "--pipe-parallelism",
+                                       cli_default=None, group=PARALLEL)
+    # auto: one process without parallelism; torchrun when launched by it (WORLD_SIZE > 1); else mp.
+    distributed_executor_backend: str = flag(
+        "auto", "mp: one worker process per rank on this host (default with TP/PP); torchrun: ranks started by "
+        "torchrun (auto-detected from WORLD_SIZE)", "--distributed_executor", "--distributed-executor",
+        choices=("auto", "uni", "mp", "torchrun"), group=PARALLEL)
 
     @property
     def world_size(self) -> int:
@@ -213,9 +252,15 @@ class ParallelConfig:
 
 @dataclass(frozen=True, slots=True)
 class LoadConfig:
-    load_format: str = "auto"       # auto | gguf | safetensors | dummy | lazy
-    engine_cache_dir: str | None = None
-    cpu_offload_gb: float = 0.0     # CUDA: weights of the last layers kept in pinned host memory
+    load_format: str = flag("auto", "dummy: random weights of the model's shape (benchmarks); lazy: stream "
+                            "memory-mapped weights (each rank reads its slices; on the CPU with an engine cache, "
+                            "mapped, not copied)", choices=("auto", "gguf", "safetensors", "dummy", "lazy"),
+                            switches={"--lazy-loading": "lazy", "--lazy_loading": "lazy"})
+    engine_cache_dir: str | None = flag(None, "keep the Triton and compile caches here, so a restart skips the JIT",
+                                        "--engine_cache_dir", group=CACHE)
+    cpu_offload_gb: float = flag(0.0, "CUDA: keep N GB of weights (the last layers) in pinned host memory, each "
+                                 "copied in one layer ahead on a side stream (runs without CUDA graphs)",
+                                 group=CACHE, metavar="N")
 
     def validate(self) -> None:
         _check(self.load_format in ("auto", "gguf", "safetensors", "dummy", "lazy"),
@@ -225,11 +270,12 @@ class LoadConfig:
 
 @dataclass(frozen=True, slots=True)
 class DeviceConfig:
-    device: str = "auto"                # auto | cpu | cuda
-    attention_backend: str = "auto"     # auto | torch | triton
-    enforce_eager: bool = False         # no CUDA graphs
-    num_threads: int | None = None      # CPU threads; None = torch's default
-    profile_dir: str | None = None
+    device: str = flag("auto", "auto: cuda if there is one", choices=("auto", "cpu", "cuda"))
+    attention_backend: str = flag("auto", "auto: triton on CUDA, torch on the CPU", choices=("auto", "torch", "triton"),
+                                  switches={"--use-flash-attention": "triton", "--use_flash_attention": "triton"})
+    enforce_eager: bool = flag(False, "disable CUDA graphs", switches={"--cuda-graphs": (False, "CUDA graphs on (the default)")})
+    num_threads: int | None = flag(None, "CPU threads")     # None = torch's default
+    profile_dir: str | None = flag(None, "write torch.profiler traces here")
 
     def validate(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda"), f"device must be auto, cpu or cuda, got {self.device!r}")
@@ -270,77 +316,69 @@ class EngineConfig:
         return self
 
     @staticmethod
+    def cli_kwargs(args) -> dict:
+        """The one converter from the command line: the flat engine arguments (the `flag` fields, and
+        model_id once a Hub id is resolved) that an argparse namespace holds. from_cli builds on it."""
+        return {n: getattr(args, n) for n in [*(f.name for f in flag_fields()), "model_id"] if hasattr(args, n)}
+
+    @staticmethod
+    def from_cli(args) -> EngineConfig:
+        return EngineConfig.from_kwargs(**EngineConfig.cli_kwargs(args))
+
+    @staticmethod
     def from_kwargs(**kwargs) -> EngineConfig:
         """Route flat keyword arguments (as `LLM(...)` and the CLI take them) to the sub-configs."""
-        groups: dict[str, dict] = {name: {} for name in ("model", "cache", "scheduler", "parallel", "load", "device")}
-        owners = {f.name: name for name, cls in reversed(_SUBCONFIGS.items()) for f in dataclasses.fields(cls)}
+        groups: dict[str, dict] = {name: {} for name in _SUBCONFIGS}
         # max_model_len is asked for once (ModelConfig); the scheduler's copy is the resolved value
         # that EngineCore fills in with with_max_model_len() once the model's limit is known.
+        owners = {f.name: name for name, cls in reversed(_SUBCONFIGS.items()) for f in dataclasses.fields(cls)}
         for key, value in kwargs.items():
             if key not in owners:
                 raise TypeError(f"unknown engine argument {key!r}")
             groups[owners[key]][key] = value
         _fill_device_defaults(groups)
+        groups["parallel"] = {k: v for k, v in groups["parallel"].items() if v is not None}   # None: the default
         if groups["scheduler"].get("pipeline_steps") is None:     # one step per stage in flight
             groups["scheduler"]["pipeline_steps"] = groups["parallel"].get("pipeline_parallel_size") or 1
         quant = groups["model"].get("quantization")
         groups["model"]["quantization"] = QUANTIZATION_ALIASES.get(quant, quant)
         if "kv_cache_memory" in groups["cache"]:
             groups["cache"]["kv_cache_memory"] = parse_size(groups["cache"]["kv_cache_memory"])
-        _resolve_hub_model(groups["model"])
+        resolve_hub_fields(groups["model"])
         if groups["model"].get("max_model_len") is not None:
             groups["scheduler"]["max_model_len"] = groups["model"]["max_model_len"]
         return EngineConfig(**{name: _SUBCONFIGS[name](**vals) for name, vals in groups.items()}).validate()
 
     def with_max_model_len(self, max_model_len: int) -> EngineConfig:
         """The resolved context length, once the model's own limit is known."""
-        return dataclasses.replace(
-            self,
-            model=dataclasses.replace(self.model, max_model_len=max_model_len),
-            scheduler=dataclasses.replace(self.scheduler, max_model_len=max_model_len),
-        ).validate()
+        return dataclasses.replace(self, model=dataclasses.replace(self.model, max_model_len=max_model_len),
+                                   scheduler=dataclasses.replace(self.scheduler, max_model_len=max_model_len)).validate()
 
 
-# Batch limits a user does not set depend on the device, as in vLLM: a GPU step is cheap per
-# token only when it is wide (W2 on an H200: 14.6k output tok/s at 256 sequences and 2048-token
-# steps, 16.0k at 512 and 8192), while the CPU is at its best with smaller steps.
+# Batch limits a user does not set depend on the device, as in vLLM: a GPU step is cheap per token only when
+# it is wide (W2 on an H200: 14.6k tok/s at 256 x 2048, 16.0k at 512 x 8192); the CPU prefers smaller steps.
 DEVICE_BATCH_DEFAULTS = {"cpu": {"max_num_seqs": 256, "max_num_batched_tokens": 2048},
                          "cuda": {"max_num_seqs": 512, "max_num_batched_tokens": 8192}}
-
-
-def _resolve_hub_model(model: dict) -> None:
-    """A Hub id (org/name, not a local path) becomes its local snapshot, once, here: every later
-    reader (loader, tokenizer, workers) sees a folder, and a missing model fails before anything
-    is allocated."""
-    ref = model.get("model")
-    if not isinstance(ref, str) or model.get("model_id"):
-        return
-    from tokenforge.hub import looks_like_repo_id, resolve_hub_model  # noqa: PLC0415
-
-    if looks_like_repo_id(ref):
-        model["model_id"] = ref
-        model["model"] = resolve_hub_model(ref, model.get("revision"))
 
 
 def _fill_device_defaults(groups: dict[str, dict]) -> None:
     sched = groups["scheduler"]
     missing = [k for k in ("max_num_seqs", "max_num_batched_tokens") if sched.get(k) is None]
-    if not missing:
-        return
-    device = DeviceConfig(**groups["device"]).resolved_device()
-    for key in missing:
-        sched[key] = DEVICE_BATCH_DEFAULTS.get(device, DEVICE_BATCH_DEFAULTS["cpu"])[key]
+    device = DeviceConfig(**groups["device"]).resolved_device() if missing else "cpu"
+    sched.update({key: DEVICE_BATCH_DEFAULTS.get(device, DEVICE_BATCH_DEFAULTS["cpu"])[key] for key in missing})
 
 
-_SUBCONFIGS = {
-    "model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-    "parallel": ParallelConfig, "load": LoadConfig, "device": DeviceConfig,
-}
+_SUBCONFIGS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
+               "load": LoadConfig, "device": DeviceConfig}
+
+
+def flag_fields() -> list[dataclasses.Field]:
+    """Every field that is an engine flag, in the order of the sub-configs."""
+    return [f for cls in _SUBCONFIGS.values() for f in dataclasses.fields(cls) if "help" in f.metadata]
 
 
 def encode_config(config: EngineConfig) -> bytes:
-    """The config as msgpack (plain maps of its sub-configs): it crosses to child processes (the
-    engine core, the workers) unpickled."""
+    """The config as msgpack (maps of its sub-configs): it crosses to child processes (core, workers) unpickled."""
     import msgspec  # noqa: PLC0415
 
     return msgspec.msgpack.encode(dataclasses.asdict(config))
@@ -350,14 +388,12 @@ def decode_config(data: bytes) -> EngineConfig:
     # Rebuilt field by field rather than type-checked: it was validated in the parent already.
     import msgspec  # noqa: PLC0415
 
-    groups = msgspec.msgpack.decode(data)
-    return EngineConfig(**{name: type(getattr(EngineConfig(), name))(**values) for name, values in groups.items()})
+    return EngineConfig(**{name: _SUBCONFIGS[name](**values) for name, values in msgspec.msgpack.decode(data).items()})
 
 
 @dataclass(frozen=True, slots=True)
 class RuntimeInfo:
     """Facts known only once the model is loaded and the KV cache sized."""
-
     num_kv_blocks: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]

@@ -8,7 +8,9 @@ import json
 
 import pytest
 
-from tokenforge.bench import add_bench_args, main, report, workloads
+from tokenforge.bench.lib import report, workloads
+from tokenforge.cli.bench import add_bench_parser as add_bench_args
+from tokenforge.cli.main import bench_main as main
 
 TINY = "tiny-llama"     # a shipped config (tokenforge/model/configs), dummy weights
 COMMON = ["--dtype", "float32", "--quick-ceilings", "--repeats", "1", "--max-num-batched-tokens", "64"]
@@ -90,3 +92,15 @@ def test_tiers_smoke(tmp_path):
     prompts = workloads.shuffled_group_prompts(4, 3, 8, 2, vocab=50, seed=1)
     for r0 in range(3):      # every round visits each group once, in its own order
         assert sorted(p[:8] for p in prompts[r0 * 4:(r0 + 1) * 4]) == sorted(p[:8] for p in prompts[:4])
+
+
+@pytest.mark.parametrize("part", ["attention", "gemv", "quant"])
+def test_kernels_bench_gets_its_output_folder_through_the_cli(part, tmp_path, monkeypatch):
+    """`tokenforge bench kernels` used to hand its argparse Namespace to a main(out_dir) as the folder."""
+    import importlib
+
+    module = importlib.import_module(f"tokenforge.bench.kernels.{part}")
+    calls = []
+    monkeypatch.setattr(module, "run", lambda out_dir, smoke=False: calls.append((out_dir, smoke)) or {})
+    assert main(["kernels", "--part", part, "--out", str(tmp_path / "k"), "--smoke"]) == 0
+    assert calls == [(str(tmp_path / "k"), True)]

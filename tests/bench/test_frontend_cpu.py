@@ -3,7 +3,7 @@ around PacedCore, the raw-socket client in its own process, CPU accounting from 
 
 from __future__ import annotations
 
-from tokenforge.bench import frontend_cpu
+from tokenforge.bench.serving import frontend_cpu
 
 
 def test_paced_core_delivers_every_token_to_every_stream():

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from tokenforge.bench import serve
+from tokenforge.bench.serving import serve
 
 
 def _events(texts: list[str], tokens: int) -> bytes:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tokenforge import LLM, SamplingParams
-from tokenforge.bench.checkpoint import write_random_checkpoint
+from tokenforge.bench.lib.checkpoint import write_random_checkpoint
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,

@@ -7,7 +7,7 @@ prefix cache's alone."""
 from __future__ import annotations
 
 from tokenforge import LLM, SamplingParams
-from tokenforge.bench import workloads
+from tokenforge.bench.lib import workloads
 
 GROUPS, ROUNDS, PREFIX, SUFFIX, OUT, BS = 12, 3, 64, 16, 2, 16
 

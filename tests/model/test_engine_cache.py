@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenforge.bench.checkpoint import write_random_checkpoint
+from tokenforge.bench.lib.checkpoint import write_random_checkpoint
 from tokenforge.cli import main
 from tokenforge.model.loader import CacheOptions, load_model
 from tokenforge.model.loader.weight_cache import list_entries

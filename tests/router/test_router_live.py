@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from tokenforge.bench import storm
+from tokenforge.bench.serving import storm
 
 from ..server.servers import ServerProcess, free_port
 

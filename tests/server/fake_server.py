@@ -21,7 +21,7 @@ from tokenforge.cli import add_engine_args, engine_kwargs  # noqa: E402
 from tokenforge.config import EngineConfig  # noqa: E402
 from tokenforge.logs import configure_logging  # noqa: E402
 from tokenforge.server.app import serve  # noqa: E402
-from tokenforge.server.cli_args import add_server_args  # noqa: E402
+from tokenforge.cli.serve import add_server_args  # noqa: E402
 from tokenforge.server.settings import ServerSettings  # noqa: E402
 
 

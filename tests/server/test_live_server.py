@@ -184,7 +184,7 @@ def test_concurrent_streams_with_disconnects(live):
 
 
 def test_bench_serve_smoke(live, capsys, tmp_path):
-    from tokenforge.bench.serve import Load, main
+    from tokenforge.bench.serving.serve import Load, main
 
     args = Namespace(url=live.url, api_key=KEY, model=None, num_prompts=4, request_rate=8.0, input_len=40,
                      output_len=6, seed=None, warm_up_max_burst=4)     # bursts of 1, 2, 4: CPU time

@@ -61,7 +61,7 @@ def test_sample_order_is_a_permutation_per_epoch_and_resumable():
 
 
 def test_bench_train_smoke(tmp_path):
-    from tokenforge.bench import train as bench_train
+    from tokenforge.bench.offline import train as bench_train
     from tokenforge.cli import build_parser
 
     args = build_parser().parse_args(["bench", "train", "--model", "tiny-llama", "--strategy", "none",

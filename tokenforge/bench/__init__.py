@@ -1,6 +1,14 @@
 """`tokenforge bench NAME`: the benchmarks of shared/BENCHMARKING.md.
 
-Each bench is a module with `add_args(parser[, add_engine_args])` and `main(args)`. It checks
+    lib/        what benches share: harness (engine, timed generate, checks), workloads, report
+                (results JSON), ceilings, the HF baseline, random checkpoints, plots
+    offline/    LLM(...) in this process: cpu, latency, throughput, prefix, parallel, tiers, structured, train
+    serving/    `tokenforge serve` processes under HTTP load: serve, frontend (+ frontend_cpu), storm, coldstart
+    kernels/    Triton kernel micro-benchmarks: attention and the decode step, GEMV, quantized GEMV
+
+Each bench is a module with `add_args(parser)` and `main(args)` (the one calling convention; `tokenforge
+bench NAME` and `python -m tokenforge.bench NAME` build the parser in cli/bench.py). A module that sets
+`ENGINE_FLAGS = True` gets the engine flags (cli/engine_args.py) before its own. It checks
 correctness first, measures the hardware ceilings and the HF transformers peer in the same run,
 prints a table last and writes `<results-dir>/<date>-<device>-<workload>.json` (default: the current
 directory; the committed records in bench/results only with an explicit --results-dir; copied to `--out`).
@@ -13,7 +21,7 @@ directory; the committed records in bench/results only with an explicit --result
     parallel    W7: W1 and W2 at TP/PP layouts back to back, speed-up over the first layout
     coldstart   W10: cold start of `tokenforge serve` from a safetensors checkpoint written once
     tiers       W9: shared 4096-token prefixes, the CPU KV tier against the device cache alone
-    serve       W4: HTTP streaming load (tokenforge.bench.serve)
+    serve       W4: HTTP streaming load (tokenforge.bench.serving.serve)
     frontend    offline LLM vs the HTTP server back to back (server / offline), then W4 at several rates
     storm       1,000 concurrent streams through `tokenforge router`, a third disconnecting at random
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
@@ -23,10 +31,13 @@ directory; the committed records in bench/results only with an explicit --result
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import inspect
-import sys
+# NAME -> the module (under tokenforge.bench) that holds its add_args(parser) and main(args).
+MODULES: dict[str, str] = {
+    "ceilings": "lib.ceilings", "cpu": "offline.cpu", "latency": "offline.latency", "throughput": "offline.throughput",
+    "prefix": "offline.prefix", "parallel": "offline.parallel", "coldstart": "serving.coldstart",
+    "tiers": "offline.tiers", "serve": "serving.serve", "frontend": "serving.frontend", "storm": "serving.storm",
+    "kernels": "kernels", "train": "offline.train", "structured": "offline.structured",
+}
 
 BENCHES: dict[str, str] = {
     "ceilings": "measure HBM read bandwidth and bf16 matmul TFLOP/s (CPU: GB/s and GFLOP/s)",
@@ -46,75 +57,6 @@ BENCHES: dict[str, str] = {
 }
 
 
-_DESCRIPTION = """Benchmarks: each checks correctness first, measures the hardware ceilings and a peer
-(HF transformers) in the same run, prints a table last and writes its results JSON to
---results-dir (default: the current directory).
-
-  tokenforge bench NAME --help     the flags of one benchmark
-"""
-
-
-def _module(name: str):
-    return importlib.import_module(f"tokenforge.bench.{name}")
-
-
-def add_bench_args(subparsers, add_engine_args=None, only: str | None = "*") -> argparse.ArgumentParser:
-    """Add `bench NAME [...]` to a CLI's subparsers.
-
-    `only` names the one bench whose module (and flags) to load: the CLI passes the NAME on its
-    command line, or None for none, so that `tokenforge --help` does not import torch. The
-    default "*" loads every bench.
-
-    `add_engine_args(parser)`, when given, adds the CLI's own engine flags (with their playbook
-    aliases) to every bench; without it each bench adds a fallback set. Each NAME sets
-    `args.func(args, engine_kwargs=None) -> int`, where `engine_kwargs(args)` maps those flags to
-    `LLM(...)` keyword arguments.
-    """
-    bench = subparsers.add_parser("bench", help="run a benchmark; results go to --results-dir (default: .)",
-                                  description=_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    names = bench.add_subparsers(dest="bench", metavar="NAME", required=True)
-    for name, text in BENCHES.items():
-        p = names.add_parser(name, help=text, description=text)
-        if only != "*" and name != only:
-            continue
-        try:
-            module = _module(name)
-        except ImportError as e:      # serve/kernels may not exist yet; say so when it is run
-            p.set_defaults(func=_unavailable(name, e))
-            continue
-        add_args = getattr(module, "add_args", None)
-        if add_args is None:
-            p.add_argument("--out", default=None)
-            p.add_argument("rest", nargs=argparse.REMAINDER)
-        elif len(inspect.signature(add_args).parameters) >= 2:
-            add_args(p, add_engine_args)
-        else:
-            add_args(p)
-        p.set_defaults(func=_runner(module.main))
-    return bench
-
-
-def _runner(bench_main):
-    def run(args: argparse.Namespace, engine_kwargs=None) -> int:
-        args.engine_kwargs_fn = engine_kwargs
-        rc = bench_main(args)
-        return rc if isinstance(rc, int) else 0
-    return run
-
-
-def _unavailable(name: str, error: ImportError):
-    def fail(args: argparse.Namespace) -> int:
-        raise SystemExit(f"tokenforge bench {name} is not available: {error}")
-    return fail
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m tokenforge.bench NAME ...`, the same as `tokenforge bench NAME ...`."""
-    try:      # the CLI's engine flags, aliases included, so both spellings behave the same
-        from tokenforge.cli import add_engine_args, engine_kwargs  # noqa: PLC0415
-    except ImportError:
-        add_engine_args = engine_kwargs = None
-    parser = argparse.ArgumentParser(prog="tokenforge")
-    add_bench_args(parser.add_subparsers(dest="command", required=True), add_engine_args)
-    args = parser.parse_args(["bench", *(argv if argv is not None else sys.argv[1:])])
-    return args.func(args, engine_kwargs)
+def bench_module(name: str) -> str:
+    """The import path of bench NAME's module."""
+    return f"tokenforge.bench.{MODULES[name]}"

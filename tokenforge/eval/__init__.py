@@ -6,6 +6,7 @@
 `perplexity` takes the engine flags (--quantization, --kv-cache-dtype, --dtype, ...), prints a
 short summary and then, as its last line, one JSON object; `--json-out` also writes it to a file.
 `quality` runs every variant of quality.VARIANTS on the same text and prints the table.
+Their flags are in cli/eval.py; the runs take the namespace and the CLI's engine_kwargs(args).
 """
 
 from __future__ import annotations
@@ -18,38 +19,11 @@ from pathlib import Path
 from tokenforge.eval.perplexity import PerplexityResult, check_window, perplexity, sliding_windows, text_token_ids
 from tokenforge.eval.quality import VARIANTS, format_table, quality_table
 
-__all__ = ["PerplexityResult", "VARIANTS", "add_eval_parser", "perplexity", "quality_table", "sliding_windows"]
+__all__ = ["PerplexityResult", "VARIANTS", "perplexity", "quality_table", "run_perplexity", "run_quality",
+           "sliding_windows"]
 
 # Engine flags recorded beside the figure (those a quality comparison varies).
 RECORDED_FLAGS = ("dtype", "quantization", "kv_cache_dtype", "sparsity", "prune_rate")
-
-
-def add_eval_parser(subparsers, add_engine_args, epilog: str | None = None) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("eval", help="model quality: sliding-window perplexity, the quantization table")
-    names = parser.add_subparsers(dest="eval", metavar="NAME", required=True)
-    ppl = names.add_parser("perplexity", help="sliding-window perplexity of a text with the engine flags",
-                           epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_common(ppl, compare_hf=True)
-    add_engine_args(ppl)
-    ppl.set_defaults(func=_run_perplexity)
-    quality = names.add_parser("quality", help="perplexity of every quantization/pruning mode vs float32")
-    _add_common(quality)
-    add_engine_args(quality)
-    quality.set_defaults(func=_run_quality)
-    return parser
-
-
-def _add_common(p: argparse.ArgumentParser, compare_hf: bool = False) -> None:
-    g = p.add_argument_group("eval")
-    g.add_argument("--text-file", required=True, help="plain UTF-8 text to score")
-    g.add_argument("--window", type=int, default=512, help="tokens per window (default %(default)s)")
-    g.add_argument("--stride", type=int, default=256,
-                   help="tokens between window starts; each window scores only tokens no earlier one did "
-                        "(default %(default)s)")
-    g.add_argument("--json-out", default=None, help="also write the JSON result to this file")
-    if compare_hf:
-        g.add_argument("--compare-hf", action="store_true",
-                       help="also score the same windows with HF transformers (float32) and report the difference")
 
 
 def eval_engine_kwargs(args: argparse.Namespace, engine_kwargs) -> dict:
@@ -81,7 +55,7 @@ def _emit(record: dict, json_out: str | None) -> None:
     print(line, flush=True)
 
 
-def _run_perplexity(args: argparse.Namespace, engine_kwargs) -> int:
+def run_perplexity(args: argparse.Namespace, engine_kwargs) -> int:
     from tokenforge.engine.llm import LLM  # noqa: PLC0415
 
     check_window(args.window, args.stride)            # before minutes of model loading
@@ -115,7 +89,7 @@ def _compare_hf(model: str | None, token_ids: list[int], args: argparse.Namespac
     return {"hf_perplexity": hf, "hf_delta_pct": delta}
 
 
-def _run_quality(args: argparse.Namespace, engine_kwargs) -> int:
+def run_quality(args: argparse.Namespace, engine_kwargs) -> int:
     check_window(args.window, args.stride)
     text = _read_text(args.text_file)
     base = {k: v for k, v in eval_engine_kwargs(args, engine_kwargs).items() if k not in RECORDED_FLAGS}

@@ -8,14 +8,14 @@ and exported before any kernel compiles; worker processes inherit it.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_ENGINE_CACHE_DIR = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "tokenforge" / "engine"
+DEFAULT_ENGINE_CACHE_DIR = envs.cache_home() / "tokenforge" / "engine"
 
 
 def use_engine_cache(config: EngineConfig) -> Path | None:
@@ -24,6 +24,6 @@ def use_engine_cache(config: EngineConfig) -> Path | None:
     root = Path(config.load.engine_cache_dir).expanduser()
     for sub, var in (("triton", "TRITON_CACHE_DIR"), ("inductor", "TORCHINDUCTOR_CACHE_DIR")):
         (root / sub).mkdir(parents=True, exist_ok=True)
-        os.environ[var] = str(root / sub)
+        envs.set(var, str(root / sub))
     logger.info("engine cache: %s (Triton and compile caches)", root)
     return root

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, TierLoadResult
 from tokenforge.executor.engine_cache import use_engine_cache
@@ -21,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 class Executor:
     def __init__(self, config: EngineConfig) -> None:
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        envs.set_default("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         use_engine_cache(config)
         from tokenforge.executor.model_runner import ModelRunner  # noqa: PLC0415 - after the env var
 

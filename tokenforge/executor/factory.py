@@ -4,8 +4,7 @@ first, so a bad one fails before any process starts or any memory is allocated."
 
 from __future__ import annotations
 
-import os
-
+from tokenforge import envs
 from tokenforge.config import EngineConfig
 from tokenforge.distributed.parallel_state import ParallelRank
 from tokenforge.executor.executor import Executor
@@ -14,7 +13,7 @@ from tokenforge.executor.parallel_check import check_parallel_layout
 
 def torchrun_rank(config: EngineConfig) -> ParallelRank | None:
     """This process's rank when torchrun (or any launcher setting RANK/WORLD_SIZE) started it."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = envs.world_size()
     backend = config.parallel.distributed_executor_backend
     if backend == "mp" or backend == "uni" or (backend == "auto" and world <= 1):
         return None
@@ -22,7 +21,7 @@ def torchrun_rank(config: EngineConfig) -> ParallelRank | None:
     if world != tp * pp:
         raise ValueError(f"torchrun started {world} processes (WORLD_SIZE), but tensor_parallel_size x "
                          f"pipeline_parallel_size = {tp} x {pp} = {tp * pp}")
-    return ParallelRank(int(os.environ.get("RANK", "0")), tp, pp, int(os.environ.get("LOCAL_RANK", "0")))
+    return ParallelRank(envs.rank(), tp, pp, envs.local_rank())
 
 
 def create_executor(config: EngineConfig):
@@ -32,7 +31,7 @@ def create_executor(config: EngineConfig):
     if config.parallel.world_size == 1 and rank is None:
         return Executor(config)
     arch = read_arch_config(config.model.model, config.load.load_format)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.world_size)) if rank is not None else None
+    local = envs.local_world_size(config.parallel.world_size) if rank is not None else None
     check_parallel_layout(config, arch, config.device.resolved_device(), local)
     from tokenforge.executor.multiproc import MultiprocExecutor  # noqa: PLC0415
 
@@ -49,5 +48,5 @@ def create_worker_for_torchrun(config: EngineConfig) -> int:
         raise ValueError("not started by torchrun (WORLD_SIZE is 1)")
     arch = read_arch_config(config.model.model, config.load.load_format)
     check_parallel_layout(config, arch, config.device.resolved_device(),
-                          int(os.environ.get("LOCAL_WORLD_SIZE", config.parallel.world_size)))
+                          envs.local_world_size(config.parallel.world_size))
     return run_torchrun_worker(config, rank)

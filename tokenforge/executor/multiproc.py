@@ -26,6 +26,7 @@ import threading
 
 import msgspec
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig, encode_config
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.distributed import parallel_state
@@ -58,7 +59,7 @@ class MultiprocExecutor(Executor):
         self.ring: ShmRing | None = None
         self.tiers = None          # KV tiers: one process only (parallel_check refuses them here)
         device = config.device.resolved_device()
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        envs.set_default("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         use_engine_cache(config)       # before the workers start: they inherit the environment
         if device == "cuda":
             parallel_state.set_nccl_env()

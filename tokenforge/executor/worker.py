@@ -22,6 +22,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig, decode_config
 from tokenforge.distributed import parallel_state
 from tokenforge.distributed.channel import BroadcastChannel, ShmChannel
@@ -32,7 +33,7 @@ from tokenforge.messages import (WorkerFinishStep, WorkerInitKVCache, WorkerMess
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "TOKENFORGE_FAULT_RANK"     # tests: "start:R" makes rank R fail while starting
+FAULT_ENV = envs.FAULT_RANK     # tests: "start:R" makes rank R fail while starting
 
 
 class RankHandlers:
@@ -127,5 +128,5 @@ def _die_with_parent() -> None:
 
 
 def _maybe_inject_fault(phase: str, rank: int) -> None:
-    if os.environ.get(FAULT_ENV) == f"{phase}:{rank}":
+    if envs.fault_rank() == f"{phase}:{rank}":
         raise RuntimeError(f"injected fault: rank {rank} fails during {phase} ({FAULT_ENV})")

@@ -8,6 +8,8 @@ functions work. Launching a kernel without Triton raises through `require_triton
 
 import types
 
+from tokenforge import envs
+
 try:
     import triton
     import triton.language as tl
@@ -45,9 +47,7 @@ def require_triton(*tensors) -> None:
 
 def _interpreting() -> bool:
     # TRITON_INTERPRET=1 runs kernels on the CPU through numpy: used to debug without a GPU.
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return envs.triton_interpret()
 
 
 _pdl_setting: bool | None = None          # None: on where the GPU supports it (sm90+)

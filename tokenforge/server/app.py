@@ -307,7 +307,7 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
     gc.freeze()
     # Streaming allocates a few small containers per token; at the default gen-0 threshold (700)
     # the collector ran ~30 times a second at 256 streams and cost ~5-10% of this process's CPU
-    # (tokenforge.bench.frontend_cpu). Collect young objects ~70x less often; full passes still run.
+    # (tokenforge.bench.serving.frontend_cpu). Collect young objects ~70x less often; full passes still run.
     thresholds = gc.get_threshold()
     gc.set_threshold(*_GC_THRESHOLDS)
     try:
@@ -322,10 +322,8 @@ def run_server(args, engine_config: EngineConfig | None = None, sock: socket.soc
                core=None) -> int:
     """The CLI entry: `tokenforge serve`. Returns the exit code (0 after a graceful stop). `core`:
     an EngineCoreClient from prestart(), configured with the config here."""
-    from tokenforge.server.cli_args import engine_config_from_args  # noqa: PLC0415
-
     settings = ServerSettings.from_args(args)
-    config = engine_config or engine_config_from_args(args)
+    config = engine_config or EngineConfig.from_cli(args)
     configure_logging(settings.log_level, "api")
     options = {"client": core} if core is not None else {}
     return _run_loop(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port), **options))

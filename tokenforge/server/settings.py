@@ -6,12 +6,12 @@ the server reads, TOKENFORGE_API_KEY, is read here and nowhere else.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from tokenforge import envs
 from tokenforge.config import parse_size
 
-API_KEY_ENV = "TOKENFORGE_API_KEY"
+API_KEY_ENV = envs.API_KEY
 DEFAULT_MAX_BODY = 8 * 2**20
 
 
@@ -61,10 +61,10 @@ class ServerSettings:
 
     @staticmethod
     def from_args(args) -> ServerSettings:
-        """From an argparse namespace with the flags of cli_args.add_server_args."""
+        """From an argparse namespace with the flags of cli/serve.py (add_server_args)."""
         keys = list(getattr(args, "api_key", None) or [])
-        if not keys and os.environ.get(API_KEY_ENV):
-            keys = [os.environ[API_KEY_ENV]]
+        if not keys and envs.api_key():
+            keys = [envs.api_key()]
         defaults = ServerSettings()
         body = getattr(args, "max_body_size", None)
         return ServerSettings(
@@ -73,7 +73,7 @@ class ServerSettings:
             api_keys=tuple(keys),
             served_model_name=getattr(args, "served_model_name", None),
             max_queued_requests=getattr(args, "max_queued_requests", defaults.max_queued_requests),
-            max_tokens_limit=getattr(args, "max_tokens_limit", None),
+            max_tokens_limit=getattr(args, "max_tokens_default", None),   # the engine flag --max-tokens-limit
             max_n=getattr(args, "max_n", defaults.max_n),
             max_body_bytes=parse_size(body) if body is not None else defaults.max_body_bytes,
             request_timeout=getattr(args, "request_timeout", None),

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tokenforge import envs
+
 logger = logging.getLogger(__name__)
 STRATEGIES = ("none", "ddp", "fsdp")
 
@@ -58,8 +60,8 @@ class Dist:
 
 def init_distributed(device: str = "auto") -> Dist:
     """Join torchrun's process group when WORLD_SIZE is set (NCCL on CUDA, gloo on the CPU)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    world = envs.world_size()
+    rank, local_rank = envs.rank(), envs.local_rank()
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
     dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
@@ -124,8 +126,8 @@ def _mesh(d: Dist):
 
 
 def init_single_process_group(d: Dist) -> None:
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    envs.set_default("MASTER_ADDR", "127.0.0.1")
+    envs.set_default("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("nccl" if d.device.type == "cuda" else "gloo", rank=0, world_size=1)
 
 

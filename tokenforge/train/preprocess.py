@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from tokenforge import envs
 from tokenforge.train.data import SPLITS, file_digest, pack_header, token_dtype
 from tokenforge.train.sources import FORMATS, check_inputs, iter_units
 from tokenforge.train.tokenize import set_worker_tokenizer, tokenize_unit, tokenizer_fingerprint
@@ -113,7 +114,7 @@ def _tokenize_all(opts: PreprocessOptions, tokenizer: Any, parts: Path, progress
         results = map(tokenize_unit, todo)
         _save_parts(results, parts, bar)
         return
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"      # the workers are the parallelism
+    envs.set("TOKENIZERS_PARALLELISM", "false")      # the workers are the parallelism
     # fork: workers inherit the loaded tokenizer instead of each loading (or unpickling) it.
     with multiprocessing.get_context("fork").Pool(opts.num_workers, set_worker_tokenizer, (tokenizer,)) as pool:
         _save_parts(pool.imap(tokenize_unit, todo, chunksize=1), parts, bar)

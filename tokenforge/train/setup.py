@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenforge import envs
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader import load_model, read_arch_config
 from tokenforge.train.checkpoint import latest_checkpoint
@@ -44,7 +45,7 @@ def resolve_model(model: str | None) -> str | None:
 
 
 def check_inputs(cfg: TrainConfig, tokenizer: Any) -> Checked:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = envs.world_size()
     source = resolve_model(cfg.model)
     arch = read_arch_config(source, cfg.load_format)
     meta = read_meta(Path(cfg.data))

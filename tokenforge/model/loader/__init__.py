@@ -1,4 +1,5 @@
-"""Model loading: resolve where the weights come from, build the model on its device, fill it.
+"""Model loading: build the model on its device and fill it from the source (tokenforge/source.py
+resolves where the weights come from).
 
 In: `model` (None = the bundled GGUF, a .gguf file, an HF directory, a config.json, or a shipped
 config name), `load_format` (auto | gguf | safetensors | dummy), dtype, device, seed.
@@ -20,35 +21,19 @@ import torch
 from torch import nn
 
 from tokenforge.model.arch_config import ArchConfig
-from tokenforge.model.loader.dummy_loader import (
-    initialize_dummy_weights,
-    read_config_json,
-    shipped_config_names,
-    shipped_config_path,
-)
+from tokenforge.model.loader.dummy_loader import initialize_dummy_weights, read_config_json
 from tokenforge.model.loader.gguf_file import GGUFFile
-from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, find_bundled_gguf, gguf_weights
+from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, gguf_weights
 from tokenforge.model.loader.kv_scales import KVScaleCollector, kv_scale_target
 from tokenforge.model.loader.safetensors_loader import read_hf_config, safetensors_files, safetensors_weights
 from tokenforge.model.loader.weight_cache import WeightCache, cache_key
 from tokenforge.model.models import get_model_class
 from tokenforge.model.quant import QuantOptions, after_loading, before_loading, checkpoint_scheme
+from tokenforge.source import LOAD_FORMATS, ModelNotFoundError, ModelSource, find_bundled_gguf, resolve_model_source
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy", "lazy")
 _FINGERPRINT_BYTES = 1 << 20
-
-
-class ModelNotFoundError(FileNotFoundError, ValueError):
-    """The model path does not exist (a ValueError too, so config validation can treat it alike)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ModelSource:
-    kind: str           # gguf | safetensors | dummy
-    path: Path          # the .gguf file, the HF directory, or the config .json
-    config_kind: str    # where the architecture comes from: gguf | hf_dir | json
 
 
 @dataclass(slots=True)
@@ -68,40 +53,6 @@ class CacheOptions:
     root: str
     model_version: str | None = None
     quantization: str | None = None
-
-
-def resolve_model_source(model: str | Path | None, load_format: str = "auto") -> ModelSource:
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-    if load_format == "lazy":        # how weights reach the device, not where they come from
-        load_format = "auto"
-    dummy = load_format == "dummy"
-    if model is None:
-        return _from_gguf(find_bundled_gguf(), load_format)
-    path = Path(model).expanduser()
-    if not path.exists():
-        shipped = shipped_config_path(str(model))
-        if shipped is None:
-            raise ModelNotFoundError(f"model path {str(path)!r} does not exist (nor is it a shipped config name: "
-                                     f"{', '.join(shipped_config_names())})")
-        path = shipped
-    if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path, load_format)
-    if path.is_dir() and (path / "config.json").is_file():
-        _require_format(load_format, ("auto", "safetensors", "dummy"), path)
-        return ModelSource("dummy" if dummy else "safetensors", path.resolve(), "hf_dir")
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return _from_gguf(ggufs[0], load_format)
-        raise ValueError(f"model directory {str(path)!r} has no config.json (and not exactly one .gguf file)")
-    if path.suffix == ".json":
-        if not dummy:
-            raise ValueError(f"{str(path)!r} is an architecture config without weights: "
-                             "pass load_format='dummy' (--load-format dummy) for random weights")
-        return ModelSource("dummy", path.resolve(), "json")
-    raise ValueError(f"cannot tell how to load {str(path)!r}: expected a .gguf file, an HF directory with "
-                     "config.json, or (with load_format='dummy') a config .json")
 
 
 def read_arch_config(model: str | Path | None, load_format: str = "auto") -> ArchConfig:
@@ -167,16 +118,6 @@ def _fill_from_source(net: nn.Module, source: ModelSource, gguf: GGUFFile | None
         net.load_weights(collector.filter(safetensors_weights(source.path, wanted)))
         return collector.per_layer(config.num_hidden_layers)
     return None
-
-
-def _from_gguf(path: Path, load_format: str) -> ModelSource:
-    _require_format(load_format, ("auto", "gguf", "dummy", "lazy"), path)
-    return ModelSource("dummy" if load_format == "dummy" else "gguf", path.resolve(), "gguf")
-
-
-def _require_format(load_format: str, allowed: tuple[str, ...], path: Path) -> None:
-    if load_format not in allowed:
-        raise ValueError(f"load_format {load_format!r} does not fit {str(path)!r} (allowed here: {', '.join(allowed)})")
 
 
 def _read_arch_config(source: ModelSource, gguf: GGUFFile | None) -> ArchConfig:

@@ -14,18 +14,10 @@ import torch
 from torch import nn
 
 from tokenforge.model.arch_config import ArchConfig
+from tokenforge.source import shipped_config_names, shipped_config_path  # noqa: F401 - re-exported
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 INIT_STD = 0.02
-
-
-def shipped_config_names() -> list[str]:
-    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
-
-
-def shipped_config_path(name: str) -> Path | None:
-    path = CONFIG_DIR / (name if name.endswith(".json") else f"{name}.json")
-    return path if "/" not in name and path.is_file() else None
 
 
 def read_config_json(path: Path) -> ArchConfig:

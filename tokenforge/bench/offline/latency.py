@@ -1,0 +1,112 @@
+"""`tokenforge bench latency`: W1, batch-1 decode against the memory-bandwidth roofline.
+
+In: a model (default the Llama-3.1-8B shape with dummy bf16 weights), 128 tokens in, 256 out.
+Out: tok/s, ms/token p50/p99 (gaps between a request's tokens, from the engine's per-token time
+stamps), the fraction of the roofline (read bandwidth / bytes read per token, measured in the
+same run), and HF transformers at batch 1 (best of eager and static cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenforge.bench.lib import ceilings, harness, hf_baseline, report, workloads
+
+
+ENGINE_FLAGS = True     # cli/bench.py adds the engine flags
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    harness.add_common_args(p, model=workloads.DEFAULT_GPU_MODEL, dtype="bfloat16",
+                            num_prompts=1, input_len=128, output_len=256, repeats=3)
+
+
+# Bytes per linear weight of each --quantization mode (int4: 4 bits plus a 16-bit scale and zero
+# per group); fp8-sim and the CPU's int8 read float weights.
+def _quant_bytes_per_weight(quantization: str | None, group: int, dtype: str) -> float | None:
+    return {"int8": 1.0, "fp8": 1.0, "int4": 0.5 + 4 / group}.get(quantization or "")
+
+
+def roofline(shape: workloads.ModelShape, dtype: str, read_bw_tbps: float, input_len: int,
+             output_len: int, weights: dict | None = None) -> dict:
+    """The batch-1 decode ceiling: every weight once per token, plus the KV at the mean length.
+    With a quantization mode the linears (and the lm_head with quantize_lm_head) read fewer bytes."""
+    context = input_len + output_len / 2
+    per_token = shape.decode_bytes_per_token(dtype, context)
+    weights = weights or {}
+    bpw = _quant_bytes_per_weight(weights.get("quantization"), weights.get("quantization_group_size") or 128, dtype)
+    if bpw is not None:
+        b = workloads._DTYPE_BYTES[dtype]
+        quantized = shape.layers * shape.layer_linear_params
+        quantized += shape.vocab * shape.hidden if weights.get("quantize_lm_head") else 0
+        per_token -= quantized * (b - bpw)
+    return {"bytes_per_token": per_token, "mean_context_len": context,
+            "roofline_tok_s": read_bw_tbps * 1e12 / per_token,
+            "roofline_ms_per_token": per_token / (read_bw_tbps * 1e12) * 1e3}
+
+
+def tokenforge_figures(timing: harness.Timing, num_prompts: int, input_len: int, output_len: int) -> dict:
+    p = harness.percentiles(timing.itl_ms)
+    ttft = harness.percentiles(timing.ttft_ms, (50,))
+    mean_itl = sum(timing.itl_ms) / len(timing.itl_ms) if timing.itl_ms else None
+    return {
+        **harness.rates(num_prompts, input_len, output_len, timing.median),
+        "ms_per_token_p50": p[50], "ms_per_token_p99": p[99], "ms_per_token_mean": mean_itl,
+        "decode_tok_s": 1e3 / mean_itl * num_prompts if mean_itl else None,
+        "ttft_ms_p50": ttft[50], **timing.summary(),
+    }
+
+
+def measure(args: argparse.Namespace, prompts: list[list[int]]) -> harness.Timing:
+    llm = harness.build_llm(args)
+    timing, _ = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
+    harness.profile_run(llm, prompts, args)
+    harness.shutdown(llm)
+    return timing
+
+
+def main(args: argparse.Namespace) -> dict:
+    result, cfg = harness.begin("W1", args, "latency", "for the roofline")
+    shape = workloads.ModelShape.from_config(cfg)
+    prompts = workloads.random_prompts(args.num_prompts, args.input_len, shape.vocab, args.seed)
+    result["workload_args"] = {"num_prompts": args.num_prompts, "input_len": args.input_len,
+                               "output_len": args.output_len}
+
+    # HF first and freed: tokenforge then sizes its KV cache from the whole free GPU.
+    if not args.no_baseline:
+        result["baseline"] = hf_baseline.baseline_from_config(
+            cfg, args.dtype, prompts, args.output_len, batch_size=args.num_prompts, seed=args.seed,
+            variants=harness.hf_variants(args))
+
+    timing = measure(args, prompts)
+    harness.release_memory()
+    tf = tokenforge_figures(timing, args.num_prompts, args.input_len, args.output_len)
+    if getattr(args, "profile", None):
+        tf["profile"] = args.profile
+    result["tokenforge"] = tf
+    result["roofline"] = roofline(shape, args.dtype, result["ceilings"]["read_bw_tbps"],
+                                  args.input_len, args.output_len, result.get("weights"))
+    result["roofline_frac"] = tf["output_tok_s"] / args.num_prompts / result["roofline"]["roofline_tok_s"]
+    if tf["decode_tok_s"]:
+        result["roofline_frac_decode"] = tf["decode_tok_s"] / args.num_prompts / result["roofline"]["roofline_tok_s"]
+    if result.get("baseline", {}).get("output_tok_s"):
+        result["speedup_vs_baseline"] = tf["output_tok_s"] / result["baseline"]["output_tok_s"]
+    report.save(result, args)
+    print_summary(result)
+    return result
+
+
+def print_summary(r: dict) -> None:
+    tf, roof = r["tokenforge"], r["roofline"]
+    rows = [["tokenforge", tf["output_tok_s"], tf["ms_per_token_p50"], tf["ms_per_token_p99"],
+             f"{r['roofline_frac']:.1%}"]]
+    if r.get("baseline", {}).get("output_tok_s"):
+        b = r["baseline"]
+        rows.append([b["name"], b["output_tok_s"], None, None,
+                     f"{b['output_tok_s'] / roof['roofline_tok_s']:.1%}"])
+    rows.append(["roofline", roof["roofline_tok_s"], roof["roofline_ms_per_token"], None, "100.0%"])
+    report.print_table(
+        f"W1 latency  {r['model']} {r['dtype']}  {r['device']}  ({ceilings.describe(r['ceilings'])})",
+        ["variant", "tok/s", "ms/tok p50", "ms/tok p99", "of roofline"], rows)
+    if "speedup_vs_baseline" in r:
+        print(f"tokenforge / HF: {r['speedup_vs_baseline']:.2f}x")

@@ -1,0 +1,115 @@
+"""Every environment variable tokenforge reads, in one place (names and defaults).
+
+Each is read when its function is called, never at import, so a test's monkeypatch.setenv and a
+launcher's variables (torchrun's RANK, WORLD_SIZE) are seen. Variables tokenforge sets for the
+libraries below it (Triton's cache folder, NCCL switches) go through `set_default` and `set`, so
+the writes are found here too. Imports nothing from tokenforge.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# tokenforge's own
+API_KEY = "TOKENFORGE_API_KEY"                  # serve: an API key when --api-key is not given
+ROUTER_API_KEY = "TOKENFORGE_ROUTER_API_KEY"    # router: the same
+FAULT_RANK = "TOKENFORGE_FAULT_RANK"            # tests: "start:R" makes rank R fail while starting
+DIST_TIMEOUT_S = "TOKENFORGE_DIST_TIMEOUT_S"    # collectives and rendezvous give up after this long
+COMMIT = "TOKENFORGE_COMMIT"                    # bench: the commit recorded in results (else git's)
+PACED_VOCAB = "TOKENFORGE_PACED_VOCAB"          # bench frontend_cpu: the paced fake engine's vocabulary
+PACED_STEP_MS = "TOKENFORGE_PACED_STEP_MS"      # bench frontend_cpu: its step time
+
+
+def _get(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(name, default)
+
+
+def _truthy(name: str) -> bool:
+    return (_get(name) or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def get(name: str, default: str | None = None) -> str | None:
+    """A variable by name (for the few read by name only, e.g. from a table)."""
+    return _get(name, default)
+
+
+def api_key() -> str | None:
+    return _get(API_KEY) or None
+
+
+def router_api_key() -> str | None:
+    return _get(ROUTER_API_KEY) or None
+
+
+def fault_rank() -> str | None:
+    return _get(FAULT_RANK)
+
+
+def dist_timeout_s() -> float:
+    return float(_get(DIST_TIMEOUT_S, "600"))
+
+
+def commit() -> str | None:
+    return _get(COMMIT)
+
+
+def paced_vocab() -> int:
+    return int(_get(PACED_VOCAB, "32000"))
+
+
+def paced_step_ms() -> float:
+    return float(_get(PACED_STEP_MS, "25"))
+
+
+# launchers (torchrun and the like)
+def world_size() -> int:
+    return int(_get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return int(_get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(_get("LOCAL_RANK", "0"))
+
+
+def local_world_size(default: int) -> int:
+    return int(_get("LOCAL_WORLD_SIZE", str(default)))
+
+
+# libraries
+def triton_interpret() -> bool:
+    return _get("TRITON_INTERPRET", "0") == "1"
+
+
+def cache_home() -> Path:
+    """$XDG_CACHE_HOME, else ~/.cache."""
+    return Path(_get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def hf_token() -> str | None:
+    return _get("HF_TOKEN") or None
+
+
+def hf_hub_cache() -> str | None:
+    return _get("HF_HUB_CACHE") or None
+
+
+def hf_hub_offline() -> bool:
+    return _truthy("HF_HUB_OFFLINE")
+
+
+def set_default(name: str, value: str) -> None:
+    """Set a library's variable unless the user already did."""
+    os.environ.setdefault(name, value)
+
+
+def set(name: str, value: str) -> None:  # noqa: A001 - the verb this module offers
+    os.environ[name] = value
+
+
+def child_env(**overrides: str) -> dict[str, str]:
+    """This process's environment plus `overrides`, for a child process."""
+    return {**os.environ, **overrides}
