@@ -103,11 +103,17 @@ class CacheConfig:
     kv_offload_disk_gb: float = 0.0
     kv_remote: str | None = None            # redis://h:p[/db], rediss://..., redis+cluster://h1:p1,h2:p2
     kv_remote_ttl: int = 3600               # seconds; every key gets one, so volatile-lru applies
-    kv_remote_write_through: bool = False   # also put a request's blocks when it completes
+    # put a request's prefix blocks to Redis when it completes, not only on eviction, so replicas
+    # share them; None: on whenever kv_remote is set (False turns it off)
+    kv_remote_write_through: bool | None = None
 
     @property
     def kv_tiers_enabled(self) -> bool:
         return bool(self.kv_offload_cpu_gb or self.kv_offload_disk_dir or self.kv_remote)
+
+    @property
+    def remote_write_through(self) -> bool:
+        return self.kv_remote is not None and self.kv_remote_write_through is not False
 
     def validate(self) -> None:
         _check(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
@@ -148,8 +154,8 @@ def validate_kv_tiers(c: CacheConfig) -> None:
     _check(c.kv_remote_ttl >= 1, f"kv_remote_ttl must be >= 1 second, got {c.kv_remote_ttl}")
     if c.kv_remote is not None:
         parse_kv_remote(c.kv_remote)
-    _check(not c.kv_remote_write_through or c.kv_remote is not None,
-           "kv_remote_write_through needs a remote tier (kv_remote=redis://...)")
+    _check(c.kv_remote_write_through is None or c.kv_remote is not None,
+           f"kv_remote_write_through={c.kv_remote_write_through} needs a remote tier (kv_remote=redis://...)")
     _check(not c.kv_tiers_enabled or c.enable_prefix_caching,
            "the KV offload tiers are keyed by prefix-cache hashes: they need prefix caching on")
     if c.kv_offload_disk_dir is None:
