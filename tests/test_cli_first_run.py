@@ -44,7 +44,12 @@ def test_help_imports_no_torch_and_is_fast():
     result, _ = _probe("--help")
     assert result == {"code": 0, "torch": False, "transformers": False}
     best = min(_timed([sys.executable, "-m", "tokenforge.cli", "--help"]) for _ in range(3))
-    assert best <= 1.0, f"tokenforge --help took {best:.2f} s (target 0.5 s on a quiet machine)"
+    if best > 1.0:
+        # A loaded machine slows every start-up alike: then --help must still cost under half of
+        # the torch import it avoids (~0.4 s against ~2 s on a quiet machine).
+        torch_import = min(_timed([sys.executable, "-c", "import torch"]) for _ in range(2))
+        assert best <= 0.5 * torch_import, \
+            f"tokenforge --help took {best:.2f} s, importing torch {torch_import:.2f} s (target 0.5 s on a quiet machine)"
 
 
 def _timed(argv: list[str]) -> float:
@@ -163,15 +168,18 @@ def test_generate_refuses_cuda_without_cuda(capsys):
     assert capsys.readouterr().err.startswith("tokenforge: error: device 'cuda' is not available: torch ")
 
 
-def test_a_model_that_cannot_fit_is_refused_before_allocation(capsys, tmp_path):
+def test_a_model_that_cannot_fit_is_refused_before_allocation(capsys, tmp_path, monkeypatch):
     config = json.loads((REPO / "tokenforge/model/configs/llama-3.1-8b.json").read_text())
     config.update(hidden_size=65536, intermediate_size=262144, num_hidden_layers=128)   # ~7 T parameters
     huge = tmp_path / "huge.json"
     huge.write_text(json.dumps(config))
-    start = time.perf_counter()
+    import tokenforge
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was built for a model that cannot fit")
+    monkeypatch.setattr(tokenforge, "LLM", no_engine)        # refused by arithmetic, before any allocation
     assert main(["generate", "Hi", "--model", str(huge), "--load-format", "dummy", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert time.perf_counter() - start < 10
     assert "huge.json does not fit: its weights take" in err and "would fit in float32 (e.g. llama-3.2-1b)" in err
 
 

@@ -15,6 +15,7 @@ from tokenforge.cli import main
     (["--kv-offload-disk-dir", "/proc/tokenforge-kv", "--kv-offload-disk-gb", "1"], "cannot be created"),
     (["--kv-offload-disk-dir", "/tmp"], "needs a size"),
     (["--kv-remote-write-through"], "needs a remote tier"),
+    (["--no-kv-remote-write-through"], "kv_remote_write_through=False needs a remote tier"),
     (["--kv-remote", "redis://127.0.0.1:1", "--kv-remote-ttl", "0"], "kv_remote_ttl must be >= 1"),
 ])
 def test_bad_tier_flags_exit_2_with_the_reason(flags, message, capsys):
@@ -34,3 +35,14 @@ def test_tier_flags_reach_the_config():
     assert (cache.kv_offload_cpu_gb, cache.kv_remote, cache.kv_remote_ttl, cache.kv_remote_write_through) == \
         (2.0, "redis+cluster://a:1,b:2", 60, True)
     assert cache.kv_tiers_enabled and not EngineConfig().cache.kv_tiers_enabled
+
+
+@pytest.mark.parametrize("flags, write_through", [([], True), (["--kv-remote-write-through"], True),
+                                                  (["--no-kv-remote-write-through"], False)])
+def test_remote_write_through_is_on_unless_turned_off(flags, write_through):
+    from tokenforge.cli import build_parser
+    from tokenforge.server.cli_args import engine_config_from_args
+
+    cache = engine_config_from_args(build_parser().parse_args(["serve", "--kv-remote", "redis://a:1", *flags])).cache
+    assert cache.remote_write_through is write_through
+    assert not engine_config_from_args(build_parser().parse_args(["serve"])).cache.remote_write_through

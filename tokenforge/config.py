@@ -131,12 +131,21 @@ class CacheConfig:
     kv_remote: str | None = flag(None, "shared tier: redis://host:port[/db], rediss://host:port or "
                                  "redis+cluster://h1:p1,h2:p2", group=TIERS, metavar="URL")
     kv_remote_ttl: int = flag(3600, "TTL of every remote key, so maxmemory-policy volatile-lru applies (default %(default)s)", group=TIERS, metavar="SECONDS")
-    kv_remote_write_through: bool = flag(False, "also put a request's prefix blocks to the remote tier when it "
-                                         "completes (not only on eviction)", group=TIERS)
+    # None: on whenever kv_remote is set (False turns it off); cost measured by tests/executor/test_kv_remote_replicas.py
+    kv_remote_write_through: bool | None = flag(
+        None, "put a request's prefix blocks to the remote tier when it completes, so other replicas reuse them "
+        "(default with --kv-remote; off: blocks go to Redis only when evicted). Cost: each prompt block is put once: "
+        "2 x layers x KV heads x head dim x dtype bytes a token (bundled model float32 45 KiB, Llama-3.1-8B bf16 "
+        "128 KiB) plus ~7%% Redis overhead a key; a 1,500-token prompt's 94 blocks (69 MB) landed 0.36 s after it "
+        "ended (>= 190 MB/s)", group=TIERS)
 
     @property
     def kv_tiers_enabled(self) -> bool:
         return bool(self.kv_offload_cpu_gb or self.kv_offload_disk_dir or self.kv_remote)
+
+    @property
+    def remote_write_through(self) -> bool:
+        return self.kv_remote is not None and self.kv_remote_write_through is not False
 
     def validate(self) -> None:
         _check(1 <= self.block_size <= 1024, f"block_size must be in [1, 1024], got {self.block_size}")
@@ -177,8 +186,8 @@ def validate_kv_tiers(c: CacheConfig) -> None:
     _check(c.kv_remote_ttl >= 1, f"kv_remote_ttl must be >= 1 second, got {c.kv_remote_ttl}")
     if c.kv_remote is not None:
         parse_kv_remote(c.kv_remote)
-    _check(not c.kv_remote_write_through or c.kv_remote is not None,
-           "kv_remote_write_through needs a remote tier (kv_remote=redis://...)")
+    _check(c.kv_remote_write_through is None or c.kv_remote is not None,
+           f"kv_remote_write_through={c.kv_remote_write_through} needs a remote tier (kv_remote=redis://...)")
     _check(not c.kv_tiers_enabled or c.enable_prefix_caching,
            "the KV offload tiers are keyed by prefix-cache hashes: they need prefix caching on")
     if c.kv_offload_disk_dir is None:

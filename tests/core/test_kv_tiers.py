@@ -57,10 +57,12 @@ class FakeTier:
         return done
 
 
-def make(num_blocks: int = 16, write_through: bool = False, budget: int = 64) -> tuple[Scheduler, FakeRunner, FakeTier]:
+def make(num_blocks: int = 16, write_through: bool = False, budget: int = 64,
+         **cache) -> tuple[Scheduler, FakeRunner, FakeTier]:
     sc = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256)
-    cc = CacheConfig(block_size=BS, kv_offload_cpu_gb=1.0, kv_remote="redis://127.0.0.1:1" if write_through else None,
-                     kv_remote_write_through=write_through)
+    cc = CacheConfig(**{"block_size": BS, "kv_offload_cpu_gb": 1.0,
+                        "kv_remote": "redis://127.0.0.1:1" if write_through else None, **cache})
+    cc.validate()
     sched = Scheduler(sc, cc, num_blocks)
     runner = FakeRunner(num_blocks, BS, sched.kv.pool)
     return sched, runner, FakeTier(runner, sched)
@@ -178,6 +180,20 @@ def test_write_through_puts_each_prefix_block_once():
     assert not sched.tiers.has_work()       # run() stepped until the last request's saves went out
 
 
+@pytest.mark.parametrize("write_through, remote_puts", [(None, 4), (False, 0)])
+def test_a_remote_tier_writes_through_by_default_and_can_be_told_not_to(write_through, remote_puts):
+    """kv_remote alone (no write-through setting) puts each completed prefix block once, so a
+    second replica finds it; kv_remote_write_through=False leaves Redis to the evictions."""
+    sched, runner, tier = make(num_blocks=32, kv_offload_cpu_gb=0.0, kv_remote="redis://127.0.0.1:1",
+                               kv_remote_write_through=write_through)
+    assert sched.tiers.write_through is (write_through is None)
+    for i in range(2):
+        sched.add_request(make_request(f"r{i}", list(range(1, 17)) + [50 + i], max_tokens=2))
+        run(sched, runner, tier)
+    assert len([s for s in tier.saves if s.remote_only]) == remote_puts
+    assert not [s for s in tier.saves if not s.remote_only]       # nothing was evicted
+
+
 def test_disabled_tiers_neither_save_nor_load():
     sched, runner, tier = make(num_blocks=16)
     sched.tiers.enabled = False
@@ -200,7 +216,7 @@ def test_prompt_logprobs_requests_skip_the_tiers():
 
 @pytest.mark.parametrize("bad", [dict(kv_offload_cpu_gb=-1), dict(kv_offload_disk_gb=-2),
                                  dict(kv_remote="http://x:1"), dict(kv_remote_ttl=0),
-                                 dict(kv_remote_write_through=True),
+                                 dict(kv_remote_write_through=True), dict(kv_remote_write_through=False),
                                  dict(kv_offload_cpu_gb=1, enable_prefix_caching=False),
                                  dict(kv_offload_disk_dir="/proc/nope", kv_offload_disk_gb=1)])
 def test_bad_tier_settings_are_clear_errors(bad):

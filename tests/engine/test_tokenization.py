@@ -38,11 +38,15 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("tokenforge-cache")
 
 
+FIRST_LOAD_S: dict[str, float] = {}
+
+
 @pytest.fixture(scope="module")
 def ours(cache_dir) -> Tokenizer:
     start = time.perf_counter()
     tok = load_tokenizer(None, cache_dir=cache_dir)
-    print(f"\n[tokenforge] GGUF tokenizer, first load (conversion): {time.perf_counter() - start:.2f} s")
+    FIRST_LOAD_S["conversion"] = time.perf_counter() - start
+    print(f"\n[tokenforge] GGUF tokenizer, first load (conversion): {FIRST_LOAD_S['conversion']:.2f} s")
     return tok
 
 
@@ -51,12 +55,19 @@ def hf(hf_reference):
     return hf_reference[0]      # HF's own GGUF tokenizer (session fixture in tests/engine/conftest.py)
 
 
-def test_cached_load_is_fast_and_identical(ours, cache_dir):
+def test_cached_load_is_fast_and_identical(ours, cache_dir, monkeypatch):
+    """The cached load converts nothing (the mechanism) and takes a small part of the first load
+    (a ratio, so a loaded machine slows both: 0.02 s against ~6 s when idle)."""
+    import tokenforge.engine.tokenization as tokenization
+
+    def no_conversion(*args):
+        raise AssertionError("the cached load converted the GGUF tokenizer again")
+    monkeypatch.setattr(tokenization, "_convert_gguf_tokenizer", no_conversion)
     start = time.perf_counter()
     again = load_tokenizer(None, cache_dir=cache_dir)
     elapsed = time.perf_counter() - start
     print(f"\n[tokenforge] GGUF tokenizer, cached load: {elapsed:.2f} s")
-    assert elapsed < 3.0
+    assert elapsed < FIRST_LOAD_S["conversion"] / 4, (elapsed, FIRST_LOAD_S)
     assert again.encode(TEXTS[3]) == ours.encode(TEXTS[3]) and again.vocab_size == ours.vocab_size
 
 

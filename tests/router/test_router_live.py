@@ -96,8 +96,10 @@ def test_shared_prefixes_meet_on_one_replica_and_start_sooner_than_round_robin(f
     on_one = sum(max(p.count(u) for u in set(p)) for p in placed["prefix"]) / (groups * per_group)
     assert on_one >= 0.95, placed["prefix"]
     assert all(len(set(p)) == 3 for p in placed["rr"])                    # round-robin spreads a group
-    mean = {name: sum(v) / len(v) for name, v in ttft.items()}
-    assert mean["prefix"] < mean["rr"], mean
+    # Medians, not means: one request slowed by a loaded machine moves a mean of six, not a median
+    # (prefix routing: 4 of its 6 requests hit the cache; round-robin: none of its 6).
+    median = {name: sorted(v)[len(v) // 2] for name, v in ttft.items()}
+    assert median["prefix"] < median["rr"], ttft
 
 
 class _StubReplica(BaseHTTPRequestHandler):

@@ -80,5 +80,5 @@ class ServerProcess:
 
 def fake_server(*flags: str, env: dict | None = None, api_key: str | None = None) -> ServerProcess:
     server = ServerProcess([sys.executable, os.path.join(HERE, "fake_server.py"), *flags], env=env, api_key=api_key)
-    server.wait_healthy(60)
+    server.wait_healthy(300)       # seconds when idle; minutes on a loaded machine
     return server

@@ -22,6 +22,14 @@ def _client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key or "none", max_retries=0)
 
 
+def _until(condition, timeout: float = 30.0) -> None:
+    """Poll until condition() holds or the deadline passes (a loaded machine may take seconds to
+    deliver what an idle one does in milliseconds); the caller's assert then says what failed."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def _metric(server, name: str) -> float:
     text = httpx.get(server.url + "/metrics", headers=server.headers).text
     match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
@@ -64,11 +72,13 @@ def test_access_log():
         body = {"prompt": "abc", "max_tokens": 2, "stream": True}
         httpx.post(server.url + "/v1/completions", json=body).raise_for_status()
         httpx.get(server.url + "/v1/models/nope")
-        time.sleep(0.3)
-        log = server.output()
+
+        def access_lines() -> list[str]:
+            return [line for line in server.output().splitlines() if "tokenforge.access" in line and "/health" not in line]
+        _until(lambda: len(access_lines()) >= 3)
+        lines = access_lines()
     finally:
         server.stop()
-    lines = [line for line in log.splitlines() if "tokenforge.access" in line and "/health" not in line]
     assert re.search(r"POST /v1/completions 200 tokens_in=3 tokens_out=3 ttft=\d+\.\dms total=", lines[0]), lines
     assert re.search(r"POST /v1/completions 200 tokens_in=3 tokens_out=2 ttft=", lines[1]), lines
     assert re.search(r"GET /v1/models/nope 404 tokens_in=0 tokens_out=0 ttft=- total=", lines[2]), lines
@@ -172,11 +182,16 @@ def test_overload_and_sigterm_drain():
             check_error_body(busy, 429, None)
             assert busy.headers["retry-after"] == "1"
             server.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            try:
-                refused = httpx.get(server.url + "/health", timeout=2).status_code
-            except httpx.HTTPError:
-                refused = "refused"
+            refused = 200
+
+            def health_refused() -> bool:
+                nonlocal refused
+                try:
+                    refused = httpx.get(server.url + "/health", timeout=2).status_code
+                except httpx.HTTPError:
+                    refused = "refused"
+                return refused != 200
+            _until(health_refused)
             assert refused in (503, "refused")
             events = [line for line in lines if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
@@ -235,7 +250,7 @@ def test_killed_engine_process():
             events = [line for line in lines if line.startswith("data: ")]
         assert "error" in json.loads(events[-2][6:])
         status = None
-        while time.monotonic() - killed_at < 5:
+        while time.monotonic() - killed_at < 30:
             try:
                 status = httpx.get(server.url + "/health", timeout=1).status_code
             except httpx.HTTPError:
@@ -269,7 +284,7 @@ def test_non_streaming_disconnect_aborts(fake):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(fake.url + "/v1/completions", json={"prompt": "go", "max_tokens": 200, "ignore_eos": True},
                    headers=fake.headers, timeout=0.2)
-    time.sleep(0.05)
+    _until(lambda: _metric(fake, "tokenforge:num_requests_running") == 0)
     assert _metric(fake, "tokenforge:num_requests_running") == 0
     generated = _metric(fake, "tokenforge:generation_tokens_total")
     time.sleep(0.2)
@@ -294,15 +309,26 @@ def test_schemathesis_finds_no_server_errors(fake):
 def test_kept_alive_connection_answers_without_nagle_delay(fake):
     """Responses on a reused connection arrive in about a millisecond. With Nagle on (a listening
     socket of proto 0, which asyncio does not give TCP_NODELAY) each body waited ~40 ms for the
-    client's delayed ACK of the headers."""
+    client's delayed ACK of the headers.
+
+    The reference is the same request on a fresh connection each time (quick either way, and as
+    slow as the kept-alive one on a loaded machine), interleaved so both see the same load: the
+    Nagle wait is a fixed ~40 ms on top, so the kept-alive median stays under 20 ms or under twice
+    the fresh one's, whichever is larger."""
+    def timed(client: httpx.Client) -> float:
+        start = time.perf_counter()
+        assert client.get(fake.url + "/health").status_code == 200
+        return time.perf_counter() - start
+
+    kept, fresh = [], []
     with httpx.Client(headers=fake.headers) as client:
         client.get(fake.url + "/health")                     # the first exchange is quick either way
-        times = []
-        for _ in range(7):
-            start = time.perf_counter()
-            assert client.get(fake.url + "/health").status_code == 200
-            times.append(time.perf_counter() - start)
-    assert sorted(times)[3] < 0.02, times
+        for _ in range(9):
+            kept.append(timed(client))
+            with httpx.Client(headers=fake.headers) as once:
+                fresh.append(timed(once))
+    kept_median, fresh_median = sorted(kept)[4], sorted(fresh)[4]
+    assert kept_median < max(0.02, 2 * fresh_median), (kept, fresh)
 
 
 def test_docs_work_offline(fake):

@@ -37,31 +37,31 @@ def _errors(output: str) -> list[str]:
     return [line for line in output.splitlines() if "ERROR" in line or "error:" in line]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("start,message", [
     ("raise", "engine core failed to start: RuntimeError: the fake core could not load its model"),
     ("exit", "engine core process exited with code 3 during start-up"),
 ])
 def test_an_engine_core_that_dies_before_ready_ends_serve(start, message):
     rc, output, seconds = _run([sys.executable, os.path.join(HERE, "fake_server.py"), "--port", str(free_port())],
-                               env={START_ENV: start})
+                               env={START_ENV: start}, timeout=240)
     assert rc == 1, output
     assert _errors(output) == [line for line in output.splitlines() if message in line], output
     assert len(_errors(output)) == 1 and not any(n in output for n in NOISE), output
     assert "serving" not in output
-    assert seconds < 45, seconds
+    assert seconds < 180, seconds      # seconds when idle; the bound only catches a hang, on any load
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(300)
 def test_a_tokenizer_failure_while_the_core_loads_is_raised_at_once(tmp_path, monkeypatch):
     """The API process loads the tokenizer while the core loads the model: its failure ends the
     start-up at once (the core is stopped), rather than surfacing later as an unretrieved task."""
-    monkeypatch.setenv(START_ENV, "sleep:60")
+    monkeypatch.setenv(START_ENV, "sleep:600")      # far beyond the bound below, so waiting for it fails
     config = EngineConfig.from_kwargs(model=str(tmp_path / "missing"), device="cpu")
     start = time.monotonic()
     with pytest.raises(ValueError, match="does not exist"):
         asyncio.run(AsyncEngine.start(config, core_path=f"{FakeEngineCore.__module__}:FakeEngineCore"))
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 150
     assert not multiprocessing.active_children()
 
 

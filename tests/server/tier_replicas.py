@@ -21,8 +21,9 @@ SERVE = [sys.executable, "-m", "tokenforge.cli", "serve", "--device", "cpu", "--
 
 
 def start_replicas(remote_url: str, n: int = 2, *flags: str) -> list[ServerProcess]:
-    """n replicas started together (their model loads overlap), each with write-through on."""
-    servers = [ServerProcess([*SERVE, "--kv-remote", remote_url, "--kv-remote-write-through", *flags])
+    """n replicas started together (their model loads overlap), with default tier flags: a remote
+    tier writes through by default."""
+    servers = [ServerProcess([*SERVE, "--kv-remote", remote_url, *flags])
                for _ in range(n)]
     try:
         for s in servers:
@@ -126,27 +127,34 @@ def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: 
         time.sleep(0.2)
 
 
-def check_shared_prefix_ttft(a: ServerProcess, b: ServerProcess, seed: int, prefix_len: int = 1500) -> dict:
-    """The issue's target: A serves a ~1,500-token prompt; B then serves the same prefix with a new
-    suffix >= 3x faster (TTFT) than an unseen prompt of the same length, with the cold output."""
+def check_shared_prefix_ttft(a: ServerProcess, b: ServerProcess, seed: int, prefix_len: int = 1500,
+                             trials: int = 3) -> dict:
+    """The issue's target: A serves a ~1,500-token prompt it never saw (the unseen TTFT); B then
+    serves the same prompt from A's blocks in Redis >= 3x faster, with A's output.
+
+    The mechanism is asserted each trial (A put every full block, B restored them rather than
+    computing them); the TTFT ratio is best-of-`trials` against best-of-`trials`, so a loaded
+    machine, which slows both sides, cannot flip it (idle: ~20x)."""
     rng = random.Random(seed)
-    prefix = random_ids(rng, prefix_len)
     complete(a, random_ids(rng, 40), 2)        # warm both replicas' first-request paths
     complete(b, random_ids(rng, 40), 2)
-    complete(a, prefix + random_ids(rng, 8))
-    puts = wait_for_metric(a, "tokenforge:kv_tier_puts_total", prefix_len // 16, tier="remote")
-    assert puts >= prefix_len // 16, f"A wrote {puts} blocks through to Redis"
-    suffix = random_ids(rng, 12)
-    text_hit, ttft_hit = complete(b, prefix + suffix)
-    # The same prompt under another cache salt shares no block: a cold prefill of the same length,
-    # on an identical replica, is both the reference text and the unseen TTFT.
-    text_cold, ttft_unseen = complete(a, prefix + suffix, cache_salt=f"cold-{seed}")
-    hits = metric_sum(b, "tokenforge:kv_tier_hits_total", tier="remote")
-    r = {"ttft_unseen": ttft_unseen, "ttft_hit": ttft_hit, "text_hit": text_hit, "text_cold": text_cold,
-         "remote_hits": hits}
-    assert hits >= prefix_len // 16, r                       # B restored A's prefix from Redis
-    assert text_hit == text_cold, r                    # token-identical to a cold run
-    assert ttft_unseen >= 3 * ttft_hit, r              # the target: >= 3x lower TTFT
+    r = {"ttft_unseen": [], "ttft_hit": []}
+    for _ in range(trials):
+        prompt = random_ids(rng, prefix_len + 12)
+        full = len(prompt) // 16
+        puts0 = metric_sum(a, "tokenforge:kv_tier_puts_total", tier="remote")
+        restored0 = metric_sum(b, "tokenforge:kv_tier_restored_tokens_total")
+        text_cold, ttft_unseen = complete(a, prompt)
+        puts = wait_for_metric(a, "tokenforge:kv_tier_puts_total", puts0 + full, tier="remote") - puts0
+        assert puts >= full, f"A wrote {puts} of {full} blocks through to Redis"
+        text_hit, ttft_hit = complete(b, prompt)
+        restored = metric_sum(b, "tokenforge:kv_tier_restored_tokens_total") - restored0
+        r["ttft_unseen"].append(ttft_unseen)
+        r["ttft_hit"].append(ttft_hit)
+        assert restored >= (full - 1) * 16, (restored, r)          # B restored A's blocks from Redis
+        assert text_hit == text_cold, (text_hit, text_cold)        # token-identical to the cold run
+    r["remote_hits"] = metric_sum(b, "tokenforge:kv_tier_hits_total", tier="remote")
+    assert min(r["ttft_unseen"]) >= 3 * min(r["ttft_hit"]), r   # the target: >= 3x lower TTFT
     return r
 
 

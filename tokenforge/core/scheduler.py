@@ -73,7 +73,7 @@ class Scheduler:
         # CPU/disk/Redis tiers below the device cache; None (no per-step work) when none is set.
         self.tiers: KVTierPolicy | None = None
         if cache_config.kv_tiers_enabled:
-            self.tiers = KVTierPolicy(self.kv, cache_config.kv_remote_write_through)
+            self.tiers = KVTierPolicy(self.kv, cache_config.remote_write_through)
             self.kv.pool.on_evict = self.tiers.on_evict
 
     # ---- requests in and out -------------------------------------------------------------------

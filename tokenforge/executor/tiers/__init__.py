@@ -59,7 +59,7 @@ def build_tier_manager(config: EngineConfig, kv_caches: list[torch.Tensor], arch
                     remote is not None and f"remote {cache.kv_remote} ({'up' if remote.is_up else 'DOWN'})"])),
                 mover.block_bytes / 1e6, codec.namespace)
     return TierManager(mover, codec, counters, host=host, disk=disk, remote=remote,
-                       write_through=cache.kv_remote_write_through)
+                       write_through=cache.remote_write_through)
 
 
 def _num_blocks(name: str, gb: float, block_bytes: int) -> int:
