@@ -32,8 +32,13 @@ run under torchrun for several GPUs:  torchrun --nproc-per-node 8 -m tokenforge.
 def add_train_parsers(subparsers, load_tokenizer: Callable[[str | None, str], Any]) -> None:
     pre = subparsers.add_parser("preprocess", help="tokenize and pack text/JSONL/parquet/chat data for training",
                                 epilog=TRAIN_NOTES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pre.add_argument("--input", nargs="+", required=True, metavar="FILE")
-    pre.add_argument("--output", required=True, metavar="DIR")
+    pre.add_argument("--input", nargs="+", action="extend", metavar="FILE[:WEIGHT]",
+                     help="text/JSONL/parquet/chat files; FILE:WEIGHT (every input, or a mix.yaml listing "
+                     "{path, weight}) makes a mixture: each source gives WEIGHT/sum of the output tokens")
+    pre.add_argument("--output", metavar="DIR")
+    pre.add_argument("--shard-size", type=_size, default="1GiB", help="bytes of tokens per shard file (default 1GiB)")
+    pre.add_argument("--stats", metavar="DIR", help="print a preprocessed directory's token counts, sources, "
+                     "shards and checksums (verified), then exit")
     pre.add_argument("--model", default=None, help="whose tokenizer (default: the bundled SmolLM2)")
     pre.add_argument("--load-format", default="auto", help="dummy: a shipped config's synthetic tokenizer")
     pre.add_argument("--seq-len", type=int, default=2048, help="recorded for training (default 2048)")
@@ -98,13 +103,38 @@ def _add_train_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
 
 
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def _size(text: str) -> int:
+    """'1GiB', '64MiB', '500MB', '4096' -> bytes."""
+    number = text.strip().rstrip("BbIiKkMmGg")
+    unit = text.strip()[len(number):].lower()
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 256MiB, 1000000)") from None
+
+
 def _preprocess(load_tokenizer):
     def run(args: argparse.Namespace, engine_kwargs=None) -> int:
-        from tokenforge.train.preprocess import PreprocessOptions, run_preprocess  # noqa: PLC0415
+        from pathlib import Path  # noqa: PLC0415
 
-        opts = PreprocessOptions(tuple(args.input), args.output, args.model, args.seq_len, args.val_fraction,
+        from tokenforge.train.mixture import parse_inputs  # noqa: PLC0415
+        from tokenforge.train.preprocess import PreprocessOptions, describe, run_preprocess  # noqa: PLC0415
+
+        if args.stats:
+            report, ok = describe(Path(args.stats))
+            print(report)
+            return 0 if ok else 1
+        if not args.input or not args.output:
+            raise ValueError("preprocess needs --input and --output (or --stats DIR)")
+        spec = parse_inputs(args.input)
+        opts = PreprocessOptions(spec.paths, args.output, args.model, args.seq_len, args.val_fraction,
                                  args.num_workers, args.fmt, args.text_field, args.messages_field,
-                                 args.records_per_unit, args.seed, args.overwrite).validated()
+                                 args.records_per_unit, args.seed, args.overwrite, spec.weights,
+                                 args.shard_size).validated()
         meta = run_preprocess(opts, load_tokenizer(args.model, args.load_format), progress=args.progress)
         splits = meta["splits"]
         print(f"wrote {args.output}: train {splits['train']['tokens']} tokens, val {splits['val']['tokens']} tokens")
