@@ -21,7 +21,8 @@ from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader import load_model, read_arch_config
 from tokenforge.train.checkpoint import latest_checkpoint
 from tokenforge.train.config import TrainConfig
-from tokenforge.train.data import DataError, read_meta
+from tokenforge.train.data import SPLITS, DataError, read_meta
+from tokenforge.train.shards import check_shard, split_shards
 from tokenforge.train.lora import attach_lora
 from tokenforge.train.tokenize import tokenizer_fingerprint
 
@@ -49,6 +50,9 @@ def check_inputs(cfg: TrainConfig, tokenizer: Any) -> Checked:
     arch = read_arch_config(source, cfg.load_format)
     meta = read_meta(Path(cfg.data))
     _check_tokenizer(meta, tokenizer, arch)
+    for split in SPLITS:       # every shard's size and checksum, before any model is built
+        for shard in split_shards(Path(cfg.data), meta, split):
+            check_shard(shard, checksum=cfg.verify_data)
     micro_tokens = cfg.micro_batch_size * cfg.seq_len
     global_tokens = cfg.global_batch_tokens or micro_tokens * world
     if global_tokens % (micro_tokens * world):

@@ -72,14 +72,17 @@ def _columns(path: Path, kind: str) -> list[str] | None:
             return pq.ParquetFile(path).schema_arrow.names
         except pa.ArrowException as e:
             raise ValueError(f"{path}: not a readable parquet file ({e})") from e
-    if path.stat().st_size == 0:
+    with open(path, "rb") as f:            # the first record's keys (reading the file is for later)
+        line = next((raw for raw in f if raw.strip()), None)
+    if line is None:
         return None
-    import pyarrow.json as pj  # noqa: PLC0415
-
     try:
-        return pj.open_json(path, read_options=pj.ReadOptions(block_size=16 << 20)).schema.names
-    except pa.ArrowInvalid as e:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON Lines ({e})") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: not JSON Lines of objects (the first line is a {type(record).__name__})")
+    return list(record)
 
 
 def iter_units(paths: list[Path], fmt: str, text_field: str, messages_field: str,
@@ -104,23 +107,23 @@ def _text_units(file_index: int, path: Path) -> Iterator[Unit]:
 
 def _text_chunks(path: Path, read_chars: int = 1 << 20) -> Iterator[str]:
     """The file's text cut at the first blank line after every TEXT_CHUNK_BYTES characters, read
-    a piece at a time (the cuts are those of the whole text: a match is searched in the buffer
-    only, and a buffer without one grows)."""
+    a piece at a time. The cuts are those of the whole text: the first match in a buffer that
+    holds it whole is the first in the file, and a buffer without one grows."""
     with open(path, encoding="utf-8") as f:
-        buf, eof = "", False
+        buf, pos, eof = "", 0, False
         while True:
-            cut = buf.find("\n\n", TEXT_CHUNK_BYTES)
+            cut = buf.find("\n\n", pos + TEXT_CHUNK_BYTES)
             if cut >= 0:
-                yield buf[:cut + 2]
-                buf = buf[cut + 2:]
+                yield buf[pos:cut + 2]
+                pos = cut + 2
                 continue
             if eof:
                 break
             more = f.read(read_chars)
             eof = not more
-            buf += more
-        if buf:
-            yield buf
+            buf, pos = buf[pos:] + more, 0
+        if pos < len(buf):
+            yield buf[pos:]
 
 
 def _table_units(file_index: int, path: Path, kind: str, text_field: str, messages_field: str,
@@ -152,7 +155,7 @@ def _read_batches(path: Path, kind: str, rows: int):
 
     # Streamed block by block (16 MiB), so memory stays bounded whatever the file's size.
     try:
-        reader = pj.open_json(path, read_options=pj.ReadOptions(block_size=16 << 20))
+        reader = pj.open_json(path, read_options=pj.ReadOptions(block_size=16 << 20, use_threads=False))
         pending: list = []
         count = 0
         for batch in reader:

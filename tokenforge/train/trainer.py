@@ -76,9 +76,10 @@ class Trainer:
         self.step_fn = TrainStep(self.wrapped, self.strategy, self.optimizer, self.scheduler, d, self.dtype,
                                  cfg.grad_clip)
         data_dir = Path(cfg.data)
-        self.train_data = PackedTokens(data_dir, "train", verify=cfg.verify_data)
+        # setup.check_inputs verified every shard's checksum already.
+        self.train_data = PackedTokens(data_dir, "train", verify=False, meta=checked.meta)
         val_tokens = checked.meta["splits"].get("val", {}).get("tokens", 0)
-        self.val_data = PackedTokens(data_dir, "val", verify=cfg.verify_data) if val_tokens > cfg.seq_len else None
+        self.val_data = PackedTokens(data_dir, "val", verify=False, meta=checked.meta) if val_tokens > cfg.seq_len else None
         self.order = SampleOrder(self.train_data.num_samples(cfg.seq_len), cfg.seed)
         self.metrics = MetricsLogger(self.run_dir, d.is_main, cfg.tensorboard)
         self.peak_tflops = measured_peak_tflops(d.device)
