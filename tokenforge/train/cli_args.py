@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -135,9 +136,14 @@ def _preprocess(load_tokenizer):
                                  args.num_workers, args.fmt, args.text_field, args.messages_field,
                                  args.records_per_unit, args.seed, args.overwrite, spec.weights,
                                  args.shard_size).validated()
-        meta = run_preprocess(opts, load_tokenizer(args.model, args.load_format), progress=args.progress)
+        tokenizer = load_tokenizer(args.model, args.load_format)
+        tic = time.perf_counter()
+        meta = run_preprocess(opts, tokenizer, progress=args.progress)
         splits = meta["splits"]
-        print(f"wrote {args.output}: train {splits['train']['tokens']} tokens, val {splits['val']['tokens']} tokens")
+        total = splits["train"]["tokens"] + splits["val"]["tokens"]
+        shards = len(splits["train"].get("shards", [])) + len(splits["val"].get("shards", []))
+        print(f"wrote {args.output}: train {splits['train']['tokens']} tokens, val {splits['val']['tokens']} "
+              f"tokens, {shards} shards ({total / max(time.perf_counter() - tic, 1e-9):.0f} tokens/s)")
         return 0
     return run
 
