@@ -157,7 +157,8 @@ class Trainer:
 
     def _trainer_state(self) -> dict:
         return {"step": self.state.step, "position": self.state.position, "seed": self.cfg.seed,
-                "global_batch_seqs": self.checked.global_seqs, "seq_len": self.cfg.seq_len}
+                "global_batch_seqs": self.checked.global_seqs, "seq_len": self.cfg.seq_len,
+                "num_train_samples": self.order.num_samples, **self.checked.identity}
 
     def _save(self) -> Path:
         return save_checkpoint(self.run_dir, self.wrapped, self.optimizer, self.scheduler, self._trainer_state(),
@@ -172,6 +173,9 @@ class Trainer:
         meta = load_checkpoint(path, self.wrapped, self.optimizer, self.scheduler, self.d)
         if meta["seq_len"] != self.cfg.seq_len:
             raise ValueError(f"the checkpoint was trained with --seq-len {meta['seq_len']}, not {self.cfg.seq_len}")
+        if meta.get("num_train_samples", self.order.num_samples) != self.order.num_samples:
+            raise ValueError(f"cannot resume from {path}: it was trained on {meta['num_train_samples']} samples "
+                             f"of --data, which now holds {self.order.num_samples} (other data?)")
         self.state.step, self.state.position = meta["step"], meta["position"]
         logger.warning("resumed from %s (step %d)", path, self.state.step)
 
