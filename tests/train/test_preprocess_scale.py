@@ -282,3 +282,23 @@ def test_an_interrupted_run_tokenizes_only_what_is_left(tmp_path, corpus, tokeni
     assert again.calls == 10 + 1 - 4                       # 10 parquet rows + 1 text chunk, 4 done before
     _run(inputs, tmp_path / "full", tokenizer, records_per_unit=2)
     assert _payload(tmp_path / "r", "train") == _payload(tmp_path / "full", "train")
+
+
+def test_format_version_1_directories_are_still_read(tmp_path):
+    from tokenforge.train.shards import HEADER_BYTES, file_digest, pack_header
+
+    tokens = np.arange(40, dtype=np.uint16)
+    mask = (np.arange(40) % 3 != 0).astype(np.uint8)
+    bin_path = tmp_path / "train.bin"
+    bin_path.write_bytes(b"\0" * HEADER_BYTES + tokens.tobytes())
+    (tmp_path / "train.mask").write_bytes(mask.tobytes())
+    digest = file_digest(bin_path, HEADER_BYTES, tmp_path / "train.mask")
+    bin_path.write_bytes(pack_header(2, 40, True, digest, version=1) + tokens.tobytes())
+    (tmp_path / "meta.json").write_text(json.dumps({"format_version": 1, "splits": {"train": {"tokens": 40}}}))
+    data = PackedTokens(tmp_path, "train")
+    ids, labels = data.sample(1, 8)
+    assert ids.tolist() == list(range(8, 16))
+    assert labels.tolist() == [-100 if (i % 3 == 0) else i for i in range(9, 17)]
+    (tmp_path / "train.mask").write_bytes(bytes(40))
+    with pytest.raises(DataError, match=f"{bin_path}: checksum mismatch"):
+        PackedTokens(tmp_path, "train")

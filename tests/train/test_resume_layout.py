@@ -55,8 +55,8 @@ def _run(root: Path, name: str, strategy: str, **kw) -> dict:
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory, tiny_data):
-    """Uninterrupted runs at 1 (one process), 2 (FSDP2) and 4 (DDP) ranks, each saving at step 2,
-    and the resumes 2 -> 1, 1 -> 2 and 2 -> 4 from those checkpoints."""
+    """Uninterrupted runs at 1 (one process), 2 (FSDP2, and DDP) and 4 (DDP) ranks, each saving at
+    step 2, and the resumes 2 -> 1, 1 -> 2 and 2 -> 4 (from FSDP2 and from DDP) of those checkpoints."""
     root = tmp_path_factory.mktemp("runs")
     d = {"data": str(tiny_data)}
 
@@ -68,16 +68,19 @@ def layouts(tmp_path_factory, tiny_data):
     resume_dir("w2", "w2to1")
     _launch(1, [_run(root, "w1", "none", **d), _run(root, "w2to1", "none", resume=True, **d)], 29620)
     resume_dir("w1", "w1to2")
-    _launch(2, [_run(root, "w1to2", "fsdp", resume=True, **d)], 29630)
+    _launch(2, [_run(root, "w1to2", "fsdp", resume=True, **d), _run(root, "ddp2", "ddp", **d)], 29630)
     resume_dir("w2", "w2to4")
-    _launch(4, [_run(root, "w4", "ddp", **d), _run(root, "w2to4", "ddp", resume=True, **d)], 29640)
+    resume_dir("ddp2", "ddp2to4")
+    _launch(4, [_run(root, "w4", "ddp", **d), _run(root, "w2to4", "ddp", resume=True, **d),
+                _run(root, "ddp2to4", "ddp", resume=True, **d)], 29640)
     return root
 
 
-@pytest.mark.parametrize("before, after, world", [("w2", "w2to1", 1), ("w1", "w1to2", 2), ("w2", "w2to4", 4)])
+@pytest.mark.parametrize("before, after, world", [("w2", "w2to1", 1), ("w1", "w1to2", 2), ("w2", "w2to4", 4),
+                                                  ("ddp2", "ddp2to4", 4)])
 def test_resume_on_another_number_of_ranks(layouts, before, after, world):
     ref_losses, ref_steps = _report(layouts / f"w{world}-report", world)
-    first_losses, first_steps = _report(layouts / f"{before}-report", int(before[1]))
+    first_losses, first_steps = _report(layouts / f"{before}-report", int(before[-1]))
     losses, steps = _report(layouts / f"{after}-report", world)
     assert len(steps) == STEPS - SAVE_AT and len(losses) == STEPS - SAVE_AT
     seen = [i for s in first_steps[:SAVE_AT] + steps for i in s]

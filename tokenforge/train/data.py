@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenforge.train.shards import DataError, Shard, check_shard, split_shards
+from tokenforge.train.shards import HEADER_BYTES, DataError, Shard, check_shard, split_shards
 
 __all__ = ["DataError", "PackedTokens", "SampleOrder", "read_meta", "step_micro_batches", "eval_micro_batches"]
 SPLITS = ("train", "val")
@@ -56,7 +56,12 @@ class ShardedArray:
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, key: slice) -> np.ndarray:
+    def __getitem__(self, key: slice | int) -> np.ndarray:
+        if isinstance(key, (int, np.integer)):
+            index = key + self.size if key < 0 else key
+            if not 0 <= index < self.size:
+                raise IndexError(f"index {key} out of range for {self.size} tokens")
+            return self[index:index + 1][0]
         start, stop, step = key.indices(self.size)
         assert step == 1, "ShardedArray supports contiguous slices only"
         if stop <= start:
@@ -87,7 +92,7 @@ def _memmaps(shards: list[Shard], masks: bool) -> ShardedArray:
             parts.append(np.memmap(s.mask_path, dtype=np.uint8, mode="r", shape=(s.num_tokens,)))
         else:
             dtype = np.uint16 if s.width == 2 else np.uint32
-            parts.append(np.memmap(s.path, dtype=dtype, mode="r", offset=64, shape=(s.num_tokens,)))
+            parts.append(np.memmap(s.path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(s.num_tokens,)))
         starts.append(s.start)
     dtype = np.uint8 if masks else (np.uint16 if shards and shards[0].width == 2 else np.uint32)
     return ShardedArray(parts, starts, dtype)
