@@ -302,3 +302,18 @@ def test_format_version_1_directories_are_still_read(tmp_path):
     (tmp_path / "train.mask").write_bytes(bytes(40))
     with pytest.raises(DataError, match=f"{bin_path}: checksum mismatch"):
         PackedTokens(tmp_path, "train")
+
+
+def test_input_weights_and_shard_sizes_parse():
+    import argparse
+
+    from tokenforge.train.cli_args import _size
+    from tokenforge.train.mixture import parse_inputs
+
+    assert parse_inputs(["a.jsonl", "b.txt"]).weights is None
+    spec = parse_inputs(["a.jsonl:0.7", "dir:x/b.parquet:3"])
+    assert spec.paths == ("a.jsonl", "dir:x/b.parquet") and spec.weights == (0.7, 3.0)
+    assert parse_inputs(["odd:name.txt"]).paths == ("odd:name.txt",)       # a colon in a path stays
+    assert [_size(s) for s in ("1GiB", "256MiB", "4096", "1.5k", "2MB")] == [1 << 30, 256 << 20, 4096, 1536, 2 * 10**6]
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size: '12 parsecs'"):
+        _size("12 parsecs")
