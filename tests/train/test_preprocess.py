@@ -47,7 +47,7 @@ def test_parallel_equals_serial_and_resume_reuses_parts(tmp_path, corpus, tokeni
     inputs = [corpus / "docs.parquet", corpus / "chat.jsonl"]
     _run(inputs, tmp_path / "serial", tokenizer, records_per_unit=3)
     _run(inputs, tmp_path / "par", tokenizer, records_per_unit=3, num_workers=2)
-    for name in ("train.bin", "val.bin", "train.mask"):
+    for name in ("train-00000.bin", "val-00000.bin", "train-00000.mask", "train.idx.npy"):
         assert (tmp_path / "serial" / name).read_bytes() == (tmp_path / "par" / name).read_bytes()
     # An interrupted run: parts on disk, no meta.json. Rerunning finishes to the same bytes.
     out = tmp_path / "resumed"
@@ -57,14 +57,14 @@ def test_parallel_equals_serial_and_resume_reuses_parts(tmp_path, corpus, tokeni
     (out / "parts").mkdir()
     (out / "parts" / "job").write_text(read_meta(tmp_path / "serial")["job"])
     _run(inputs, out, tokenizer, records_per_unit=3)
-    assert (out / "train.bin").read_bytes() == (tmp_path / "serial" / "train.bin").read_bytes()
+    assert (out / "train-00000.bin").read_bytes() == (tmp_path / "serial" / "train-00000.bin").read_bytes()
 
 
 def test_checksum_catches_corruption(tmp_path, corpus, tokenizer):
     _run([corpus / "docs.parquet"], tmp_path / "x", tokenizer, val_fraction=0.0)
-    raw = bytearray((tmp_path / "x" / "train.bin").read_bytes())
+    raw = bytearray((tmp_path / "x" / "train-00000.bin").read_bytes())
     raw[-1] ^= 0xFF
-    (tmp_path / "x" / "train.bin").write_bytes(bytes(raw))
+    (tmp_path / "x" / "train-00000.bin").write_bytes(bytes(raw))
     with pytest.raises(DataError, match="checksum"):
         PackedTokens(tmp_path / "x", "train")
 

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import logging
 import sys
+import time
 
 from tokenforge import envs
 
@@ -36,8 +37,13 @@ def add_train_parsers(subparsers, argv: list[str] | None) -> None:
         return
     pre = subparsers.add_parser("preprocess", help="tokenize and pack text/JSONL/parquet/chat data for training",
                                 epilog=TRAIN_NOTES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    pre.add_argument("--input", nargs="+", required=True, metavar="FILE")
-    pre.add_argument("--output", required=True, metavar="DIR")
+    pre.add_argument("--input", nargs="+", action="extend", metavar="FILE[:WEIGHT]",
+                     help="text/JSONL/parquet/chat files; FILE:WEIGHT (every input, or a mix.yaml listing "
+                     "{path, weight}) makes a mixture: each source gives WEIGHT/sum of the output tokens")
+    pre.add_argument("--output", metavar="DIR")
+    pre.add_argument("--shard-size", type=_size, default="1GiB", help="bytes of tokens per shard file (default 1GiB)")
+    pre.add_argument("--stats", metavar="DIR", help="print a preprocessed directory's token counts, sources, "
+                     "shards and checksums (verified), then exit")
     pre.add_argument("--model", default=None, help="whose tokenizer (default: the bundled SmolLM2)")
     pre.add_argument("--load-format", default="auto", help="dummy: a shipped config's synthetic tokenizer")
     pre.add_argument("--seq-len", type=int, default=2048, help="recorded for training (default 2048)")
@@ -111,15 +117,45 @@ def _load_tokenizer(model: str | None, load_format: str = "auto"):
     return load_engine_tokenizer(model, load_format)
 
 
-def run_preprocess(args: argparse.Namespace) -> int:
-    from tokenforge.train.preprocess import PreprocessOptions, run_preprocess as preprocess  # noqa: PLC0415
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
 
-    opts = PreprocessOptions(tuple(args.input), args.output, args.model, args.seq_len, args.val_fraction,
+
+def _size(text: str) -> int:
+    """'1GiB', '64MiB', '500MB', '4096' -> bytes."""
+    number = text.strip().rstrip("BbIiKkMmGg")
+    unit = text.strip()[len(number):].lower()
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1GiB, 256MiB, 1000000)") from None
+
+
+def run_preprocess(args: argparse.Namespace) -> int:
+    from pathlib import Path  # noqa: PLC0415
+
+    from tokenforge.train.mixture import parse_inputs  # noqa: PLC0415
+    from tokenforge.train.preprocess import PreprocessOptions, describe, run_preprocess as preprocess  # noqa: PLC0415
+
+    if args.stats:
+        report, ok = describe(Path(args.stats))
+        print(report)
+        return 0 if ok else 1
+    if not args.input or not args.output:
+        raise ValueError("preprocess needs --input and --output (or --stats DIR)")
+    spec = parse_inputs(args.input)
+    opts = PreprocessOptions(spec.paths, args.output, args.model, args.seq_len, args.val_fraction,
                              args.num_workers, args.fmt, args.text_field, args.messages_field,
-                             args.records_per_unit, args.seed, args.overwrite).validated()
-    meta = preprocess(opts, _load_tokenizer(args.model, args.load_format), progress=args.progress)
+                             args.records_per_unit, args.seed, args.overwrite, spec.weights,
+                             args.shard_size).validated()
+    tokenizer = _load_tokenizer(args.model, args.load_format)
+    tic = time.perf_counter()
+    meta = preprocess(opts, tokenizer, progress=args.progress)
     splits = meta["splits"]
-    print(f"wrote {args.output}: train {splits['train']['tokens']} tokens, val {splits['val']['tokens']} tokens")
+    total = splits["train"]["tokens"] + splits["val"]["tokens"]
+    shards = len(splits["train"].get("shards", [])) + len(splits["val"].get("shards", []))
+    print(f"wrote {args.output}: train {splits['train']['tokens']} tokens, val {splits['val']['tokens']} "
+          f"tokens, {shards} shards ({total / max(time.perf_counter() - tic, 1e-9):.0f} tokens/s)")
     return 0
 
 

@@ -1,14 +1,15 @@
-"""The packed token files that `tokenforge preprocess` writes and `tokenforge train` reads.
+"""Training data: the preprocessed token shards, memory-mapped, and the order samples are taken in.
 
-Layout of a preprocessed directory:
-  meta.json          tokenizer fingerprint, vocabulary size, splits, inputs; written last, so its
-                     presence means the directory is complete
-  {split}.bin        64-byte header, then the tokens of every document back to back (uint16 when
-                     the vocabulary fits, else uint32)
-  {split}.mask       optional, one uint8 per token: 1 where the token is a loss target (chat data
-                     masks everything but assistant turns)
-  {split}.idx        numpy .npy of uint64 document start offsets (the index)
-Header: magic, version, token width, token count, has-mask flag, sha256 of tokens (+ mask).
+Layout of a preprocessed directory (train/shards.py writes the files):
+  meta.json            tokenizer fingerprint, vocabulary size, token dtype, splits (each with its
+                       shard table: file, tokens, sha256), sources and their token counts; written
+                       last, so its presence means the directory is complete
+  {split}-NNNNN.bin    64-byte header, then tokens (uint16 when the vocabulary fits, else uint32);
+                       the shards of a split, in order, are one token stream
+  {split}-NNNNN.mask   optional, one uint8 per token: 1 where the token is a loss target (chat data
+                       masks everything but assistant turns)
+  {split}.idx.npy      uint64 document start offsets in the split's stream (the index)
+A format-version-1 directory ({split}.bin, one file per split) is still read.
 
 Training samples are fixed windows: sample i covers tokens [i S, i S + S + 1); its inputs are the
 first S and its labels the last S (masked targets become -100). Documents are packed with EOS
@@ -17,65 +18,19 @@ between them, nanoGPT-style; attention runs across document boundaries.
 
 from __future__ import annotations
 
-import hashlib
+import bisect
 import json
 import math
-import struct
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-MAGIC = b"TFTOKENS"
-VERSION = 1
-HEADER = struct.Struct("<8sIIQI4x32s")        # magic, version, width, num_tokens, has_mask, sha256
-HEADER_BYTES = 64
+from tokenforge.train.shards import HEADER_BYTES, DataError, Shard, check_shard, split_shards
+
+__all__ = ["DataError", "PackedTokens", "SampleOrder", "read_meta", "step_micro_batches", "eval_micro_batches"]
 SPLITS = ("train", "val")
 IGNORE_INDEX = -100
-
-
-class DataError(ValueError):
-    """The data directory is missing, incomplete, corrupt or made for another tokenizer."""
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
-
-
-def pack_header(width: int, num_tokens: int, has_mask: bool, digest: bytes) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, width, num_tokens, int(has_mask), digest).ljust(HEADER_BYTES, b"\0")
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    width: int
-    num_tokens: int
-    has_mask: bool
-    sha256: bytes
-
-
-def read_header(path: Path) -> Header:
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
-    if len(raw) < HEADER_BYTES:
-        raise DataError(f"{path} is truncated (no header)")
-    magic, version, width, n, has_mask, digest = HEADER.unpack_from(raw)
-    if magic != MAGIC or version != VERSION:
-        raise DataError(f"{path} is not a tokenforge token file (version {VERSION}); run `tokenforge preprocess`")
-    return Header(width, n, bool(has_mask), digest)
-
-
-def file_digest(bin_path: Path, mask_path: Path | None, chunk: int = 1 << 24) -> bytes:
-    h = hashlib.sha256()
-    for path, offset in ((bin_path, HEADER_BYTES), (mask_path, 0)):
-        if path is None:
-            continue
-        with open(path, "rb") as f:
-            f.seek(offset)
-            while block := f.read(chunk):
-                h.update(block)
-    return h.digest()
 
 
 def read_meta(data_dir: Path) -> dict:
@@ -85,35 +40,85 @@ def read_meta(data_dir: Path) -> dict:
     if not meta.is_file():
         raise DataError(f"{data_dir} has no meta.json: preprocessing did not finish (run the same "
                         "`tokenforge preprocess` command again to resume it)")
-    return json.loads(meta.read_text())
+    try:
+        return json.loads(meta.read_text())
+    except json.JSONDecodeError as e:
+        raise DataError(f"{meta} is not valid JSON ({e}); run `tokenforge preprocess` again") from e
+
+
+class ShardedArray:
+    """Several memory-mapped 1-D arrays read as one: slicing copies only the window asked for."""
+
+    def __init__(self, parts: list[np.ndarray], starts: list[int], dtype: np.dtype) -> None:
+        self.parts, self.starts, self.dtype = parts, starts, np.dtype(dtype)
+        self.size = starts[-1] + len(parts[-1]) if parts else 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, key: slice | int) -> np.ndarray:
+        if isinstance(key, (int, np.integer)):
+            index = key + self.size if key < 0 else key
+            if not 0 <= index < self.size:
+                raise IndexError(f"index {key} out of range for {self.size} tokens")
+            return self[index:index + 1][0]
+        start, stop, step = key.indices(self.size)
+        assert step == 1, "ShardedArray supports contiguous slices only"
+        if stop <= start:
+            return np.zeros(0, self.dtype)
+        first = bisect.bisect_right(self.starts, start) - 1
+        pieces = []
+        for k in range(first, len(self.parts)):
+            if self.starts[k] >= stop:
+                break
+            lo, hi = max(start - self.starts[k], 0), min(stop - self.starts[k], len(self.parts[k]))
+            pieces.append(self.parts[k][lo:hi])
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        out = self[0:self.size]
+        return out.astype(dtype) if dtype is not None else out
+
+    def max(self) -> int:
+        return max(int(p.max()) for p in self.parts if len(p))
+
+
+def _memmaps(shards: list[Shard], masks: bool) -> ShardedArray:
+    parts, starts = [], []
+    for s in shards:
+        if not s.num_tokens:
+            continue
+        if masks:
+            parts.append(np.memmap(s.mask_path, dtype=np.uint8, mode="r", shape=(s.num_tokens,)))
+        else:
+            dtype = np.uint16 if s.width == 2 else np.uint32
+            parts.append(np.memmap(s.path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(s.num_tokens,)))
+        starts.append(s.start)
+    dtype = np.uint8 if masks else (np.uint16 if shards and shards[0].width == 2 else np.uint32)
+    return ShardedArray(parts, starts, dtype)
 
 
 class PackedTokens:
-    """One split, memory-mapped. `sample(i, S)` -> (input_ids [S], labels [S]) as int64 tensors."""
+    """One split, memory-mapped. `sample(i, S)` -> (input_ids [S], labels [S]) as int64 tensors.
+    With `verify` every shard's size and sha256 are checked first (the error names the file)."""
 
-    def __init__(self, data_dir: Path, split: str, verify: bool = True) -> None:
-        self.path = data_dir / f"{split}.bin"
-        if not self.path.is_file():
-            raise DataError(f"{self.path} is missing")
-        self.header = read_header(self.path)
-        mask_path = data_dir / f"{split}.mask" if self.header.has_mask else None
-        if verify and file_digest(self.path, mask_path) != self.header.sha256:
-            raise DataError(f"{self.path}: checksum mismatch (the file is corrupt or was modified); "
-                            "run `tokenforge preprocess` again")
-        dtype = np.uint16 if self.header.width == 2 else np.uint32
-        n = self.header.num_tokens
-        self.tokens = np.memmap(self.path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(n,)) if n else \
-            np.zeros(0, dtype=dtype)
-        self.mask = np.memmap(mask_path, dtype=np.uint8, mode="r", shape=(n,)) if mask_path and n else None
+    def __init__(self, data_dir: Path, split: str, verify: bool = True, meta: dict | None = None) -> None:
+        meta = read_meta(data_dir) if meta is None else meta
+        self.shards = split_shards(data_dir, meta, split)
+        for shard in self.shards:
+            check_shard(shard, checksum=verify)
+        self.tokens = _memmaps(self.shards, masks=False)
+        has_mask = any(s.mask_path is not None for s in self.shards)
+        self.mask = _memmaps(self.shards, masks=True) if has_mask and len(self.tokens) else None
 
     def __len__(self) -> int:
-        return self.header.num_tokens
+        return len(self.tokens)
 
     def num_samples(self, seq_len: int) -> int:
         return max(0, (len(self) - 1) // seq_len)
 
     def max_token_id(self) -> int:
-        return int(self.tokens.max()) if len(self) else -1
+        return self.tokens.max() if len(self) else -1
 
     def sample(self, index: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = index * seq_len

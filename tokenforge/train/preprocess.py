@@ -1,11 +1,12 @@
 """`tokenforge preprocess`: inputs -> tokenized, packed, memory-mapped train/val token files.
 
 In: input files, the model's tokenizer (handed in by the CLI), options. Out: the directory that
-tokenforge.train.data describes. Work is split into units (record batches, text chunks); workers
-tokenize them in parallel and each finished unit is saved as a part file (atomic rename), so an
-interrupted run resumes where it stopped when the same command is run again. When every part is
-there they are assembled into the split files, the checksums go into the headers, and meta.json
-is written last.
+tokenforge.train.data describes. Work is split into units (record batches, text chunks, read
+from the inputs a block at a time); workers tokenize them in parallel, at most two units per
+worker in flight, and each finished unit is saved as a part file in the split's token dtype
+(atomic rename), so an interrupted run resumes where it stopped when the same command is run
+again. When every part is there, train.assemble streams them into the split shards, and meta.json
+is written last. Peak memory is a few units per worker, whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import multiprocessing
 import os
 import shutil
+from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,10 @@ import numpy as np
 from tqdm import tqdm
 
 from tokenforge import envs
-from tokenforge.train.data import SPLITS, file_digest, pack_header, token_dtype
+from tokenforge.train.assemble import assemble_splits
+from tokenforge.train.data import read_meta
+from tokenforge.train.mixture import check_weight
+from tokenforge.train.shards import DEFAULT_SHARD_BYTES, DataError, check_shard, split_shards, token_dtype
 from tokenforge.train.sources import FORMATS, check_inputs, iter_units
 from tokenforge.train.tokenize import set_worker_tokenizer, tokenize_unit, tokenizer_fingerprint
 
@@ -46,6 +51,8 @@ class PreprocessOptions:
     records_per_unit: int = 1024
     seed: int = 0
     overwrite: bool = False
+    weights: tuple[float, ...] | None = None       # a mixture: one weight per input
+    shard_size: int = DEFAULT_SHARD_BYTES          # bytes of tokens per shard file
 
     def validated(self) -> PreprocessOptions:
         if not self.inputs:
@@ -56,7 +63,14 @@ class PreprocessOptions:
             raise ValueError("--seq-len, --num-workers and --records-per-unit must be positive")
         if self.fmt not in FORMATS:
             raise ValueError(f"--format must be one of {', '.join(FORMATS)}")
-        check_inputs([Path(p) for p in self.inputs])
+        if self.shard_size < 1 << 10:
+            raise ValueError(f"--shard-size must be at least 1 KiB, got {self.shard_size}")
+        if self.weights is not None:
+            if len(self.weights) != len(self.inputs):
+                raise ValueError(f"{len(self.weights)} weights for {len(self.inputs)} inputs")
+            for path, weight in zip(self.inputs, self.weights):
+                check_weight(path, weight)
+        check_inputs([Path(p) for p in self.inputs], self.fmt, self.text_field, self.messages_field)
         return self
 
 
@@ -74,7 +88,7 @@ def run_preprocess(opts: PreprocessOptions, tokenizer: Any, progress: bool = Tru
         raise ValueError(f"{out} already holds other preprocessed data; pass --overwrite or another --output")
     _prepare_dir(out, job, opts.overwrite)
     _tokenize_all(opts, tokenizer, out / PARTS, progress)
-    meta = _assemble(opts, out, tokenizer, fingerprint, job)
+    meta = _assemble(opts, out, tokenizer, fingerprint, job, progress)
     shutil.rmtree(out / PARTS, ignore_errors=True)
     return meta
 
@@ -108,93 +122,91 @@ def _tokenize_all(opts: PreprocessOptions, tokenizer: Any, parts: Path, progress
     done = {p.stem for p in parts.glob("*.npz")}
     todo = (u for u in iter_units([Path(p) for p in opts.inputs], opts.fmt, opts.text_field,
                                   opts.messages_field, opts.records_per_unit) if u.unit_id not in done)
-    bar = tqdm(desc="tokenizing", unit=" units", disable=not progress, initial=len(done))
+    bar = tqdm(desc="tokenizing", unit="tok", unit_scale=True, disable=not progress)
+    if done:
+        bar.set_postfix_str(f"{len(done)} units from an earlier run")
+    dtype = token_dtype(int(tokenizer.vocab_size))
     set_worker_tokenizer(tokenizer)
     if opts.num_workers == 1:
-        results = map(tokenize_unit, todo)
-        _save_parts(results, parts, bar)
+        _save_parts(map(tokenize_unit, todo), parts, bar, dtype)
         return
     envs.set("TOKENIZERS_PARALLELISM", "false")      # the workers are the parallelism
     # fork: workers inherit the loaded tokenizer instead of each loading (or unpickling) it.
     with multiprocessing.get_context("fork").Pool(opts.num_workers, set_worker_tokenizer, (tokenizer,)) as pool:
-        _save_parts(pool.imap(tokenize_unit, todo, chunksize=1), parts, bar)
+        _save_parts(_bounded_imap(pool, todo, 2 * opts.num_workers), parts, bar, dtype)
 
 
-def _save_parts(results, parts: Path, bar) -> None:
-    total = 0
+def _bounded_imap(pool, units, window: int):
+    """pool.imap in order, but with at most `window` units read and in flight: imap's feeder
+    would read every unit of the inputs into its queue ahead of the workers."""
+    pending: deque = deque()
+    for unit in units:
+        pending.append(pool.apply_async(tokenize_unit, (unit,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+def _save_parts(results, parts: Path, bar, dtype: np.dtype) -> None:
+    limit = np.iinfo(dtype).max
     for unit_id, tokens, mask, lengths in results:
+        if tokens.size and int(tokens.max()) > limit:
+            raise ValueError(f"token id {int(tokens.max())} does not fit the {dtype} the vocabulary size chose")
         tmp = parts / f".{unit_id}.tmp.npz"
-        np.savez(tmp, tokens=tokens, mask=mask, lengths=np.asarray(lengths, dtype=np.int64))
+        np.savez(tmp, tokens=tokens.astype(dtype), mask=mask, lengths=np.asarray(lengths, dtype=np.int64))
         os.replace(tmp, parts / f"{unit_id}.npz")
-        bar.update(1)
-        total += tokens.size
-        bar.set_postfix(tokens=bar.format_sizeof(total))
+        bar.update(tokens.size)
     bar.close()
 
 
-def _split_of_segments(count: int, val_fraction: float, seed: int) -> np.ndarray:
-    """True where a segment goes to validation: a seeded draw per segment, at least one when the
-    fraction is positive and there are two or more segments."""
-    rng = np.random.default_rng(seed)
-    val = rng.random(count) < val_fraction
-    if val_fraction > 0 and count >= 2 and not val.any():
-        val[-1] = True
-    if val.all():
-        val[0] = False
-    return val
-
-
-def _assemble(opts: PreprocessOptions, out: Path, tokenizer: Any, fingerprint: str, job: str) -> dict:
+def _assemble(opts: PreprocessOptions, out: Path, tokenizer: Any, fingerprint: str, job: str,
+              progress: bool = False) -> dict:
     parts = sorted((out / PARTS).glob("*.npz"))
-    loaded = [np.load(p) for p in parts]
-    lengths = np.concatenate([p["lengths"] for p in loaded]) if loaded else np.zeros(0, np.int64)
-    tokens = np.concatenate([p["tokens"] for p in loaded]) if loaded else np.zeros(0, np.int64)
-    mask = np.concatenate([p["mask"] for p in loaded]) if loaded else np.zeros(0, np.uint8)
-    if tokens.size == 0:
-        raise ValueError("the inputs hold no text to train on")
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    if len(lengths) == 1 and opts.val_fraction > 0:        # one segment: split its tokens instead
-        cut = int(len(tokens) * (1 - opts.val_fraction))
-        lengths, starts = np.asarray([cut, len(tokens) - cut]), np.asarray([0, cut])
-    is_val = _split_of_segments(len(lengths), opts.val_fraction, opts.seed)
     vocab = int(tokenizer.vocab_size)
     dtype = token_dtype(vocab)
-    has_mask = bool((mask == 0).any())
-    splits = {}
-    for split, chosen in zip(SPLITS, (~is_val, is_val)):
-        idx = np.concatenate([np.arange(s, s + n) for s, n in zip(starts[chosen], lengths[chosen])]) \
-            if chosen.any() else np.zeros(0, np.int64)
-        seg_starts = np.concatenate([[0], np.cumsum(lengths[chosen])[:-1]]) if chosen.any() else np.zeros(0)
-        splits[split] = _write_split(out, split, tokens[idx].astype(dtype), mask[idx] if has_mask else None,
-                                     seg_starts.astype(np.uint64))
+    bar = tqdm(desc="writing shards", unit="tok", unit_scale=True, disable=not progress)
+    facts = assemble_splits(out, parts, dtype, opts.shard_size, opts.val_fraction, opts.seed, opts.weights,
+                            opts.inputs, bar.update)
+    bar.close()
     meta = {
-        "format_version": 1, "job": job, "tokenizer": fingerprint, "vocab_size": vocab,
-        "max_token_id": int(tokens.max()), "eos_token_id": (tokenizer.eos_token_ids or [None])[0],
-        "seq_len": opts.seq_len, "val_fraction": opts.val_fraction, "has_mask": has_mask,
-        "model": opts.model, "inputs": list(opts.inputs), "splits": splits,
+        "format_version": 2, "job": job, "tokenizer": fingerprint, "vocab_size": vocab,
+        "token_dtype": dtype.name, "max_token_id": facts["max_token_id"],
+        "eos_token_id": (tokenizer.eos_token_ids or [None])[0], "seq_len": opts.seq_len,
+        "val_fraction": opts.val_fraction, "has_mask": facts["has_mask"], "model": opts.model,
+        "inputs": list(opts.inputs), "weights": None if opts.weights is None else list(opts.weights),
+        "shard_size": opts.shard_size, "seed": opts.seed, "sources": facts["sources"], "splits": facts["splits"],
     }
-    for split, info in splits.items():
-        if info["tokens"] <= opts.seq_len and split == "train":
-            logger.warning("the train split has %d tokens, not more than one --seq-len %d window",
-                           info["tokens"], opts.seq_len)
+    train_tokens = facts["splits"]["train"]["tokens"]
+    if train_tokens <= opts.seq_len:
+        logger.warning("the train split has %d tokens, not more than one --seq-len %d window",
+                       train_tokens, opts.seq_len)
     tmp = out / ".meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=2))
     os.replace(tmp, out / "meta.json")
     return meta
 
 
-def _write_split(out: Path, split: str, tokens: np.ndarray, mask: np.ndarray | None, starts: np.ndarray) -> dict:
-    bin_path, mask_path = out / f"{split}.bin", out / f"{split}.mask"
-    with open(bin_path, "wb") as f:
-        f.write(pack_header(tokens.dtype.itemsize, len(tokens), mask is not None, b"\0" * 32))
-        f.write(tokens.tobytes())
-    if mask is not None:
-        mask_path.write_bytes(mask.astype(np.uint8).tobytes())
-    else:
-        mask_path.unlink(missing_ok=True)
-    digest = file_digest(bin_path, mask_path if mask is not None else None)
-    with open(bin_path, "r+b") as f:
-        f.write(pack_header(tokens.dtype.itemsize, len(tokens), mask is not None, digest))
-    np.save(out / f"{split}.idx.npy", starts)
-    return {"tokens": int(len(tokens)), "documents": int(len(starts)), "sha256": digest.hex(),
-            "masked_fraction": float((mask == 0).mean()) if mask is not None and len(mask) else 0.0}
+def describe(data_dir: Path, verify: bool = True) -> tuple[str, bool]:
+    """`tokenforge preprocess --stats DIR`: token counts, sources, shards and their checksums.
+    -> (the report, whether every shard checked out)."""
+    meta = read_meta(data_dir)
+    lines = [f"{data_dir}: format {meta.get('format_version', 1)}, tokenizer {meta['tokenizer']}, "
+             f"vocab {meta['vocab_size']}, dtype {meta.get('token_dtype', '?')}, seq_len {meta['seq_len']}"]
+    for src in meta.get("sources", []):
+        weight = "" if src["weight"] is None else f" weight {src['weight']:g} (x{src['epochs']:.3f})"
+        lines.append(f"  source {src['path']}: {src['input_tokens']} tokens{weight} -> train "
+                     f"{src['train_tokens']}, val {src['val_tokens']}")
+    ok = True
+    for split in ("train", "val"):
+        info = meta["splits"][split]
+        shards = split_shards(data_dir, meta, split)
+        lines.append(f"  {split}: {info['tokens']} tokens, {info['documents']} documents, {len(shards)} shards")
+        for shard in shards:
+            try:
+                check_shard(shard, checksum=verify)
+                status = "ok" if verify else "not verified"
+            except DataError as e:
+                status, ok = f"BAD: {e}", False
+            lines.append(f"    {shard.path.name}  {shard.num_tokens} tokens  sha256 {shard.sha256}  {status}")
+    return "\n".join(lines), ok

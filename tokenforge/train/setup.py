@@ -9,8 +9,11 @@ an HF directory, an earlier run's final export, or random init from a config) an
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +25,12 @@ from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader import load_model, read_arch_config
 from tokenforge.train.checkpoint import latest_checkpoint
 from tokenforge.train.config import TrainConfig
-from tokenforge.train.data import DataError, read_meta
+from tokenforge.train.data import SPLITS, DataError, read_meta
+from tokenforge.train.shards import check_shard, split_shards
 from tokenforge.train.lora import attach_lora
 from tokenforge.train.tokenize import tokenizer_fingerprint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +38,7 @@ class Checked:
     model_source: str | None        # what load_model gets (an earlier run's dir -> its final/)
     arch: ArchConfig
     meta: dict
+    identity: dict                  # model and tokenizer fingerprints, kept in every checkpoint
     world_size: int
     accum: int
     global_seqs: int
@@ -50,6 +57,9 @@ def check_inputs(cfg: TrainConfig, tokenizer: Any) -> Checked:
     arch = read_arch_config(source, cfg.load_format)
     meta = read_meta(Path(cfg.data))
     _check_tokenizer(meta, tokenizer, arch)
+    for split in SPLITS:       # every shard's size and checksum, before any model is built
+        for shard in split_shards(Path(cfg.data), meta, split):
+            check_shard(shard, checksum=cfg.verify_data)
     micro_tokens = cfg.micro_batch_size * cfg.seq_len
     global_tokens = cfg.global_batch_tokens or micro_tokens * world
     if global_tokens % (micro_tokens * world):
@@ -61,7 +71,43 @@ def check_inputs(cfg: TrainConfig, tokenizer: Any) -> Checked:
                         f"--seq-len {cfg.seq_len} window plus its label")
     _check_run_dir(Path(cfg.output), cfg.resume)
     accum = global_tokens // (micro_tokens * world)
-    return Checked(source, arch, meta, world, accum, global_tokens // cfg.seq_len)
+    identity = {"model_fingerprint": model_fingerprint(arch, cfg.lora_rank), "tokenizer": meta["tokenizer"]}
+    if cfg.resume:
+        _check_resumable(Path(cfg.output), identity, global_tokens // cfg.seq_len, world, cfg.seq_len)
+    return Checked(source, arch, meta, identity, world, accum, global_tokens // cfg.seq_len)
+
+
+def model_fingerprint(arch: ArchConfig, lora_rank: int) -> str:
+    """A hash of the architecture (shapes, vocabulary, rope...) and the LoRA rank: what the
+    checkpoint's tensors must match."""
+    blob = json.dumps([asdict(arch), lora_rank], sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:24]
+
+
+def _check_resumable(run_dir: Path, identity: dict, global_seqs: int, world: int, seq_len: int) -> None:
+    """The newest checkpoint was written for this model and tokenizer (any number of ranks)."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return
+    meta_file = path / "trainer.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot resume from {path}: {meta_file} is unreadable ({e})") from e
+    for key, what in (("model_fingerprint", "another model (architecture or LoRA rank)"),
+                      ("tokenizer", "another tokenizer")):
+        if key in meta and meta[key] != identity[key]:
+            raise ValueError(f"cannot resume from {path}: it was trained with {what} "
+                             f"({key} {meta[key]}, this run's is {identity[key]})")
+    if meta.get("seq_len", seq_len) != seq_len:
+        raise ValueError(f"cannot resume from {path}: it was trained with --seq-len {meta['seq_len']}, not {seq_len}")
+    if meta.get("global_batch_seqs", global_seqs) != global_seqs:
+        logger.warning("%s was trained with a global batch of %d sequences, this run uses %d: the data "
+                       "position carries over, the loss curve will not match", path, meta["global_batch_seqs"],
+                       global_seqs)
+    if meta.get("world_size", world) != world:
+        logger.warning("resuming %s (%d ranks) on %d ranks: the state is resharded", path,
+                       meta["world_size"], world)
 
 
 def _check_tokenizer(meta: dict, tokenizer: Any, arch: ArchConfig) -> None:

@@ -44,10 +44,45 @@ def detect_format(path: Path, fmt: str) -> str:
     raise ValueError(f"cannot tell the format of {path} from its extension; pass --format text|jsonl|parquet|chat")
 
 
-def check_inputs(paths: list[Path]) -> None:
+def check_inputs(paths: list[Path], fmt: str = "auto", text_field: str = "text",
+                 messages_field: str = "messages") -> None:
+    """Every input exists and (JSONL, parquet) has the field to read: one error naming the file."""
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise FileNotFoundError(f"input file(s) not found: {', '.join(missing)}")
+    for path in paths:
+        kind = detect_format(path, fmt)
+        if kind == "text":
+            continue
+        columns = _columns(path, kind)
+        if columns is not None and text_field not in columns and messages_field not in columns:
+            field = messages_field if kind == "chat" else text_field
+            raise ValueError(f"{path}: no {field!r} field (fields: {', '.join(columns)}); "
+                             f"name the text field with --text-field")
+
+
+def _columns(path: Path, kind: str) -> list[str] | None:
+    """The field names of a table input (the first block of a JSONL file); None when empty."""
+    import pyarrow as pa  # noqa: PLC0415
+
+    if kind == "parquet":
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        try:
+            return pq.ParquetFile(path).schema_arrow.names
+        except pa.ArrowException as e:
+            raise ValueError(f"{path}: not a readable parquet file ({e})") from e
+    with open(path, "rb") as f:            # the first record's keys (reading the file is for later)
+        line = next((raw for raw in f if raw.strip()), None)
+    if line is None:
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON Lines ({e})") from e
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: not JSON Lines of objects (the first line is a {type(record).__name__})")
+    return list(record)
 
 
 def iter_units(paths: list[Path], fmt: str, text_field: str, messages_field: str,
@@ -61,15 +96,34 @@ def iter_units(paths: list[Path], fmt: str, text_field: str, messages_field: str
 
 
 def _text_units(file_index: int, path: Path) -> Iterator[Unit]:
-    text = path.read_text(encoding="utf-8")
-    chunks, start = [], 0
-    while start < len(text):
-        cut = text.find("\n\n", start + TEXT_CHUNK_BYTES)
-        end = len(text) if cut < 0 else cut + 2
-        chunks.append(text[start:end])
-        start = end
-    for i, chunk in enumerate(chunks):
-        yield Unit(f"{file_index:05d}-{i:07d}", "text", [chunk], [i == len(chunks) - 1], i > 0)
+    chunks = _text_chunks(path)
+    chunk = next(chunks, None)
+    i = 0
+    while chunk is not None:
+        following = next(chunks, None)          # one chunk of lookahead: is this the last?
+        yield Unit(f"{file_index:05d}-{i:07d}", "text", [chunk], [following is None], i > 0)
+        chunk, i = following, i + 1
+
+
+def _text_chunks(path: Path, read_chars: int = 1 << 20) -> Iterator[str]:
+    """The file's text cut at the first blank line after every TEXT_CHUNK_BYTES characters, read
+    a piece at a time. The cuts are those of the whole text: the first match in a buffer that
+    holds it whole is the first in the file, and a buffer without one grows."""
+    with open(path, encoding="utf-8") as f:
+        buf, pos, eof = "", 0, False
+        while True:
+            cut = buf.find("\n\n", pos + TEXT_CHUNK_BYTES)
+            if cut >= 0:
+                yield buf[pos:cut + 2]
+                pos = cut + 2
+                continue
+            if eof:
+                break
+            more = f.read(read_chars)
+            eof = not more
+            buf, pos = buf[pos:] + more, 0
+        if pos < len(buf):
+            yield buf[pos:]
 
 
 def _table_units(file_index: int, path: Path, kind: str, text_field: str, messages_field: str,
@@ -99,9 +153,20 @@ def _read_batches(path: Path, kind: str, rows: int):
         return
     import pyarrow.json as pj  # noqa: PLC0415
 
+    # Streamed block by block (16 MiB), so memory stays bounded whatever the file's size.
     try:
-        table = pj.read_json(path, read_options=pj.ReadOptions(block_size=16 << 20))
+        reader = pj.open_json(path, read_options=pj.ReadOptions(block_size=16 << 20, use_threads=False))
+        pending: list = []
+        count = 0
+        for batch in reader:
+            pending.append(batch)
+            count += batch.num_rows
+            while count >= rows:
+                table = pa.Table.from_batches(pending)
+                yield table.slice(0, rows)
+                rest = table.slice(rows)
+                pending, count = rest.to_batches(), rest.num_rows
+        if count:
+            yield pa.Table.from_batches(pending)
     except pa.ArrowInvalid as e:
         raise ValueError(f"{path}: not valid JSON Lines ({e})") from e
-    for batch in table.to_batches(max_chunksize=rows):
-        yield pa.Table.from_batches([batch])

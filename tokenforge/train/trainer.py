@@ -76,9 +76,10 @@ class Trainer:
         self.step_fn = TrainStep(self.wrapped, self.strategy, self.optimizer, self.scheduler, d, self.dtype,
                                  cfg.grad_clip)
         data_dir = Path(cfg.data)
-        self.train_data = PackedTokens(data_dir, "train", verify=cfg.verify_data)
+        # setup.check_inputs verified every shard's checksum already.
+        self.train_data = PackedTokens(data_dir, "train", verify=False, meta=checked.meta)
         val_tokens = checked.meta["splits"].get("val", {}).get("tokens", 0)
-        self.val_data = PackedTokens(data_dir, "val", verify=cfg.verify_data) if val_tokens > cfg.seq_len else None
+        self.val_data = PackedTokens(data_dir, "val", verify=False, meta=checked.meta) if val_tokens > cfg.seq_len else None
         self.order = SampleOrder(self.train_data.num_samples(cfg.seq_len), cfg.seed)
         self.metrics = MetricsLogger(self.run_dir, d.is_main, cfg.tensorboard)
         self.peak_tflops = measured_peak_tflops(d.device)
@@ -156,7 +157,8 @@ class Trainer:
 
     def _trainer_state(self) -> dict:
         return {"step": self.state.step, "position": self.state.position, "seed": self.cfg.seed,
-                "global_batch_seqs": self.checked.global_seqs, "seq_len": self.cfg.seq_len}
+                "global_batch_seqs": self.checked.global_seqs, "seq_len": self.cfg.seq_len,
+                "num_train_samples": self.order.num_samples, **self.checked.identity}
 
     def _save(self) -> Path:
         return save_checkpoint(self.run_dir, self.wrapped, self.optimizer, self.scheduler, self._trainer_state(),
@@ -171,6 +173,9 @@ class Trainer:
         meta = load_checkpoint(path, self.wrapped, self.optimizer, self.scheduler, self.d)
         if meta["seq_len"] != self.cfg.seq_len:
             raise ValueError(f"the checkpoint was trained with --seq-len {meta['seq_len']}, not {self.cfg.seq_len}")
+        if meta.get("num_train_samples", self.order.num_samples) != self.order.num_samples:
+            raise ValueError(f"cannot resume from {path}: it was trained on {meta['num_train_samples']} samples "
+                             f"of --data, which now holds {self.order.num_samples} (other data?)")
         self.state.step, self.state.position = meta["step"], meta["position"]
         logger.warning("resumed from %s (step %d)", path, self.state.step)
 
