@@ -29,8 +29,9 @@ ALLOWED: dict[str, set[str]] = {
     "executor": {"model", "kernels", "distributed", "core.outputs", "config", "messages",
                  "sampling_params"},
     "engine": {"core", "executor", "config", "messages", "sampling_params", "logs"},
-    "server": {"engine", "messages", "config", "sampling_params", "logs"},
-    "router": {"engine", "messages", "config", "sampling_params"},
+    "server": {"engine", "messages", "config", "sampling_params", "logs", "webui"},
+    "router": {"engine", "messages", "config", "sampling_params", "webui"},
+    "webui": set(),               # the browser UI's static files, served by server and router
     "train": {"model", "distributed", "config"},
     "cli": {EVERYTHING},
     "cli_parallel": set(),

@@ -37,6 +37,7 @@ class RouterSettings:
     allow_mixed_versions: bool = False
     model_version: str | None = None        # pin: admit only replicas reporting this version
     log_level: str = "info"
+    ui: bool = True                         # /ui pages and /ui/api/stats (--no-ui: off)
 
     def validate(self) -> RouterSettings:
         def check(cond: bool, message: str) -> None:
@@ -101,6 +102,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="admit replicas of one model that report different --model-version values")
     p.add_argument("--model-version", default=None, help="admit only replicas reporting this version")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="serve no web UI (/ui, /ui/dashboard, /ui/api/stats answer 404)")
     p.set_defaults(func=_run)
     return p
 
