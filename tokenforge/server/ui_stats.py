@@ -132,7 +132,7 @@ class StatsHistory:
             dt = raw.t - last.t
             row["prompt_tps"] = round(_rate(raw.prompt, last.prompt, dt), 2)
             row["gen_tps"] = round(_rate(raw.generation, last.generation, dt), 2)
-        base = next((r for r in self.raw if r.t >= raw.t - self.window), None)
+        base = self._window_start(raw.t)
         if base is not None:
             queries = raw.prefix_queries - base.prefix_queries
             if queries > 0:
@@ -145,6 +145,15 @@ class StatsHistory:
                 value = quantile(q, self.bounds[key], delta)
                 row[f"{key}_p{int(q * 100)}"] = None if value is None else round(value, 5)
         return row
+
+    def _window_start(self, now: float) -> _Raw | None:
+        """The newest sample at least `window` s old (the oldest while the history is shorter)."""
+        base = self.raw[0] if self.raw else None
+        for r in self.raw:
+            if r.t > now - self.window:
+                break
+            base = r
+        return base
 
     def totals(self) -> dict:
         s, m, name = self.stats, self.metrics, self.metrics.model_name

@@ -9,6 +9,11 @@
     else delete document.documentElement.dataset.theme;
   }
 
+  function ready(state) {        // tests wait for data-ready and read how long it took (ms)
+    document.body.dataset.readyMs = String(Math.round(performance.now()));
+    document.body.dataset.ready = state;
+  }
+
   function setup() {
     applyTheme(TF.load(THEME, null));
     TF.$("#theme-button").addEventListener("click", () => {
@@ -26,7 +31,7 @@
     if (dashboard) {
       document.title = "tokenforge · dashboard";
       TF.dashboard = new TF.Dashboard(view);
-      document.body.dataset.ready = "1";
+      ready("1");
       return;
     }
     document.title = "tokenforge · playground";
@@ -34,11 +39,11 @@
       const model = list.data && list.data[0] ? list.data[0].id : null;
       TF.$("#model-name").textContent = model || "";
       TF.playground = new TF.Playground(view, model);
-      document.body.dataset.ready = "1";
+      ready("1");
     }).catch((e) => {
       TF.clear(view).append(TF.h("p", {class: "error", role: "alert", id: "load-error"},
         "Cannot list the models: " + (e.status ? e.status + " " : "") + e.message));
-      document.body.dataset.ready = "error";
+      ready("error");
     });
   }
 

@@ -223,7 +223,7 @@
       let request;
       try { request = TF.buildRequest(conv, conv.messages.length, this.model); }
       catch (e) { this.error = e.message; this.renderMessages(); return; }
-      const record = {role: conv.mode === "completion" ? "completion" : "assistant", content: "", streaming: true, json: request.json};
+      const record = {role: conv.mode === "completion" ? "completion" : "assistant", content: "", streaming: true, json: !!request.json};
       conv.messages.push(record);
       const controller = new AbortController();
       this.setBusy({controller, conv});
