@@ -70,6 +70,7 @@ def send(page, text: str) -> None:
 
 
 def last_answer(page):
+    page.wait_for_selector("body:not([data-streaming='1'])", state="attached")
     page.wait_for_selector("#chat .msg.assistant:not(.streaming) .speed")
     return page.locator("#chat .msg.assistant").last
 
@@ -82,7 +83,7 @@ def stored(page) -> dict:
 
 def api_chat(live, text: str, **params) -> dict:
     body = {"model": MODEL, "messages": [{"role": "user", "content": text}], **params}
-    response = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=120)
+    response = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=300)
     return response.json()
 
 
@@ -165,7 +166,7 @@ def test_a_tool_call_renders_as_a_tool_call(browser, live):
         "name": "get_weather", "description": "Current weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     page = playground(browser, live)
-    set_controls(page, temperature=0, max_tokens=60, tools=json.dumps(tools), tool_choice="required")
+    set_controls(page, temperature=0, max_tokens=40, tools=json.dumps(tools), tool_choice="required")
     send(page, "What is the weather in Paris?")
     answer = last_answer(page)
     call = answer.locator(".tool-call")
@@ -279,7 +280,7 @@ def test_phone_width_and_dark_theme(browser, live):
 
 
 def _load(url: str, stop: threading.Event) -> None:
-    with httpx.Client(timeout=120) as client:
+    with httpx.Client(timeout=300) as client:
         while not stop.is_set():
             client.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24,
                                                        "temperature": 0.8})

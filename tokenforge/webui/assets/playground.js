@@ -227,6 +227,7 @@
       conv.messages.push(record);
       const controller = new AbortController();
       this.setBusy({controller, conv});
+      if (conv === this.conv) this.renderMessages();      // at once: the old answer must not linger
       let frame = 0;
       const redraw = () => {
         if (frame) return;
