@@ -36,7 +36,7 @@ def chromium():
     if path is None:
         pytest.skip(f"no chromium on PATH ({INSTALL})")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         try:
             yield browser
         finally:
