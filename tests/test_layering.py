@@ -16,7 +16,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "tokenforge"
 EVERYTHING = "*"
 ROOT = "<root>"     # tokenforge/__init__.py, the public facade
 EVERYTHING_BUT_CLI = {"config", "messages", "sampling_params", "logs", "envs", "source", "core", "model", "kernels",
-                      "distributed", "executor", "engine", "server", "router", "train", "planning", "eval", ROOT}
+                      "distributed", "executor", "engine", "server", "router", "train", "planning", "eval", "webui", ROOT}
 
 # importer layer -> layers (or "layer.module" for a single module) it may import; itself is implicit
 # envs (every environment variable) and source (where a model comes from) are the shared leaves
@@ -36,8 +36,9 @@ ALLOWED: dict[str, set[str]] = {
     "executor": {"model", "kernels", "distributed", "core.outputs", "config", "messages",
                  "sampling_params", *SHARED},
     "engine": {"core", "executor", "config", "messages", "sampling_params", "logs", *SHARED},
-    "server": {"engine", "messages", "config", "sampling_params", "logs", *SHARED},
-    "router": {"engine", "messages", "config", "sampling_params", *SHARED},
+    "server": {"engine", "messages", "config", "sampling_params", "logs", "webui", *SHARED},
+    "router": {"engine", "messages", "config", "sampling_params", "webui", *SHARED},
+    "webui": set(),               # the browser UI's static files, served by server and router
     "train": {"model", "distributed", "config", *SHARED},
     "planning": {"config", "model.arch_config", "model.loader", *SHARED},   # fit arithmetic, layouts
     "eval": {"engine", "model", "config", "sampling_params", "messages", *SHARED},

@@ -25,6 +25,7 @@ import pytest
 from tokenforge.bench.serving import storm
 
 from ..server.servers import ServerProcess, free_port
+from ..webui.browser import chromium, open_page, screenshot, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -164,6 +165,29 @@ async def _stream_through(url: str, prompt: str) -> tuple[str | None, str | None
         return replica, f"{type(err).__name__}"
 
 
+@pytest.fixture(scope="module")
+def dashboard(fleet):
+    """The prefix router's /ui/dashboard in a headless Chromium, open across the kill below."""
+    with chromium() as browser:
+        page = open_page(browser, fleet.prefix.url + "/ui/dashboard")
+        wait_ready(page)
+        yield page
+
+
+def _dashboard_rows(page) -> dict[str, str]:
+    rows = page.locator("#replica-table tbody tr").all()
+    return {row.locator("td").nth(0).inner_text(): row.locator("td").nth(1).inner_text() for row in rows}
+
+
+def test_the_router_dashboard_lists_its_three_replicas(fleet, dashboard, tmp_path):
+    dashboard.wait_for_function("() => document.querySelectorAll('#replica-table tbody tr').length === 3")
+    assert _dashboard_rows(dashboard) == {url: "admitted" for url in fleet.urls}
+    assert dashboard.inner_text("#card-admitted") == "3 / 3"
+    assert dashboard.locator(".chart").count() == 4
+    screenshot(dashboard, "ui-router-dashboard.png", tmp_path)
+    assert dashboard.problems == []
+
+
 def test_sigkill_of_a_replica_fails_no_request_that_was_not_streaming(fleet):
     """The router sends response headers only once the replica's arrived, so a failed request that
     carries the killed replica's name was already streaming from it; any other failure is a bug."""
@@ -188,3 +212,14 @@ def test_sigkill_of_a_replica_fails_no_request_that_was_not_streaming(fleet):
     states = {r["url"]: r["state"] for r in fleet.prefix.replicas()}
     assert states[victim.url] == "ejected"
     assert json.loads(httpx.get(fleet.prefix.url + "/health").text)["replicas_admitted"] == 2
+
+
+def test_the_router_dashboard_shows_the_killed_replica_ejected(fleet, dashboard):
+    victim = fleet.replicas[2].url
+    dashboard.wait_for_function("() => document.querySelector('#card-admitted').textContent === '2 / 3'")
+    assert _dashboard_rows(dashboard) == {**{url: "admitted" for url in fleet.urls}, victim: "ejected"}
+    row = dashboard.locator("#replica-table tbody tr", has_text=victim)
+    assert row.locator("td").nth(10).inner_text() == "1"            # one ejection counted
+    reason = next(r["reason"] for r in fleet.prefix.replicas() if r["url"] == victim)
+    assert reason and row.locator("td").nth(2).inner_text() == reason   # why, as /router/replicas says
+    assert dashboard.problems == []

@@ -43,6 +43,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                    help="admit replicas of one model that report different --model-version values")
     p.add_argument("--model-version", default=None, help="admit only replicas reporting this version")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="serve no web UI (/ui, /ui/dashboard, /ui/api/stats answer 404)")
     p.set_defaults(func=run_router)
     return p
 

@@ -110,6 +110,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="streaming: send a chunk at the first token, at the finish, and otherwise every TOKENS "
                         "tokens (default %(default)s: one chunk per token); larger values cut the server's "
                         "per-chunk CPU cost (as vLLM's --stream-interval)")
+    g.add_argument("--no-ui", action="store_true",
+                   help="serve no web UI: no /ui playground, /ui/dashboard or /ui/api/stats (404)")
     g.add_argument("--inference-mode", action="store_true",
                    help="playbook flag, accepted as a no-op: serving never trains (see `tokenforge train`)")
     return parser

@@ -96,6 +96,7 @@ class AsyncEngine:
         self._output_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
         self.identity = ModelIdentity(config.model.model_version, "")    # start() verifies the weights
+        self.startup_phases: dict[str, float] = {}      # the core's, seconds (from its Ready message)
 
     @classmethod
     async def start(cls, config: EngineConfig, *, core_path: str = DEFAULT_CORE, tokenizer=None,
@@ -126,6 +127,7 @@ class AsyncEngine:
                               eos_token_ids=tuple(tokenizer.eos_token_ids), max_model_len=ready.max_model_len)
         engine = cls(config.with_max_model_len(ready.max_model_len), runtime, tokenizer, client, stream_interval)
         engine.identity = identity
+        engine.startup_phases = dict(ready.startup_phases)
         engine._begin()
         return engine
 

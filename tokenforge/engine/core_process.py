@@ -64,6 +64,7 @@ class Ready(msgspec.Struct, tag="ready"):
     num_kv_blocks: int
     vocab_size: int
     max_model_len: int
+    startup_phases: dict[str, float] = msgspec.field(default_factory=dict)   # seconds (EngineCore's)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -165,9 +166,10 @@ class CoreLoop:
 
 def _ready_message(core) -> Ready:
     runtime = getattr(core, "runtime", None)
+    phases = dict(getattr(core, "startup_phases", None) or {})
     if runtime is not None:
-        return Ready(os.getpid(), runtime.num_kv_blocks, runtime.vocab_size, runtime.max_model_len)
-    return Ready(os.getpid(), core.num_kv_blocks, core.vocab_size, core.max_model_len)
+        return Ready(os.getpid(), runtime.num_kv_blocks, runtime.vocab_size, runtime.max_model_len, phases)
+    return Ready(os.getpid(), core.num_kv_blocks, core.vocab_size, core.max_model_len, phases)
 
 
 def _await_config(core_path: str, pipe) -> bytes | None:

@@ -61,6 +61,8 @@ async def serve(settings: RouterSettings) -> int:
         logger.info("router (%s) on http://%s:%d; replicas admitted: %s", settings.policy, settings.host,
                     settings.port, [r.url for r in app.pool.admitted()] or "none yet")
         poller = asyncio.create_task(app.pool.run(), name="replica-poller")
+        if app.ui is not None:
+            app.ui.start()
         config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                                 lifespan="off", access_log=False, timeout_keep_alive=75,
                                 timeout_graceful_shutdown=30)

@@ -24,6 +24,7 @@ from tokenforge.router.metrics import RouterMetrics
 from tokenforge.router.policy import Policy
 from tokenforge.router.replicas import Replica, ReplicaPool
 from tokenforge.router.settings import RouterSettings
+from tokenforge.router.ui import RouterUI
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class RouterApp:
         self.client = client
         self.metrics = metrics
         self.keys = [k.encode() for k in settings.api_keys]
+        self.ui = RouterUI(settings, pool, metrics) if settings.ui else None
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -67,6 +69,11 @@ class RouterApp:
             return
         if path == "/metrics":
             await _respond(send, 200, self.metrics.render(self.pool), self.metrics.content_type)
+        elif path == "/ui" or path.startswith("/ui/"):       # the router's own pages, never a replica's
+            if self.ui is None:
+                await _respond(send, *_error(404, "The web UI is off (--no-ui).", "not_found_error"))
+            else:
+                await self.ui(scope, receive, send)
         elif path == "/router/replicas":
             await _respond(send, *_json(200, {"replicas": [_describe(r) for r in self.pool.replicas.values()]}))
         else:

@@ -38,6 +38,7 @@ class RouterSettings:
     allow_mixed_versions: bool = False
     model_version: str | None = None        # pin: admit only replicas reporting this version
     log_level: str = "info"
+    ui: bool = True                         # /ui pages and /ui/api/stats (--no-ui: off)
 
     def validate(self) -> RouterSettings:
         def check(cond: bool, message: str) -> None:

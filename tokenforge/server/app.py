@@ -48,6 +48,7 @@ from tokenforge.server.serving_chat import create_chat_completion, render_prompt
 from tokenforge.server.serving_common import ServingContext
 from tokenforge.server.serving_completions import create_completion
 from tokenforge.server.settings import ServerSettings
+from tokenforge.server.ui import add_ui
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,7 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     state.metrics = ctx.metrics
     _add_openai_routes(app, ctx)
     _add_service_routes(app, ctx, state)
+    app.state.ui = add_ui(app, ctx) if settings.ui else None     # /ui, /ui/dashboard (--no-ui: none)
     install_error_handlers(app)
     # Starlette wraps in reverse order: the state gate runs first, then auth, then the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
@@ -297,6 +299,8 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
                                lifespan="off", timeout_keep_alive=settings.keep_alive_timeout,
                                timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
     server = _Server(uv_config, state)
+    if app.state.ui is not None:
+        app.state.ui.start(engine)       # the dashboard's history begins at start-up, not at its first view
     engine.on_death(lambda reason: _on_engine_death(server, state, reason))
     host, port = sock.getsockname()[:2]
     logger.info("serving %s (engine core pid %s) on http://%s:%d; ready in %.2f s", app.state.ctx.model_name,

@@ -39,6 +39,7 @@ class ServerSettings:
     # Streaming: a delta goes out at the first token, at every finish, and otherwise once this many
     # tokens are waiting (vLLM's --stream-interval). 1 = one chunk per token (the default).
     stream_interval: int = 1
+    ui: bool = True                             # /ui and /ui/dashboard (--no-ui: off)
 
     def validate(self) -> ServerSettings:
         def check(cond: bool, message: str) -> None:
@@ -86,4 +87,5 @@ class ServerSettings:
             protect_all_routes=bool(getattr(args, "protect_all_routes", False)),
             tool_call_parser=getattr(args, "tool_call_parser", None),
             stream_interval=getattr(args, "stream_interval", defaults.stream_interval),
+            ui=not getattr(args, "no_ui", False),
         ).validate()

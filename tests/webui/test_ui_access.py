@@ -1,0 +1,74 @@
+"""Who may open the web UI: --api-key (the page asks for the key, a wrong one is refused),
+--protect-all-routes (the pages themselves need the key) and --no-ui (no /ui route at all).
+
+The servers are the real HTTP stack around the fake engine core (tests/server/fake_server.py):
+these rules belong to the server, not to the model, and the fake starts in a second or two.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from ..server.servers import ServerProcess, fake_server
+from .browser import chromium, open_page, wait_ready
+
+KEY = "sk-ui-test"
+UI_PATHS = ("/ui", "/ui/", "/ui/dashboard", "/ui/assets/core.js", "/ui/api/stats")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    started: list[ServerProcess] = []
+    try:
+        for flags, key in ((("--max-model-len", "256"), KEY), (("--protect-all-routes",), KEY), (("--no-ui",), None)):
+            started.append(fake_server(*flags, api_key=key))
+        yield dict(zip(("keyed", "protected", "no_ui"), started))
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as b:
+        yield b
+
+
+def test_no_ui_leaves_no_ui_route(servers):
+    server = servers["no_ui"]
+    for path in UI_PATHS:
+        response = httpx.get(server.url + path)
+        assert response.status_code == 404, path
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert all(not p.startswith("/ui") for p in httpx.get(server.url + "/openapi.json").json()["paths"])
+
+
+def test_protect_all_routes_guards_the_pages_too(servers):
+    server = servers["protected"]
+    for path in UI_PATHS:
+        refused = httpx.get(server.url + path)
+        assert refused.status_code == 401, path
+        assert refused.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(server.url + path, headers=server.headers).status_code == 200, path
+
+
+def test_with_an_api_key_the_page_asks_for_it_and_refuses_a_wrong_one(servers, browser):
+    server = servers["keyed"]
+    wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sk-wrong"})
+    assert wrong.status_code == 401
+    assert httpx.get(server.url + "/ui").status_code == 200          # the page holds no data; /v1 needs the key
+    page = open_page(browser, server.url + "/ui")
+    page.wait_for_selector("#key-dialog[open]")
+    assert page.inner_text("#key-error") == ""
+    page.fill("#key-input", "sk-wrong")
+    page.press("#key-input", "Enter")
+    page.wait_for_selector("#key-error:not(:empty)")
+    assert page.inner_text("#key-error") == "The key was refused: " + wrong.json()["error"]["message"]
+    assert page.get_attribute("body", "data-ready") is None          # nothing was shown with the wrong key
+    page.fill("#key-input", KEY)
+    page.press("#key-input", "Enter")
+    wait_ready(page)
+    assert page.inner_text("#model-name") == httpx.get(server.url + "/v1/models", headers=server.headers).json()["data"][0]["id"]
+    assert page.evaluate("() => JSON.parse(localStorage.getItem('tokenforge.apiKey'))") == KEY
+    assert [p for p in page.problems if "status of 401" not in p] == []

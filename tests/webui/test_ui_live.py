@@ -1,0 +1,316 @@
+"""The web UI in a real headless Chromium against `tokenforge serve` on the bundled SmolLM2 (CPU).
+
+One server and one browser for the module. Every test opens its own page (a fresh context, so
+fresh localStorage) and ends with no console errors unless it provokes one on purpose. The
+playground's answers are compared with the same request made to the API directly.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from ..server.servers import ServerProcess
+from .browser import chromium, open_page, screenshot, wait_ready
+
+pytestmark = pytest.mark.slow
+
+SERVE = [sys.executable, "-m", "tokenforge.cli", "serve", "--device", "cpu", "--max-num-seqs", "8",
+         "--num-kv-blocks", "256", "--max-tokens-limit", "200", "--log-level", "warning"]
+MODEL = "SmolLM2-135M-Instruct"
+XSS = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
+
+
+@pytest.fixture(scope="module")
+def live():
+    server = ServerProcess(SERVE)
+    server.wait_healthy(300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with chromium() as b:
+        yield b
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def playground(browser, live, **context):
+    page = open_page(browser, live.url + "/ui", **context)
+    wait_ready(page)
+    return page
+
+
+def set_controls(page, **values) -> None:
+    for key, value in values.items():
+        selector = f"#p-{key}"
+        if key == "tool_choice":
+            page.select_option(selector, value)
+        else:
+            page.fill(selector, str(value))
+
+
+def send(page, text: str) -> None:
+    page.focus("#prompt")
+    page.keyboard.type(text)
+    page.keyboard.press("Enter")        # the keyboard alone sends
+
+
+def last_answer(page):
+    page.wait_for_selector("body:not([data-streaming='1'])", state="attached")
+    page.wait_for_selector("#chat .msg.assistant:not(.streaming) .speed")
+    return page.locator("#chat .msg.assistant").last
+
+
+def stored(page) -> dict:
+    """The current conversation as the page keeps it in localStorage."""
+    return page.evaluate("""() => { const id = JSON.parse(localStorage.getItem('tokenforge.current'));
+        return JSON.parse(localStorage.getItem('tokenforge.conversations')).find(c => c.id === id); }""")
+
+
+def api_chat(live, text: str, **params) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": text}], **params}
+    response = httpx.post(live.url + "/v1/chat/completions", json=body, timeout=300)
+    return response.json()
+
+
+def test_the_page_loads_fast_and_small_without_console_errors(browser, live):
+    sizes = []
+    page = open_page(browser, "")
+    page.on("response", lambda r: sizes.append(int(r.headers.get("content-length", "0") or 0))
+            if "/ui" in r.url else None)
+    page.goto(live.url + "/ui")
+    ready_ms = wait_ready(page)
+    assert page.inner_text("#model-name") == MODEL
+    assert page.get_attribute("#nav-playground", "aria-current") == "page"
+    assert sum(sizes) <= 200 * 1024, sizes
+    print(f"\nplayground interactive after {ready_ms:.0f} ms; first load {sum(sizes)} bytes over the wire")
+    assert page.problems == []
+
+
+def test_a_chat_message_streams_in_with_its_speed_line(browser, live, tmp_path):
+    page = playground(browser, live)
+    set_controls(page, temperature=0, max_tokens=24)
+    send(page, "Write a Python function that adds two numbers.")
+    streaming = page.wait_for_selector("#chat .msg.assistant.streaming .content")
+    page.wait_for_function("() => { const m = document.querySelector('#chat .msg.assistant');"
+                           " return m && m.textContent.length > 12; }")
+    assert page.locator("#stop").is_enabled() and streaming is not None
+    answer = last_answer(page)
+    speed = answer.locator(".speed").inner_text()
+    expected = api_chat(live, "Write a Python function that adds two numbers.", temperature=0, max_tokens=24)
+    usage = expected["usage"]
+    assert re.fullmatch(rf"{usage['prompt_tokens']} in · {usage['completion_tokens']} out · TTFT \d+ ms · "
+                        rf"[\d.]+ tok/s · finish: {expected['choices'][0]['finish_reason']}", speed), speed
+    content = expected["choices"][0]["message"]["content"]
+    assert stored(page)["messages"][1]["content"] == content      # the streamed text, exactly
+    assert answer.locator(".codeblock").count() == (content.count("```") + 1) // 2   # an open fence is a block
+    if "```python" in content:
+        assert answer.locator(".codeblock .tok-k").first.inner_text() in ("def", "return", "import")
+    screenshot(page, "ui-playground.png", tmp_path)
+    assert page.problems == []
+
+
+def test_stop_cuts_the_stream_and_the_server_frees_its_kv(browser, live):
+    page = playground(browser, live)
+    set_controls(page, temperature=0.8, seed=1, max_tokens=200)
+    generated = metric(live, "tokenforge:generation_tokens_total")
+    send(page, "Tell me a very long story about a dragon and a knight.")
+    page.wait_for_function("() => (document.querySelector('#chat .msg.assistant.streaming .content') || {})"
+                           ".textContent?.length > 5")
+    assert metric(live, "tokenforge:num_requests_running") == 1
+    assert metric(live, "tokenforge:kv_cache_usage_perc") > 0
+    page.click("#stop")
+    speed = last_answer(page).locator(".speed").inner_text()
+    assert "finish: stopped" in speed and "≈" in speed
+    deadline = time.monotonic() + 30
+    while metric(live, "tokenforge:kv_cache_usage_perc") > 0 or metric(live, "tokenforge:num_requests_running"):
+        assert time.monotonic() < deadline, "the stopped request still holds KV blocks"
+        time.sleep(0.2)
+    after = metric(live, "tokenforge:generation_tokens_total")
+    time.sleep(1.0)
+    assert metric(live, "tokenforge:generation_tokens_total") == after < generated + 200
+    assert page.locator("#send").is_enabled() and not page.locator("#stop").is_enabled()
+    assert page.problems == []
+
+
+def test_a_json_schema_request_yields_valid_json_in_the_page(browser, live):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                               "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    page = playground(browser, live)
+    set_controls(page, temperature=0, max_tokens=120, schema=json.dumps(schema))
+    send(page, "Name a large city and its population.")
+    answer = last_answer(page)
+    assert answer.locator(".badge").first.inner_text().lower() == "valid json"
+    value = json.loads(answer.locator(".json-output").inner_text())
+    assert set(value) == {"city", "population"} and isinstance(value["population"], int)
+    assert page.problems == []
+
+
+def test_a_tool_call_renders_as_a_tool_call(browser, live):
+    tools = [{"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    page = playground(browser, live)
+    set_controls(page, temperature=0, max_tokens=40, tools=json.dumps(tools), tool_choice="required")
+    send(page, "What is the weather in Paris?")
+    answer = last_answer(page)
+    call = answer.locator(".tool-call")
+    assert call.count() == 1 and call.get_attribute("data-name") == "get_weather"
+    assert call.locator(".badge").inner_text().lower() == "tool call"
+    assert "city" in json.loads(call.locator(".tool-args").inner_text())
+    assert "finish: tool_calls" in answer.locator(".speed").inner_text()
+    assert page.problems == []
+
+
+def test_a_bad_value_shows_the_servers_400_message(browser, live):
+    expected = httpx.post(live.url + "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "temperature": -1, "max_tokens": 4,
+        "stream": True, "stream_options": {"include_usage": True}})
+    assert expected.status_code == 400
+    page = playground(browser, live)
+    set_controls(page, temperature=-1, max_tokens=4)
+    send(page, "hi")
+    page.wait_for_selector("#error:not(:empty)")
+    assert page.inner_text("#error") == "Error 400: " + expected.json()["error"]["message"]
+    assert page.locator("#chat .msg.assistant").count() == 0 and page.locator("#send").is_enabled()
+    assert [p for p in page.problems if "status of 400" not in p] == []
+
+
+def test_model_output_with_script_and_onerror_is_shown_never_run(browser, live):
+    page = playground(browser, live)
+    extra = {"structured_outputs": {"choice": [XSS]}}
+    set_controls(page, temperature=0, max_tokens=100, extra=json.dumps(extra))
+    send(page, "Say something.")
+    answer = last_answer(page)
+    assert answer.locator(".content").inner_text().strip() == XSS
+    page.wait_for_timeout(300)          # an <img onerror> would have fired by now
+    assert page.evaluate("() => window.__pwned") is None
+    assert page.locator("#chat script, #chat img, #chat [onerror]").count() == 0
+    rendered = page.evaluate("""() => { const d = document.createElement('div');
+        d.append(TF.md.render('# t\\n' + arguments[0] + '\\n[x](javascript:alert(1)) **b** `c`\\n```html\\n<script>x</script>\\n```'));
+        return {html: d.innerHTML, links: [...d.querySelectorAll('a')].length,
+                tags: [...d.querySelectorAll('*')].map(e => e.tagName.toLowerCase())}; }""".replace("arguments[0]",
+                                                                                                   json.dumps(XSS)))
+    assert rendered["links"] == 0 and "script" not in rendered["tags"] and "img" not in rendered["tags"]
+    assert "&lt;script&gt;" in rendered["html"] and {"h3", "strong", "code", "pre"} <= set(rendered["tags"])
+    assert page.evaluate("() => window.__pwned") is None
+    assert page.problems == []
+
+
+def test_completions_mode_regenerate_and_edit_and_resend(browser, live):
+    page = playground(browser, live)
+    page.click("#new-completion")
+    set_controls(page, temperature=0, max_tokens=8)
+    send(page, "The capital of France is")
+    direct = httpx.post(live.url + "/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
+                                                             "temperature": 0, "max_tokens": 8}).json()
+    last_answer(page)
+    assert stored(page)["messages"][1] == {"role": "completion", "content": direct["choices"][0]["text"],
+                                           "json": False, "reasoning": "", "stats": stored(page)["messages"][1]["stats"]}
+    assert last_answer(page).locator(".content").text_content() == direct["choices"][0]["text"]
+    page.click("#new-chat")
+    set_controls(page, temperature=0, max_tokens=8)
+    send(page, "Hi")
+    last_answer(page)
+    page.click("#regenerate")
+    last_answer(page)
+    assert page.locator("#chat .msg").count() == 2
+    page.click("#chat .msg.user .edit")
+    page.fill("#chat .edit-box", "Name a color.")
+    page.click("#chat .resend")
+    answer = last_answer(page)
+    assert [m.inner_text() for m in page.locator("#chat .msg.user .content").all()] == ["Name a color."]
+    expected = api_chat(live, "Name a color.", temperature=0, max_tokens=8)["choices"][0]["message"]["content"]
+    assert stored(page)["messages"][1]["content"] == expected
+    assert page.locator(".conv-list .conv").count() == 3       # the first empty chat, the completion, this chat
+    assert page.problems == []
+
+
+def test_conversations_survive_a_reload_and_round_trip_through_export_and_import(browser, live, tmp_path):
+    page = playground(browser, live)
+    set_controls(page, temperature=0, max_tokens=4)
+    send(page, "Hello there")
+    last_answer(page)
+    page.reload()
+    wait_ready(page)
+    assert page.locator("#chat .msg.user .content").inner_text() == "Hello there"
+    with page.expect_download() as download:
+        page.click("#export")
+    exported = tmp_path / "conversations.json"
+    download.value.save_as(exported)
+    data = json.loads(exported.read_text())
+    assert data["format"] == "tokenforge.conversations" and data["conversations"][0]["messages"][0]["content"] == "Hello there"
+    page.set_input_files("#import-file", str(exported))
+    page.wait_for_function("() => document.querySelectorAll('.conv-list .conv').length === 2")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    page.set_input_files("#import-file", str(bad))
+    page.wait_for_selector("#error:not(:empty)")
+    assert page.inner_text("#error").startswith("Import failed: not JSON")
+    assert page.problems == []
+
+
+def test_phone_width_and_dark_theme(browser, live):
+    page = playground(browser, live, viewport={"width": 390, "height": 844}, color_scheme="dark")
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+    dark = page.evaluate("() => getComputedStyle(document.body).backgroundColor")
+    page.click("#theme-button")
+    light = page.evaluate("() => getComputedStyle(document.body).backgroundColor")
+    assert dark == "rgb(21, 22, 26)" and light == "rgb(247, 247, 248)"
+    page.goto(live.url + "/ui/dashboard")
+    wait_ready(page)
+    page.wait_for_selector(".chart[data-draws]")
+    assert page.evaluate("() => document.documentElement.scrollWidth") <= 390
+    assert page.problems == []
+
+
+def _load(url: str, stop: threading.Event) -> None:
+    with httpx.Client(timeout=300) as client:
+        while not stop.is_set():
+            client.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 24,
+                                                       "temperature": 0.8})
+
+
+def test_the_dashboard_charts_update_while_a_load_runs(browser, live, tmp_path):
+    page = open_page(browser, live.url + "/ui/dashboard")
+    wait_ready(page)
+    tokens = page.locator('.chart[data-chart="Tokens/s"]')
+    tokens.wait_for()
+    assert page.inner_text("#dash-model") == MODEL
+    assert page.locator("#phases li").count() >= 4            # the engine core's start-up phases
+    draws = int(tokens.get_attribute("data-draws"))
+    stop = threading.Event()
+    workers = [threading.Thread(target=_load, args=(live.url, stop)) for _ in range(3)]
+    for w in workers:
+        w.start()
+    try:
+        page.wait_for_function("""() => { const legend = document.querySelector('.chart[data-chart="Tokens/s"] .legend');
+            const out = legend && legend.children[1].querySelector('b').textContent;
+            return out && parseFloat(out) > 0; }""", timeout=300_000)
+        page.wait_for_function("() => document.querySelector('#card-running').textContent !== '0'", timeout=300_000)
+        page.wait_for_function("() => parseFloat(document.querySelector('.chart[data-chart=\"TTFT over the last minute\"]"
+                               " .legend b').textContent) > 0", timeout=300_000)
+        screenshot(page, "ui-dashboard.png", tmp_path)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join()
+    assert int(tokens.get_attribute("data-draws")) > draws
+    assert tokens.locator("path[data-series='out (generated)']").get_attribute("d").count("L") >= 1
+    assert "stop" in page.inner_text("#finished") or "length" in page.inner_text("#finished")
+    assert page.problems == []
