@@ -36,63 +36,91 @@ inline float hsum(__m256 v) {
 }
 #endif
 
-// One output: weight row (u4) . activation row.
-inline float dot_u4(const uint8_t* qs, const float* scale, const float* minv, const int8_t* xq, const float* dx,
-                    const int32_t* xsum, int64_t blocks) {
-    float acc_min = 0.f;
+// R outputs: one weight row (u4) . R activation rows (the weight block is unpacked once for all R).
+template <int R>
+inline void dot_u4(const uint8_t* qs, const float* scale, const float* minv, const int8_t* xq, const float* dx,
+                   const int32_t* xsum, int64_t K, int64_t blocks, float* out, int64_t out_stride) {
+    float acc_min[R] = {};
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m128i low = _mm_set1_epi8(0x0F);
     for (int64_t b = 0; b < blocks; ++b) {
         __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b));
         __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
-        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, x)), _mm256_set1_ps(dx[b] * scale[b]), acc);
-        acc_min += dx[b] * minv[b] * static_cast<float>(xsum[2 * b] + xsum[2 * b + 1]);
+        for (int r = 0; r < R; ++r) {
+            __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + 32 * b));
+            const float d = dx[r * blocks + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, x)), _mm256_set1_ps(d * scale[b]), acc[r]);
+            acc_min[r] += d * minv[b] * static_cast<float>(xsum[r * 2 * blocks + 2 * b] + xsum[r * 2 * blocks + 2 * b + 1]);
+        }
     }
-    return hsum(acc) + acc_min;
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + acc_min[r];
 #else
-    float acc = 0.f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        int32_t s = 0;
-        for (int j = 0; j < 16; ++j)
-            s += (qs[16 * b + j] & 0x0F) * xq[32 * b + j] + (qs[16 * b + j] >> 4) * xq[32 * b + 16 + j];
-        acc += dx[b] * scale[b] * static_cast<float>(s);
-        acc_min += dx[b] * minv[b] * static_cast<float>(xsum[2 * b] + xsum[2 * b + 1]);
+    for (int r = 0; r < R; ++r) {
+        float acc = 0.f;
+        const int8_t* x = xq + r * K;
+        for (int64_t b = 0; b < blocks; ++b) {
+            int32_t s = 0;
+            for (int j = 0; j < 16; ++j)
+                s += (qs[16 * b + j] & 0x0F) * x[32 * b + j] + (qs[16 * b + j] >> 4) * x[32 * b + 16 + j];
+            const float d = dx[r * blocks + b];
+            acc += d * scale[b] * static_cast<float>(s);
+            acc_min[r] += d * minv[b] * static_cast<float>(xsum[r * 2 * blocks + 2 * b] + xsum[r * 2 * blocks + 2 * b + 1]);
+        }
+        out[r * out_stride] = acc + acc_min[r];
     }
-    return acc + acc_min;
 #endif
 }
 
-// One output: weight row (i8, sub-blocks of 16) . activation row.
-inline float dot_i8(const int8_t* q, const float* scale, const float* minv, const int8_t* xq, const float* dx,
-                    const int32_t* xsum, int64_t blocks) {
-    float acc_min = 0.f;
+// R outputs: one weight row (i8, sub-blocks of 16) . R activation rows.
+template <int R>
+inline void dot_i8(const int8_t* q, const float* scale, const float* minv, const int8_t* xq, const float* dx,
+                   const int32_t* xsum, int64_t K, int64_t blocks, float* out, int64_t out_stride) {
+    float acc_min[R] = {};
 #if defined(__AVX2__)
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
         __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
-        __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * b));
-        // |w| (unsigned) times x carrying w's sign: the signed product through an unsigned-signed dot.
-        __m256i sums = dot_u8s8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));  // lanes 0-3: first 16
-        __m256 s = _mm256_set_m128(_mm_set1_ps(dx[b] * scale[2 * b + 1]), _mm_set1_ps(dx[b] * scale[2 * b]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc);
-        acc_min += dx[b] * (minv[2 * b] * static_cast<float>(xsum[2 * b]) +
-                            minv[2 * b + 1] * static_cast<float>(xsum[2 * b + 1]));
-    }
-    return hsum(acc) + acc_min;
-#else
-    float acc = 0.f;
-    for (int64_t b = 0; b < blocks; ++b) {
-        for (int h = 0; h < 2; ++h) {
-            int32_t s = 0;
-            for (int j = 0; j < 16; ++j) s += q[32 * b + 16 * h + j] * xq[32 * b + 16 * h + j];
-            acc += dx[b] * scale[2 * b + h] * static_cast<float>(s);
-            acc_min += dx[b] * minv[2 * b + h] * static_cast<float>(xsum[2 * b + h]);
+        __m256i w_abs = _mm256_sign_epi8(w, w);
+        __m256 s = _mm256_set_m128(_mm_set1_ps(scale[2 * b + 1]), _mm_set1_ps(scale[2 * b]));
+        for (int r = 0; r < R; ++r) {
+            __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + 32 * b));
+            // |w| (unsigned) times x carrying w's sign: the signed product through an unsigned-signed dot.
+            __m256i sums = dot_u8s8(w_abs, _mm256_sign_epi8(x, w));       // lanes 0-3: the first 16
+            const float d = dx[r * blocks + b];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[r]);
+            const int32_t* xs = xsum + r * 2 * blocks + 2 * b;
+            acc_min[r] += d * (minv[2 * b] * static_cast<float>(xs[0]) + minv[2 * b + 1] * static_cast<float>(xs[1]));
         }
     }
-    return acc + acc_min;
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + acc_min[r];
+#else
+    for (int r = 0; r < R; ++r) {
+        float acc = 0.f;
+        const int8_t* x = xq + r * K;
+        for (int64_t b = 0; b < blocks; ++b) {
+            const float d = dx[r * blocks + b];
+            for (int h = 0; h < 2; ++h) {
+                int32_t s = 0;
+                for (int j = 0; j < 16; ++j) s += q[32 * b + 16 * h + j] * x[32 * b + 16 * h + j];
+                acc += d * scale[2 * b + h] * static_cast<float>(s);
+                acc_min[r] += d * minv[2 * b + h] * static_cast<float>(xsum[r * 2 * blocks + 2 * b + h]);
+            }
+        }
+        out[r * out_stride] = acc + acc_min[r];
+    }
 #endif
+}
+
+template <int R>
+inline void dot_rows(int kind, const uint8_t* wq, const float* ws, const float* wm, const int8_t* xq, const float* dx,
+                     const int32_t* xsum, int64_t K, int64_t blocks, float* out, int64_t out_stride) {
+    if (kind == 0)
+        dot_u4<R>(wq, ws, wm, xq, dx, xsum, K, blocks, out, out_stride);
+    else
+        dot_i8<R>(reinterpret_cast<const int8_t*>(wq), ws, wm, xq, dx, xsum, K, blocks, out, out_stride);
 }
 
 }  // namespace
@@ -131,13 +159,11 @@ void tf_gguf_matmul(int kind, const void* q, const float* scale, const float* mi
         const uint8_t* wq = static_cast<const uint8_t*>(q) + n * row_bytes;
         const float* ws = scale + n * groups;
         const float* wm = minv + n * groups;
-        for (int64_t m = 0; m < M; ++m) {
-            const int8_t* xr = xq + m * K;
-            const float* dr = dx + m * blocks;
-            const int32_t* sr = xsum + m * 2 * blocks;
-            out[m * N + n] = kind == 0 ? dot_u4(wq, ws, wm, xr, dr, sr, blocks)
-                                       : dot_i8(reinterpret_cast<const int8_t*>(wq), ws, wm, xr, dr, sr, blocks);
-        }
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4)
+            dot_rows<4>(kind, wq, ws, wm, xq + m * K, dx + m * blocks, xsum + m * 2 * blocks, K, blocks, out + m * N + n, N);
+        for (; m < M; ++m)
+            dot_rows<1>(kind, wq, ws, wm, xq + m * K, dx + m * blocks, xsum + m * 2 * blocks, K, blocks, out + m * N + n, N);
     }
 }
 

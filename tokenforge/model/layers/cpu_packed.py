@@ -137,7 +137,8 @@ def quantize_linears_int8(model: nn.Module) -> int:
 def prepack_linears(model: nn.Module) -> int:
     """Give every module with a `packed_weight` slot an MKL-packed copy of its 2-D float32 CPU
     weight. Returns the number of packed modules (0 when packing does not apply)."""
-    modules = [m for m in model.modules() if hasattr(m, "packed_weight") and m.packed_weight is None]
+    modules = [m for m in model.modules() if hasattr(m, "packed_weight") and m.packed_weight is None
+               and getattr(m, "quant_method", None) is None]      # a quantized layer computes from its own tensors
     weights = [m.weight for m in modules]
     if not modules or not can_prepack() or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
         return 0

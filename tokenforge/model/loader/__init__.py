@@ -33,6 +33,7 @@ from tokenforge.model.loader.safetensors_loader import read_hf_config, safetenso
 from tokenforge.model.loader.weight_cache import WeightCache, cache_key
 from tokenforge.model.models import get_model_class
 from tokenforge.model.quant import QuantOptions, after_loading, before_loading, checkpoint_scheme
+from tokenforge.model.quant.gguf_native import attach_gguf_native
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +114,12 @@ def read_arch_config(model: str | Path | None, load_format: str = "auto") -> Arc
 def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
                seed: int = 0, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                cache: CacheOptions | None = None, quant: QuantOptions | None = None,
-               cpu_int8_dynamic: bool = False) -> LoadedModel:
+               cpu_int8_dynamic: bool = False, gguf_native: bool = False) -> LoadedModel:
     """Build the model for this rank on `device` and fill it: from the engine cache when it holds
     this rank's converted weights, else from the source (and then into the cache). `quant` then
     quantizes or prunes it (each rank's shard), and a pre-quantized safetensors checkpoint is
-    converted to the kernels' format. The engine cache holds the weights before on-the-fly
+    converted to the kernels' format. `gguf_native`: on the CPU, a GGUF model's linears then compute
+    in their stored block format (model/quant/gguf_native.py). The engine cache holds the weights before on-the-fly
     quantization (which runs after every load); a pre-quantized checkpoint bypasses the cache."""
     start = time.perf_counter()
     quant = quant or QuantOptions()
@@ -145,6 +147,8 @@ def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, d
             entry.store(net, {"source": str(source.path), "checksum": checksum, "dtype": str(dtype),
                               "tp": [tp_rank, tp_size], "pp": [pp_rank, pp_size], "kv_scales": kv_scales})
     after_loading(net, prepared, quant, cpu_int8_dynamic)
+    if gguf is not None and gguf_native and quant.is_empty and tp_size == 1 and torch.device(device).type == "cpu":
+        attach_gguf_native(net, gguf)
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s%s", source.path, source.kind, config.architecture, seconds,
