@@ -21,10 +21,32 @@ class TinyLlama:
     context: int = 128
 
 
+K_QUANTS = ("Q4_K", "Q5_K", "Q6_K")     # gguf.quants dequantizes these but cannot quantize them
+
+
+K_SHAPE = TinyLlama(hidden=256, intermediate=512, heads=4, kv_heads=2)
+
+
+def random_k_blocks(rng: np.random.Generator, kind: str, dims: tuple[int, int]) -> np.ndarray:
+    """Random K-quant blocks by the documented layout (any codes and scales are a valid block),
+    with the float16 super-block scales kept small so weights are about 1/sqrt(in) in size."""
+    qtype = gguf.GGMLQuantizationType[kind]
+    elems, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (dims[0] * dims[1] // elems, nbytes), dtype=np.uint8)
+    scale = 0.25 / np.sqrt(dims[1]) / (63 * 15 if kind != "Q6_K" else 64 * 32)
+    halves = (scale * (1 + rng.random((len(blocks), 2)))).astype(np.float16).view(np.uint8)
+    if kind == "Q6_K":
+        blocks[:, 208:210] = halves[:, :2]               # d sits last in block_q6_K
+    else:
+        blocks[:, 0:4] = halves                          # d, dmin first in block_q4_K / block_q5_K
+    return blocks.reshape(dims[0], -1)
+
+
 def write_tiny_gguf(path: Path, weight_type: str = "Q8_0", shape: TinyLlama = TinyLlama(), seed: int = 0,
                     mixed: dict[str, str] | None = None) -> Path:
     """A `llama` GGUF with random weights: the matrices in `weight_type` (or `mixed[gguf name
-    suffix]`), the norms in F32. Row lengths must be multiples of the type's block."""
+    suffix]`), the norms in F32. Row lengths must be multiples of the type's block (256 for the
+    K-quants: use `K_SHAPE`)."""
     rng = np.random.default_rng(seed)
     s = shape
     head_dim = s.hidden // s.heads
@@ -60,6 +82,8 @@ def write_tiny_gguf(path: Path, weight_type: str = "Q8_0", shape: TinyLlama = Ti
         qtype = gguf.GGMLQuantizationType[kind]
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, values)
+        elif kind in K_QUANTS:
+            writer.add_tensor(name, random_k_blocks(rng, kind, dims), raw_dtype=qtype)
         else:
             writer.add_tensor(name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
