@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tokenforge.kernels.gguf_repack import U4, PackedWeight, dequantize_packed
+from tokenforge.kernels.gguf_repack import PackedWeight, dequantize_packed
 
 logger = logging.getLogger(__name__)
 
@@ -97,12 +97,13 @@ def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     m, k = x2.shape
     xq = torch.empty(m, k, dtype=torch.int8)
     dx = torch.empty(m, k // 32, dtype=torch.float32)
-    xsum = torch.empty(m, k // 16, dtype=torch.int32)
-    lib.tf_quantize_activations(_ptr(x2), ctypes.c_int64(m), ctypes.c_int64(k), _ptr(xq), _ptr(dx), _ptr(xsum))
+    fx = torch.empty(m, k // 16, dtype=torch.float32)
+    lib.tf_quantize_activations(_ptr(x2), ctypes.c_int64(m), ctypes.c_int64(k), _ptr(xq), _ptr(dx), _ptr(fx))
     out = torch.empty(m, w.out_features, dtype=torch.float32)
-    lib.tf_gguf_matmul(ctypes.c_int(w.kind), _ptr(w.q), _ptr(w.scale), _ptr(w.minv), ctypes.c_int64(w.out_features),
-                       ctypes.c_int64(k), _ptr(xq), _ptr(dx), _ptr(xsum), ctypes.c_int64(m), _ptr(out))
+    minv = _ptr(w.minv) if w.has_min else ctypes.c_void_p(None)
+    lib.tf_gguf_matmul(ctypes.c_int(w.kind), _ptr(w.q), _ptr(w.scale), minv, ctypes.c_int64(w.out_features),
+                       ctypes.c_int64(k), _ptr(xq), _ptr(dx), _ptr(fx), ctypes.c_int64(m), _ptr(out))
     return out.reshape(*lead, w.out_features)
 
 
-__all__ = ["U4", "gguf_matmul", "gguf_matmul_ref", "native_library", "quantize_activations_ref"]
+__all__ = ["gguf_matmul", "gguf_matmul_ref", "native_library", "quantize_activations_ref"]

@@ -27,8 +27,9 @@ class PackedWeight:
     kind: int               # U4 or I8
     q: torch.Tensor         # u4: uint8 [N, K/2]; i8: int8 [N, K]
     scale: torch.Tensor     # float32 [N, K/32] (u4) or [N, K/16] (i8)
-    minv: torch.Tensor      # like scale
+    minv: torch.Tensor      # float32 [N, K/16] (both layouts)
     in_features: int
+    has_min: bool = True    # False: minv is all zero (Q8_0, Q6_K) and the kernel skips it
 
     @property
     def out_features(self) -> int:
@@ -37,7 +38,7 @@ class PackedWeight:
     def rows(self, index: torch.Tensor) -> PackedWeight:
         """A row permutation or selection (llama.cpp's q/k row order, or a TP shard)."""
         return PackedWeight(self.kind, self.q[index].contiguous(), self.scale[index].contiguous(),
-                            self.minv[index].contiguous(), self.in_features)
+                            self.minv[index].contiguous(), self.in_features, self.has_min)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv))
@@ -47,7 +48,7 @@ def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
     """Fused projections (q|k|v, gate|up): the row blocks one after the other."""
     assert len({(p.kind, p.in_features) for p in parts}) == 1
     return PackedWeight(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                        torch.cat([p.minv for p in parts]), parts[0].in_features)
+                        torch.cat([p.minv for p in parts]), parts[0].in_features, any(p.has_min for p in parts))
 
 
 def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
@@ -64,8 +65,11 @@ def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
     else:
         raise ValueError(f"ggml type {ggml_type} has no native CPU kernel (native: {', '.join(NATIVE_TYPES.values())})")
     kind = U4 if ggml_type in (Q4_0, Q4_1, Q4_K) else I8
-    return PackedWeight(kind, q.reshape(n, -1).contiguous(), scale.reshape(n, -1).contiguous(),
-                        minv.reshape(n, -1).contiguous(), in_features)
+    minv = minv.reshape(n, -1)
+    if kind == U4:                       # one min per 16 in both layouts
+        minv = minv.repeat_interleave(2, dim=1)
+    return PackedWeight(kind, q.reshape(n, -1).contiguous(), scale.reshape(n, -1).contiguous(), minv.contiguous(),
+                        in_features, ggml_type not in (Q8_0, Q6_K))
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -129,7 +133,8 @@ def dequantize_packed(w: PackedWeight) -> torch.Tensor:
     """float32 [N, K]: `scale * q + min` (the dequantized reference)."""
     n, k = w.out_features, w.in_features
     if w.kind == U4:
-        codes = torch.cat([w.q.reshape(n, -1, 16) & 0xF, w.q.reshape(n, -1, 16) >> 4], dim=2).float()  # [N, K/32, 32]
-        return (codes * w.scale.unsqueeze(-1) + w.minv.unsqueeze(-1)).reshape(n, k)
-    codes = w.q.reshape(n, -1, 16).float()
-    return (codes * w.scale.unsqueeze(-1) + w.minv.unsqueeze(-1)).reshape(n, k)
+        q = w.q.reshape(n, -1, 16)
+        codes = torch.cat([q & 0xF, q >> 4], dim=2).reshape(n, k).float()
+    else:
+        codes = w.q.float()
+    return codes * w.scale.repeat_interleave(k // w.scale.shape[1], dim=1) + w.minv.repeat_interleave(16, dim=1)
