@@ -11,7 +11,7 @@ import torch
 from tests.model.gguf_builder import K_QUANTS, K_SHAPE, TinyLlama, write_tiny_gguf
 from tokenforge.kernels import gguf_cpu
 from tokenforge.model.loader import load_model
-from tokenforge.model.quant.gguf_native import GGUFNative
+from tokenforge.model.quant.gguf_native import DEQUANTIZE_ROWS, GGUFNative
 
 PROMPTS = [[1, 5, 17, 33, 2, 60, 61, 9], list(range(10, 40))]
 CASES = {"Q4_0": ("Q4_0", None), "Q4_1": ("Q4_1", None), "Q8_0": ("Q8_0", None), "Q4_K": ("Q4_K", None),
@@ -55,3 +55,14 @@ def test_logits_follow_the_dequantized_weights(loaded, paged_driver, monkeypatch
     print(f"\n[tokenforge] {kind} ({path}): logits vs float32 dequantized, relative error {rel:.2e}")
     assert rel < 0.03, f"{kind}: relative logit error {rel:.3f}"
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
+
+
+def test_long_prefill_chunks_run_the_dequantized_weight(loaded):
+    """Above DEQUANTIZE_ROWS rows a layer multiplies its dequantized blocks in float (no 8-bit
+    activations): exactly the float32 path's product."""
+    _, native, dequantized = loaded
+    x = torch.randn(DEQUANTIZE_ROWS + 1, native.config.hidden_size)
+    layer, reference = native.model.layers[0].mlp.gate_up_proj, dequantized.model.layers[0].mlp.gate_up_proj
+    torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
+    short = layer(x[:DEQUANTIZE_ROWS])
+    assert not torch.allclose(short, reference(x[:DEQUANTIZE_ROWS]), rtol=1e-5, atol=1e-5)   # 8-bit activations
