@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from tokenforge.model.arch_config import ArchConfig, RopeScaling
-from tokenforge.model.loader.gguf_file import GGUFFile
 from tokenforge.source import BUNDLED_FILE, BUNDLED_PACKAGE, find_bundled_gguf  # noqa: F401 - re-exported
+from tokenforge.model.loader.gguf_file import GGUFFile, GGUFFormatError
 
 
 # GGUF `general.architecture` -> HF architecture (llama.cpp writes Mistral as "llama").
@@ -32,40 +32,115 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def arch_config_from_gguf(gguf: GGUFFile) -> ArchConfig:
+    """The architecture from the metadata, checked against the tensor table: every number the
+    model is built from must agree with a tensor the file really holds, so a corrupt count cannot
+    make us allocate more than the file's own size."""
     meta = gguf.metadata
-    arch = str(meta["general.architecture"])
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str):
+        raise GGUFFormatError(gguf.path, "metadata 'general.architecture'", f"expected a string, got {arch!r}")
     if arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}")
+        raise GGUFFormatError(gguf.path, "metadata 'general.architecture'",
+                              f"unsupported architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}")
     if "rope_freqs.weight" in gguf.tensors:
-        raise ValueError(f"{gguf.path}: GGUF files with per-dimension rope_freqs (Llama 3.1 rope scaling) are not "
-                         "supported yet; load the HF safetensors directory instead")
-
-    def get(key: str, default=None):
-        return meta.get(f"{arch}.{key}", default)
-
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    vocab = int(get("vocab_size") or gguf.array_lengths.get("tokenizer.ggml.tokens", 0))
+        raise GGUFFormatError(gguf.path, "tensor 'rope_freqs.weight'", "per-dimension rope_freqs (Llama 3.1 rope "
+                              "scaling) are not supported yet; load the HF safetensors directory instead")
+    fields = _MetadataFields(gguf, arch)
+    heads = fields.count("attention.head_count")
+    hidden = fields.count("embedding_length")
+    vocab = fields.count("vocab_size", gguf.array_lengths.get("tokenizer.ggml.tokens", 0))
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-    return ArchConfig(
-        architecture=_GGUF_ARCHITECTURES[arch],
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_hidden_layers=int(get("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
-        vocab_size=vocab,
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(get("rope.scaling.type"), get("rope.scaling.factor")),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        tie_word_embeddings="output.weight" not in gguf.tensors,
-        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
-        max_position_embeddings=int(get("context_length", 2048)),
-        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-        eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if e is not None)),
-        torch_dtype=None,
-    ).validated()
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    try:
+        config = ArchConfig(
+            architecture=_GGUF_ARCHITECTURES[arch],
+            hidden_size=hidden,
+            intermediate_size=fields.count("feed_forward_length"),
+            num_hidden_layers=fields.count("block_count", limit=len(gguf.tensors) // 9),    # 9 tensors a layer
+            num_attention_heads=heads,
+            num_key_value_heads=fields.count("attention.head_count_kv", heads),
+            head_dim=fields.count("attention.key_length", 0) or fields.count("rope.dimension_count", 0)
+            or hidden // heads,
+            vocab_size=vocab,
+            rope_theta=fields.number("rope.freq_base", 10000.0),
+            rope_scaling=_rope_scaling(meta.get(f"{arch}.rope.scaling.type"), meta.get(f"{arch}.rope.scaling.factor")),
+            rms_norm_eps=fields.number("attention.layer_norm_rms_epsilon", 1e-6),
+            tie_word_embeddings="output.weight" not in gguf.tensors,
+            attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+            max_position_embeddings=fields.count("context_length", 2048, limit=_MAX_CONTEXT),
+            bos_token_id=bos if type(bos) is int else None,
+            eos_token_ids=tuple(dict.fromkeys(int(e) for e in eos if type(e) is int)),
+            torch_dtype=None,
+        ).validated()
+    except ValueError as exc:
+        if isinstance(exc, GGUFFormatError):
+            raise
+        raise GGUFFormatError(gguf.path, "metadata", str(exc)) from exc
+    _check_tensor_table(gguf, config)
+    return config
+
+
+_MAX_CONTEXT = 1 << 24      # the rotary table is built for this many positions: refuse absurd ones
+
+
+class _MetadataFields:
+    """`{arch}.{key}` metadata values, type- and range-checked (a GGUFFormatError naming the key)."""
+
+    def __init__(self, gguf: GGUFFile, arch: str) -> None:
+        self.gguf, self.arch = gguf, arch
+
+    def _get(self, key: str, default):
+        full = f"{self.arch}.{key}"
+        if full not in self.gguf.metadata:
+            if default is None:
+                raise GGUFFormatError(self.gguf.path, f"metadata {full!r}", "is missing")
+            return full, default
+        return full, self.gguf.metadata[full]
+
+    def count(self, key: str, default: int | None = None, limit: int = 1 << 31) -> int:
+        full, value = self._get(key, default)
+        if type(value) is not int or not 0 <= value <= limit or (value == 0 and default != 0):
+            raise GGUFFormatError(self.gguf.path, f"metadata {full!r}", f"expected a positive integer up to {limit}, "
+                                                                        f"got {value!r}")
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        full, value = self._get(key, default)
+        if type(value) not in (int, float) or not 0 < value < float("inf"):
+            raise GGUFFormatError(self.gguf.path, f"metadata {full!r}", f"expected a positive number, got {value!r}")
+        return float(value)
+
+
+def expected_tensor_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
+    """GGUF tensor name -> torch-order shape, for every tensor a file of this config may hold."""
+    h, q, kv, inter = config.hidden_size, config.q_size, config.kv_size, config.intermediate_size
+    shapes = {"token_embd.weight": (config.vocab_size, h), "output_norm.weight": (h,), "output.weight": (config.vocab_size, h)}
+    per_layer = {"attn_norm.weight": (h,), "ffn_norm.weight": (h,), "attn_q.weight": (q, h), "attn_k.weight": (kv, h),
+                 "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_gate.weight": (inter, h),
+                 "ffn_up.weight": (inter, h), "ffn_down.weight": (h, inter),
+                 "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
+    for layer in range(config.num_hidden_layers):
+        shapes.update({f"blk.{layer}.{name}": shape for name, shape in per_layer.items()})
+    return shapes
+
+
+def _check_tensor_table(gguf: GGUFFile, config: ArchConfig) -> None:
+    expected = expected_tensor_shapes(config)
+    for name, info in gguf.tensors.items():
+        if name not in expected:
+            raise GGUFFormatError(gguf.path, f"tensor {name!r}", f"has no counterpart in a {config.num_hidden_layers}"
+                                  f"-layer {config.architecture} model")
+        if info.shape != expected[name]:
+            raise GGUFFormatError(gguf.path, f"tensor {name!r} shape", f"{list(info.shape)} disagrees with the "
+                                  f"metadata's architecture (expected {list(expected[name])})")
+    optional = ("output.weight", ".attn_q.bias", ".attn_k.bias", ".attn_v.bias")
+    for name in expected:
+        if name not in gguf.tensors and not name.endswith(optional):
+            raise GGUFFormatError(gguf.path, f"tensor {name!r}", "is missing")
+    if config.attention_bias:
+        for name in expected:
+            if name.endswith(optional[1:]) and name not in gguf.tensors:
+                raise GGUFFormatError(gguf.path, f"tensor {name!r}", "is missing")
 
 
 def gguf_weights(gguf: GGUFFile, config: ArchConfig, wanted: Callable[[str], bool] = lambda name: True
@@ -98,12 +173,13 @@ def _hf_name(gguf_name: str) -> str:
     base, _, suffix = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[base]}.{suffix}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama-family model")
+    raise ValueError(f"GGUF tensor {gguf_name!r} has no counterpart in the Llama-family model")  # checked earlier
 
 
-def _rope_scaling(kind: str | None, factor: float | None) -> RopeScaling | None:
-    if kind in (None, "none"):
+def _rope_scaling(kind: object, factor: object) -> RopeScaling | None:
+    if kind is None or kind == "none":
         return None
-    if kind == "linear" and factor:
+    if kind == "linear" and type(factor) in (int, float) and 0 < factor < float("inf"):
         return RopeScaling(rope_type="linear", factor=float(factor))
-    raise ValueError(f"GGUF rope scaling {kind!r} is not supported (supported: none, linear)")
+    raise ValueError(f"rope scaling {kind!r} (factor {factor!r}) is not supported (supported: none, linear with a "
+                     "positive factor)")

@@ -1,0 +1,140 @@
+"""GGUF blocks -> the two layouts the CPU kernel computes in (kernels/gguf_cpu.cpp), losslessly.
+
+Every supported type is, per sub-block, `w = scale * q + min` with small integer codes q:
+- u4 (blocks of 32, 4-bit codes): Q4_0 (min = -8 d), Q4_1, Q4_K (scale = d * sc, min = -dmin * m
+  per 32-element sub-block);
+- i8 (sub-blocks of 16, signed 8-bit codes): Q8_0, Q5_K (codes 0..31, two 16s share a sub-block's
+  scale and min), Q6_K (codes q - 32, one int8 scale per 16).
+Scales and mins are float32 (d * sc is not a float16), so `scale * q + min` rounds exactly as
+gguf.quants.dequantize does. Layouts as in ggml-quants.c (block_q4_K and friends).
+
+In: raw uint8 [N, row_bytes] of one tensor, its ggml type. Out: `PackedWeight`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+U4, I8 = 0, 1
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    kind: int               # U4 or I8
+    q: torch.Tensor         # u4: uint8 [N, K/2]; i8: int8 [N, K]
+    scale: torch.Tensor     # float32 [N, K/32] (u4) or [N, K/16] (i8)
+    minv: torch.Tensor      # float32 [N, K/16] (both layouts)
+    in_features: int
+    has_min: bool = True    # False: minv is all zero (Q8_0, Q6_K) and the kernel skips it
+
+    @property
+    def out_features(self) -> int:
+        return self.q.shape[0]
+
+    def rows(self, index: torch.Tensor) -> PackedWeight:
+        """A row permutation or selection (llama.cpp's q/k row order, or a TP shard)."""
+        return PackedWeight(self.kind, self.q[index].contiguous(), self.scale[index].contiguous(),
+                            self.minv[index].contiguous(), self.in_features, self.has_min)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv))
+
+
+def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
+    """Fused projections (q|k|v, gate|up): the row blocks one after the other."""
+    assert len({(p.kind, p.in_features) for p in parts}) == 1
+    return PackedWeight(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                        torch.cat([p.minv for p in parts]), parts[0].in_features, any(p.has_min for p in parts))
+
+
+def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
+    """raw uint8 [N, row_bytes] -> PackedWeight [N, in_features]."""
+    n = raw.shape[0]
+    if ggml_type in (Q4_0, Q4_1, Q8_0):
+        q, scale, minv = _repack_legacy(raw.reshape(-1, {Q4_0: 18, Q4_1: 20, Q8_0: 34}[ggml_type]), ggml_type)
+    elif ggml_type == Q4_K:
+        q, scale, minv = _repack_q4_k(raw.reshape(-1, 144))
+    elif ggml_type == Q5_K:
+        q, scale, minv = _repack_q5_k(raw.reshape(-1, 176))
+    elif ggml_type == Q6_K:
+        q, scale, minv = _repack_q6_k(raw.reshape(-1, 210))
+    else:
+        raise ValueError(f"ggml type {ggml_type} has no native CPU kernel (native: {', '.join(NATIVE_TYPES.values())})")
+    kind = U4 if ggml_type in (Q4_0, Q4_1, Q4_K) else I8
+    minv = minv.reshape(n, -1)
+    if kind == U4:                       # one min per 16 in both layouts
+        minv = minv.repeat_interleave(2, dim=1)
+    return PackedWeight(kind, q.reshape(n, -1).contiguous(), scale.reshape(n, -1).contiguous(), minv.contiguous(),
+                        in_features, ggml_type not in (Q8_0, Q6_K))
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[nb, 2] uint8 -> [nb, 1] float32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def _pack_u4(codes: torch.Tensor) -> torch.Tensor:
+    """codes uint8 [..., 32] -> [..., 16]: byte j = element j | element j+16 << 4."""
+    return codes[..., :16] | (codes[..., 16:] << 4)
+
+
+def _repack_legacy(blocks: torch.Tensor, ggml_type: int):
+    d = _f16(blocks[:, :2])                                      # [nb, 1]
+    if ggml_type == Q8_0:
+        return blocks[:, 2:].contiguous().view(torch.int8), d.repeat(1, 2), torch.zeros(len(blocks), 2)
+    if ggml_type == Q4_0:
+        return blocks[:, 2:], d, d * -8.0
+    return blocks[:, 4:], d, _f16(blocks[:, 2:4])
+
+
+def _k_scales(blocks: torch.Tensor):
+    """Q4_K / Q5_K: the 8 sub-blocks' float scale (d * sc) and min (-dmin * m), [nb, 8] each."""
+    d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
+    s = blocks[:, 4:16].to(torch.int32)                            # [nb, 12]: 6-bit sc, m packed
+    sc = torch.cat([s[:, 0:4] & 63, (s[:, 8:12] & 0xF) | ((s[:, 0:4] >> 6) << 4)], dim=1)
+    m = torch.cat([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], dim=1)
+    return d * sc.float(), -(dmin * m.float())
+
+
+def _nibble_planes(qs: torch.Tensor) -> torch.Tensor:
+    """[nb, 128] -> codes [nb, 8, 32]: chunk c's 32 bytes give sub-block 2c (low) and 2c+1 (high)."""
+    chunks = qs.reshape(-1, 4, 1, 32)
+    return torch.cat([chunks & 0xF, chunks >> 4], dim=2).reshape(-1, 8, 32)
+
+
+def _repack_q4_k(blocks: torch.Tensor):
+    scale, minv = _k_scales(blocks)
+    return _pack_u4(_nibble_planes(blocks[:, 16:144])), scale, minv
+
+
+def _repack_q5_k(blocks: torch.Tensor):
+    scale, minv = _k_scales(blocks)
+    qh = blocks[:, 16:48].reshape(-1, 1, 32)                        # bit i of qh[l]: sub-block i, element l
+    bits = (qh >> torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)) & 1
+    codes = _nibble_planes(blocks[:, 48:176]) | (bits << 4)         # [nb, 8, 32], 0..31
+    return codes.view(torch.int8), scale.repeat_interleave(2, dim=1), minv.repeat_interleave(2, dim=1)
+
+
+def _repack_q6_k(blocks: torch.Tensor):
+    ql, qh = blocks[:, :128].reshape(-1, 2, 2, 32), blocks[:, 128:192].reshape(-1, 2, 1, 32)
+    sc = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [nb, 16]
+    d = _f16(blocks[:, 208:210])
+    low = torch.cat([ql & 0xF, ql >> 4], dim=2)                     # [nb, half, 4, 32]: l, l+32, l+64, l+96
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+    codes = (low | (high << 4)).to(torch.int16) - 32
+    return codes.to(torch.int8).reshape(-1, 256), d * sc, torch.zeros_like(sc)
+
+
+def dequantize_packed(w: PackedWeight) -> torch.Tensor:
+    """float32 [N, K]: `scale * q + min` (the dequantized reference)."""
+    n, k = w.out_features, w.in_features
+    if w.kind == U4:
+        q = w.q.reshape(n, -1, 16)
+        codes = torch.cat([q & 0xF, q >> 4], dim=2).reshape(n, k).float()
+    else:
+        codes = w.q.float()
+    return codes * w.scale.repeat_interleave(k // w.scale.shape[1], dim=1) + w.minv.repeat_interleave(16, dim=1)
