@@ -237,4 +237,8 @@ class EngineCore:
         return self.executor.stop_profile()
 
     def shutdown(self) -> None:
+        """Stop the workers and free the device memory now (steps still in flight hold logits
+        and sampled ids on the device: they go first)."""
+        self._in_flight = self._awaiting_masks = None
+        self._pipeline.clear()
         self.executor.shutdown()

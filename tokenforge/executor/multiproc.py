@@ -175,7 +175,7 @@ class MultiprocExecutor(Executor):
             proc.join(10.0)
         self._kill_workers()
         parallel_state.destroy_distributed()
-        self.runner = None
+        super().shutdown()   # rank 0's own runner: its tensors freed without the GC
 
     def _send(self, message) -> None:
         self.channel.send(self.encoder.encode(message))
