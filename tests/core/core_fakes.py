@@ -41,8 +41,12 @@ def fake_prompt_logprob(token: int) -> PositionLogprobs:
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int, pool: BlockPool | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, pool: BlockPool | None = None,
+                 tokens_per_step: int = 1) -> None:
         self.block_size = block_size
+        # >1: each sampling sequence returns that many tokens, as if a proposer's guesses were all
+        # accepted (the first from the KV slots, the rest continuing the same function).
+        self.tokens_per_step = tokens_per_step
         self.slots: list[int | None] = [None] * (num_blocks * block_size)
         self.pool = pool                      # when given, check that writes hit private blocks
         self.num_steps = 0
@@ -71,7 +75,11 @@ class FakeRunner:
             end = seq.start_position + len(seq.token_ids)
             if seq.sample:
                 context = [self.slots[table[p // bs] * bs + p % bs] for p in range(end)]
-                out.sampled_token_ids[seq.request_id] = next_token(context)
+                tokens = [next_token(context)]
+                for _ in range(self.tokens_per_step - 1):
+                    context.append(tokens[-1])
+                    tokens.append(next_token(context))
+                out.sampled_token_ids[seq.request_id] = tokens
             if seq.want_prompt_logprobs:
                 # index j scores the token at start + j + 1; the last one may lie past the prompt
                 prompt = seq.prompt_token_ids
@@ -79,7 +87,7 @@ class FakeRunner:
                     fake_prompt_logprob(prompt[p + 1]) for p in range(seq.start_position, end)
                     if p + 1 < len(prompt)]
         self.num_steps += 1
-        self.prev_sampled = dict(out.sampled_token_ids)
+        self.prev_sampled = {rid: tokens[0] for rid, tokens in out.sampled_token_ids.items()}
         return out
 
 

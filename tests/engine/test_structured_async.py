@@ -132,4 +132,4 @@ def test_a_deferred_step_must_be_sampled_before_the_next_launch_or_collect():
     second[:] = 0
     second[0, 7 // 32] = 1 << 7                          # only token 7 is allowed
     runner.sample(step, SchedulerOutput([seq], grammar_rows=[0], grammar_bitmask=second))
-    assert runner.collect(step).sampled_token_ids == {"r": 7}
+    assert runner.collect(step).sampled_token_ids == {"r": [7]}

@@ -2,7 +2,12 @@
 
 Scheduler -> executor: `SchedulerOutput` (which tokens of which request to compute, where their
 KV goes, and who samples). Executor -> scheduler: `ModelRunnerOutput` (sampled token ids and
-logprobs as Python lists; never tensors).
+logprobs as Python lists; never tensors). A request that samples gets a list of new tokens per
+step: zero, one or several (one today; speculative decoding returns several), each with its
+logprobs. The scheduler takes them one by one and stops at the first that ends the request (a stop
+token, max_tokens, the length cap): the tokens after it are dropped. A step scheduled ahead (async
+scheduling) reads the first token of the step before as its placeholder, so several tokens per
+step need synchronous steps until a proposer plans for the placeholders.
 """
 
 from __future__ import annotations
@@ -35,6 +40,15 @@ class ScheduledSequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def prompt_logprob_rows(self) -> int:
+        """Rows of this chunk whose logits give prompt logprobs: row j predicts prompt token
+        start + j + 1, so the chunk stops counting at the prompt's end. (A worker's
+        `WorkerSequence` carries the same number as a field.)"""
+        if not self.want_prompt_logprobs:
+            return 0
+        return max(0, min(len(self.token_ids), len(self.prompt_token_ids) - 1 - self.start_position))
 
 
 @dataclass(slots=True)
@@ -85,6 +99,7 @@ class SchedulerOutput:
 
 @dataclass(slots=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)            # only for seqs with sample
-    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)
+    # Only for the sequences that sample: their new tokens, 0..n, and one logprobs entry per token.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # per chunk position

@@ -44,8 +44,10 @@ from tokenforge.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenforge.core.kv_tiers import KVTierPolicy
 from tokenforge.core.outputs import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledSequence,
                                      SchedulerOutput, TierLoadResult)
+from tokenforge.core.prompt_logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tokenforge.core.request import Request, RequestStatus
-from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, PositionLogprobs
+from tokenforge.core.stop_conditions import append_until_stop
+from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 
 class Scheduler:
@@ -315,8 +317,7 @@ class Scheduler:
             start_position=start, block_table=self.kv.block_table(req),
             sample=sample, params=req.params,
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
-            want_prompt_logprobs=(req.params.prompt_logprobs is not None
-                                  and self._wants_prompt_logprobs(req, start)),
+            want_prompt_logprobs=req.params.prompt_logprobs is not None and wants_prompt_logprobs(req, start),
             banned_token_ids=self._banned_tokens(req) if sample else ())
         req.num_computed_tokens = end
         req.num_output_placeholders += sample
@@ -334,13 +335,6 @@ class Scheduler:
             return ()
         return (*(() if p.ignore_eos else req.eos_token_ids), *p.stop_token_ids)
 
-    @staticmethod
-    def _wants_prompt_logprobs(req: Request, start: int) -> bool:
-        """Asked for, not yet all sent, and this chunk starts inside the prompt."""
-        n_prompt = req.num_prompt_tokens
-        return (req.params.prompt_logprobs is not None and not req.output_token_ids
-                and start < n_prompt and req.num_prompt_logprobs_emitted < n_prompt)
-
     # ---- update --------------------------------------------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
@@ -355,36 +349,37 @@ class Scheduler:
         finished_running = finished_waiting = False
         if self.pipeline_steps > 1:
             self._busy.difference_update(s.request_id for s in scheduler_output.sequences)
+        sampled, logprobs = model_runner_output.sampled_token_ids, model_runner_output.logprobs
         for seq in scheduler_output.sequences:
             req = self.requests.get(seq.request_id)
             if req is None:
                 continue                       # finished or aborted since it was scheduled
             running = req.status == RequestStatus.RUNNING
-            prompt_lps = (self._take_prompt_logprobs(req, seq, model_runner_output)
-                          if seq.want_prompt_logprobs else None)
-            if not seq.sample:
-                if running:
-                    self.kv.cache_blocks(req)
+            prompt_lps = take_prompt_logprobs(req, seq, model_runner_output) if seq.want_prompt_logprobs else None
+            tokens, status = (), None
+            if seq.sample:
+                req.num_output_placeholders -= 1
+                tokens, status = append_until_stop(req, sampled[req.request_id], self.max_len)
+                if not tokens and running and not req.num_output_placeholders:
+                    req.num_computed_tokens -= 1   # nothing sampled: the next step samples its last token again
+            if running:
+                self.kv.cache_blocks(req)
+            if not tokens:
                 if prompt_lps:
                     outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=prompt_lps,
                                                     num_cached_tokens=req.num_cached_tokens))
                 continue
-            token = model_runner_output.sampled_token_ids[req.request_id]
-            req.num_output_placeholders -= 1
-            req.append_output_token(token)
-            if running:
-                self.kv.cache_blocks(req)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status, now)
                 finished_running |= running
                 finished_waiting |= not running
-            logprobs = model_runner_output.logprobs.get(req.request_id)
+            lps = logprobs.get(req.request_id)
+            if lps is not None and len(lps) > len(tokens):
+                lps = lps[:len(tokens)]        # a stop cut the list short
             outputs.append(EngineCoreOutput(
-                req.request_id, [token], [logprobs] if logprobs is not None else None,
-                prompt_logprobs=prompt_lps,
+                req.request_id, tokens, lps, prompt_logprobs=prompt_lps,
                 finish_reason=status.finish_reason.value if status is not None else None,
                 stop_token_id=req.stop_token_id, num_cached_tokens=req.num_cached_tokens))
         if finished_running:
@@ -392,19 +387,6 @@ class Scheduler:
         if finished_waiting:
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
         return outputs
-
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        params = req.params
-        num_out = len(req.output_token_ids)
-        if num_out >= params.min_tokens:
-            if not params.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                req.stop_token_id = token
-                return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.max_tokens or req.num_tokens >= self.max_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         req.status, req.finished_time = status, now
@@ -414,22 +396,3 @@ class Scheduler:
         self._num_needs_sync -= req.needs_sync
         del self.requests[req.request_id]
         self._finished_ids.append(req.request_id)
-
-    @staticmethod
-    def _take_prompt_logprobs(req: Request, seq: ScheduledSequence,
-                              runner_output: ModelRunnerOutput) -> list[PositionLogprobs | None] | None:
-        """This chunk's prompt logprobs, aligned to prompt positions and never sent twice.
-
-        The runner's list for a chunk starting at s holds, at index j, the logprobs of prompt token
-        s + j + 1 (scored by the logits at position s + j); entries past the prompt are ignored.
-        Prompt token 0 is never scored and never sent (the frontend puts None first). Positions a
-        recomputed chunk (after a preemption) already sent are skipped; any position the runner
-        did not score is sent as None, so the frontend's list stays aligned with the prompt.
-        """
-        scored = runner_output.prompt_logprobs.get(req.request_id, ())
-        start = seq.start_position
-        first = req.num_prompt_logprobs_emitted
-        last = min(start + len(scored), req.num_prompt_tokens - 1)
-        entries = [scored[q - start - 1] if q > start else None for q in range(first, last + 1)]
-        req.num_prompt_logprobs_emitted = max(first, last + 1)
-        return entries or None

@@ -1,4 +1,4 @@
-"""EngineCore: schedule -> execute -> update, one step at a time.
+"""EngineCore: schedule -> execute -> update; `step()` fills the in-flight queue, finishes the oldest.
 
 In: EngineCoreRequests and aborts. Out: EngineCoreOutputs (token ids, logprobs, finish reasons)
 and EngineStats. It owns the scheduler (policy, no torch) and the executor (the model). It runs
@@ -10,11 +10,11 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections import deque
 
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
+from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer
 from tokenforge.executor.factory import create_executor
@@ -72,15 +72,6 @@ class EngineCore:
         mode = self.config.scheduler.async_scheduling
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
         self.async_scheduling = mode if mode is not None else self.executor.is_async_device
-        self._in_flight: tuple[SchedulerOutput, object] | None = None
-        # The step launched ahead whose sampling waits for its grammar masks (async scheduling):
-        # queued by `finish_step` of the step before it, once that step's tokens are known.
-        self._awaiting_masks: tuple[SchedulerOutput, object] | None = None
-        # Pipeline parallelism: up to `pipeline_steps` steps in flight, oldest first, each over
-        # requests no other one holds (the scheduler keeps them apart); no placeholders.
-        self.pipeline_steps = self.config.scheduler.pipeline_steps
-        self._pipeline: deque[tuple[SchedulerOutput, object]] = deque()
-        self.max_steps_in_flight = 0
         model, load_format = self.config.model.model, self.config.load.load_format
         self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
                                         self.vocab_size)
@@ -107,50 +98,46 @@ class EngineCore:
             self.scheduler.abort_requests(request_ids)
             self.grammars.remove(request_ids)
 
+    @property
+    def async_scheduling(self) -> bool:
+        return self.in_flight.is_async
+
+    @async_scheduling.setter
+    def async_scheduling(self, enabled: bool) -> None:
+        """The step timing (engine/inflight.py): set at start-up, or between generate() calls."""
+        assert not getattr(self, "in_flight", None), "steps are in flight"
+        self.in_flight = InFlightQueue.for_engine(self.config.scheduler.pipeline_steps, enabled)
+
+    @property
+    def pipeline_steps(self) -> int:
+        return self.config.scheduler.pipeline_steps
+
+    @property
+    def max_steps_in_flight(self) -> int:
+        """The most pipelined steps in flight at once (0 without pipelined steps)."""
+        return self.in_flight.max_in_flight if self.in_flight.is_pipelined else 0
+
     def step(self) -> list[EngineCoreOutput]:
-        """Run the engine one step; returns the outputs of the step that completed.
+        """Fill the in-flight queue, finish the oldest step; returns that step's outputs.
 
-        With async scheduling, the next step is scheduled and queued on the device before this
-        one's results are read back, so the host work of both (scheduling, input building,
-        output processing by the caller) runs while the device computes. Grammar requests keep
-        this: a step whose masks need the tokens of the step in flight is launched with its
-        sampling deferred, and `finish_step` samples it once those tokens are in. Under pipeline
-        parallelism up to `pipeline_steps` steps over disjoint requests are in flight instead.
+        With async scheduling the next step is scheduled and queued on the device before this
+        one's results are read back, so the host work of both (scheduling, input building, output
+        processing by the caller) runs while the device computes; under pipeline parallelism up
+        to `pipeline_steps` steps over disjoint requests are in flight (engine/inflight.py).
         """
-        if self.pipeline_steps > 1:
-            return self._step_pipelined()
-        if not self.async_scheduling:
-            return self.finish_step(self.launch_step())
-        if self._in_flight is None:
-            self._in_flight = self._launch_if_any()
-            if self._in_flight is None:
-                return []
-        ahead = self._launch_if_any(ahead=True) if self.scheduler.can_schedule_ahead() else None
-        done, self._in_flight = self._in_flight, ahead
-        return self.finish_step(done)
-
-    def _step_pipelined(self) -> list[EngineCoreOutput]:
-        """Fill the pipeline up to `pipeline_steps` steps, then finish the oldest. The first stage
-        queues each new step's layers while the later stages still run the older steps."""
-        pipeline = self._pipeline
-        while len(pipeline) < self.pipeline_steps:
-            launched = self._launch_if_any()
+        queue = self.in_flight
+        while queue.can_launch(self.scheduler.can_schedule_ahead):
+            launched = self._launch(ahead=queue.launches_ahead)
             if launched is None:
                 break
-            pipeline.append(launched)
-        if not pipeline:
-            return []
-        self.max_steps_in_flight = max(self.max_steps_in_flight, len(pipeline))
-        return self.finish_step(pipeline.popleft())
+            queue.push(launched)
+        return self._finish(queue.pop_oldest()) if queue else []
 
     def drain(self) -> list[EngineCoreOutput]:
-        """Wait for the steps still in flight (async scheduling, pipelined steps) and return their
-        outputs."""
-        self._sample_awaiting()        # only after an error: finish_step samples it otherwise
-        done, self._in_flight = self._in_flight, None
-        outputs = self.finish_step(done) if done is not None else []
-        while self._pipeline:
-            outputs += self.finish_step(self._pipeline.popleft())
+        """Finish the steps still in flight and hand out the KV-tier saves they left."""
+        outputs: list[EngineCoreOutput] = []
+        while self.in_flight:
+            outputs += self._finish(self.in_flight.pop_oldest())
         self._flush_kv_saves()
         return outputs
 
@@ -163,60 +150,58 @@ class EngineCore:
             if saves or loads:
                 self.executor.submit_kv_transfers(SchedulerOutput(kv_saves=saves, kv_loads=loads))
 
-    def _launch_if_any(self, ahead: bool = False) -> tuple[SchedulerOutput, object] | None:
-        launched = self.launch_step(ahead)
-        return None if launched[1] is None else launched
-
-    def launch_step(self, ahead: bool = False) -> tuple[SchedulerOutput, object]:
-        """Schedule and queue one step on the device. The caller may do host work (such as
-        detokenizing the previous step's outputs) before `finish_step`, overlapping the GPU.
-        `ahead`: a step is still in flight (async scheduling); grammar rows that wait for its
-        tokens defer this step's sampling to the `finish_step` of that step."""
+    def _schedule(self) -> SchedulerOutput:
+        """The scheduler's next step, with the KV tiers' loads polled and its transfers queued."""
         tiers = self.scheduler.tiers
-        if tiers is not None and tiers.loading:
+        if tiers is None:
+            return self.scheduler.schedule()
+        if tiers.loading:
             self.scheduler.finish_tier_loads(self.executor.poll_kv_loads())
         scheduler_output = self.scheduler.schedule()
-        if tiers is not None:
-            self.executor.submit_kv_transfers(scheduler_output)
-            if scheduler_output.is_empty and tiers.loading:
-                self.executor.wait_kv_loads(0.005)    # nothing to run but loads: do not spin
+        self.executor.submit_kv_transfers(scheduler_output)
+        if scheduler_output.is_empty and tiers.loading:
+            self.executor.wait_kv_loads(0.005)    # nothing to run but loads: do not spin
+        return scheduler_output
+
+    def _launch(self, ahead: bool) -> LaunchedStep | None:
+        """Schedule and queue one step on the device; None when there is nothing to run.
+        `ahead`: a step is still in flight; grammar rows that wait for its tokens defer this
+        step's sampling until that step is finished."""
+        scheduler_output = self._schedule()
         if scheduler_output.is_empty and not scheduler_output.finished_request_ids:
-            return scheduler_output, None
+            return None
         if ahead and self.grammars.waits_for_tokens(scheduler_output):
-            handle = self.executor.launch(scheduler_output, defer_sampling=True)
-            self._awaiting_masks = (scheduler_output, handle)
-            return scheduler_output, handle
+            return LaunchedStep(scheduler_output, self.executor.launch(scheduler_output, defer_sampling=True),
+                                awaits_masks=True)
         # Every matcher this step reads has consumed all its request's known tokens.
         self.grammars.fill(scheduler_output, self.executor.grammar_bitmask_buffer)
-        return scheduler_output, self.executor.launch(scheduler_output)
+        return LaunchedStep(scheduler_output, self.executor.launch(scheduler_output))
 
-    def finish_step(self, launched: tuple[SchedulerOutput, object]) -> list[EngineCoreOutput]:
-        scheduler_output, handle = launched
-        if handle is None:
-            return []
-        runner_output = self.executor.collect(handle)
+    def _finish(self, step: LaunchedStep) -> list[EngineCoreOutput]:
+        if step.awaits_masks:          # only after an error: it is sampled when the step before finishes
+            self._sample(step)
+        runner_output = self.executor.collect(step.handle)
         if len(self.grammars):
-            self.grammars.advance(scheduler_output, runner_output)
+            self.grammars.advance(step.sched, runner_output)
         # The step launched ahead runs its forward on the device meanwhile (the forward never
         # waits for grammar work); its masks need the tokens just collected, and nothing else.
-        self._sample_awaiting()
-        if scheduler_output.is_empty:
+        waiting = self.in_flight.oldest()
+        if waiting is not None and waiting.awaits_masks:
+            self._sample(waiting)
+        if step.sched.is_empty:
             return []
-        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        outputs = self.scheduler.update_from_output(step.sched, runner_output)
         if len(self.grammars):
             self.grammars.forget_finished(outputs)
         return outputs
 
-    def _sample_awaiting(self) -> None:
-        if self._awaiting_masks is None:
-            return
-        (sched, handle), self._awaiting_masks = self._awaiting_masks, None
-        self.grammars.fill(sched, self.executor.grammar_bitmask_buffer)
-        self.executor.sample(handle, sched)
+    def _sample(self, step: LaunchedStep) -> None:
+        step.awaits_masks = False
+        self.grammars.fill(step.sched, self.executor.grammar_bitmask_buffer)
+        self.executor.sample(step.handle, step.sched)
 
     def has_unfinished_requests(self) -> bool:
-        return (self._in_flight is not None or self.scheduler.has_unfinished_requests()
-                or bool(self._pipeline))
+        return bool(self.in_flight) or self.scheduler.has_unfinished_requests()
 
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.get_stats()

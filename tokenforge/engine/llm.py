@@ -105,19 +105,10 @@ class LLM:
                 self.engine.add_request(core_request)
         finished: dict[str, RequestOutput] = {}
         bar = _progress(len(processed), use_tqdm)
-        # step() itself keeps steps queued on the device (async scheduling, pipelined steps).
-        steps_ahead = self.engine.async_scheduling or self.engine.pipeline_steps > 1
         try:
-            pending = []
             while outputs.has_unfinished():
-                if steps_ahead:
-                    # step() leaves the next step queued on the device: this detokenizes meanwhile.
-                    core_outputs = self.engine.step()
-                else:
-                    # Detokenize step N-1's outputs while step N runs on the device.
-                    launched = self.engine.launch_step()
-                    core_outputs = pending
-                    pending = self.engine.finish_step(launched)
+                # step() leaves the steps it queued ahead on the device: this detokenizes meanwhile.
+                core_outputs = self.engine.step()
                 step = outputs.process_outputs(core_outputs)
                 self.engine.abort_requests(step.abort_ids)
                 for out in step.request_outputs:

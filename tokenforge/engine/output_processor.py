@@ -147,10 +147,18 @@ class OutputProcessor:
         return False
 
     def _update_child(self, child: _Child, out: EngineCoreOutput) -> bool:
-        """Apply one core output; True when a stop string ended the child (the core must abort it)."""
-        child.token_ids.extend(out.new_token_ids)
+        """Apply one core output (0..n new tokens); True when a stop string ended the child (the
+        core must abort it). A stop string completed inside the list drops the tokens after it."""
+        new = out.new_token_ids
+        if not child.lazy:
+            child.detokenizer.update(new)
+            if child.detokenizer.stop_string is not None:
+                keep = child.detokenizer.num_output_tokens - len(child.token_ids)
+                if keep < len(new):
+                    new = new[:keep]
+        child.token_ids.extend(new)
         if child.logprobs is not None and out.new_logprobs:
-            for pos in out.new_logprobs:
+            for pos, _ in zip(out.new_logprobs, new):
                 child.logprobs.append(self._to_logprob_dict(pos))
                 child.cumulative_logprob += pos.logprobs[0]
         if child.lazy:
@@ -160,7 +168,6 @@ class OutputProcessor:
                 child.final_text = self._decode_with_context(child)
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_token_id
             return False
-        child.detokenizer.update(out.new_token_ids)
         if child.detokenizer.stop_string is not None:
             child.finish_reason = FinishReason.STOP.value
             child.stop_reason = child.detokenizer.stop_string

@@ -9,8 +9,8 @@ thread, so neither the event loop nor the engine loop compiles. The text travels
 Engine core (`GrammarMatchers`): one matcher template per grammar text (LRU), deep-copied per
 request. `fill` computes the allowed-token bitmask of every constrained row that samples
 (llguidance's thread pool, 1 bit per token) into a reused host slot of the executor's (pinned on
-CUDA); the sampler applies it on the device. `advance` moves each matcher on by the token its step
-sampled. With async scheduling the next step is launched before this one's tokens are known: when
+CUDA); the sampler applies it on the device. `advance` moves each matcher on by the tokens its step
+sampled, one by one. With async scheduling the next step is launched before this one's tokens are known: when
 a constrained row of it ends with such a token (`waits_for_tokens`), the engine launches its
 forward with the sampling deferred, collects the step before, advances the matchers, fills the
 mask and then queues the sampling, while the device runs the forward.
@@ -191,23 +191,27 @@ class GrammarMatchers:
         sched.grammar_rows, sched.grammar_bitmask = rows, bitmask
 
     def advance(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:
-        """Advance each constrained request by the token its step sampled. Requests finished or
-        aborted since have no matcher left; a token that finished its request is consumed too (the
-        matcher is dropped by `forget_finished`)."""
+        """Advance each constrained request by the tokens its step sampled, one by one. Requests
+        finished or aborted since have no matcher left; tokens that finished their request are
+        consumed too (the matcher is dropped by `forget_finished`)."""
         sampled = runner_output.sampled_token_ids
         for seq in sched.sequences:
             if not seq.sample:
                 continue
             matcher = self._matchers.get(seq.request_id)
-            token = sampled.get(seq.request_id)
-            if matcher is None or token is None or matcher.is_stopped():
-                continue       # stopped: complete, its mask allows only EOS (ignore_eos may go on)
-            if not matcher.consume_token(token):
-                # Only reachable if a token outside the mask was sampled (a bug): stop
-                # constraining rather than fail the request.
-                logger.error("request %s: token %d does not fit its grammar (%s); constraint dropped",
-                             seq.request_id, token, matcher.get_error())
-                self._matchers.pop(seq.request_id, None)
+            tokens = sampled.get(seq.request_id)
+            if matcher is None or not tokens:
+                continue
+            for token in tokens:
+                if matcher.is_stopped():
+                    break      # complete: its mask allows only EOS (ignore_eos may go on)
+                if not matcher.consume_token(token):
+                    # Only reachable if a token outside the mask was sampled (a bug): stop
+                    # constraining rather than fail the request.
+                    logger.error("request %s: token %d does not fit its grammar (%s); constraint dropped",
+                                 seq.request_id, token, matcher.get_error())
+                    self._matchers.pop(seq.request_id, None)
+                    break
 
     def forget_finished(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:

@@ -76,7 +76,7 @@ class Executor:
         return self.tiers.counters.snapshot() if self.tiers is not None else None
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        return self.runner.execute(scheduler_output)
+        return self.runner.collect(self.runner.launch(scheduler_output))
 
     def launch(self, scheduler_output: SchedulerOutput, defer_sampling: bool = False):
         """Queue a step on the device; `collect` waits for it. Host work in between overlaps it.

@@ -75,3 +75,26 @@ def _to_device(values: list[int], device: torch.device, pin: bool) -> torch.Tens
     if pin:
         return t.pin_memory().to(device, non_blocking=True)
     return t
+
+
+class PreviousSample:
+    """The last launched step's sampled ids, still on the device, and each sampling request's row
+    in them: the next step's placeholder tokens are read from here (async scheduling)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, int] = {}
+        self.tokens: torch.Tensor | None = None     # [N]
+
+    def fill(self, inputs: InputBatch) -> None:
+        """Write the sampled ids into the placeholder rows of the next step's inputs."""
+        dst, src = inputs.placeholder_dst, inputs.placeholder_src
+        if not dst:
+            return
+        n = len(dst)
+        if n == inputs.num_tokens and dst == src and src[-1] == n - 1:   # rows kept their order
+            inputs.input_ids = self.tokens[:n]
+            return
+        index = torch.tensor([dst, src], dtype=torch.long)
+        if inputs.input_ids.device.type == "cuda":
+            index = index.pin_memory().to(inputs.input_ids.device, non_blocking=True)
+        inputs.input_ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))

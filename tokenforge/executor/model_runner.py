@@ -1,30 +1,28 @@
 """ModelRunner: a SchedulerOutput -> tensors -> model -> sampler -> a ModelRunnerOutput of lists.
 
-In: `SchedulerOutput` (plain lists from core/). Out: `ModelRunnerOutput` (plain lists). The runner
-makes no policy decisions: it computes exactly the tokens it is given, computes logits only for
-rows that sample (or asked for prompt logprobs), and samples on the device with one host copy
-per step. Per-request seeded generators live here, keyed by request id, and die with
-`finished_request_ids`.
+In: `SchedulerOutput` (plain lists from core/; a worker gets the same step as a `WorkerStep`).
+Out: `ModelRunnerOutput` (plain lists). A step is: prepare the inputs (placeholders filled from
+the previous step's sampled ids on the device), forward, then the rank's role after the forward
+(executor/roles.py: the driver takes logits and samples, a TP follower joins the LM head's
+collectives, a later pipeline stage does nothing). The runner makes no policy decisions: it
+computes exactly the tokens it is given, logits only for rows that sample (or asked for prompt
+logprobs), and syncs with the host once per step, in `collect`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
-from dataclasses import dataclass, field
-
 import torch
 
 from tokenforge.config import EngineConfig
-from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput, ScheduledSequence
+from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenforge.distributed import parallel_state
-from tokenforge.executor.pipeline import StageComm
 from tokenforge.executor.cuda_graph import CudaGraphRunner
-from tokenforge.executor.input_batch import InputBatch, build_inputs
+from tokenforge.executor.input_batch import InputBatch, PreviousSample, build_inputs
 from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration, kv_scales_for,
                                           start_calibration)
-from tokenforge.executor.sampler import (LogprobsTensors, Sampler, SamplerOutput, SamplingBatch,
-                                        compute_prompt_logprobs)
+from tokenforge.executor.pipeline import PipelinedSteps, StageComm
+from tokenforge.executor.roles import StepInFlight, make_role
 from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
@@ -35,31 +33,6 @@ from tokenforge.model.offload import offload_layers
 from tokenforge.model.quant import QuantOptions, check_device
 
 logger = logging.getLogger(__name__)
-
-@dataclass(slots=True)
-class StepInFlight:
-    """A launched step: device tensors not yet copied back to the host."""
-
-    sequences: list[ScheduledSequence]
-    inputs: InputBatch | None = None
-    hidden: torch.Tensor | None = None          # [T, hidden]
-    sampling: list[ScheduledSequence] = field(default_factory=list)
-    sampler_output: SamplerOutput | None = None
-    host_token_ids: torch.Tensor | None = None  # [N] sampled ids, copied back asynchronously
-    host_logprobs: LogprobsTensors | None = None
-    copied: torch.cuda.Event | None = None      # recorded after those copies (CUDA only)
-    logits: torch.Tensor | None = None          # [N, V] of the sampling rows while sampling waits
-    sample_pending: bool = False                # launched with defer_sampling: `sample` not run yet
-    prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
-    # Pipelined steps, first stage: its layers ran and were sent on, and the receive of the last
-    # stage's hidden states is posted (work, [T, hidden]); the rest waits for `finish_stages`.
-    last_stage: tuple | None = None
-    sched: SchedulerOutput | None = None        # kept for that rest (sampling reads its grammar rows)
-
-    @property
-    def awaits_last_stage(self) -> bool:
-        return self.last_stage is not None
-
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -85,20 +58,11 @@ class ModelRunner:
         self.stages = StageComm(self.rank, self.device, self.dtype, self.arch.hidden_size,
                                 config.scheduler.pipeline_steps)
         # Pipelined steps, first stage: steps started, oldest first, waiting for the last stage.
-        self._unfinished: deque[StepInFlight] = deque()
-        self.sampler = Sampler()
-        self.generators: dict[str, torch.Generator] = {}
+        self.pipeline = PipelinedSteps(self.stages) if self.stages.pipelined and self.rank.is_first_stage else None
+        self.role = make_role(self)
+        self.previous = PreviousSample()
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
-        # The last launched step's sampled ids (device) and each sampling request's row in them:
-        # the next step's placeholder tokens are read from here (async scheduling).
-        self._prev_rows: dict[str, int] = {}
-        self._prev_tokens: torch.Tensor | None = None
-        self._deferred: StepInFlight | None = None     # launched, its sampling not queued yet
-        # Grammar bitmasks travel from two reused host slots (pinned on CUDA), alternating: the
-        # upload of one step's mask may still be queued while the next step's mask is filled.
-        self._mask_slots: torch.Tensor | None = None   # [2, rows, ceil(V / 32)] int32
-        self._mask_slot = 0
 
     # ---- init steps -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
@@ -188,9 +152,6 @@ class ModelRunner:
             self.graphs.capture()
 
     # ---- one step -------------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self.collect(self.launch(sched))
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> StepInFlight:
         """Queue the step's device work (forward + sampling) without waiting for it.
@@ -200,136 +161,45 @@ class ModelRunner:
         grammar requests: their masks need the previous step's tokens, which arrive meanwhile).
         It must be called before the next `launch`, which reads this step's sampled ids.
         """
-        if self._deferred is not None:
-            raise RuntimeError("a step was launched before the previous one was sampled")
-        for rid in sched.finished_request_ids:
-            self.generators.pop(rid, None)
-        step = StepInFlight(sched.sequences)
+        self.role.check_launch()
+        self.role.forget(sched.finished_request_ids)
+        step = StepInFlight(sched)
         if sched.is_empty:
             return step
         step.inputs = build_inputs(sched.sequences, self.block_size, self.device, self.config.cache.pin_memory,
-                                   self._prev_rows)
+                                   self.previous.rows)
         if self.rank.is_first_stage:
-            self._fill_placeholders(step.inputs)
-            if self.stages.pipelined:
-                self._start_stages(step, sched, defer_sampling)
-                return step
-        step.hidden = self._forward(step.inputs)
-        return self._after_forward(step, sched, defer_sampling)
-
-    def _after_forward(self, step: StepInFlight, sched, defer_sampling: bool) -> StepInFlight:
-        """Queue what follows the forward: logits and sampling (rank 0), the LM head's collectives
-        (the first stage's other ranks)."""
-        step.sampling = [s for s in step.sequences if s.sample]
-        self._prev_rows = {s.request_id: i for i, s in enumerate(step.sampling)}
-        if not self.rank.is_first_stage:      # later stages neither sample nor read the ids back
+            self.previous.fill(step.inputs)
+        if self.pipeline is not None:
+            # The sampling waits for the last stage (`finish_stages`), so the next step can start first.
+            assert not defer_sampling, "pipelined steps carry no placeholders: nothing waits for masks"
+            self.pipeline.start(self.model, self.backend.build_metadata(step.inputs.attn_batch), step)
             return step
-        if self.rank.is_driver:
-            step.logits = self._sampling_logits(step)
-            if defer_sampling and step.logits is not None:
-                self._prompt_logits(step)     # the LM head's collectives keep the workers' order
-                step.sample_pending, self._deferred = True, step
-                return step
-            self._finish_launch(step, sched)
-        else:
-            self._prev_tokens = self._follow_sampling(step)
-            self._prompt_logits(step)
-            self._broadcast_sampled(step)
+        step.hidden = self._forward(step.inputs)
+        self._after_forward(step, defer_sampling)
         return step
 
-    def _start_stages(self, step: StepInFlight, sched, defer_sampling: bool) -> None:
-        """Pipelined steps, first stage: run this stage's layers and send them on; the step's
-        sampling waits for the last stage (`finish_stages`), so the next step can start first."""
-        assert not defer_sampling, "pipelined steps carry no placeholders: nothing waits for masks"
-        metadata = self.backend.build_metadata(step.inputs.attn_batch)
-        with set_forward_context(metadata):
-            step.last_stage = self.stages.start(self.model, step.inputs.input_ids, step.inputs.positions)
-        step.sched = sched
-        self._unfinished.append(step)
+    def _after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
+        step.sampling = [s for s in step.sched.sequences if s.sample]
+        self.previous.rows = {s.request_id: i for i, s in enumerate(step.sampling)}
+        self.role.after_forward(step, defer_sampling)
 
     @torch.inference_mode()
     def finish_stages(self) -> StepInFlight:
         """Pipelined steps, first stage: the oldest step started takes the last stage's hidden
-        states, then queues its logits and sampling as `launch` does for an unsplit step."""
-        step = self._unfinished.popleft()
-        step.hidden = self.stages.finish(step.last_stage)
-        sched, step.sched, step.last_stage = step.sched, None, None
-        self._after_forward(step, sched, defer_sampling=False)
+        states, then queues what follows its forward as `launch` does for an unsplit step."""
+        step = self.pipeline.finish_oldest()
+        self._after_forward(step, defer_sampling=False)
         return step
 
     @torch.inference_mode()
     def sample(self, step: StepInFlight, sched: SchedulerOutput) -> None:
         """Queue the sampling of a step launched with `defer_sampling` (a no-op for any other)."""
-        if not step.sample_pending:
-            return
-        step.sample_pending, self._deferred = False, None
-        self._finish_launch(step, sched, prompt_logits_done=True)
-
-    def _finish_launch(self, step: StepInFlight, sched: SchedulerOutput, prompt_logits_done: bool = False) -> None:
-        self._sample(step, sched)
-        self._prev_tokens = step.sampler_output.token_ids if step.sampler_output is not None else None
-        if not prompt_logits_done:
-            self._prompt_logits(step)
-        self._broadcast_sampled(step)
-        self._copy_back(step)
-
-    def _broadcast_sampled(self, step: StepInFlight) -> None:
-        if self.rank.tp_size > 1 and step.sampling:
-            # Every rank of the first stage embeds the next step's placeholders: one source of truth.
-            torch.distributed.broadcast(self._prev_tokens, src=0, group=parallel_state.tp_group())
+        self.role.sample(step, sched)
 
     def grammar_bitmask_buffer(self, rows: int, width: int):
-        """A host array [rows, width] int32 for a step's grammar bitmask: a view of a reused slot
-        (pinned on CUDA, so its upload is one asynchronous copy). Slots alternate; a slot is
-        reused two steps later, after the step that uploaded from it was collected."""
-        slots = self._mask_slots
-        if slots is None or slots.shape[1] < rows or slots.shape[2] != width:
-            cap = max(rows, self.config.scheduler.max_num_seqs)
-            # Pipelined steps sample at collect: a slot waits for K steps in flight, so K + 1 slots.
-            count = max(2, self.config.scheduler.pipeline_steps + 1)
-            slots = torch.empty((count, cap, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            self._mask_slots = slots
-        self._mask_slot = (self._mask_slot + 1) % slots.shape[0]
-        return slots[self._mask_slot, :rows].numpy()
-
-    def _follow_sampling(self, step: StepInFlight) -> torch.Tensor | None:
-        """A first-stage worker: take part in the LM head's collectives; rank 0 samples."""
-        rows = [i for i, s in enumerate(step.sequences) if s.sample]
-        if not rows:
-            return None
-        self.model.compute_logits(step.hidden[step.inputs.last_token_index(rows)])
-        return torch.empty(len(rows), dtype=torch.long, device=self.device)
-
-    def _fill_placeholders(self, inputs: InputBatch) -> None:
-        """Write the previous step's sampled ids (still on the device) into the placeholder rows."""
-        dst, src = inputs.placeholder_dst, inputs.placeholder_src
-        if not dst:
-            return
-        n = len(dst)
-        if n == inputs.num_tokens and dst == src and src[-1] == n - 1:   # rows kept their order
-            inputs.input_ids = self._prev_tokens[:n]
-            return
-        index = torch.tensor([dst, src], dtype=torch.long)
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
-        inputs.input_ids.index_copy_(0, index[0], self._prev_tokens.index_select(0, index[1]))
-
-    def _copy_back(self, step: StepInFlight) -> None:
-        """Queue the device-to-host copies of the sampled ids (and logprobs) behind the step."""
-        out = step.sampler_output
-        if out is None:
-            return
-        if self.device.type != "cuda":
-            step.host_token_ids, step.host_logprobs = out.token_ids, out.logprobs
-            return
-        step.host_token_ids = out.token_ids.to("cpu", non_blocking=True)
-        if out.logprobs is not None:
-            lp = out.logprobs
-            step.host_logprobs = LogprobsTensors(
-                lp.token_ids.to("cpu", non_blocking=True), lp.logprobs.to("cpu", non_blocking=True),
-                lp.sampled_rank.to("cpu", non_blocking=True), lp.num_logprobs)
-        step.copied = torch.cuda.Event()
-        step.copied.record()
+        """A reused host array [rows, width] int32 for a step's grammar bitmask (rank 0)."""
+        return self.role.grammar_bitmask_buffer(rows, width)
 
     @torch.inference_mode()
     def collect(self, step: StepInFlight) -> ModelRunnerOutput:
@@ -341,17 +211,7 @@ class ModelRunner:
             raise RuntimeError("a step launched with defer_sampling was collected before `sample`")
         if step.awaits_last_stage and self.finish_stages() is not step:
             raise RuntimeError("pipelined steps must be collected in the order they were launched")
-        if step.copied is not None:
-            # Waits for this step only: a step queued after it keeps the device busy.
-            step.copied.synchronize()
-        if step.host_token_ids is not None:
-            for s, tok in zip(step.sampling, step.host_token_ids.tolist()):
-                out.sampled_token_ids[s.request_id] = tok
-            if step.host_logprobs is not None:
-                for s, pos in zip(step.sampling, step.host_logprobs.to_position_logprobs()):
-                    if s.params.logprobs is not None:
-                        out.logprobs[s.request_id] = pos
-        self._prompt_logprobs(step, out)
+        self.role.collect(step, out)
         self._release_fragmented_memory()
         return out
 
@@ -402,55 +262,3 @@ class ModelRunner:
             self.kv_scales = finish_calibration(layers, self.device)
         for layer in layers:
             layer.kv_cache = None
-
-    def _sampling_logits(self, step: StepInFlight) -> torch.Tensor | None:
-        rows = [i for i, s in enumerate(step.sequences) if s.sample]
-        if not rows:
-            return None
-        return self.model.compute_logits(step.hidden[step.inputs.last_token_index(rows)])   # [N, V]
-
-    def _sample(self, step: StepInFlight, sched: SchedulerOutput) -> None:
-        logits, step.logits = step.logits, None
-        if logits is None:
-            return
-        batch = SamplingBatch.build(
-            [s.params for s in step.sampling], [s.prompt_token_ids for s in step.sampling],
-            [s.output_token_ids for s in step.sampling], [self._generator(s) for s in step.sampling],
-            self.vocab_size, self.device, banned=[s.banned_token_ids for s in step.sampling],
-            grammar_rows=sched.grammar_rows, grammar_bitmask=sched.grammar_bitmask)
-        step.sampler_output = self.sampler(logits, batch)
-
-    def _generator(self, seq: ScheduledSequence) -> torch.Generator | None:
-        if seq.params.seed is None or seq.params.is_greedy:
-            return None
-        gen = self.generators.get(seq.request_id)
-        if gen is None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(seq.params.seed)
-            self.generators[seq.request_id] = gen
-        return gen
-
-    def _prompt_logits(self, step: StepInFlight) -> None:
-        """Logits of the prompt rows that asked for logprobs, taken at launch so that every TP rank
-        runs the LM head's collective in the same order (a worker passes its row counts)."""
-        for i, s in enumerate(step.sequences):
-            n = s.prompt_logprob_rows if hasattr(s, "prompt_logprob_rows") else prompt_logprob_rows(s)
-            if n <= 0:
-                continue
-            start = step.inputs.query_start_loc[i]
-            step.prompt_logits.append((i, n, self.model.compute_logits(step.hidden[start:start + n])))
-
-    def _prompt_logprobs(self, step: StepInFlight, out: ModelRunnerOutput) -> None:
-        for i, n, logits in step.prompt_logits:
-            s = step.sequences[i]
-            targets = torch.tensor(s.prompt_token_ids[s.start_position + 1:s.start_position + 1 + n],
-                                   device=self.device)
-            out.prompt_logprobs[s.request_id] = compute_prompt_logprobs(logits, targets, s.params.prompt_logprobs)
-
-
-def prompt_logprob_rows(s: ScheduledSequence) -> int:
-    """Rows of this chunk whose logits give prompt logprobs: row j predicts prompt token
-    start + j + 1, so the chunk stops counting at the prompt's end."""
-    if not s.want_prompt_logprobs:
-        return 0
-    return max(0, min(s.num_tokens, len(s.prompt_token_ids) - 1 - s.start_position))

@@ -34,7 +34,6 @@ from tokenforge.distributed.parallel_state import ParallelRank
 from tokenforge.distributed.shm_ring import ShmRing
 from tokenforge.executor.engine_cache import use_engine_cache
 from tokenforge.executor.executor import Executor
-from tokenforge.executor.model_runner import prompt_logprob_rows
 from tokenforge.executor.worker import RankHandlers, run_worker
 from tokenforge.messages import (WorkerFinishStep, WorkerInitKVCache, WorkerProfile, WorkerSequence,
                                  WorkerShutdown, WorkerStep)
@@ -46,7 +45,7 @@ _DEATH_EXIT_CODE = 1
 
 def to_worker_step(sched: SchedulerOutput) -> WorkerStep:
     return WorkerStep(
-        [WorkerSequence(s.request_id, s.token_ids, s.start_position, s.block_table, s.sample, prompt_logprob_rows(s))
+        [WorkerSequence(s.request_id, s.token_ids, s.start_position, s.block_table, s.sample, s.prompt_logprob_rows)
          for s in sched.sequences], sched.finished_request_ids)
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from tokenforge.distributed.parallel_state import ParallelRank, pp_group
+from tokenforge.model.forward_context import set_forward_context
 
 
 class StageComm:
@@ -82,3 +83,26 @@ class StageComm:
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
         dist.recv(buf, src, group=pp_group())
         return buf
+
+
+class PipelinedSteps:
+    """Pipelined steps, first stage: the steps whose layers ran and were sent on, oldest first,
+    each waiting for the last stage's hidden states (a receive already posted)."""
+
+    def __init__(self, stages: StageComm) -> None:
+        self.stages = stages
+        self._started: deque[tuple[object, tuple[dist.Work, torch.Tensor]]] = deque()
+
+    def start(self, model, metadata, step) -> None:
+        """Run this stage's layers for `step` (an executor StepInFlight) and send them on."""
+        with set_forward_context(metadata):
+            pending = self.stages.start(model, step.inputs.input_ids, step.inputs.positions)
+        step.awaits_last_stage = True
+        self._started.append((step, pending))
+
+    def finish_oldest(self):
+        """The oldest step started, with its final hidden states [T, H] (the stream waits for them)."""
+        step, pending = self._started.popleft()
+        step.hidden = self.stages.finish(pending)
+        step.awaits_last_stage = False
+        return step
