@@ -174,15 +174,54 @@ class SchedulerConfig:
     # Pipeline parallelism: steps in flight at once, each over its own requests, so every stage
     # has work (playbook: --pipeline-steps). From kwargs, None: pipeline_parallel_size.
     pipeline_steps: int = 1
+    # Speculative decoding (executor/spec/): a proposer drafts up to num_speculative_tokens per
+    # request and step, one forward verifies them. ngram: prompt lookup over prompt + output.
+    speculative_method: str | None = None
+    num_speculative_tokens: int | None = None   # None: 4 when a method is set
+    speculative_model: str | None = None        # the draft model or EAGLE head (draft | eagle)
+    ngram_min: int = 2
+    ngram_max: int = 4
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts per request and step (0 without speculative decoding)."""
+        if self.speculative_method is None:
+            return 0
+        return 4 if self.num_speculative_tokens is None else self.num_speculative_tokens
 
     def validate(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _validate_speculative(self)
         _check(isinstance(self.pipeline_steps, int) and self.pipeline_steps >= 1,
                f"pipeline_steps must be an integer >= 1, got {self.pipeline_steps!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_tokens_default is None or self.max_tokens_default >= 1,
                f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
+SPECULATIVE_METHODS_BUILT = ("ngram",)
+
+
+def _validate_speculative(c: SchedulerConfig) -> None:
+    m = c.speculative_method
+    if m is None:
+        _check(c.num_speculative_tokens is None and c.speculative_model is None,
+               "num_speculative_tokens and speculative_model need speculative_method (ngram)")
+        return
+    _check(m in SPECULATIVE_METHODS,
+           f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {m!r}")
+    _check(m in SPECULATIVE_METHODS_BUILT,
+           f"speculative_method={m!r} is not implemented yet; available: {', '.join(SPECULATIVE_METHODS_BUILT)}")
+    k = c.num_draft_tokens
+    _check(isinstance(k, int) and 1 <= k <= 16, f"num_speculative_tokens must be between 1 and 16, got {k!r}")
+    if m == "ngram":
+        _check(c.speculative_model is None,
+               "speculative_model is for the draft and eagle methods: ngram looks drafts up in the request itself")
+        _check(1 <= c.ngram_min <= c.ngram_max,
+               f"need 1 <= ngram_min <= ngram_max, got {c.ngram_min} and {c.ngram_max}")
+    _check(c.pipeline_steps == 1, "speculative decoding does not combine with pipeline_steps > 1 yet")
 
 
 EXECUTOR_BACKENDS = ("auto", "uni", "mp", "torchrun")

@@ -45,7 +45,8 @@ _DEATH_EXIT_CODE = 1
 
 def to_worker_step(sched: SchedulerOutput) -> WorkerStep:
     return WorkerStep(
-        [WorkerSequence(s.request_id, s.token_ids, s.start_position, s.block_table, s.sample, s.prompt_logprob_rows)
+        [WorkerSequence(s.request_id, s.token_ids, s.start_position, s.block_table, s.sample, s.prompt_logprob_rows,
+                        s.num_draft_tokens)
          for s in sched.sequences], sched.finished_request_ids)
 
 
