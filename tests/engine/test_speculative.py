@@ -20,7 +20,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def outputs():
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     results = {}
     for method in (None, "ngram"):
         kwargs = {"speculative_method": method, "num_speculative_tokens": 4} if method else {}
