@@ -216,15 +216,52 @@ class SchedulerConfig:
     pipeline_steps: int = flag(1, "with pipeline parallelism: steps (batches of distinct requests) in flight at "
                                "once, so every stage has work (default: the pipeline parallel size)",
                                "--pipeline_steps", cli_default=None, group=PARALLEL, metavar="N")
+    speculative_method: str | None = flag(None, "speculative decoding: ngram (prompt lookup over the request's prompt and "
+                                          "output; greedy output unchanged, sampling exact by rejection sampling)",
+                                          choices=("ngram", "draft", "eagle"))
+    num_speculative_tokens: int | None = flag(None, "drafts per request and step, 1-16 (default 4)", metavar="K")
+    speculative_model: str | None = flag(None, "the draft model or EAGLE head (draft and eagle; not built yet)")
+    ngram_min: int = flag(2, "shortest n-gram the ngram method matches", metavar="N")
+    ngram_max: int = flag(4, "longest n-gram the ngram method matches", metavar="N")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts per request and step (0 without speculative decoding)."""
+        return 0 if self.speculative_method is None else (self.num_speculative_tokens or 4)
 
     def validate(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        _validate_speculative(self)
         _check(isinstance(self.pipeline_steps, int) and self.pipeline_steps >= 1,
                f"pipeline_steps must be an integer >= 1, got {self.pipeline_steps!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_tokens_default is None or self.max_tokens_default >= 1,
                f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
+
+
+SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
+SPECULATIVE_METHODS_BUILT = ("ngram",)
+
+
+def _validate_speculative(c: SchedulerConfig) -> None:
+    m = c.speculative_method
+    if m is None:
+        _check(c.num_speculative_tokens is None and c.speculative_model is None,
+               "num_speculative_tokens and speculative_model need speculative_method (ngram)")
+        return
+    _check(m in SPECULATIVE_METHODS,
+           f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {m!r}")
+    _check(m in SPECULATIVE_METHODS_BUILT,
+           f"speculative_method={m!r} is not implemented yet; available: {', '.join(SPECULATIVE_METHODS_BUILT)}")
+    k = c.num_draft_tokens
+    _check(isinstance(k, int) and 1 <= k <= 16, f"num_speculative_tokens must be between 1 and 16, got {k!r}")
+    if m == "ngram":
+        _check(c.speculative_model is None,
+               "speculative_model is for the draft and eagle methods: ngram looks drafts up in the request itself")
+        _check(1 <= c.ngram_min <= c.ngram_max,
+               f"need 1 <= ngram_min <= ngram_max, got {c.ngram_min} and {c.ngram_max}")
+    _check(c.pipeline_steps == 1, "speculative decoding does not combine with pipeline_steps > 1 yet")
 
 
 EXECUTOR_BACKENDS = ("auto", "uni", "mp", "torchrun")

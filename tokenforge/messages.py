@@ -121,6 +121,7 @@ class WorkerSequence(msgspec.Struct, array_like=True):
     block_table: list[int]
     sample: bool
     prompt_logprob_rows: int = 0     # rows of this chunk whose logits rank 0 computes (a TP collective)
+    num_draft_tokens: int = 0        # speculative decoding: drafts at the end of token_ids (their logits too)
 
 
 class WorkerStep(msgspec.Struct, tag="step", array_like=True):

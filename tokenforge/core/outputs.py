@@ -36,6 +36,7 @@ class ScheduledSequence:
     output_token_ids: list[int]
     want_prompt_logprobs: bool = False   # this chunk lies in the prompt and the request asked for them
     banned_token_ids: tuple[int, ...] = ()   # -inf at this sample: EOS and stop ids before min_tokens
+    num_draft_tokens: int = 0       # speculative decoding: the last d token_ids are drafts to verify
 
     @property
     def num_tokens(self) -> int:

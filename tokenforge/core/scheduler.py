@@ -46,13 +46,14 @@ from tokenforge.core.outputs import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, Sc
                                      SchedulerOutput, TierLoadResult)
 from tokenforge.core.prompt_logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tokenforge.core.request import Request, RequestStatus
+from tokenforge.core.speculation import DraftPlanner
 from tokenforge.core.stop_conditions import append_until_stop
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_kv_blocks: int) -> None:
+                 num_kv_blocks: int, drafts: DraftPlanner | None = None) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_kv_blocks = num_kv_blocks
@@ -70,6 +71,7 @@ class Scheduler:
         self.pipeline_steps = scheduler_config.pipeline_steps
         self._max_running = scheduler_config.max_num_seqs * self.pipeline_steps
         self._busy: set[str] = set()               # pipelined: ids in a step still in flight
+        self.drafts = drafts                       # speculative decoding (None: off)
         # CPU/disk/Redis tiers below the device cache; None (no per-step work) when none is set.
         self.tiers: KVTierPolicy | None = None
         if cache_config.kv_tiers_enabled:
@@ -199,9 +201,11 @@ class Scheduler:
                 i += 1                 # waits for its tokens in flight, or they are its last
                 continue
             n = min(n, budget)
+            drafts = self.drafts.drafts(req, budget, self.max_len) if self.drafts is not None and n == 1 else []
+            n += len(drafts)
             if not self._allocate_or_preempt(req, n, preempted):
                 break
-            self._add_sequence(req, n, decodes, prefills)
+            self._add_sequence(req, n, decodes, prefills, drafts)
             budget -= n
             i += 1
         return budget
@@ -305,20 +309,22 @@ class Scheduler:
         req.tier_looked_up = False
 
     def _add_sequence(self, req: Request, n: int, decodes: list[ScheduledSequence],
-                      prefills: list[ScheduledSequence]) -> None:
+                      prefills: list[ScheduledSequence], drafts: list[int] = ()) -> None:
         start, tokens = req.num_computed_tokens, req.all_token_ids
         end = start + n
-        token_ids = tokens[start:end]
-        if end > len(tokens):     # the token the step in flight samples: the runner fills it in
-            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (end - len(tokens)))
-        sample = end == req.num_tokens_with_placeholders
+        known_end = end - len(drafts)     # drafts follow the last known token: the runner verifies them
+        token_ids = tokens[start:known_end]
+        if known_end > len(tokens):     # the token the step in flight samples: the runner fills it in
+            token_ids.extend([PLACEHOLDER_TOKEN_ID] * (known_end - len(tokens)))
+        token_ids.extend(drafts)
+        sample = known_end == req.num_tokens_with_placeholders
         seq = ScheduledSequence(
             request_id=req.request_id, token_ids=token_ids,
             start_position=start, block_table=self.kv.block_table(req),
             sample=sample, params=req.params,
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             want_prompt_logprobs=req.params.prompt_logprobs is not None and wants_prompt_logprobs(req, start),
-            banned_token_ids=self._banned_tokens(req) if sample else ())
+            banned_token_ids=self._banned_tokens(req) if sample else (), num_draft_tokens=len(drafts))
         req.num_computed_tokens = end
         req.num_output_placeholders += sample
         # Register the blocks this step fills now, not at its update: a request scheduled next
@@ -360,6 +366,9 @@ class Scheduler:
             if seq.sample:
                 req.num_output_placeholders -= 1
                 tokens, status = append_until_stop(req, sampled[req.request_id], self.max_len)
+                if seq.num_draft_tokens and running and status is None:   # rejected drafts' KV goes
+                    self.drafts.after_verify(req, seq.num_draft_tokens, len(tokens))
+                    self.kv.truncate(req, cdiv(req.num_tokens, self.block_size))
                 if not tokens and running and not req.num_output_placeholders:
                     req.num_computed_tokens -= 1   # nothing sampled: the next step samples its last token again
             if running:

@@ -14,6 +14,7 @@ import time
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
+from tokenforge.core.speculation import DraftPlanner
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer
@@ -55,6 +56,16 @@ def _seconds_since_process_start() -> float:
         return 0.0
 
 
+def make_draft_planner(config) -> DraftPlanner | None:
+    """The speculative method's proposer, chosen once (None without speculative decoding)."""
+    if config.speculative_method is None:
+        return None
+    from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
+
+    proposer = NgramProposer(config.ngram_min, config.ngram_max)
+    return DraftPlanner(proposer.propose_one, config.num_draft_tokens)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         t0 = time.perf_counter()
@@ -66,10 +77,16 @@ class EngineCore:
         self.num_kv_blocks = self.executor.init_kv_cache(self.config)
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks)
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks,
+                                   make_draft_planner(self.config.scheduler))
         if self.scheduler.tiers is not None:
             self.executor.init_kv_tiers(self.config)
         mode = self.config.scheduler.async_scheduling
+        if self.scheduler.drafts is not None:
+            if mode:
+                raise ValueError("speculative decoding runs synchronous steps: it does not combine with "
+                                 "async_scheduling=True yet (leave it unset)")
+            mode = False    # drafts read the step before's tokens: no step is scheduled ahead
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
         self.async_scheduling = mode if mode is not None else self.executor.is_async_device
         model, load_format = self.config.model.model, self.config.load.load_format
@@ -224,4 +241,7 @@ class EngineCore:
         return self.executor.stop_profile()
 
     def shutdown(self) -> None:
+        """Stop the workers and free the device memory now (steps still in flight hold logits
+        and sampled ids on the device: they go first)."""
+        self.in_flight.clear()
         self.executor.shutdown()

@@ -76,5 +76,9 @@ class InFlightQueue:
     def pop_oldest(self) -> LaunchedStep:
         return self._steps.popleft()
 
+    def clear(self) -> None:
+        """Drop every step in flight unfinished (shutdown: their device tensors go with them)."""
+        self._steps.clear()
+
     def oldest(self) -> LaunchedStep | None:
         return self._steps[0] if self._steps else None

@@ -86,6 +86,15 @@ class CudaGraphRunner:
         self.graphs[size] = graph
         self.outputs[size] = out
 
+    def release(self) -> None:
+        """Free the graphs, their memory pool and the persistent buffers (engine shutdown)."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.outputs.clear()
+        self.pool = None
+        self.buffers = self.input_ids = self.positions = None
+
     def run(self, inputs) -> torch.Tensor:
         n = inputs.num_seqs
         size = self._bucket(n)

@@ -51,7 +51,7 @@ class Executor:
         start = time.perf_counter()
         sizing = determine_kv_sizing(self.runner, config, config.scheduler.max_model_len)
         self.sizing = sizing
-        self.runner.init_kv_cache(sizing.num_blocks)   # allocates (and on CUDA captures graphs)
+        self.runner.init_kv_cache(sizing.num_blocks, config.scheduler.max_model_len)   # allocates (and on CUDA captures graphs)
         logger.info("KV cache ready in %.2f s: %s", time.perf_counter() - start,
                     sizing.summary(config.cache.block_size, config.scheduler.max_model_len))
         return sizing.num_blocks
@@ -135,6 +135,10 @@ class Executor:
         if self.tiers is not None:
             self.tiers.shutdown()
             self.tiers = None
+        if self.runner is not None:
+            from tokenforge.executor.release import release_runner  # noqa: PLC0415
+
+            release_runner(self.runner)
         self.runner = None
 
 

@@ -126,7 +126,12 @@ class ModelRunner:
                              f"Blackwell); {torch.cuda.get_device_name(self.device)} is sm_{major}{minor}. "
                              "Use kv_cache_dtype='auto'")
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def init_kv_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+        """Allocate the KV cache; `max_model_len` is the resolved context length (the config
+        the runner was built with may still carry the scheduler's unresolved default), which sizes
+        every preallocated buffer from here on (the CUDA graphs' block tables among them)."""
+        if max_model_len is not None and max_model_len != self.config.scheduler.max_model_len:
+            self.config = self.config.with_max_model_len(max_model_len)
         if self.kv_dtype == FP8_DTYPE and self.kv_scales is None:
             # no profiling pass ran (CPU, client profile, a given KV size): calibrate on its own,
             # over fewer tokens on the CPU, where the pass costs seconds (the 4x headroom covers it)

@@ -46,7 +46,8 @@ _DEATH_EXIT_CODE = 1
 
 def to_worker_step(sched: SchedulerOutput) -> WorkerStep:
     return WorkerStep(
-        [WorkerSequence(s.request_id, s.token_ids, s.start_position, s.block_table, s.sample, s.prompt_logprob_rows)
+        [WorkerSequence(s.request_id, s.token_ids, s.start_position, s.block_table, s.sample, s.prompt_logprob_rows,
+                        s.num_draft_tokens)
          for s in sched.sequences], sched.finished_request_ids)
 
 
@@ -175,7 +176,7 @@ class MultiprocExecutor(Executor):
             proc.join(10.0)
         self._kill_workers()
         parallel_state.destroy_distributed()
-        self.runner = None
+        super().shutdown()   # rank 0's own runner: its tensors freed without the GC
 
     def _send(self, message) -> None:
         self.channel.send(self.encoder.encode(message))

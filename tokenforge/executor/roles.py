@@ -46,6 +46,7 @@ class StepInFlight:
     host: HostCopy | None = None
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
     awaits_last_stage: bool = False             # pipelined first stage: `finish_stages` brings its hidden states
+    draft_logits: tuple | None = None           # speculative decoding: (sequences, [R, V]) at the draft positions
 
     @property
     def sample_pending(self) -> bool:
@@ -55,6 +56,10 @@ class StepInFlight:
 
 def make_role(runner):
     rank = runner.rank
+    if runner.config.scheduler.speculative_method is not None and rank.is_first_stage:
+        from tokenforge.executor.spec.roles import make_speculative_role  # noqa: PLC0415
+
+        return make_speculative_role(runner)
     if rank.is_driver:
         return Driver(runner)
     return TPFollower(runner) if rank.is_first_stage else LaterStage(runner)

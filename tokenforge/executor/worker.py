@@ -57,7 +57,7 @@ class RankHandlers:
             sizing.num_blocks = int(blocks.item())
             sizing.kv_bytes = sizing.num_blocks * sizing.block_bytes
         self.sizing = sizing
-        self.runner.init_kv_cache(sizing.num_blocks)
+        self.runner.init_kv_cache(sizing.num_blocks, max_model_len)
         return sizing.num_blocks
 
 

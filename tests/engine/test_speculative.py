@@ -1,0 +1,59 @@
+"""Speculative decoding (n-gram) is exact: greedy output equals greedy without it, token for
+token, on the bundled model; KV blocks all come back; bad settings are refused before loading."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenforge import LLM, SamplingParams
+
+# Input-grounded prompts (the continuation quotes the prompt, so n-gram drafts get accepted),
+# and ordinary ones (drafts mostly rejected): both must come out unchanged.
+PROMPTS = [
+    "Repeat the list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries, apples,",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "The capital of France is",
+    "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
+    ("The quick brown fox jumps over the lazy dog. " * 6).strip(),
+]
+
+
+@pytest.fixture(scope="module")
+def outputs():
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    results = {}
+    for method in (None, "ngram"):
+        kwargs = {"speculative_method": method, "num_speculative_tokens": 4} if method else {}
+        llm = LLM(num_kv_blocks=256, max_model_len=1024, block_size=16, **kwargs)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        results[method] = ([o.outputs[0].token_ids for o in outs], llm)
+    yield results
+    for _, llm in results.values():
+        llm.shutdown()
+
+
+def test_greedy_output_is_unchanged(outputs):
+    base, spec = outputs[None][0], outputs["ngram"][0]
+    for i, (a, b) in enumerate(zip(base, spec)):
+        assert a == b, f"prompt {i}: {a} != {b}"
+
+
+def test_drafts_were_accepted_and_blocks_freed(outputs):
+    llm = outputs["ngram"][1]
+    stats = llm.engine.scheduler.drafts.stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0
+    kv = llm.get_stats()
+    assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+    assert kv.num_running == kv.num_waiting == 0
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"speculative_method": "ngram", "num_speculative_tokens": 0}, "between 1 and 16"),
+    ({"speculative_method": "ngram", "num_speculative_tokens": 17}, "between 1 and 16"),
+    ({"speculative_method": "ngram", "speculative_model": "x"}, "ngram looks drafts up"),
+    ({"speculative_method": "medusa"}, "must be one of ngram, draft, eagle"),
+    ({"num_speculative_tokens": 3}, "need speculative_method"),
+])
+def test_bad_settings_are_refused_before_loading(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(**kwargs)

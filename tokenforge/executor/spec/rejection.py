@@ -1,0 +1,76 @@
+"""Verification of draft tokens against the target model's distributions.
+
+For request i with drafts d_1..d_k (k <= K), the target forward over the k+1 positions gives
+distributions p_1..p_{k+1}; the runner's ordinary sampler draws the bonus token from p_{k+1}
+(with the request's own sampling settings), `verify` handles p_1..p_k. Greedy rows accept the longest prefix with d_j == argmax p_j and then
+emit argmax at the first mismatch (or the bonus token argmax p_{k+1} when all match), so the
+output is token for token the non-speculative greedy output.
+
+Sampled rows use the standard rule (Leviathan et al.; Chen et al.): accept d_j with probability
+min(1, p_j(d_j) / q_j(d_j)), where q_j is the drafter's distribution (one-hot for deterministic
+drafters such as n-gram lookup: q_j(d_j) = 1); at the first rejection sample from the residual
+norm(max(0, p_j - q_j)); if every draft is accepted, sample the bonus token from p_{k+1}. The
+emitted tokens are then distributed exactly as the target's own samples.
+
+Everything is batched over rows and positions; the only host read is the final `.tolist()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class VerifyOutput:
+    tokens: list[list[int]]      # per row: the accepted drafts plus one corrected / bonus token
+    num_accepted: list[int]      # per row: how many drafts were accepted (0..k)
+
+
+def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
+           greedy: torch.Tensor, bonus_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None,
+           generator: torch.Generator | None = None) -> VerifyOutput:
+    """target_probs [N, K, V]: the target's (processed) distributions at the K draft positions
+    (rows past num_drafts ignored); draft_tokens [N, K] int64; num_drafts [N] int64; greedy [N]
+    bool; bonus_tokens [N]: the token the sampler drew from the distribution after the last draft,
+    emitted when every draft is accepted; draft_probs [N, K, V] or None (one-hot drafts)."""
+    n, k_max = draft_tokens.shape
+    device = target_probs.device
+    positions = torch.arange(k_max, device=device)
+    valid = positions[None, :] < num_drafts[:, None]                                   # [N, K]
+    p_draft = target_probs.gather(2, draft_tokens[..., None]).squeeze(2)               # [N, K]
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(2, draft_tokens[..., None]).squeeze(2)
+    uniform = torch.rand(p_draft.shape, device=device, generator=generator, dtype=p_draft.dtype)
+    sampled_ok = uniform * q_draft < p_draft                     # u < p/q without dividing by 0
+    greedy_ok = target_probs.argmax(dim=2) == draft_tokens
+    ok = torch.where(greedy[:, None], greedy_ok, sampled_ok) & valid
+    num_accepted = ok.to(torch.int64).cumprod(dim=1).sum(dim=1)                       # [N]
+
+    # at the first rejection (position a < num_drafts): the argmax, or a residual sample
+    rows = torch.arange(n, device=device)
+    a = num_accepted.clamp(max=k_max - 1)
+    p_rej = target_probs[rows, a]                                                      # [N, V]
+    if draft_probs is None:
+        q_rej = torch.zeros_like(p_rej)
+        q_rej.scatter_(1, draft_tokens[rows, a][:, None], 1.0)
+    else:
+        q_rej = draft_probs[rows, a]
+    diff = (p_rej - q_rej).clamp_min(0)
+    norm = diff.sum(dim=1, keepdim=True)
+    # a residual of zero mass can only come from rounding (p == q): fall back to p itself
+    residual = torch.where(norm > 0, diff / norm.clamp_min(torch.finfo(diff.dtype).tiny), p_rej)
+    corrected = torch.where(greedy, p_rej.argmax(dim=1), _sample(residual, generator))
+    next_token = torch.where(num_accepted < num_drafts, corrected, bonus_tokens.to(corrected.dtype))
+
+    drafts, accepted, nxt = draft_tokens.tolist(), num_accepted.tolist(), next_token.tolist()
+    return VerifyOutput([d[:a] + [t] for d, a, t in zip(drafts, accepted, nxt)], accepted)
+
+
+def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One draw per row by the exponential race (no host sync, as the main sampler does)."""
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / q).argmax(dim=1)

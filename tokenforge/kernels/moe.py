@@ -1,0 +1,156 @@
+"""Mixture-of-experts: routing, and the fused grouped GEMMs that apply the selected experts.
+
+Routing (`route`): router logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64), with
+the model's order: "softmax_topk" (softmax over all experts, then the top k: Mixtral, Qwen3-MoE)
+or "topk_softmax" (top k logits, then a softmax over them: gpt-oss), and optional
+renormalisation of the k weights to sum to one.
+
+The fused path (`fused_moe`), for a SwiGLU expert MLP with gate and up stacked in `w13`:
+1. `align`: the T*k (token, slot) pairs sorted by expert, each expert's run padded to a multiple
+   of BLOCK_M with the sentinel T*k, and the expert of each BLOCK_M block. All on the device with
+   a static upper bound on the padded length (T*k + E*(BLOCK_M-1)), so it needs no host sync and
+   runs inside CUDA graphs.
+2. gate-up GEMM: one program per (block of BLOCK_M pairs, BLOCK_N columns of the intermediate
+   size); it multiplies the pairs' token rows by its expert's gate and up tiles and writes
+   silu(gate) * up, so the [T*k, 2I] intermediate never reaches memory.
+3. down GEMM: the same grid over the hidden size, each row scaled by its routing weight in the
+   epilogue; the k rows of a token are then summed.
+Each expert's weights are read once per column tile for all the pairs routed to it, which makes
+decode (few pairs per expert) a pass over the selected experts' bytes.
+
+`moe_reference` is the plain torch computation the kernels are tested against and the CPU path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._triton import require_triton, tl, triton
+
+ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
+
+
+def route(logits: torch.Tensor, top_k: int, order: str = "softmax_topk",
+          renormalize: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    if order not in ROUTING_ORDERS:
+        raise ValueError(f"unknown routing order {order!r}; supported: {', '.join(ROUTING_ORDERS)}")
+    if not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({logits.shape[-1]})")
+    logits = logits.float()
+    if order == "softmax_topk":
+        weights, ids = torch.softmax(logits, dim=-1).topk(top_k, dim=-1)
+        if renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+    else:
+        top, ids = logits.topk(top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    return weights, ids
+
+
+def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], weights/ids [T, k]."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for expert in ids.unique().tolist():
+        rows, slots = (ids == expert).nonzero(as_tuple=True)
+        h = x[rows].float() @ w13[expert].float().t()
+        gate, up = h.chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ w2[expert].float().t()
+        out.index_add_(0, rows, y * weights[rows, slots, None].float())
+    return out.to(x.dtype)
+
+
+def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted pair ids [P], expert per block [P / block_m], valid length [1]) for ids [T, k];
+    P = T*k + E*(block_m - 1) rounded up to block_m (a bound that depends on shapes only)."""
+    flat = ids.flatten()
+    pairs = flat.numel()
+    cap = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.argsort(flat, stable=True)
+    sorted_experts = flat[order]
+    rank = torch.arange(pairs, device=ids.device) - (counts.cumsum(0) - counts)[sorted_experts]
+    sorted_ids = torch.full((cap,), pairs, dtype=torch.int32, device=ids.device)
+    sorted_ids[starts[sorted_experts] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, cap, block_m, device=ids.device)
+    expert_of_block = torch.searchsorted(ends, block_starts, right=True)
+    expert_of_block = torch.where(expert_of_block < num_experts, expert_of_block, -1).to(torch.int32)
+    return sorted_ids, expert_of_block, ends[-1:].to(torch.int32)
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, experts_ptr, valid_ptr, weights_ptr,
+                     N, K, num_pairs, rows_per_a,
+                     stride_am, stride_we, stride_wn, stride_wk, stride_om,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SWIGLU: tl.constexpr, MUL_WEIGHTS: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(valid_ptr):
+        return
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + offs_m)
+    mask_m = pair < num_pairs
+    a_row = (pair // rows_per_a).to(tl.int64)      # the token (gate-up) or the pair itself (down)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc += tl.dot(a, w)
+        if SWIGLU:   # the up rows sit N rows below the gate rows
+            u = tl.load(w_ptrs + N * stride_wn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc_up += tl.dot(a, u)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if SWIGLU:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if MUL_WEIGHTS:
+        acc = acc * tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
+    out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _block_config(num_pairs: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized pair counts take the smallest M tile."""
+    if num_pairs <= 64:
+        return 16, 64, 128
+    if num_pairs <= 1024:
+        return 32, 64, 64
+    return 64, 128, 64
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """The Triton path of `moe_reference` (same arguments, same result up to rounding)."""
+    require_triton()
+    tokens, hidden = x.shape
+    num_experts, two_inter, _ = w13.shape
+    inter, top_k = two_inter // 2, ids.shape[1]
+    pairs = tokens * top_k
+    block_m, block_n, block_k = _block_config(pairs)
+    sorted_ids, experts, valid = align(ids, num_experts, block_m)
+    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    grid = (sorted_ids.numel() // block_m, triton.cdiv(inter, block_n))
+    _moe_gemm_kernel[grid](x, w13, act, sorted_ids, experts, valid, weights, inter, hidden, pairs, top_k,
+                           x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, MUL_WEIGHTS=False)
+    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    flat_weights = weights.reshape(-1).float().contiguous()
+    grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, block_n))
+    _moe_gemm_kernel[grid](act, w2, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
+                           act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, MUL_WEIGHTS=True)
+    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
