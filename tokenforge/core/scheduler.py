@@ -47,7 +47,7 @@ from tokenforge.core.outputs import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, Sc
 from tokenforge.core.prompt_logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tokenforge.core.request import Request, RequestStatus
 from tokenforge.core.speculation import DraftPlanner
-from tokenforge.core.stop_conditions import append_until_stop
+from tokenforge.core.stop_conditions import append_until_stop, banned_tokens
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 
@@ -324,7 +324,7 @@ class Scheduler:
             sample=sample, params=req.params,
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             want_prompt_logprobs=req.params.prompt_logprobs is not None and wants_prompt_logprobs(req, start),
-            banned_token_ids=self._banned_tokens(req) if sample else (), num_draft_tokens=len(drafts))
+            banned_token_ids=banned_tokens(req) if sample else (), num_draft_tokens=len(drafts))
         req.num_computed_tokens = end
         req.num_output_placeholders += sample
         # Register the blocks this step fills now, not at its update: a request scheduled next
@@ -332,14 +332,6 @@ class Scheduler:
         # its steps in order, so their KV is written before it is read.
         self.kv.cache_blocks(req)
         (decodes if n == 1 else prefills).append(seq)
-
-    @staticmethod
-    def _banned_tokens(req: Request) -> tuple[int, ...]:
-        """EOS (unless ignore_eos) and stop ids while this sample is before min_tokens."""
-        p = req.params
-        if p.min_tokens <= req.num_output_tokens + req.num_output_placeholders:
-            return ()
-        return (*(() if p.ignore_eos else req.eos_token_ids), *p.stop_token_ids)
 
     # ---- update --------------------------------------------------------------------------------
 

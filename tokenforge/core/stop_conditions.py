@@ -29,3 +29,11 @@ def append_until_stop(req: Request, tokens: list[int], max_len: int) -> tuple[li
         if status is not None:
             return (tokens if i + 1 == len(tokens) else tokens[:i + 1]), status
     return tokens, None
+
+
+def banned_tokens(req: Request) -> tuple[int, ...]:
+    """EOS (unless ignore_eos) and stop ids while this sample is before min_tokens."""
+    p = req.params
+    if p.min_tokens <= req.num_output_tokens + req.num_output_placeholders:
+        return ()
+    return (*(() if p.ignore_eos else req.eos_token_ids), *p.stop_token_ids)

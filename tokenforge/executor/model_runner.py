@@ -23,6 +23,7 @@ from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration
                                           start_calibration)
 from tokenforge.executor.pipeline import PipelinedSteps, StageComm
 from tokenforge.executor.roles import StepInFlight, make_role
+from tokenforge.executor.spec.roles import make_speculative_role
 from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
@@ -59,7 +60,8 @@ class ModelRunner:
         # Pipelined steps, first stage: steps started, oldest first, waiting for the last stage.
         self.pipeline = PipelinedSteps(self.stages) if self.stages.pipelined and self.rank.is_first_stage else None
         self.previous = PreviousSample()
-        self.role = make_role(self)
+        speculative = config.scheduler.speculative_method is not None and self.rank.is_first_stage
+        self.role = make_speculative_role(self) if speculative else make_role(self)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
 

@@ -56,10 +56,6 @@ class StepInFlight:
 
 def make_role(runner):
     rank = runner.rank
-    if runner.config.scheduler.speculative_method is not None and rank.is_first_stage:
-        from tokenforge.executor.spec.roles import make_speculative_role  # noqa: PLC0415
-
-        return make_speculative_role(runner)
     if rank.is_driver:
         return Driver(runner)
     return TPFollower(runner) if rank.is_first_stage else LaterStage(runner)

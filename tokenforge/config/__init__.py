@@ -8,25 +8,12 @@ live in `RuntimeInfo`, never mutated into the config.
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 from dataclasses import dataclass, field
 
+from tokenforge.config.checks import check as _check, parse_kv_remote, parse_size, validate_kv_tiers, validate_speculative
+
+__all__ = ["parse_kv_remote", "parse_size"]   # re-exported: they lived here
 from tokenforge.source import resolve_hub_fields
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_size(value: str | int | float | None) -> int | None:
-    """Parse '8GiB', '8GB', '512MiB' or a plain byte count into bytes."""
-    if value is None or isinstance(value, (int, float)):
-        return None if value is None else int(value)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    if not m or m.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"cannot parse size {value!r}: use a byte count or a unit such as 8GiB, 512MiB, 8GB")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-
 
 QUANTIZATION_MODES = (None, "int8", "int4", "fp8", "fp8-sim")
 QUANTIZATION_ALIASES = {"8bit": "int8", "4bit": "int4"}    # the playbook's spellings
@@ -38,10 +25,6 @@ def flag(default, help: str, *aliases: str, **cli):
     group, cli_default (the flag's default; None: the config decides), choices, values (spelling -> value) and invalid
     (the error), switches (flag -> value or (value, help)), serve, negate (--no-<name>), flag, metavar, type."""
     return field(default=default, metadata={"help": help, "aliases": aliases, **cli})
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond: raise ValueError(message)  # noqa: E701
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,45 +146,6 @@ class CacheConfig:
         validate_kv_tiers(self)
 
 
-def parse_kv_remote(url: str) -> tuple[str, list[tuple[str, int]], int]:
-    """'redis://h:p/db', 'rediss://h:p' or 'redis+cluster://h1:p1,h2:p2' -> (scheme, nodes, db)."""
-    m = re.fullmatch(r"(redis|rediss|redis\+cluster)://(?:[^@/]*@)?([^/?#]+)(?:/(\d*))?", url or "")
-    if not m:
-        raise ValueError(f"kv_remote {url!r} is not a Redis URL: use redis://host:port[/db], rediss://host:port "
-                         "or redis+cluster://host1:port1,host2:port2")
-    nodes = []
-    for node in m.group(2).split(","):
-        host, sep, port = node.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"kv_remote {url!r}: {node!r} is not host:port")
-        nodes.append((host.strip("[]"), int(port)))
-    if m.group(1) != "redis+cluster" and len(nodes) != 1:
-        raise ValueError(f"kv_remote {url!r}: several nodes need the redis+cluster:// scheme")
-    return m.group(1), nodes, int(m.group(3) or 0)
-
-
-def validate_kv_tiers(c: CacheConfig) -> None:
-    for name in ("kv_offload_cpu_gb", "kv_offload_disk_gb"):
-        _check(getattr(c, name) >= 0, f"{name} must be >= 0, got {getattr(c, name)}")
-    _check(c.kv_remote_ttl >= 1, f"kv_remote_ttl must be >= 1 second, got {c.kv_remote_ttl}")
-    if c.kv_remote is not None:
-        parse_kv_remote(c.kv_remote)
-    _check(c.kv_remote_write_through is None or c.kv_remote is not None,
-           f"kv_remote_write_through={c.kv_remote_write_through} needs a remote tier (kv_remote=redis://...)")
-    _check(not c.kv_tiers_enabled or c.enable_prefix_caching,
-           "the KV offload tiers are keyed by prefix-cache hashes: they need prefix caching on")
-    if c.kv_offload_disk_dir is None:
-        _check(not c.kv_offload_disk_gb, "kv_offload_disk_gb needs kv_offload_disk_dir")
-        return
-    _check(c.kv_offload_disk_gb > 0, "kv_offload_disk_dir needs a size: kv_offload_disk_gb > 0")
-    d = c.kv_offload_disk_dir
-    try:
-        os.makedirs(d, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"kv_offload_disk_dir {d!r} cannot be created: {e.strerror}") from None
-    _check(os.path.isdir(d) and os.access(d, os.W_OK | os.X_OK), f"kv_offload_disk_dir {d!r} is not a writable directory")
-
-
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = flag(256, "sequences per step (default: 512 on CUDA, 256 on the CPU); with --pipeline-steps "
@@ -227,41 +171,17 @@ class SchedulerConfig:
     @property
     def num_draft_tokens(self) -> int:
         """Drafts per request and step (0 without speculative decoding)."""
-        return 0 if self.speculative_method is None else (self.num_speculative_tokens or 4)
+        return 0 if self.speculative_method is None else (4 if self.num_speculative_tokens is None else self.num_speculative_tokens)
 
     def validate(self) -> None:
         _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _validate_speculative(self)
+        validate_speculative(self)
         _check(isinstance(self.pipeline_steps, int) and self.pipeline_steps >= 1,
                f"pipeline_steps must be an integer >= 1, got {self.pipeline_steps!r}")
         _check(self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_tokens_default is None or self.max_tokens_default >= 1,
                f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
-
-
-SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
-SPECULATIVE_METHODS_BUILT = ("ngram",)
-
-
-def _validate_speculative(c: SchedulerConfig) -> None:
-    m = c.speculative_method
-    if m is None:
-        _check(c.num_speculative_tokens is None and c.speculative_model is None,
-               "num_speculative_tokens and speculative_model need speculative_method (ngram)")
-        return
-    _check(m in SPECULATIVE_METHODS,
-           f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {m!r}")
-    _check(m in SPECULATIVE_METHODS_BUILT,
-           f"speculative_method={m!r} is not implemented yet; available: {', '.join(SPECULATIVE_METHODS_BUILT)}")
-    k = c.num_draft_tokens
-    _check(isinstance(k, int) and 1 <= k <= 16, f"num_speculative_tokens must be between 1 and 16, got {k!r}")
-    if m == "ngram":
-        _check(c.speculative_model is None,
-               "speculative_model is for the draft and eagle methods: ngram looks drafts up in the request itself")
-        _check(1 <= c.ngram_min <= c.ngram_max,
-               f"need 1 <= ngram_min <= ngram_max, got {c.ngram_min} and {c.ngram_max}")
-    _check(c.pipeline_steps == 1, "speculative decoding does not combine with pipeline_steps > 1 yet")
 
 
 EXECUTOR_BACKENDS = ("auto", "uni", "mp", "torchrun")
