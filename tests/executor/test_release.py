@@ -49,7 +49,7 @@ def test_three_engines_in_one_process_give_their_memory_back():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     for _ in range(3):
-        llm = LLM(gpu_memory_utilization=0.5)
+        llm = LLM("llama-3.2-1b", load_format="dummy", gpu_memory_utilization=0.5)
         llm.generate(["Hello"], SamplingParams(max_tokens=8), use_tqdm=False)
         llm.shutdown()
         del llm
@@ -58,11 +58,11 @@ def test_three_engines_in_one_process_give_their_memory_back():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_long_prompts_on_a_default_configured_engine_match_eager():
-    prompts = [list(range(100, 100 + n)) for n in (3000, 8000)]
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    prompts = [list(range(100, 100 + n)) for n in (3000, 8000, 30000)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     outs = {}
     for eager in (False, True):
-        llm = LLM(enforce_eager=eager)
+        llm = LLM("llama-3.2-1b", load_format="dummy", enforce_eager=eager)   # no --max-model-len
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
         llm.shutdown()

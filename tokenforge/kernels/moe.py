@@ -67,7 +67,8 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     flat = ids.flatten()
     pairs = flat.numel()
     cap = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    # scatter_add rather than bincount: bincount syncs with the host, which a CUDA graph cannot hold
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
