@@ -1,10 +1,11 @@
 """`tokenforge bench kernels`: the Triton kernel micro-benchmarks, against their torch references.
 
-    tokenforge bench kernels --out OUT [--part attention|gemv|quant] [--smoke]
+    tokenforge bench kernels --out OUT [--part attention|gemv|quant|moe] [--smoke]
 
 attention (attention.py): decode and prefill attention, the fused ops and a whole batch-1 decode
 step, into OUT/kernels.json. gemv (gemv.py): the small-M GEMV table and the decode step with our
-GEMVs. quant (quant.py): the quantized GEMVs, into OUT/kernels_quant.json. `--smoke` runs tiny
+GEMVs. quant (quant.py): the quantized GEMVs, into OUT/kernels_quant.json. moe (moe.py): the fused
+MoE at decode batches 1-16 on real expert shapes, into OUT/kernels_moe.json. `--smoke` runs tiny
 shapes on the CPU through Triton's interpreter (set TRITON_INTERPRET=1) to check the script.
 The torch and Triton imports wait until the bench runs (the parser is built by `tokenforge --help`).
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-PARTS = ("attention", "gemv", "quant")
+PARTS = ("attention", "gemv", "quant", "moe")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ def make_speculative_role(runner):
     return SpeculativeDriver(runner) if runner.rank.is_driver else SpeculativeFollower(runner)
 
 
-def draft_logits(runner, step: StepInFlight) -> None:
+def draft_logits(role, step: StepInFlight) -> None:
     """Queue the LM head over every drafted sequence's draft positions (rows of t, d_1..d_{d-1})."""
     seqs, index = [], []
     for i, s in enumerate(step.sched.sequences):
@@ -34,13 +34,13 @@ def draft_logits(runner, step: StepInFlight) -> None:
         seqs.append(s)
     if seqs:
         rows = torch.tensor(index, device=step.hidden.device)
-        step.draft_logits = (seqs, runner.model.compute_logits(step.hidden[rows]))
+        step.draft_logits = (seqs, role.model.compute_logits(step.hidden[rows]))
 
 
 class SpeculativeFollower(TPFollower):
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
         super().after_forward(step, defer_sampling)
-        draft_logits(self.runner, step)
+        draft_logits(self, step)
         step.draft_logits = None      # rank 0 verifies; this rank only joined the collectives
 
 
@@ -49,7 +49,7 @@ class SpeculativeDriver(Driver):
         if defer_sampling:
             raise RuntimeError("speculative decoding runs synchronous steps: nothing defers its sampling")
         super().after_forward(step, defer_sampling)
-        draft_logits(self.runner, step)
+        draft_logits(self, step)
 
     def collect(self, step: StepInFlight, out) -> None:
         super().collect(step, out)
@@ -68,7 +68,7 @@ class SpeculativeDriver(Driver):
             drafts[i, :d] = torch.tensor(s.token_ids[-d:])
             params.extend([s.params] * d)
         flat = target_probs(logits, SamplingBatch.build(params, [[]] * len(params), [[]] * len(params),
-                                                        [None] * len(params), self.runner.vocab_size, device))
+                                                        [None] * len(params), self.vocab_size, device))
         for i, s in enumerate(seqs):
             d = s.num_draft_tokens
             probs[i, :d] = flat[rows:rows + d]

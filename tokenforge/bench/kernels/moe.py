@@ -1,0 +1,74 @@
+"""Kernel micro-benchmark, the fused MoE: decode batches 1-16 on real expert shapes.
+
+In: an output folder (`tokenforge bench kernels --part moe --out OUT`). Out: per shape and batch,
+the time of `kernels.moe.fused_moe` (alignment, gate-up + SwiGLU, down + routing weights, the sum
+over k) replayed as a CUDA graph, the bytes of the experts the batch selects, and their fraction of
+the read rate measured in the same run, in `kernels_moe.json`. Several weight sets are replayed in
+turn so that no set stays in the L2; the error against `moe_reference` is recorded with each row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from tokenforge.bench.kernels.common import start_run
+from tokenforge.kernels.moe import fused_moe, moe_reference, route
+
+# name -> (hidden, intermediate per expert, experts, top-k): the real configs' expert MLPs
+SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
+          "gpt-oss-20b": (2880, 2880, 32, 4), "gpt-oss-120b": (2880, 2880, 128, 4)}
+BATCHES = (1, 2, 4, 8, 16)
+
+
+def _graph_time(calls: list, repeats: int = 50) -> float:
+    """Median seconds of one call, each call captured in its own graph and replayed in turn."""
+    graphs = []
+    for fn in calls:
+        fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        graphs.append(g)
+    times = []
+    for i in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graphs[i % len(graphs)].replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def run(out_dir: str, smoke: bool = False) -> dict:
+    device, bw, result = start_run(out_dir, smoke, " --part moe")
+    rows = []
+    for name, (h, i, e, k) in SHAPES.items():
+        if smoke:
+            h, i, e = 64, 64, min(e, 8)
+        sets = max(2, int(8e9 // (e * 3 * h * i * 2) if not smoke else 2))
+        sets = min(sets, 6)
+        w13 = [torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16) * h ** -0.5 for _ in range(sets)]
+        w2 = [torch.randn(e, h, i, device=device, dtype=torch.bfloat16) * i ** -0.5 for _ in range(sets)]
+        for t in BATCHES:
+            x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+            weights, ids = route(torch.randn(t, e, device=device), k)
+            ref = moe_reference(x, w13[0], w2[0], weights, ids).float()
+            err = ((fused_moe(x, w13[0], w2[0], weights, ids).float() - ref).norm() / ref.norm()).item()
+            seconds = _graph_time([lambda s=s: fused_moe(x, w13[s], w2[s], weights, ids) for s in range(sets)])
+            used = ids.unique().numel()
+            nbytes = used * 3 * h * i * 2
+            rows.append({"shape": name, "tokens": t, "experts_read": used, "us": seconds * 1e6,
+                         "GBps": nbytes / seconds / 1e9, "frac_of_read": nbytes / seconds / bw, "rel_err": err})
+            print(f"{name:14s} T={t:<3d} {seconds * 1e6:8.1f} us  experts {used:3d}  "
+                  f"{nbytes / seconds / 1e9:6.0f} GB/s  {nbytes / seconds / bw:6.1%} of read  err {err:.1e}")
+        w13 = w2 = None   # free this shape before the next
+        torch.cuda.empty_cache()
+    result["moe"] = rows
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    (Path(out_dir) / "kernels_moe.json").write_text(json.dumps(result, indent=1))
+    return result
