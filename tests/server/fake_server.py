@@ -27,7 +27,7 @@ from tokenforge.server.settings import ServerSettings  # noqa: E402
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
+    add_engine_args(parser, serve=True)   # as `tokenforge serve` builds them: --model-checksum, --model-version too
     args = add_server_args(parser).parse_args()
     configure_logging(logging.INFO, "api")
     core_path = f"{FakeEngineCore.__module__}:FakeEngineCore"
