@@ -41,7 +41,9 @@ def test_tier_flags_reach_the_config():
                                                   (["--no-kv-remote-write-through"], False)])
 def test_remote_write_through_is_on_unless_turned_off(flags, write_through):
     from tokenforge.cli import build_parser
-    from tokenforge.server.cli_args import engine_config_from_args
+    from tokenforge.config import EngineConfig
+
+    engine_config_from_args = EngineConfig.from_cli     # the one converter (was server/cli_args.py)
 
     cache = engine_config_from_args(build_parser().parse_args(["serve", "--kv-remote", "redis://a:1", *flags])).cache
     assert cache.remote_write_through is write_through

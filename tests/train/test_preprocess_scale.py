@@ -307,7 +307,7 @@ def test_format_version_1_directories_are_still_read(tmp_path):
 def test_input_weights_and_shard_sizes_parse():
     import argparse
 
-    from tokenforge.train.cli_args import _size
+    from tokenforge.cli.train import _size
     from tokenforge.train.mixture import parse_inputs
 
     assert parse_inputs(["a.jsonl", "b.txt"]).weights is None

@@ -21,7 +21,9 @@ def test_training_path_matches_serving_path(bundled_model):
         train = bundled_model(ids, None)                                   # [2, 12, H]
         with set_forward_context(None):
             serve = torch.stack([bundled_model(row, torch.arange(12)) for row in ids])
-    torch.testing.assert_close(train, serve, atol=2e-5, rtol=1e-5)
+    # float32 sums in another order (one [2, 12] batch vs two rows): on this host's CPU one element
+    # of 13,824 differs by 3.1e-5 with main's code too (568b26f); a wrong path differs by ~1e-2
+    torch.testing.assert_close(train, serve, atol=5e-5, rtol=1e-5)
 
 
 def test_chunked_cross_entropy_matches_full_logits():
