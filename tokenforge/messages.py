@@ -93,6 +93,15 @@ class KVTierStats(msgspec.Struct):
     remote_up: bool | None = None                                         # None: no remote tier
 
 
+class SpecDecodeStats(msgspec.Struct):
+    """Speculative decoding totals since start-up (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0                   # sequences verified with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = msgspec.field(default_factory=list)   # [K]: drafts accepted at position i
+
+
 class EngineStats(msgspec.Struct):
     """A snapshot the server exports as Prometheus metrics."""
 
@@ -107,6 +116,7 @@ class EngineStats(msgspec.Struct):
     num_free_blocks: int = 0
     allocator_fragmentation: float = 0.0  # device allocator: reserved-but-unallocated / reserved
     kv_tiers: KVTierStats | None = None   # None when no KV tier is configured
+    spec_decode: SpecDecodeStats | None = None   # None without speculative decoding
 
 
 # ---- engine core (rank 0) -> workers (ranks 1..N-1), once per step ------------------------------

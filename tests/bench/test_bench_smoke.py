@@ -57,6 +57,31 @@ def test_latency_smoke(tmp_path):
     assert r["tokenforge"]["ms_per_token_p50"] is not None and 0 < r["roofline_frac"]
 
 
+def test_latency_replay_drafter_at_full_and_zero_acceptance(tmp_path):
+    """The replay drafter proposes the greedy continuation back: at acceptance 1 every draft is
+    accepted (K + 1 tokens a step), at 0 none is; greedy output equals the run without."""
+    for acceptance, rate in (("1.0", 1.0), ("0.0", 0.0)):
+        r = _run(tmp_path / acceptance, "latency", "--model", TINY, "--input-len", "8", "--output-len", "11", "--no-baseline",
+                 "--speculative-method", "ngram", "--num-speculative-tokens", "3",
+                 "--replay-acceptance", acceptance, *COMMON)
+        spec = r["speculative"]
+        assert spec["greedy_equal_to_no_speculation"] and spec["num_speculative_tokens"] == 3
+        assert spec["spec_decode"]["acceptance_rate"] == rate, spec
+        assert spec["no_speculation"]["output_tok_s"] > 0 and spec["speedup_vs_no_speculation"] > 0
+    assert spec["expected_tokens_per_step"] == 1.0
+
+
+def test_replay_drafter_keeps_each_token_with_its_probability():
+    from tokenforge.bench.lib.replay import ReplayDrafter
+
+    drafter = ReplayDrafter([[5, 6]], [[7, 8, 9, 10]], 0.5, vocab_size=100, seed=3)
+    assert drafter([1, 2], 2) == [] and drafter.num_unknown == 1
+    lengths = [len([t for t, want in zip(drafter([5, 6, 7], 3), (8, 9, 10)) if t == want]) for _ in range(4000)]
+    assert sum(lengths) / len(lengths) == pytest.approx(0.5 + 0.25 + 0.125, abs=0.06)
+    with pytest.raises(ValueError, match="within"):
+        ReplayDrafter([[1]], [[2]], 1.5, vocab_size=10)
+
+
 def test_throughput_smoke_with_tiny_hf_baseline(tmp_path):
     r = _run(tmp_path, "throughput", "--model", TINY, "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
              "--sweep", "1,4", "--baseline-batch-size", "3", *COMMON)

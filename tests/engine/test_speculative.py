@@ -45,6 +45,28 @@ def test_drafts_were_accepted_and_blocks_freed(outputs):
     kv = llm.get_stats()
     assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
     assert kv.num_running == kv.num_waiting == 0
+    spec = kv.spec_decode           # what /metrics exports
+    assert (spec.num_draft_tokens, spec.num_accepted_tokens) == (stats["num_draft_tokens"], stats["num_accepted_tokens"])
+    per_pos = spec.accepted_per_position
+    assert len(per_pos) == 4 and sum(per_pos) == spec.num_accepted_tokens
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:])), per_pos     # a draft is accepted up to its first miss
+    assert per_pos[0] <= spec.num_drafts
+
+
+def test_spec_decode_counters_in_metrics():
+    from tokenforge.messages import EngineStats, SpecDecodeStats
+    from tokenforge.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.update_engine(EngineStats(spec_decode=SpecDecodeStats(3, 12, 7, [3, 2, 1, 1])))
+    metrics.update_engine(EngineStats(spec_decode=SpecDecodeStats(5, 20, 9, [4, 3, 1, 1])))
+    text = metrics.render().decode()
+    for line in ('tokenforge:spec_decode_num_drafts_total{model_name="m"} 5.0',
+                 'tokenforge:spec_decode_num_draft_tokens_total{model_name="m"} 20.0',
+                 'tokenforge:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0',
+                 'tokenforge:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 4.0',
+                 'tokenforge:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 3.0'):
+        assert line in text, line
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from tokenforge.kernels.kv_quant import (FP8_DTYPE, cache_dtype, dequantize, make_scales, quantize,
-                                         scales_from_amax)
+from tokenforge.kernels.kv_quant import (FP8_DTYPE, cache_dtype, dequantize, key_rotation, make_scales,
+                                         quantize, scales_from_amax)
 from tokenforge.kernels.kv_store import store_kv_ref
 from tokenforge.kernels.paged_attention import paged_attention_ref
 from tokenforge.model.attention import AttentionBatch, TorchAttentionBackend
@@ -23,6 +23,39 @@ def test_round_trip_error_is_e4m3_rounding():
     tiny = torch.cat([x[~normal], torch.tensor([1e-4, -3e-5])])
     tiny_back = dequantize(quantize(tiny, scales[2]), scales[0], torch.float32)
     assert (tiny_back - tiny).abs().max() <= scales[0] * 2.0 ** -10   # subnormals: half the smallest step
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_key_rotation_keeps_scores_and_is_fixed(head_dim):
+    rq, rk = key_rotation(head_dim)
+    assert torch.allclose(rq @ rk.T, torch.eye(head_dim), atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip((rq, rk), key_rotation(head_dim)))   # same on every rank and run
+    if head_dim & (head_dim - 1) == 0:          # Walsh-Hadamard times powers of two: exact in bf16
+        for r in key_rotation(head_dim, dtype=torch.bfloat16):
+            assert len(set(r.abs().flatten().tolist())) == 1 and torch.log2(r.abs()[0, 0].float()).item().is_integer()
+        rq16, rk16 = key_rotation(head_dim, dtype=torch.bfloat16)
+        assert torch.equal((rq16.double() @ rk16.double().T), torch.eye(head_dim, dtype=torch.float64))
+
+
+def test_key_rotation_cuts_fp8_score_error_on_outlier_channels():
+    """Keys with a few large channels (as rotary's low frequencies and outlier dims give): the
+    e4m3 error of q.k is several times smaller in the rotated basis, and the scores themselves are
+    unchanged by the rotation."""
+    torch.manual_seed(0)
+    d = 64
+    k = torch.randn(512, d)
+    q = torch.randn(64, d)
+    k[:, :4] *= 30.0
+    q[:, :4] *= 10.0
+    rq, rk = key_rotation(d)
+    assert torch.allclose((q @ rq) @ (k @ rk).T, q @ k.T, rtol=1e-4, atol=1e-3)
+
+    def score_error(qq, kk):
+        scales = scales_from_amax(kk.abs().max().item(), 1.0)
+        back = dequantize(quantize(kk, scales[2]), scales[0], torch.float32)
+        return ((qq @ back.T) - (qq @ kk.T)).pow(2).mean().sqrt()
+
+    assert score_error(q @ rq, k @ rk) * 3 < score_error(q, k)
 
 
 def test_quantize_saturates_and_scales_validate():

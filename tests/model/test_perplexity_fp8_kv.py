@@ -63,6 +63,12 @@ def test_fp8_kv_cache_is_e4m3_with_calibrated_scales(engines):
     assert 0 < k_scale < 1 and 0 < v_scale < 1 and k_scale * k_inv == pytest.approx(1.0)
     assert len({tuple(s.tolist()) for s in runner.kv_scales}) > 1          # per layer, not one global
     assert engines["fp8"].engine.num_kv_blocks == engines["auto"].engine.num_kv_blocks == 128
+    # calibrated scales: keys stored rotated (kv_quant.key_rotation), one orthogonal matrix
+    rq, rk = layer.kv_rotation
+    assert rq.shape == rk.shape == (layer.head_dim, layer.head_dim)
+    assert torch.allclose(rq @ rk.T, torch.eye(layer.head_dim), atol=1e-6)
+    assert all(x.kv_rotation is layer.kv_rotation for x in runner.model.attention_layers())
+    assert all(x.kv_rotation is None for x in engines["auto"].engine.executor.runner.model.attention_layers())
 
 
 def _logprobs(llm, ids: list[int]) -> tuple[torch.Tensor, list[int]]:

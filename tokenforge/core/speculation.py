@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tokenforge.core.request import Request
+from tokenforge.messages import SpecDecodeStats
 
 Proposer = Callable[[list[int], int], list[int]]
 
@@ -29,6 +30,7 @@ class DraftPlanner:
         self.num_drafted = 0            # totals, for metrics (vLLM's spec_decode counters)
         self.num_accepted = 0
         self.num_verify_steps = 0       # sequences verified with at least one draft
+        self.accepted_per_position = [0] * num_draft_tokens
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -49,10 +51,17 @@ class DraftPlanner:
     def after_verify(self, req: Request, num_drafts: int, num_new_tokens: int) -> None:
         """Roll the request back to the tokens whose KV is valid: every token but the last one
         emitted (rejected drafts' slots are recomputed or freed)."""
+        accepted = min(num_drafts, max(0, num_new_tokens - 1))
         self.num_drafted += num_drafts
-        self.num_accepted += max(0, num_new_tokens - 1)
+        self.num_accepted += accepted
         self.num_verify_steps += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+
+    def snapshot(self) -> SpecDecodeStats:
+        return SpecDecodeStats(self.num_verify_steps, self.num_drafted, self.num_accepted,
+                               list(self.accepted_per_position))
 
     def stats(self) -> dict[str, float]:
         steps = self.num_verify_steps

@@ -104,7 +104,7 @@ class LLM:
             for core_request in req.core_requests:
                 self.engine.add_request(core_request)
         finished: dict[str, RequestOutput] = {}
-        bar = _progress(len(processed), use_tqdm)
+        bar = _progress(len(processed), use_tqdm, self.engine.scheduler.drafts)
         try:
             while outputs.has_unfinished():
                 # step() leaves the steps it queued ahead on the device: this detokenizes meanwhile.
@@ -156,8 +156,10 @@ def _as_params_list(params, n: int) -> list[SamplingParams]:
 class _Progress:
     """A bar over finished prompts that shows the output tokens/s as they are generated."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, drafts=None) -> None:
         from tqdm.auto import tqdm  # noqa: PLC0415
+
+        self.drafts = drafts        # the DraftPlanner with speculative decoding: its acceptance is shown
 
         self.bar = tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
         self.start = time.perf_counter()
@@ -166,12 +168,17 @@ class _Progress:
     def update(self, core_outputs: list, num_finished: int) -> None:
         self.tokens += sum(len(o.new_token_ids) for o in core_outputs)
         seconds = max(time.perf_counter() - self.start, 1e-6)
-        self.bar.set_postfix_str(f"{self.tokens} tokens, {self.tokens / seconds:.1f} tok/s", refresh=False)
+        line = f"{self.tokens} tokens, {self.tokens / seconds:.1f} tok/s"
+        if self.drafts is not None and self.drafts.num_verify_steps:
+            d = self.drafts
+            line += (f", drafts accepted {d.num_accepted / max(d.num_drafted, 1):.0%}, "
+                     f"mean acceptance length {1 + d.num_accepted / d.num_verify_steps:.2f}")
+        self.bar.set_postfix_str(line, refresh=False)
         self.bar.update(num_finished)   # also redraws the postfix, at most every 0.1 s
 
     def close(self) -> None:
         self.bar.close()
 
 
-def _progress(total: int, enabled: bool) -> _Progress | None:
-    return _Progress(total) if enabled else None
+def _progress(total: int, enabled: bool, drafts=None) -> _Progress | None:
+    return _Progress(total, drafts) if enabled else None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenforge.config import EngineConfig
-from tokenforge.kernels.kv_quant import FP8_DTYPE, make_scales, scales_from_amax
+from tokenforge.kernels.kv_quant import FP8_DTYPE, key_rotation, make_scales, scales_from_amax
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,17 @@ def kv_scales_for(runner, checkpoint: list[tuple[float, float]] | None) -> list[
         return None
     logger.info("fp8 KV cache: per-layer K/V scales from the checkpoint")
     return [make_scales(k, v, runner.device) for k, v in checkpoint]
+
+
+def rotate_keys(layers, device: torch.device, dtype: torch.dtype) -> None:
+    """Calibrated fp8 KV: q and k in a rotated basis (kv_quant.key_rotation). Checkpoint scales
+    were measured on unrotated keys, so a checkpoint's scales keep the keys as they are."""
+    matrices: dict[int, torch.Tensor] = {}        # one per head_dim, shared by the layers
+    for layer in layers:
+        if layer.head_dim not in matrices:
+            matrices[layer.head_dim] = key_rotation(layer.head_dim, device, dtype)
+        layer.kv_rotation = matrices[layer.head_dim]
+    logger.info("fp8 KV cache: keys (and queries) stored in a rotated basis, head_dim %s", sorted(matrices))
 
 
 def start_calibration(layers, device: torch.device) -> None:

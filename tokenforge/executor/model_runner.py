@@ -20,7 +20,7 @@ from tokenforge.distributed import parallel_state
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.executor.input_batch import InputBatch, PreviousSample, build_inputs
 from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration, kv_scales_for,
-                                          start_calibration)
+                                          rotate_keys, start_calibration)
 from tokenforge.executor.pipeline import PipelinedSteps, StageComm
 from tokenforge.executor.roles import StepInFlight, make_role
 from tokenforge.executor.spec.roles import make_speculative_role
@@ -90,6 +90,8 @@ class ModelRunner:
         if scales is not None and self.rank.pp_size > 1:
             scales = [scales[i] for i in self.model.model.stage]
         self.kv_scales = kv_scales_for(self, scales) if self.kv_dtype == FP8_DTYPE else None
+        if self.kv_dtype == FP8_DTYPE and self.kv_scales is None:
+            rotate_keys(self.model.attention_layers(), self.device, self.dtype)
         self.vocab_size = self.arch.vocab_size
         if cpu_int8:
             logger.info("dynamic int8: %d linear weights quantized", quantize_linears_int8(self.model))

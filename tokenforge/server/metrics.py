@@ -65,6 +65,7 @@ class ServerMetrics:
         self.drain_aborted = counter("num_requests_drain_aborted",
                                      "Requests cut (finish_reason abort) when the SIGTERM drain window ran out.")
         self._last_cumulative = (0, 0, 0)
+        self.spec = SpecDecodeCounters(counter)
         self.kv_tiers = KVTierCollector(model_name)
         self.registry.register(self.kv_tiers)
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
@@ -86,6 +87,8 @@ class ServerMetrics:
         self.kv_fragmentation.labels(m).set(stats.kv_fragmentation)
         if stats.kv_tiers is not None:
             self.kv_tiers.stats = stats.kv_tiers
+        if stats.spec_decode is not None:
+            self.spec.update(m, stats.spec_decode)
         # The core reports running totals; Prometheus counters only increase, so add the growth.
         now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now,
@@ -99,6 +102,33 @@ class ServerMetrics:
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
+
+
+class SpecDecodeCounters:
+    """Speculative decoding, under vLLM's names (tokenforge: prefix): drafts verified, draft
+    tokens proposed and accepted, and accepted drafts per position. Acceptance rate =
+    accepted / draft tokens; mean acceptance length = 1 + accepted / drafts."""
+
+    def __init__(self, counter) -> None:
+        self.drafts = counter("spec_decode_num_drafts", "Sequences verified with at least one draft token.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed.")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position "
+                               "in the draft (0 = the first).", ("position",))
+        self._last: tuple[int, int, int, list[int]] = (0, 0, 0, [])
+
+    def update(self, model: str, s) -> None:
+        last_drafts, last_tokens, last_accepted, last_pos = self._last
+        for counter, new, old in ((self.drafts, s.num_drafts, last_drafts),
+                                  (self.draft_tokens, s.num_draft_tokens, last_tokens),
+                                  (self.accepted, s.num_accepted_tokens, last_accepted)):
+            counter.labels(model).inc(max(0, new - old))
+        for i, new in enumerate(s.accepted_per_position):
+            old = last_pos[i] if i < len(last_pos) else 0
+            self.per_pos.labels(model, str(i)).inc(max(0, new - old))
+        self._last = (max(s.num_drafts, last_drafts), max(s.num_draft_tokens, last_tokens),
+                      max(s.num_accepted_tokens, last_accepted),
+                      [max(n, last_pos[i] if i < len(last_pos) else 0) for i, n in enumerate(s.accepted_per_position)])
 
 
 @dataclass(slots=True)

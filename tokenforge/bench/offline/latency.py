@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenforge.bench.lib import ceilings, harness, hf_baseline, report, workloads
+from tokenforge.bench.lib import ceilings, harness, hf_baseline, replay, report, workloads
 
 
 ENGINE_FLAGS = True     # cli/bench.py adds the engine flags
@@ -19,6 +19,10 @@ ENGINE_FLAGS = True     # cli/bench.py adds the engine flags
 def add_args(p: argparse.ArgumentParser) -> None:
     harness.add_common_args(p, model=workloads.DEFAULT_GPU_MODEL, dtype="bfloat16",
                             num_prompts=1, input_len=128, output_len=256, repeats=3)
+    p.add_argument("--replay-acceptance", type=float, default=None, metavar="A",
+                   help="with --speculative-method: replace its drafts by the greedy continuation of a run "
+                        "without speculation, each draft token kept with probability A (the verify path's "
+                        "cost at a chosen acceptance, for dummy weights; bench/lib/replay.py)")
 
 
 # Bytes per linear weight of each --quantization mode (int4: 4 bits plus a 16-bit scale and zero
@@ -57,12 +61,35 @@ def tokenforge_figures(timing: harness.Timing, num_prompts: int, input_len: int,
     }
 
 
-def measure(args: argparse.Namespace, prompts: list[list[int]]) -> harness.Timing:
-    llm = harness.build_llm(args)
-    timing, _ = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
+def measure(args: argparse.Namespace, prompts: list[list[int]], proposer=None, **overrides) -> tuple[harness.Timing, list, dict | None]:
+    """Timing, greedy outputs and (with speculation) the drafts' acceptance stats of one engine."""
+    llm = harness.build_llm(args, **overrides)
+    drafts = llm.engine.scheduler.drafts
+    if proposer is not None:
+        drafts.proposer = proposer
+    timing, outs = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
     harness.profile_run(llm, prompts, args)
+    stats = drafts.stats() if drafts is not None else None
     harness.shutdown(llm)
-    return timing
+    return timing, harness.token_ids(outs), stats
+
+
+def measure_speculative(args: argparse.Namespace, prompts: list[list[int]], vocab: int) -> dict:
+    """Speculation and none, in the same run: the ratio, the acceptance, and greedy equality."""
+    base_timing, base_ids, _ = measure(args, prompts, speculative_method=None, num_speculative_tokens=None)
+    harness.release_memory()
+    proposer = None
+    if args.replay_acceptance is not None:
+        proposer = replay.ReplayDrafter(prompts, base_ids, args.replay_acceptance, vocab, args.seed)
+    timing, ids, stats = measure(args, prompts, proposer)
+    base = tokenforge_figures(base_timing, args.num_prompts, args.input_len, args.output_len)
+    k = args.num_speculative_tokens or 4
+    out = {"timing": timing, "no_speculation": base, "spec_decode": stats,
+           "greedy_equal_to_no_speculation": ids == base_ids,
+           "replay_acceptance": args.replay_acceptance, "num_speculative_tokens": k}
+    if args.replay_acceptance is not None:
+        out["expected_tokens_per_step"] = replay.ReplayDrafter.expected_tokens_per_step(args.replay_acceptance, k)
+    return out
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -78,9 +105,19 @@ def main(args: argparse.Namespace) -> dict:
             cfg, args.dtype, prompts, args.output_len, batch_size=args.num_prompts, seed=args.seed,
             variants=harness.hf_variants(args))
 
-    timing = measure(args, prompts)
+    spec = None
+    if getattr(args, "speculative_method", None):
+        spec = measure_speculative(args, prompts, shape.vocab)
+        timing = spec.pop("timing")
+    elif args.replay_acceptance is not None:
+        raise ValueError("--replay-acceptance replaces a speculative method's drafts: give --speculative-method too")
+    else:
+        timing, _, _ = measure(args, prompts)
     harness.release_memory()
     tf = tokenforge_figures(timing, args.num_prompts, args.input_len, args.output_len)
+    if spec is not None:
+        result["speculative"] = spec
+        spec["speedup_vs_no_speculation"] = tf["output_tok_s"] / spec["no_speculation"]["output_tok_s"]
     if getattr(args, "profile", None):
         tf["profile"] = args.profile
     result["tokenforge"] = tf
@@ -110,3 +147,10 @@ def print_summary(r: dict) -> None:
         ["variant", "tok/s", "ms/tok p50", "ms/tok p99", "of roofline"], rows)
     if "speedup_vs_baseline" in r:
         print(f"tokenforge / HF: {r['speedup_vs_baseline']:.2f}x")
+    spec = r.get("speculative")
+    if spec is not None:
+        stats = spec["spec_decode"] or {}
+        print(f"speculative / none: {spec['speedup_vs_no_speculation']:.2f}x "
+              f"({spec['no_speculation']['output_tok_s']:.1f} tok/s without); acceptance "
+              f"{stats.get('acceptance_rate', 0):.1%}, mean acceptance length {stats.get('mean_acceptance_length', 0):.2f}; "
+              f"greedy equal: {spec['greedy_equal_to_no_speculation']}")
