@@ -143,4 +143,35 @@ def _scale(config: dict, module: str, rank: int) -> float:
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "PeftAdapter", "read_peft_adapter"]
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_random_adapter(arch, out_dir: str | Path, rank: int, seed: int = 0, alpha: float | None = None,
+                         targets: tuple[str, ...] = PROJECTIONS, std: float = 0.05,
+                         dtype: torch.dtype = torch.float32) -> Path:
+    """A random PEFT adapter for a llama-family ArchConfig (benchmarks and tests): both A and B
+    random, so the adapter visibly changes the output (a trained one starts from B = 0)."""
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    shapes = {"q_proj": (q, h), "k_proj": (kv, h), "v_proj": (kv, h), "o_proj": (h, q), "gate_proj": (inter, h),
+              "up_proj": (inter, h), "down_proj": (h, inter)}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(arch.num_hidden_layers):
+        for proj in targets:
+            part = "self_attn" if proj in PROJECTIONS[:4] else "mlp"
+            prefix = f"{_PREFIX}model.layers.{layer}.{part}.{proj}"
+            out_f, in_f = shapes[proj]
+            tensors[f"{prefix}.lora_A.weight"] = (torch.randn(rank, in_f, generator=gen) * std).to(dtype)
+            tensors[f"{prefix}.lora_B.weight"] = (torch.randn(out_f, rank, generator=gen) * std).to(dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha or 2 * rank,
+              "lora_dropout": 0.0, "bias": "none", "target_modules": list(targets)}
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    return out
+
+
+__all__ = ["CONFIG_FILE", "PROJECTIONS", "WEIGHTS_FILE", "PeftAdapter", "read_peft_adapter", "write_random_adapter"]
