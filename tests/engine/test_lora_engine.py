@@ -98,3 +98,16 @@ def test_lora_needs_enable_lora(adapters):
         llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=adapters[0])
     assert all(layer.lora is None for layer in llm.engine.executor.runner.model.modules()
                if hasattr(layer, "lora"))     # without --enable-lora the forward is the bare model's
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8-sim"])
+def test_adapters_on_a_quantized_base(adapters, quantization):
+    """The adapter stays in the model dtype over a quantized base: a mixed batch still gives each
+    request its tokens alone, and the adapters still change the output."""
+    llm = _llm(max_loras=2, enable_prefix_caching=False, quantization=quantization)
+    loras = [None, adapters[0], adapters[1]]
+    alone = [_tokens(llm.generate([p], GREEDY, use_tqdm=False, lora_request=lora))[0]
+             for p, lora in zip(PROMPTS, loras)]
+    assert _tokens(llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=loras)) == alone
+    same = _tokens(llm.generate([PROMPTS[0]] * 3, GREEDY, use_tqdm=False, lora_request=loras))
+    assert len({tuple(t) for t in same}) == 3 and _all_blocks_free(llm)

@@ -35,10 +35,17 @@ class LoRAManager:
         """Read and check the adapter (ValueError naming it if it does not fit); its fingerprint."""
         adapter = read_peft_adapter(lora.lora_path, lora.lora_name, self.config.max_lora_rank)
         self.slots.check(adapter)
-        if self.device.type == "cuda":       # pinned, so slot writes copy asynchronously
-            adapter.modules = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in adapter.modules.items()}
-        self._keep(adapter)
+        self._keep(self._to_host_format(adapter))
         return adapter.fingerprint
+
+    def _to_host_format(self, adapter: PeftAdapter) -> PeftAdapter:
+        """In the model's dtype (the adapter stays in it on quantized bases too), pinned on CUDA so
+        slot writes are asynchronous copies."""
+        dtype = next(iter(self.slots.linears.values())).params_dtype
+        pin = self.device.type == "cuda"
+        adapter.modules = {k: (a.to(dtype).pin_memory() if pin else a.to(dtype), b.to(dtype).pin_memory() if pin
+                               else b.to(dtype)) for k, (a, b) in adapter.modules.items()}
+        return adapter
 
     def remove(self, name: str) -> int:
         """Drop the host copies registered under `name`; how many were dropped."""
@@ -67,5 +74,5 @@ class LoRAManager:
         if adapter.fingerprint != key:
             raise RuntimeError(f"LoRA adapter {lora.lora_name!r}: the files under {lora.lora_path} changed since it "
                                "was loaded; load it again under a new name")
-        self._keep(adapter)
+        self._keep(self._to_host_format(adapter))
         return adapter
