@@ -78,7 +78,8 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, idx_ptr, y_ptr, num_tokens, out_feat
                    stride_bn, stride_y, NUM_SLOTS: tl.constexpr, RANK: tl.constexpr, NUM_SLICES: tl.constexpr,
                    SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col0 = tl.program_id(1) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < num_tokens, cols < out_features
     slot_of_row = tl.load(idx_ptr + rows, mask=row_ok, other=-1)
     # the packed slice of each output column (its shrunk ranks start at slice * RANK); a bound
@@ -92,11 +93,14 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, idx_ptr, y_ptr, num_tokens, out_feat
             bt = tl.load(b_ptr + s * stride_bs + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
                          mask=col_ok[None, :], other=0.0)                                      # [R, BLOCK_N]
             part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in range(NUM_SLICES):
-                st = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_s + j * RANK + rs[None, :],
-                             mask=mine[:, None], other=0.0)                                    # [BLOCK_M, R]
-                d = tl.dot(st.to(bt.dtype), bt)
-                part += tl.where((slice_of_col == j)[None, :], d, 0.0)
+            for j in tl.static_range(NUM_SLICES):
+                lo = 0 if j == 0 else (SLICE1 if j == 1 else SLICE2)
+                hi = SLICE1 if j == 0 else (SLICE2 if j == 1 else out_features)
+                if (col0 < hi) & (col0 + BLOCK_N > lo):      # only the slices this column block meets
+                    st = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_s + j * RANK + rs[None, :],
+                                 mask=mine[:, None], other=0.0)                                # [BLOCK_M, R]
+                    d = tl.dot(st.to(bt.dtype), bt)
+                    part += tl.where((slice_of_col == j)[None, :], d, 0.0)
             acc = tl.where(mine[:, None], part * tl.load(scale_ptr + s), acc)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
     mask = (row_ok & (slot_of_row >= 0))[:, None] & col_ok[None, :]

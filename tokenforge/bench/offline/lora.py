@@ -79,10 +79,12 @@ def kernel_share(llm, prompts: list[list[int]], loras: list, args: argparse.Name
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         llm.generate(inputs, harness.sampling_params(args.output_len, cache_salt="lora-profile"), use_tqdm=False,
                      lora_request=loras)
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(e.self_device_time_total for e in events) or 1.0
-    lora = sum(e.self_device_time_total for e in events if any(k in e.key for k in _LORA_KERNELS))
-    return {"lora_kernels_us": lora, "device_us": total, "lora_share": lora / total}
+    spans = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(us for _, us in spans) or 1.0
+    lora = sum(us for name, us in spans if any(k in name for k in _LORA_KERNELS))
+    return {"lora_kernels_us": lora, "device_us": total, "lora_share": lora / total,
+            "lora_launches": sum(1 for name, _ in spans if any(k in name for k in _LORA_KERNELS))}
 
 
 def main(args: argparse.Namespace) -> dict:
