@@ -16,6 +16,7 @@ CASES = [  # (tokens, in, slices, slots, rank)
     (7, 128, (64, 32, 32), 4, 16),        # qkv-like, a decode batch over several adapters
     (37, 96, (112, 112), 3, 32),          # gate_up-like, prefill chunks
     (130, 64, (48,), 8, 64),
+    (20, 600, (40, 24, 24), 3, 16),       # the shrink splits the input dim (3 splits, the last partial)
 ]
 
 

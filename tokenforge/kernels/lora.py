@@ -10,7 +10,8 @@ Two steps, as in Punica / S-LoRA: shrink (x A^T: [T, n*R], fp32) then expand (in
 kernels take the per-row index as a tensor and never sync with the host, so they run inside CUDA
 graphs: each program covers BLOCK_M consecutive rows and loops over the slots, multiplying only
 when some row of its block uses that slot (a prefill chunk is one adapter, so its blocks do one
-slot's work; a decode block does the slots its rows use).
+slot's work; a decode block does the slots its rows use). The shrink also splits the input dim
+(256 columns a program, partial sums added in order), so a decode batch still fills the GPU.
 
 `lora_reference` is the torch computation (the CPU path and the kernels' test): both GEMMs over
 every slot at once, each row masked to its own, so no host sync and no per-row gather either.
@@ -48,11 +49,13 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, idx_ptr, out_ptr, num_tokens, in_features, stride_x, stride_as, stride_ar,
-                   stride_o, NUM_SLOTS: tl.constexpr, PACKED_RANK: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def _shrink_kernel(x_ptr, a_ptr, idx_ptr, out_ptr, num_tokens, in_features, split_size, stride_x, stride_as,
+                   stride_ar, stride_split, stride_o, NUM_SLOTS: tl.constexpr, PACKED_RANK: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One (row block, rank block, K split): out[split, rows, ranks] = x[rows, K split] A[slot]^T."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k_start = tl.program_id(2) * split_size
     row_ok = rows < num_tokens
     slot_of_row = tl.load(idx_ptr + rows, mask=row_ok, other=-1)
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -61,15 +64,17 @@ def _shrink_kernel(x_ptr, a_ptr, idx_ptr, out_ptr, num_tokens, in_features, stri
         mine = slot_of_row == s
         if tl.sum(mine.to(tl.int32), axis=0) > 0:
             part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(0, in_features, BLOCK_K):
+            for k0 in range(k_start, k_start + split_size, BLOCK_K):
                 k = k0 + ks
+                k_ok = k < in_features
                 xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                             mask=mine[:, None] & (k[None, :] < in_features), other=0.0)
+                             mask=mine[:, None] & k_ok[None, :], other=0.0)
                 at = tl.load(a_ptr + s * stride_as + ranks[:, None] * stride_ar + k[None, :],
-                             mask=(ranks[:, None] < PACKED_RANK) & (k[None, :] < in_features), other=0.0)
+                             mask=(ranks[:, None] < PACKED_RANK) & k_ok[None, :], other=0.0)
                 part += tl.dot(xt, tl.trans(at))
             acc = tl.where(mine[:, None], part, acc)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_o + ranks[None, :], acc,
+    out = out_ptr + tl.program_id(2) * stride_split
+    tl.store(out + rows[:, None].to(tl.int64) * stride_o + ranks[None, :], acc,
              mask=row_ok[:, None] & (ranks[None, :] < PACKED_RANK))
 
 
@@ -117,12 +122,17 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     rank, (num_tokens, out_features) = lora_b.shape[2], y.shape
     assert rank == next_power_of_2(rank) and rank >= 16, "slot ranks are powers of two >= 16 (tl.dot, tl.arange)"
     assert lora_a.stride(-1) == 1 and lora_b.stride(-1) == 1
-    shrunk = torch.empty(num_tokens, packed_rank, dtype=torch.float32, device=x.device)
-    block_m = 16 if num_tokens <= 16 else 64
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(packed_rank, 64))
-    _shrink_kernel[grid](x, lora_a, indices, shrunk, num_tokens, in_features, x.stride(0), lora_a.stride(0),
-                         lora_a.stride(1), shrunk.stride(0), NUM_SLOTS=num_slots, PACKED_RANK=packed_rank,
-                         BLOCK_M=block_m, BLOCK_R=64, BLOCK_K=64)
+    # Split K so that a decode batch (few row blocks, a rank block or two) still fills the GPU; the
+    # partial sums are added in a fixed order afterwards, so the result does not depend on timing.
+    block_m = 16 if num_tokens <= 128 else (32 if num_tokens <= 1024 else 64)
+    split_size = 256 if in_features > 256 else triton.next_power_of_2(in_features)
+    splits = triton.cdiv(in_features, split_size)
+    partial = torch.empty(splits, num_tokens, packed_rank, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(packed_rank, 64), splits)
+    _shrink_kernel[grid](x, lora_a, indices, partial, num_tokens, in_features, split_size, x.stride(0),
+                         lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1),
+                         NUM_SLOTS=num_slots, PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=64, BLOCK_K=64)
+    shrunk = partial.sum(0) if splits > 1 else partial[0]                   # [T, n*R] fp32
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [out_features] * 2
     grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, 64))
     _expand_kernel[grid](shrunk, lora_b, scale, indices, y, num_tokens, out_features, shrunk.stride(0),
