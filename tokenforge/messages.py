@@ -45,6 +45,23 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
         return self.temperature < 1e-5
 
 
+class LoRARequest(msgspec.Struct, frozen=True):
+    """A LoRA adapter a request runs with, as vLLM's `LoRARequest(name, id, path)`: a PEFT
+    directory (adapter_config.json + adapter_model.safetensors), its name, and a positive id."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str
+
+    @property
+    def name(self) -> str:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path
+
+
 class EngineCoreRequest(msgspec.Struct, frozen=True):
     request_id: str
     prompt_token_ids: list[int]
@@ -52,6 +69,8 @@ class EngineCoreRequest(msgspec.Struct, frozen=True):
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    lora: LoRARequest | None = None
+    lora_key: str | None = None          # the adapter's content fingerprint, set by the engine core
 
 
 class PositionLogprobs(msgspec.Struct, frozen=True):
@@ -115,6 +134,7 @@ class EngineStats(msgspec.Struct):
     num_kv_blocks: int = 0
     num_free_blocks: int = 0
     allocator_fragmentation: float = 0.0  # device allocator: reserved-but-unallocated / reserved
+    lora_swaps: int = 0                   # adapters written into a device slot (cumulative)
     kv_tiers: KVTierStats | None = None   # None when no KV tier is configured
     spec_decode: SpecDecodeStats | None = None   # None without speculative decoding
 

@@ -27,6 +27,7 @@ directory; the committed records in bench/results only with an explicit --result
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
     train       W11: training tokens/s, MFU, peak memory (one process, or DDP / FSDP2 under torchrun)
     structured  throughput of a batch with half the requests grammar-constrained, against all free
+    lora        W2 / W1 over N random rank-r adapters (all seven projections) against the bare model
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ MODULES: dict[str, str] = {
     "ceilings": "lib.ceilings", "cpu": "offline.cpu", "latency": "offline.latency", "throughput": "offline.throughput",
     "prefix": "offline.prefix", "parallel": "offline.parallel", "coldstart": "serving.coldstart",
     "tiers": "offline.tiers", "serve": "serving.serve", "frontend": "serving.frontend", "storm": "serving.storm",
-    "kernels": "kernels", "train": "offline.train", "structured": "offline.structured",
+    "kernels": "kernels", "train": "offline.train", "structured": "offline.structured", "lora": "offline.lora",
 }
 
 BENCHES: dict[str, str] = {
@@ -54,6 +55,7 @@ BENCHES: dict[str, str] = {
     "kernels": "kernel micro-benchmarks against their torch references",
     "train": "W11: training tokens/s, MFU and peak memory (FSDP2 / DDP under torchrun)",
     "structured": "throughput cost of grammar-constrained requests (half of a batch against none)",
+    "lora": "multi-LoRA throughput (N random rank-r adapters) against the bare model in the same run",
 }
 
 

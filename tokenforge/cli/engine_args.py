@@ -17,7 +17,7 @@ import dataclasses
 import logging
 
 from tokenforge import envs
-from tokenforge.config import CACHE, PARALLEL, TIERS, EngineConfig, flag_fields
+from tokenforge.config import CACHE, LORA, PARALLEL, TIERS, EngineConfig, flag_fields
 
 PARALLEL_NOTES = """  --model-sharding-type parallel|pipe|load  parallel: --num-gpus ranks of tensor parallelism;
                                 pipe: of pipeline parallelism; load: = --load-format lazy
@@ -97,6 +97,8 @@ def _add_field_flag(group, f: dataclasses.Field) -> None:
     kind = meta.get("type") or str(f.type).replace(" | None", "")
     default = meta.get("cli_default", f.default)
     kwargs = {"dest": f.name, "help": meta["help"]}
+    if "nargs" in meta:
+        kwargs["nargs"] = meta["nargs"]
     if kind == "bool" and f.default is True and meta.get("negate"):
         group.add_argument("--no-" + spelling[2:], *meta["aliases"], action="store_false", default=True, **kwargs)
     elif kind == "bool" and f.default is None:
@@ -121,7 +123,7 @@ def _add_field_flag(group, f: dataclasses.Field) -> None:
 def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
     """Every engine flag (one per config field, see config.flag) and the playbook's extra spellings.
     `serve`: also the flags that only a server uses (--model-version, --model-checksum)."""
-    groups = {name: p.add_argument_group(name) for name in ("engine", TIERS, PARALLEL, CACHE)}
+    groups = {name: p.add_argument_group(name) for name in ("engine", TIERS, PARALLEL, CACHE, LORA)}
     for f in flag_fields():
         if serve or not f.metadata.get("serve"):
             _add_field_flag(groups[f.metadata.get("group", "engine")], f)

@@ -11,8 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from tokenforge.config.checks import check as _check, parse_kv_remote, parse_size, validate_kv_tiers, validate_speculative
+from tokenforge.config.lora import LORA, LoRAConfig
 
-__all__ = ["parse_kv_remote", "parse_size"]   # re-exported: they lived here
+__all__ = ["LORA", "LoRAConfig", "parse_kv_remote", "parse_size"]   # re-exported
 from tokenforge.source import resolve_hub_fields
 
 QUANTIZATION_MODES = (None, "int8", "int4", "fp8", "fp8-sim")
@@ -272,10 +273,13 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     load: LoadConfig = field(default_factory=LoadConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     def validate(self) -> EngineConfig:
-        for sub in (self.model, self.cache, self.scheduler, self.parallel, self.load, self.device):
+        for sub in (self.model, self.cache, self.scheduler, self.parallel, self.load, self.device, self.lora):
             sub.validate()
+        _check(not self.lora.enable_lora or self.parallel.world_size == 1,
+               "enable_lora serves adapters on one rank only yet: not with tensor or pipeline parallelism")
         steps, pp = self.scheduler.pipeline_steps, self.parallel.pipeline_parallel_size
         _check(steps == 1 or pp > 1, f"pipeline_steps {steps} keeps several steps in flight across pipeline "
                "stages: it needs pipeline_parallel_size > 1 (or pipeline_steps 1)")
@@ -335,7 +339,7 @@ def _fill_device_defaults(groups: dict[str, dict]) -> None:
 
 
 _SUBCONFIGS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
-               "load": LoadConfig, "device": DeviceConfig}
+               "load": LoadConfig, "device": DeviceConfig, "lora": LoRAConfig}
 
 
 def flag_fields() -> list[dataclasses.Field]:

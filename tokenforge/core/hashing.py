@@ -1,6 +1,7 @@
 """Content hashes of full KV blocks, stable across processes and machines.
 
-In: a parent block hash, a block's token ids and an optional per-tenant salt. Out: 32 bytes.
+In: a parent block hash, a block's token ids and an optional per-tenant salt. Out: 32 bytes. A
+LoRA request's chain starts from its adapter's root (`adapter_root`) instead of the zero root.
 The same hash keys the GPU prefix cache and the CPU, disk and Redis tiers, so a prefix computed by
 one replica can be found by another: it must not depend on Python's per-process `hash()` seed,
 on the platform's byte order, or on anything but its inputs.
@@ -29,6 +30,14 @@ def hash_block_tokens(parent: BlockHash | None, token_ids: Sequence[int],
     h.update(salt_bytes)
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
+
+
+def adapter_root(adapter_key: str | None) -> BlockHash | None:
+    """The parent hash of a LoRA request's first block (None, the zero root, for the base model):
+    every block of the chain then depends on the adapter, so two adapters never share KV."""
+    if not adapter_key:
+        return None
+    return hashlib.sha256(_DOMAIN + b"lora\x00" + adapter_key.encode()).digest()
 
 
 def compute_block_hashes(token_ids: Sequence[int], block_size: int, salt: str | None = None,

@@ -172,7 +172,7 @@ class KVCacheManager:
         if have >= num_blocks:
             return
         bs, tokens = self.block_size, request.all_token_ids
-        parent = request.block_hashes[-1] if have else None
+        parent = request.block_hashes[-1] if have else request.hash_root
         for i in range(have, num_blocks):
             parent = hashing.hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs], request.cache_salt)
             request.block_hashes.append(parent)

@@ -37,6 +37,7 @@ class ScheduledSequence:
     want_prompt_logprobs: bool = False   # this chunk lies in the prompt and the request asked for them
     banned_token_ids: tuple[int, ...] = ()   # -inf at this sample: EOS and stop ids before min_tokens
     num_draft_tokens: int = 0       # speculative decoding: the last d token_ids are drafts to verify
+    lora_slot: int = -1             # the device slot of its LoRA adapter (-1: the base model)
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +89,7 @@ class SchedulerOutput:
     grammar_bitmask: object | None = None
     kv_saves: list[BlockSave] = field(default_factory=list)            # KV tiers only: before the forward
     kv_loads: list[TierLoad] = field(default_factory=list)             # KV tiers only: asynchronous
+    lora_loads: list = field(default_factory=list)     # LoRASlotLoad (core/lora_slots.py): before the forward
 
     @property
     def total_num_tokens(self) -> int:

@@ -10,8 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from tokenforge.core.hashing import BlockHash
-from tokenforge.messages import EngineCoreRequest, FinishReason, WireSamplingParams
+from tokenforge.core.hashing import BlockHash, adapter_root
+from tokenforge.messages import EngineCoreRequest, FinishReason, LoRARequest, WireSamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -38,6 +38,20 @@ _FINISH_REASONS = {
 }
 
 
+def check_prompt_fits(req: EngineCoreRequest, max_len: int, block_size: int, num_kv_blocks: int) -> None:
+    """ValueError unless the prompt is non-empty and fits max_model_len and the whole KV cache."""
+    n = len(req.prompt_token_ids)
+    if n == 0:
+        raise ValueError(f"request {req.request_id!r}: the prompt is empty")
+    if n > max_len:
+        raise ValueError(f"request {req.request_id!r}: the prompt has {n} tokens, more than max_model_len={max_len}")
+    need = -(-n // block_size)
+    if need > num_kv_blocks:
+        raise ValueError(
+            f"request {req.request_id!r}: the prompt of {n} tokens needs {need} KV blocks of {block_size} tokens, "
+            f"but the KV cache has only {num_kv_blocks} blocks ({num_kv_blocks * block_size} tokens)")
+
+
 @dataclass(slots=True, eq=False)     # eq=False: identity semantics, so deque.remove is exact
 class Request:
     request_id: str
@@ -46,6 +60,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    lora: LoRARequest | None = None
+    lora_key: str | None = None                         # the adapter's fingerprint (None: the base model)
 
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)       # prompt + output, appended in place
@@ -60,6 +76,8 @@ class Request:
     tier_looked_up: bool = False                        # KV tiers asked since it last held no blocks
     num_tier_hit_tokens: int = 0                        # of num_computed_tokens, restored from a tier
     stop_token_id: int | None = None                    # the stop_token_ids member that ended it
+    lora_slot: int = -1                                 # its adapter's device slot while running
+    hash_root: BlockHash | None = field(init=False)     # the first block's parent: the adapter's root
 
     # Wall-clock times (time.time()) for metrics; None until the event happens.
     first_scheduled_time: float | None = None
@@ -69,12 +87,13 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.all_token_ids.extend(self.output_token_ids)
+        self.hash_root = adapter_root(self.lora_key)
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
         return cls(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                    params=req.params, eos_token_ids=tuple(req.eos_token_ids),
-                   cache_salt=req.cache_salt, arrival_time=req.arrival_time)
+                   cache_salt=req.cache_salt, arrival_time=req.arrival_time, lora=req.lora, lora_key=req.lora_key)
 
     @property
     def num_tokens(self) -> int:

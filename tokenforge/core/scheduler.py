@@ -30,6 +30,7 @@ before the new one touches it.
 
 min_tokens: until a request has that many output tokens, its sequence carries the EOS ids
 (unless ignore_eos) and its stop_token_ids as `banned_token_ids`, which the sampler sets to -inf.
+LoRA: running requests hold their adapters' slots (core/lora_slots.py); a waiting one finding none waits.
 """
 
 from __future__ import annotations
@@ -42,10 +43,11 @@ from math import ceil
 from tokenforge.config import CacheConfig, SchedulerConfig
 from tokenforge.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenforge.core.kv_tiers import KVTierPolicy
+from tokenforge.core.lora_slots import LoRASlotTable
 from tokenforge.core.outputs import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, ScheduledSequence,
                                      SchedulerOutput, TierLoadResult)
 from tokenforge.core.prompt_logprobs import take_prompt_logprobs, wants_prompt_logprobs
-from tokenforge.core.request import Request, RequestStatus
+from tokenforge.core.request import Request, RequestStatus, check_prompt_fits
 from tokenforge.core.speculation import DraftPlanner
 from tokenforge.core.stop_conditions import append_until_stop, banned_tokens
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
@@ -53,7 +55,7 @@ from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_kv_blocks: int, drafts: DraftPlanner | None = None) -> None:
+                 num_kv_blocks: int, drafts: DraftPlanner | None = None, max_loras: int = 0) -> None:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_kv_blocks = num_kv_blocks
@@ -66,12 +68,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()     # WAITING and PREEMPTED, in service order
         self.running: list[Request] = []           # in admission order: the newest is last
         self._finished_ids: list[str] = []         # finished or aborted since the last schedule()
-        self._num_needs_sync = 0                   # unfinished requests with `needs_sync`
-        self.num_preemptions = 0
+        self._num_needs_sync = self.num_preemptions = 0        # unfinished requests with `needs_sync`
         self.pipeline_steps = scheduler_config.pipeline_steps
         self._max_running = scheduler_config.max_num_seqs * self.pipeline_steps
         self._busy: set[str] = set()               # pipelined: ids in a step still in flight
         self.drafts = drafts                       # speculative decoding (None: off)
+        self.loras = LoRASlotTable(max_loras)      # LoRA adapters' device slots (0 without --enable-lora)
         # CPU/disk/Redis tiers below the device cache; None (no per-step work) when none is set.
         self.tiers: KVTierPolicy | None = None
         if cache_config.kv_tiers_enabled:
@@ -81,18 +83,7 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------------
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        n, max_len = len(req.prompt_token_ids), self.config.max_model_len
-        if n == 0:
-            raise ValueError(f"request {req.request_id!r}: the prompt is empty")
-        if n > max_len:
-            raise ValueError(f"request {req.request_id!r}: the prompt has {n} tokens, "
-                             f"more than max_model_len={max_len}")
-        need = cdiv(n, self.block_size)
-        if need > self.num_kv_blocks:
-            raise ValueError(
-                f"request {req.request_id!r}: the prompt of {n} tokens needs {need} KV blocks of "
-                f"{self.block_size} tokens, but the KV cache has only {self.num_kv_blocks} blocks "
-                f"({self.num_kv_blocks * self.block_size} tokens)")
+        check_prompt_fits(req, self.config.max_model_len, self.block_size, self.num_kv_blocks)
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         request = Request.from_engine_core_request(req)
@@ -114,6 +105,7 @@ class Scheduler:
             was_running |= req.status == RequestStatus.RUNNING
             was_waiting |= req.status != RequestStatus.RUNNING
             req.status, req.finished_time = RequestStatus.FINISHED_ABORTED, now
+            self.loras.release(req)
             if self.tiers is None or rid not in self.tiers.loading:   # else freed once loaded
                 self.kv.free(req)
             self._num_needs_sync -= req.needs_sync
@@ -189,6 +181,7 @@ class Scheduler:
             self._busy.update(s.request_id for s in decodes)
         if self.tiers is not None:
             out.kv_saves, out.kv_loads = self.tiers.take_step_ops()
+        out.lora_loads = self.loras.take_loads()
         return out
 
     def _schedule_running(self, budget: int, decodes: list[ScheduledSequence],
@@ -251,6 +244,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        self.loras.release(req)
         req.num_computed_tokens = req.num_tier_hit_tokens = 0
         req.tier_looked_up = False
         req.status = RequestStatus.PREEMPTED
@@ -262,8 +256,12 @@ class Scheduler:
                           prefills: list[ScheduledSequence]) -> None:
         """Admit waiting requests FCFS: at most `room` of them and `budget` tokens."""
         now: float | None = None
+        no_slot: list[Request] = []             # their adapter finds no free LoRA slot: they wait, others go
         while self.waiting and budget > 0 and room > 0:
             req = self.waiting[0]
+            if not self.loras.can_admit(req) and not req.num_output_placeholders:
+                no_slot.append(self.waiting.popleft())
+                continue
             if req.num_output_placeholders or (self._busy and req.request_id in self._busy):
                 break                          # preempted with a step in flight: after it
             if self.tiers is not None and self.tiers.should_look_up(req):
@@ -297,9 +295,11 @@ class Scheduler:
                 req.first_scheduled_time = now = now or time.time()
                 req.num_cached_tokens = num_hit
             self.running.append(req)
+            self.loras.acquire(req)
             self._add_sequence(req, n, decodes, prefills)
             budget -= n
             room -= 1
+        self.waiting.extendleft(reversed(no_slot))
 
     def _release_restored(self, req: Request) -> None:
         """A waiting request must not hold blocks the running ones need (nothing could preempt it):
@@ -325,7 +325,7 @@ class Scheduler:
             sample=sample, params=req.params,
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             want_prompt_logprobs=req.params.prompt_logprobs is not None and wants_prompt_logprobs(req, start),
-            banned_token_ids=banned_tokens(req) if sample else (), num_draft_tokens=len(drafts))
+            banned_token_ids=banned_tokens(req) if sample else (), num_draft_tokens=len(drafts), lora_slot=req.lora_slot)
         req.num_computed_tokens = end
         req.num_output_placeholders += sample
         # Register the blocks this step fills now, not at its update: a request scheduled next
@@ -392,6 +392,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus, now: float) -> None:
         req.status, req.finished_time = status, now
+        self.loras.release(req)
         if self.tiers is not None:
             self.tiers.on_finish(self.kv.registered_blocks(req))
         self.kv.free(req)

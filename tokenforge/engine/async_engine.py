@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import itertools
 import logging
 import threading
 import time
@@ -25,6 +26,7 @@ from tokenforge.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenforge.engine.core_process import (
     DEFAULT_CORE,
     Fatal,
+    LoRAResult,
     Rejected,
     Stats,
     StepOutputs,
@@ -34,7 +36,7 @@ from tokenforge.engine.model_identity import ModelChecksumError, ModelIdentity, 
 from tokenforge.engine.processor import Processor
 from tokenforge.engine.structured_output import compile_grammar
 from tokenforge.engine.request_stream import RequestStream
-from tokenforge.messages import EngineStats, RequestOutput
+from tokenforge.messages import EngineStats, LoRARequest, RequestOutput
 from tokenforge.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,8 @@ class AsyncEngine:
         self._num_seqs = 0
         self._stats = EngineStats(num_kv_blocks=runtime.num_kv_blocks, num_free_blocks=runtime.num_kv_blocks)
         self._stats_waiters: list[asyncio.Future] = []
+        self._lora_waiters: dict[int, asyncio.Future] = {}      # token -> the LoRAResult's future
+        self._lora_tokens = itertools.count()
         self._death_callbacks: list[Callable[[str], None]] = []
         self._output_task: asyncio.Task | None = None
         self.dead_reason: str | None = None
@@ -160,7 +164,7 @@ class AsyncEngine:
             await asyncio.to_thread(compile_grammar, params.structured_outputs)
 
     def add_request(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                    cache_salt: str | None = None) -> RequestStream:
+                    cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> RequestStream:
         """Validate, tokenize and submit now (ValueError for a bad request); outputs arrive on the
         returned stream. Use it as a context manager so an abandoned request is aborted."""
         if self.dead_reason is not None:
@@ -168,7 +172,8 @@ class AsyncEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         arrival = time.time()
-        processed = self.processor.process(prompt, params, request_id, cache_salt=cache_salt, arrival_time=arrival)
+        processed = self.processor.process(prompt, params, request_id, cache_salt=cache_salt, arrival_time=arrival,
+                                           lora_request=lora_request)
         stream = RequestStream(self, request_id, arrival, [r.request_id for r in processed.core_requests])
         self.output_processor.add_request(processed, params, arrival)
         self._streams[request_id] = stream
@@ -179,10 +184,11 @@ class AsyncEngine:
         return stream
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yield delta RequestOutputs until the request finishes. Raises ValueError for a bad
         request (before or after it reaches the core) and EngineDeadError if the core dies."""
-        with self.add_request(prompt, params, request_id, cache_salt) as stream:
+        with self.add_request(prompt, params, request_id, cache_salt, lora_request) as stream:
             async for output in stream:
                 yield output
 
@@ -224,6 +230,28 @@ class AsyncEngine:
         except TimeoutError:
             return self._stats
 
+    async def add_lora(self, lora: LoRARequest) -> None:
+        """Register an adapter in the core (read, checked, kept in host memory); ValueError
+        naming it when it cannot be served."""
+        result = await self._lora_call(lambda token: self.client.add_lora(token, lora))
+        if result.error is not None:
+            raise ValueError(result.error)
+
+    async def remove_lora(self, name: str) -> bool:
+        """Forget an adapter in the core; whether it held one of that name."""
+        return (await self._lora_call(lambda token: self.client.remove_lora(token, name))).found
+
+    async def _lora_call(self, send) -> LoRAResult:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        token = next(self._lora_tokens)
+        waiter = self._lora_waiters[token] = asyncio.get_running_loop().create_future()
+        try:
+            send(token)
+            return await waiter
+        finally:
+            self._lora_waiters.pop(token, None)
+
     @property
     def last_stats(self) -> EngineStats:
         return self._stats
@@ -257,6 +285,10 @@ class AsyncEngine:
             parent = self._child_to_parent.get(message.request_id)
             if parent is not None:
                 self._streams[parent].put(ValueError(message.message))
+        elif isinstance(message, LoRAResult):
+            waiter = self._lora_waiters.get(message.token)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(message)
         elif isinstance(message, Fatal):
             self._mark_dead(message.message)
 
@@ -297,5 +329,8 @@ class AsyncEngine:
         for waiter in self._stats_waiters:
             if not waiter.done():
                 waiter.set_result(self._stats)
+        for waiter in self._lora_waiters.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(reason))
         for callback in self._death_callbacks:
             callback(reason)

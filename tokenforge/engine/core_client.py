@@ -27,17 +27,19 @@ from tokenforge.config import EngineConfig
 from tokenforge.engine.core_process import (
     DEFAULT_CORE,
     AbortRequests,
+    AddLoRA,
     AddRequests,
     Fatal,
     InputMessage,
     OutputMessage,
     Ready,
+    RemoveLoRA,
     ShutdownRequest,
     StatsRequest,
     encode_config,
     run_engine_core,
 )
-from tokenforge.messages import EngineCoreRequest
+from tokenforge.messages import EngineCoreRequest, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +193,12 @@ class EngineCoreClient:
 
     def request_stats(self) -> None:
         self.send(StatsRequest())
+
+    def add_lora(self, token: int, lora: LoRARequest) -> None:
+        self.send(AddLoRA(token, lora))
+
+    def remove_lora(self, token: int, name: str) -> None:
+        self.send(RemoveLoRA(token, name))
 
     async def recv(self) -> OutputMessage:
         return self._decoder.decode(await self._output.recv())

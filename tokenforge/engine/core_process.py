@@ -1,9 +1,10 @@
 """The engine-core process: EngineCore behind two ZMQ sockets, typed msgpack both ways.
 
-In (PULL, from the frontend): AddRequests, AbortRequests, StatsRequest, ShutdownRequest.
+In (PULL, from the frontend): AddRequests, AbortRequests, StatsRequest, ShutdownRequest, and
+AddLoRA / RemoveLoRA (runtime adapter updates).
 Out (PUSH, to the frontend): Ready once the model is loaded (or Fatal if that failed), then
-StepOutputs per engine step, Rejected for a request the core refused, and Stats snapshots
-(periodically while busy, on going idle, and on request).
+StepOutputs per engine step, Rejected for a request the core refused, Stats snapshots
+(periodically while busy, on going idle, and on request), and a LoRAResult per adapter update.
 
 The loop: drain the input socket (blocking briefly only when idle), step while there is work,
 push what the step produced. Aborts are drained before every step, so an aborted request's KV
@@ -27,7 +28,7 @@ import zmq
 
 from tokenforge.config import EngineConfig, decode_config, encode_config  # noqa: F401 - re-exported
 from tokenforge.logs import configure_logging
-from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,17 @@ class ShutdownRequest(msgspec.Struct, tag="shutdown"):
     pass
 
 
-InputMessage = AddRequests | AbortRequests | StatsRequest | ShutdownRequest
+class AddLoRA(msgspec.Struct, tag="add_lora"):
+    token: int                   # echoed in the LoRAResult
+    lora: LoRARequest
+
+
+class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
+    token: int
+    name: str
+
+
+InputMessage = AddRequests | AbortRequests | StatsRequest | ShutdownRequest | AddLoRA | RemoveLoRA
 
 
 # ---- core -> frontend ---------------------------------------------------------------------------
@@ -85,7 +96,13 @@ class Fatal(msgspec.Struct, tag="fatal"):
     message: str
 
 
-OutputMessage = Ready | StepOutputs | Rejected | Stats | Fatal
+class LoRAResult(msgspec.Struct, tag="lora_result"):
+    token: int
+    error: str | None = None     # None: done (for a removal, `found` says whether it was there)
+    found: bool = True
+
+
+OutputMessage = Ready | StepOutputs | Rejected | Stats | Fatal | LoRAResult
 
 
 def load_core_class(path: str):
@@ -152,6 +169,14 @@ class CoreLoop:
             self.send_stats()
         elif isinstance(message, ShutdownRequest):
             self.stopping = True
+        elif isinstance(message, AddLoRA):
+            try:
+                self.core.add_lora(message.lora)
+                self.send(LoRAResult(message.token))
+            except ValueError as err:
+                self.send(LoRAResult(message.token, str(err)))
+        elif isinstance(message, RemoveLoRA):
+            self.send(LoRAResult(message.token, found=self.core.remove_lora(message.name)))
 
     def step(self) -> None:
         start = time.time()

@@ -11,6 +11,8 @@ import logging
 import os
 import time
 
+import msgspec
+
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
@@ -19,7 +21,7 @@ from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer
 from tokenforge.executor.factory import create_executor
-from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
+from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +79,10 @@ class EngineCore:
         self.num_kv_blocks = self.executor.init_kv_cache(self.config)
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
+        lora = self.config.lora
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks,
-                                   make_draft_planner(self.config.scheduler))
+                                   make_draft_planner(self.config.scheduler), lora.max_loras if lora.enable_lora else 0)
+        self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read
         if self.scheduler.tiers is not None:
             self.executor.init_kv_tiers(self.config)
         mode = self.config.scheduler.async_scheduling
@@ -101,7 +105,28 @@ class EngineCore:
     def vocab_size(self) -> int:
         return self.executor.vocab_size
 
+    def add_lora(self, lora: LoRARequest) -> str:
+        """Register an adapter (read, checked, kept in host memory); ValueError naming it if it
+        cannot be served. Returns its fingerprint, the key of its slots and prefix-cache blocks."""
+        ident = (lora.lora_name, lora.lora_int_id, lora.lora_path)
+        if lora.lora_int_id < 1:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: lora_int_id must be a positive integer, "
+                             f"got {lora.lora_int_id}")
+        self.lora_keys[ident] = self.executor.add_lora(lora)
+        return self.lora_keys[ident]
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter: its host copy goes now; requests already admitted finish with it."""
+        idents = [i for i in self.lora_keys if i[0] == name]
+        for ident in idents:
+            del self.lora_keys[ident]
+        return bool(self.executor.remove_lora(name) or idents)
+
     def add_request(self, request: EngineCoreRequest) -> None:
+        if request.lora is not None:       # the adapter's fingerprint keys its slot and its KV blocks
+            lora = request.lora
+            key = self.lora_keys.get((lora.lora_name, lora.lora_int_id, lora.lora_path)) or self.add_lora(lora)
+            request = msgspec.structs.replace(request, lora_key=key)
         if request.params.grammar is not None:
             self.grammars.add(request.request_id, request.params.grammar)
         try:
@@ -225,6 +250,7 @@ class EngineCore:
     def get_stats(self) -> EngineStats:
         stats = self.scheduler.get_stats()
         stats.allocator_fragmentation = self.executor.allocator_fragmentation()
+        stats.lora_swaps = self.scheduler.loras.num_swaps
         stats.kv_tiers = self.executor.kv_tier_stats()
         return stats
 

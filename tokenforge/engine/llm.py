@@ -21,7 +21,7 @@ from tokenforge.engine.engine_core import EngineCore
 from tokenforge.engine.output_processor import OutputProcessor
 from tokenforge.engine.processor import ProcessedRequest, Processor, PromptType
 from tokenforge.engine.tokenization import load_engine_tokenizer
-from tokenforge.messages import EngineStats, RequestOutput
+from tokenforge.messages import EngineStats, LoRARequest, RequestOutput
 from tokenforge.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,11 +53,17 @@ class LLM:
     # ---- public API -----------------------------------------------------------------------------
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        # Validate everything first: a bad prompt raises before any request reaches the engine.
-        processed = [self.processor.process(p, sp, str(next(self._ids))) for p, sp in zip(prompts, params)]
+        loras = _as_lora_list(lora_request, len(prompts))
+        # Validate everything first: a bad prompt or adapter raises before any request reaches the engine.
+        processed = [self.processor.process(p, sp, str(next(self._ids)), lora_request=lora)
+                     for p, sp, lora in zip(prompts, params, loras)]
+        for lora in {lora for lora in loras if lora is not None}:
+            self.engine.add_lora(lora)
         return self._run(processed, params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -140,6 +146,15 @@ def _as_prompt_list(prompts) -> list[PromptType]:
     if not prompts:
         raise ValueError("prompts is empty: give at least one prompt")
     return prompts
+
+
+def _as_lora_list(lora, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    lora = list(lora)
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} lora requests for {n} prompts: give one, or one per prompt")
+    return lora
 
 
 def _as_params_list(params, n: int) -> list[SamplingParams]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from tokenforge.config import EngineConfig, RuntimeInfo
 from tokenforge.engine.structured_output import compile_grammar
-from tokenforge.messages import EngineCoreRequest, WireSamplingParams
+from tokenforge.messages import EngineCoreRequest, LoRARequest, WireSamplingParams
 from tokenforge.sampling_params import SamplingParams
 
 PromptType = str | list[int] | dict
@@ -62,7 +62,8 @@ class Processor:
         return ids
 
     def process(self, prompt: PromptType, params: SamplingParams, request_id: str, *,
-                cache_salt: str | None = None, arrival_time: float | None = None) -> ProcessedRequest:
+                cache_salt: str | None = None, arrival_time: float | None = None,
+                lora_request: LoRARequest | None = None) -> ProcessedRequest:
         text, ids = self.tokenize(prompt)
         max_len = self.runtime.max_model_len
         if not ids:
@@ -74,6 +75,9 @@ class Processor:
         for t in params.stop_token_ids:
             if t >= self.runtime.vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {self.runtime.vocab_size})")
+        if lora_request is not None and not self.config.lora.enable_lora:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine serves no LoRA adapters "
+                             "(start it with enable_lora=True / --enable-lora)")
         wire = self._wire_params(params, len(ids))
         salt = cache_salt if cache_salt is not None else params.cache_salt
         arrival = time.time() if arrival_time is None else arrival_time
@@ -81,7 +85,7 @@ class Processor:
             EngineCoreRequest(
                 request_id=child_request_id(request_id, i), prompt_token_ids=ids,
                 params=wire if params.seed is None or i == 0 else _reseed(wire, params.seed + i),
-                eos_token_ids=self.runtime.eos_token_ids, cache_salt=salt, arrival_time=arrival)
+                eos_token_ids=self.runtime.eos_token_ids, cache_salt=salt, arrival_time=arrival, lora=lora_request)
             for i in range(params.n)
         ]
         return ProcessedRequest(request_id, text, ids, children)

@@ -41,6 +41,9 @@ class CudaGraphRunner:
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.buffers = DecodeMetadataBuffers(self.max_batch, max_blocks, device)
+        # LoRA: each row's adapter slot, a graph input like the token ids (-1 on padding rows)
+        self.lora_indices = (torch.full((self.max_batch,), -1, dtype=torch.long, device=device)
+                             if runner.loras is not None else None)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
@@ -71,7 +74,8 @@ class CudaGraphRunner:
         model = self.runner.model
         empty = AttentionBatch([], [], [], self.runner.block_size, self.runner.device)
         metadata = self.buffers.fill(empty, padded_batch_size=size)   # all padding rows
-        with set_forward_context(metadata):
+        lora = self.lora_indices[:size] if self.lora_indices is not None else None
+        with set_forward_context(metadata, lora):
             for _ in range(2):   # warm up: Triton autotuning and lazy init happen outside capture
                 model(self.input_ids[:size], self.positions[:size])
             torch.cuda.synchronize()
@@ -93,7 +97,7 @@ class CudaGraphRunner:
         self.graphs.clear()
         self.outputs.clear()
         self.pool = None
-        self.buffers = self.input_ids = self.positions = None
+        self.buffers = self.input_ids = self.positions = self.lora_indices = None
 
     def run(self, inputs) -> torch.Tensor:
         n = inputs.num_seqs
@@ -101,5 +105,8 @@ class CudaGraphRunner:
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
         self.buffers.fill(inputs.attn_batch, padded_batch_size=size)
+        if self.lora_indices is not None:
+            self.lora_indices[:n].copy_(inputs.lora_indices, non_blocking=True)
+            self.lora_indices[n:size].fill_(-1)
         self.graphs[size].replay()
         return self.outputs[size][:n]

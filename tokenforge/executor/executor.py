@@ -99,6 +99,16 @@ class Executor:
     def allocator_fragmentation(self) -> float:
         return self.runner.allocator_fragmentation()
 
+    def add_lora(self, lora) -> str:
+        """Read and check a LoRA adapter into host memory (ValueError naming it); its fingerprint."""
+        if self.runner.loras is None:
+            raise ValueError(f"LoRA adapter {lora.lora_name!r}: the engine serves no LoRA adapters "
+                             "(start it with --enable-lora)")
+        return self.runner.loras.add(lora)
+
+    def remove_lora(self, name: str) -> int:
+        return self.runner.loras.remove(name) if self.runner.loras is not None else 0
+
     def start_profile(self) -> None:
         """torch.profiler over the following steps; traces go to `--profile-dir`."""
         import torch  # noqa: PLC0415

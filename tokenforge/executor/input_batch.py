@@ -25,6 +25,7 @@ class InputBatch:
     # sampled ids that fills each (both empty when every token id is known on the host).
     placeholder_dst: list[int] = field(default_factory=list)
     placeholder_src: list[int] = field(default_factory=list)
+    lora_indices: torch.Tensor | None = None    # [T] each row's LoRA slot (-1: none); None without LoRA
 
     @property
     def num_seqs(self) -> int:
@@ -42,8 +43,9 @@ class InputBatch:
 
 
 def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.device,
-                 pin_memory: bool = True, prev_rows: dict[str, int] | None = None) -> InputBatch:
-    """`prev_rows`: request id -> row in the previous step's sampled ids, for placeholders."""
+                 pin_memory: bool = True, prev_rows: dict[str, int] | None = None, lora: bool = False) -> InputBatch:
+    """`prev_rows`: request id -> row in the previous step's sampled ids, for placeholders.
+    `lora`: the engine serves LoRA adapters, so each token row carries its sequence's slot."""
     ids: list[int] = []
     positions: list[int] = []
     starts = [0]
@@ -67,7 +69,8 @@ def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.d
     return InputBatch(
         input_ids=_to_device(ids, device, pin), positions=_to_device(positions, device, pin),
         attn_batch=attn, query_start_loc=starts, is_decode_only=len(ids) == len(seqs),
-        placeholder_dst=dst, placeholder_src=src)
+        placeholder_dst=dst, placeholder_src=src,
+        lora_indices=_to_device([s.lora_slot for s in seqs for _ in s.token_ids], device, pin) if lora else None)
 
 
 def _to_device(values: list[int], device: torch.device, pin: bool) -> torch.Tensor:

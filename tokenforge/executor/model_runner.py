@@ -55,6 +55,7 @@ class ModelRunner:
         self._init_threads()
         self._init_model()
         self._init_attention()
+        self.loras = self._init_lora()
         self.stages = StageComm(self.rank, self.device, self.dtype, self.arch.hidden_size,
                                 config.scheduler.pipeline_steps)
         # Pipelined steps, first stage: steps started, oldest first, waiting for the last stage.
@@ -104,6 +105,14 @@ class ModelRunner:
             else:
                 logger.info("CPU linear weights not prepacked: decode batches stay below the packed row count "
                             "(max_num_seqs %d)", max_seqs)
+
+    def _init_lora(self):
+        """The adapters' device slots and host copies (None without --enable-lora: no hook, no index)."""
+        if not self.config.lora.enable_lora:
+            return None
+        from tokenforge.executor.lora import LoRAManager  # noqa: PLC0415
+
+        return LoRAManager(self.model, self.config.lora, self.device)
 
     def _offload(self):
         gb = self.config.load.cpu_offload_gb
@@ -169,8 +178,10 @@ class ModelRunner:
         step = StepInFlight(sched)
         if sched.is_empty:
             return step
+        if sched.lora_loads:
+            self.loras.apply(sched.lora_loads)       # queued before this step's forward reads the slots
         step.inputs = build_inputs(sched.sequences, self.block_size, self.device, self.config.cache.pin_memory,
-                                   self.previous.rows)
+                                   self.previous.rows, lora=self.loras is not None)
         if self.rank.is_first_stage:
             self.previous.fill(step.inputs)
         if self.pipeline is not None:
@@ -235,7 +246,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs):
             return self.graphs.run(inputs)
         metadata = self.backend.build_metadata(inputs.attn_batch)
-        with set_forward_context(metadata):
+        with set_forward_context(metadata, inputs.lora_indices):
             return self.stages.forward(self.model, inputs.input_ids, inputs.positions)
 
     def forward_dummy(self, num_tokens: int) -> None:
@@ -256,7 +267,8 @@ class ModelRunner:
         else:
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.arange(num_tokens, device=self.device)
-        with set_forward_context(self.backend.build_metadata(batch)):
+        lora = torch.zeros_like(ids) if self.loras is not None else None    # the adapters' activations count too
+        with set_forward_context(self.backend.build_metadata(batch), lora):
             hidden = self.stages.forward(self.model, ids, pos)
         if hidden is not None:
             rows = min(num_tokens, self.config.scheduler.max_num_seqs)

@@ -93,8 +93,8 @@ class RouterApp:
         if body is None:
             await _respond(send, *_error(413, f"The request body exceeds {_MAX_BODY} bytes.", "invalid_request_error"))
             return
-        key = self._prefix_key(scope, body)
-        order, reason = self.policy.order(self.pool.admitted(), key)
+        key, model = self._placement(scope, body)
+        order, reason = self.policy.order(self.pool.admitted(), key, model)
         if not order:
             self.metrics.failed.labels("no_replica").inc()
             await _respond(send, *_error(503, "No replica is available.", "service_unavailable"))
@@ -111,14 +111,18 @@ class RouterApp:
         await _respond(send, *_error(503, "No replica could take the request (all attempts failed).",
                                      "service_unavailable"))
 
-    def _prefix_key(self, scope, body: bytes) -> bytes | None:
-        if self.hasher is None or scope["path"] not in PLACED_PATHS:
-            return None
+    def _placement(self, scope, body: bytes) -> tuple[bytes | None, str | None]:
+        """(the prompt's prefix key, the `model` it names) of a placed request's body."""
+        if scope["path"] not in PLACED_PATHS:
+            return None, None
         try:
             parsed = json.loads(body)
-            return self.hasher.prefix_key(parsed) if isinstance(parsed, dict) else None
+            if not isinstance(parsed, dict):
+                return None, None
+            model = parsed.get("model") if isinstance(parsed.get("model"), str) else None
+            return (self.hasher.prefix_key(parsed) if self.hasher is not None else None), model
         except (ValueError, TypeError):
-            return None          # the replica answers the malformed body with its own 400
+            return None, None    # the replica answers the malformed body with its own 400
 
     async def _send_upstream(self, scope, body: bytes, replica: Replica, retryable: bool) -> httpx.Response | None:
         """The replica's response with its headers read; None when the next replica should try."""
@@ -216,4 +220,4 @@ def _bearer(scope) -> bytes | None:
 def _describe(r: Replica) -> dict:
     return {"url": r.url, "state": r.state, "reason": r.reason, "healthy": r.healthy, "waiting": r.waiting,
             "running": r.running, "kv_usage": r.kv_usage, "in_flight": r.in_flight, "model": r.model_name,
-            "version": r.version, "checksum": r.checksum}
+            "version": r.version, "checksum": r.checksum, "adapters": sorted(r.adapters)}

@@ -2,7 +2,8 @@
 
 Every `health_interval` the pool re-discovers the replica URLs and polls each one's /health and
 /metrics: queue depth (`tokenforge:num_requests_waiting`), running sequences, KV usage, and the
-served weights (`tokenforge:model_info{version, checksum}`). A replica is ejected after
+served weights (`tokenforge:model_info{version, checksum}`), and /v1/models for the LoRA adapters
+it serves (entries with a `parent`). A replica is ejected after
 `eject_after` failed polls in a row, or at once when the proxy cannot connect to it; the first
 good poll re-admits it. A replica whose model reports a version other than the pool's for that
 model name is refused (never routed to) unless `allow_mixed_versions`: the pool's version is the
@@ -43,6 +44,7 @@ class Replica:
     model_name: str = ""
     version: str = ""
     checksum: str = ""
+    adapters: frozenset[str] = frozenset()     # LoRA adapters it serves (its /v1/models entries with a parent)
 
     @property
     def admitted(self) -> bool:
@@ -66,6 +68,12 @@ def parse_metrics(text: str) -> dict:
         values.update(model_name=labels.get("model_name", ""), version=labels.get("version", ""),
                       checksum=labels.get("checksum", ""))
     return values
+
+
+def adapters_of(models: dict) -> frozenset[str]:
+    """The adapter names of a /v1/models body: entries that name a parent model."""
+    data = models.get("data") if isinstance(models, dict) else None
+    return frozenset(m["id"] for m in data or () if isinstance(m, dict) and m.get("parent") and m.get("id"))
 
 
 class ReplicaPool:
@@ -110,8 +118,18 @@ class ReplicaPool:
             return
         for key, value in parse_metrics(metrics.text).items():
             setattr(replica, key, value)
+        replica.adapters = await self._adapters(replica)
         replica.failures = 0
         replica.healthy = True
+
+    async def _adapters(self, replica: Replica) -> frozenset[str]:
+        """The replica's LoRA adapters from /v1/models; none when it lists none (or cannot say)."""
+        try:
+            models = await self.client.get(f"{replica.url}/v1/models", timeout=self.settings.connect_timeout,
+                                           headers=self._auth())
+            return adapters_of(models.json()) if models.status_code == 200 else frozenset()
+        except (httpx.HTTPError, ValueError):
+            return frozenset()
 
     def _auth(self) -> dict:
         key = self.settings.replica_api_key

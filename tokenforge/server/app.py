@@ -30,6 +30,7 @@ from tokenforge.logs import configure_logging
 from tokenforge.server.auth import APIKeyMiddleware
 from tokenforge.server.chat_template import ChatTemplateRenderer
 from tokenforge.server.docs import add_offline_docs
+from tokenforge.server.lora import LoRARegistry, adapter_cards, add_lora_routes, load_startup_adapters
 from tokenforge.server.errors import (
     bad_request,
     install_error_handlers,
@@ -107,8 +108,9 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
             or default_model_name(engine.config.model.model))
     metrics = ServerMetrics(name)
     metrics.set_model_info(engine.identity.version, engine.identity.checksum)
-    ctx = ServingContext(engine, settings, metrics, name,
-                         ChatTemplateRenderer(engine.tokenizer, settings.chat_template))
+    lora = engine.config.lora
+    ctx = ServingContext(engine, settings, metrics, name, ChatTemplateRenderer(engine.tokenizer, settings.chat_template),
+                         LoRARegistry(engine, name) if lora.enable_lora else None)
     app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.",
                   docs_url=None, redoc_url=None)
     add_offline_docs(app)
@@ -116,6 +118,8 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     app.state.server_state = state
     state.metrics = ctx.metrics
     _add_openai_routes(app, ctx)
+    if ctx.loras is not None:
+        add_lora_routes(app, ctx.loras, lora.allow_runtime_lora_updating, lambda: int(time.time()))
     _add_service_routes(app, ctx, state)
     app.state.ui = add_ui(app, ctx) if settings.ui else None     # /ui, /ui/dashboard (--no-ui: none)
     install_error_handlers(app)
@@ -148,13 +152,16 @@ def _add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/v1/models")
     async def list_models() -> dict:
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *adapter_cards(ctx.loras, ctx.max_model_len)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        if model_id != ctx.model_name:
-            raise model_not_found(model_id)
-        return model_card()
+        if model_id == ctx.model_name:
+            return model_card()
+        for card in adapter_cards(ctx.loras, ctx.max_model_len):
+            if card["id"] == model_id:
+                return card
+        raise model_not_found(model_id)
 
 
 def _add_service_routes(app: FastAPI, ctx: ServingContext, state: ServerState) -> None:
@@ -292,6 +299,14 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
         return 1
     state = ServerState(engine, settings.shutdown_timeout)
     app = build_app(engine, settings, state=state)
+    try:
+        if app.state.ctx.loras is not None:
+            await load_startup_adapters(app.state.ctx.loras, config.lora.modules, int(time.time()))
+    except (EngineDeadError, ValueError) as err:
+        logger.error("--lora-modules: %s", err)
+        await engine.shutdown()
+        sock.close()
+        return 1
     # uvicorn's own limit is a backstop: at shutdown_timeout the state aborts what is left,
     # and those streams end with an error event a moment later.
     # Our own access log (--enable-access-log, AccessLogMiddleware) replaces uvicorn's.

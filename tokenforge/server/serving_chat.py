@@ -256,7 +256,7 @@ def _check_request(req: ChatCompletionRequest) -> None:
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     _check_request(req)
     tools = tool_setup(req.tools, req.tool_choice, req.parallel_tool_calls, ctx.settings.tool_call_parser,
                        ctx.template_source(req.chat_template))
@@ -280,7 +280,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     stack = contextlib.ExitStack()
     try:
         streams = submit(ctx, [prompt], params, builder.request_id, request_salt(request, req.cache_salt), stack,
-                         prompt_param="messages")
+                         prompt_param="messages", lora=lora)
     except BaseException:
         stack.close()
         raise

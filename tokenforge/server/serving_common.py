@@ -20,7 +20,7 @@ from tokenforge.engine.async_engine import (
     RequestAbortedError,
     RequestStream,
 )
-from tokenforge.messages import RequestOutput
+from tokenforge.messages import LoRARequest, RequestOutput
 from tokenforge.sampling_params import MAX_LOGPROBS, SamplingParams
 from tokenforge.server.auth import prefix_cache_salt
 from tokenforge.server.chat_template import ChatTemplateRenderer
@@ -33,6 +33,7 @@ from tokenforge.server.errors import (
     timed_out,
     unavailable,
 )
+from tokenforge.server.lora import LoRARegistry
 from tokenforge.server.metrics import ServerMetrics
 from tokenforge.server.protocol import SamplingFields
 from tokenforge.server.settings import ServerSettings
@@ -51,6 +52,7 @@ class ServingContext:
     metrics: ServerMetrics
     model_name: str
     renderer: ChatTemplateRenderer
+    loras: LoRARegistry | None = None   # the served LoRA adapters (None without --enable-lora)
 
     @property
     def max_model_len(self) -> int:
@@ -65,9 +67,14 @@ class ServingContext:
         return (request_template or self.renderer.server_template
                 or getattr(self.engine.tokenizer, "chat_template", None))
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); 404 for an unknown name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.loras.get(model) if self.loras is not None else None
+        if lora is None:
             raise model_not_found(model)
+        return lora
 
     def admit(self, num_seqs: int) -> None:
         """Refuse with 429 when the engine already holds a full batch plus a full queue."""
@@ -161,14 +168,16 @@ async def constrain(ctx: ServingContext, params: SamplingParams, checks: list[tu
 # ---- submitting and collecting ---------------------------------------------------------------------
 
 def submit(ctx: ServingContext, prompts: list, params: SamplingParams, request_id: str,
-           salt: str | None, stack: contextlib.ExitStack, prompt_param: str = "prompt") -> list[RequestStream]:
+           salt: str | None, stack: contextlib.ExitStack, prompt_param: str = "prompt",
+           lora: LoRARequest | None = None) -> list[RequestStream]:
     """Submit every prompt, or none: a bad prompt aborts those already submitted (via `stack`)."""
     ctx.admit(len(prompts) * params.n)
     streams = []
+    extra = {"lora_request": lora} if lora is not None else {}
     for i, prompt in enumerate(prompts):
         child_id = request_id if len(prompts) == 1 else f"{request_id}-p{i}"
         try:
-            streams.append(stack.enter_context(ctx.engine.add_request(prompt, params, child_id, salt)))
+            streams.append(stack.enter_context(ctx.engine.add_request(prompt, params, child_id, salt, **extra)))
         except ValueError as err:
             raise from_value_error(err, prompt_param) from err
         except EngineDeadError as err:

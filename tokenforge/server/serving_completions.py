@@ -225,7 +225,7 @@ def _extend_logprobs(total: dict | None, new: dict) -> dict:
 
 
 async def create_completion(ctx: ServingContext, req: CompletionRequest, request: Request) -> Response:
-    ctx.check_model(req.model)
+    lora = ctx.check_model(req.model)
     if req.suffix:
         raise bad_request("suffix is not supported", param="suffix")
     if req.best_of is not None and req.best_of != req.n:
@@ -245,7 +245,8 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     builder = CompletionBuilder(ctx, req, new_id("cmpl"))
     stack = contextlib.ExitStack()
     try:
-        streams = submit(ctx, prompts, params, builder.request_id, request_salt(request, req.cache_salt), stack)
+        streams = submit(ctx, prompts, params, builder.request_id, request_salt(request, req.cache_salt), stack,
+                         lora=lora)
     except BaseException:
         stack.close()
         raise

@@ -11,8 +11,11 @@ with any quant method, since it only sees x and y.
   lora_A [r, in] (Kaiming), lora_B [out, r] (zero, so training starts at the base model) and the
   `scale` buffer alpha / r, which travels in state dicts and so with an exported adapter.
 - `LoRASlots`: adapters in fixed slots, each token row picking one (or none, -1) by the index the
-  forward context carries (`ForwardContext.lora_indices` [T]); the torch reference for batched
-  multi-adapter serving. Outside a forward context, or with no indices, it adds nothing.
+  forward context carries (`ForwardContext.lora_indices` [T], built once per step by the runner);
+  batched multi-adapter serving, computed by kernels/lora.py (Triton shrink/expand on CUDA, the
+  torch reference elsewhere). Packed linears (qkv, gate_up) keep one A per packed projection, so
+  a PEFT adapter's separate q/k/v (gate/up) adapters map onto the fused linear without merging.
+  Outside a forward context, or with no indices, it adds nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenforge.kernels.lora import add_lora
 from tokenforge.model.forward_context import current_forward_context
 
 
@@ -48,25 +52,50 @@ class LoRA(nn.Module):
 
 
 class LoRASlots(nn.Module):
-    """`num_slots` adapters of rank <= max_rank on one linear: lora_A [S, R, in], lora_B [S, out, R]
-    (a smaller rank is zero-padded, which changes nothing) and scale [S]."""
+    """`num_slots` adapters of rank <= max_rank on one linear whose output packs `slices` (the
+    q/k/v or gate/up projections fused into it; one slice otherwise): lora_A [S, n*R, in] holds
+    each slice's A in its own R rows, lora_B [S, out, R] each output row's B, and scale [S] fp32.
+    A smaller rank is zero-padded, which changes nothing. R is max_rank rounded up to a power of
+    two >= 16 (what the Triton kernels tile by)."""
 
     def __init__(self, num_slots: int, in_features: int, out_features: int, max_rank: int,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, slices: tuple[int, ...] | None = None) -> None:
         super().__init__()
-        self.register_buffer("lora_A", torch.zeros(num_slots, max_rank, in_features, dtype=dtype))
-        self.register_buffer("lora_B", torch.zeros(num_slots, out_features, max_rank, dtype=dtype))
+        self.slices = tuple(slices) if slices is not None else (out_features,)
+        assert sum(self.slices) == out_features, f"slices {self.slices} do not sum to {out_features}"
+        self.max_rank = max_rank
+        self.rank = max(16, 1 << (max_rank - 1).bit_length())      # R, the padded rank
+        n = len(self.slices)
+        self.register_buffer("lora_A", torch.zeros(num_slots, n * self.rank, in_features, dtype=dtype))
+        self.register_buffer("lora_B", torch.zeros(num_slots, out_features, self.rank, dtype=dtype))
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32))
 
     @torch.no_grad()
     def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
-        """Put an adapter (A [r, in], B [out, r]) into a slot."""
-        rank, max_rank = lora_a.shape[0], self.lora_A.shape[1]
-        if rank > max_rank or lora_b.shape[1] != rank:
+        """Put one adapter of the whole linear (A [r, in], B [out, r]) into a slot: every slice
+        shares A, and takes its rows of B."""
+        self.clear_slot(slot)
+        start = 0
+        for j, size in enumerate(self.slices):
+            self.set_slice(slot, j, lora_a, lora_b[start:start + size])
+            start += size
+        self.scale[slot] = scale
+
+    @torch.no_grad()
+    def set_slice(self, slot: int, j: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+        """Slice j's adapter (A [r, in], B [slice rows, r]) into a slot cleared before."""
+        rank = lora_a.shape[0]
+        if rank > self.max_rank or lora_b.shape[1] != rank:
             raise ValueError(f"a LoRA adapter of rank {rank} (B of rank {lora_b.shape[1]}) does not fit slots of "
-                             f"rank {max_rank}")
-        self.lora_A[slot].zero_()[:rank].copy_(lora_a)
-        self.lora_B[slot].zero_()[:, :rank].copy_(lora_b)
+                             f"rank {self.max_rank}")
+        start = sum(self.slices[:j])
+        self.lora_A[slot, j * self.rank:j * self.rank + rank].copy_(lora_a, non_blocking=True)
+        self.lora_B[slot, start:start + self.slices[j], :rank].copy_(lora_b, non_blocking=True)
+
+    @torch.no_grad()
+    def clear_slot(self, slot: int, scale: float = 1.0) -> None:
+        self.lora_A[slot].zero_()
+        self.lora_B[slot].zero_()
         self.scale[slot] = scale
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -74,12 +103,8 @@ class LoRASlots(nn.Module):
         indices = None if ctx is None else ctx.lora_indices       # [T] slot per token row, -1 for none
         if indices is None:
             return y
-        x2 = x.reshape(-1, x.shape[-1])                             # [T, in]
-        slots = indices.clamp(min=0)
-        shrunk = torch.einsum("ti,tri->tr", x2, self.lora_A[slots].to(x.dtype))            # [T, R]
-        delta = torch.einsum("tr,tor->to", shrunk, self.lora_B[slots].to(x.dtype))         # [T, out]
-        weight = torch.where(indices >= 0, self.scale[slots], 0.0).to(x.dtype)            # [T]
-        return y + (delta * weight[:, None]).reshape(y.shape)
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])     # [T, in], [T, out]
+        return add_lora(x2, y2, self.lora_A, self.lora_B, self.scale, indices, self.slices).reshape(y.shape)
 
 
 __all__ = ["LoRA", "LoRASlots"]

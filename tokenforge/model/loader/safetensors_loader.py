@@ -28,7 +28,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         return [model_dir / name for name in shards]
-    files = sorted(model_dir.glob("*.safetensors"))
+    # a PEFT adapter beside the weights (`tokenforge train --lora-export adapter`) is not part of them
+    files = sorted(p for p in model_dir.glob("*.safetensors") if p.name != "adapter_model.safetensors")
     if not files:
         raise ValueError(f"{model_dir} has a config.json but no *.safetensors weights "
                          "(use load_format='dummy' for random weights)")

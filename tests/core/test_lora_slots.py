@@ -1,0 +1,110 @@
+"""The scheduler's LoRA slots (core/lora_slots.py): a step never uses more adapters than slots,
+requests of a resident adapter share its slot, writes happen only for adapters not resident, a
+request refused too often gets the next free slot (others of any adapter wait for it), aborted
+and preempted requests give their slots back, and adapter-rooted block hashes keep adapters'
+KV apart. The fake runner checks every request's tokens against the reference model."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenforge.core.hashing import adapter_root, compute_block_hashes
+from tokenforge.core.lora_slots import LoRASlotTable
+from tokenforge.core.scheduler import Scheduler
+from tokenforge.messages import LoRARequest
+
+from .core_fakes import FakeRunner, RunResult, assert_pool_idle, make_request, make_scheduler, reference_generate, step
+
+
+def _lora_sched(max_loras: int, **kw) -> Scheduler:
+    base = make_scheduler(**kw)
+    return Scheduler(base.config, type("C", (), {"block_size": base.block_size, "enable_prefix_caching": True,
+                                               "kv_tiers_enabled": False})(), base.num_kv_blocks, None, max_loras)
+
+
+def _req(rid: str, adapter: str | None, prompt, max_tokens: int = 6):
+    req = make_request(rid, prompt, max_tokens=max_tokens)
+    if adapter is None:
+        return req
+    return msgspec.structs.replace(req, lora=LoRARequest(adapter, 1, f"/adapters/{adapter}"), lora_key=f"key-{adapter}")
+
+
+def _run(sched: Scheduler, max_steps: int = 1000) -> tuple[RunResult, list]:
+    runner, result, loads = FakeRunner(sched.num_kv_blocks, sched.block_size, sched.kv.pool), RunResult(), []
+    for _ in range(max_steps):
+        if not sched.has_unfinished_requests():
+            break
+        so = step(sched, runner, result)
+        used = {sched_seq.lora_slot for sched_seq in so.sequences} - {-1}
+        assert len(used) <= len(sched.loras.keys), "more adapters in a step than slots"
+        loads += [(load.slot, load.key) for load in so.lora_loads]
+        for seq in so.sequences:     # each sequence's slot holds its own adapter
+            req_key = [k for k, s in sched.loras.slot_of.items() if s == seq.lora_slot]
+            assert seq.lora_slot == -1 or req_key == [f"key-{seq.request_id.split('-')[0]}"]
+    assert_pool_idle(sched)
+    return result, loads
+
+
+def test_slots_bound_the_adapters_of_a_step_and_every_request_finishes():
+    sched = _lora_sched(2, max_num_seqs=8)
+    prompts = {}
+    for i in range(12):
+        adapter = [None, "a", "b", "c"][i % 4]
+        rid = f"{adapter or 'base'}-{i}"
+        prompts[rid] = [i + 1] * (3 + i)
+        sched.add_request(_req(rid, adapter, prompts[rid]))
+    result, loads = _run(sched)
+    for rid, prompt in prompts.items():
+        assert result.tokens[rid] == reference_generate(prompt, 6)
+    keys = [k for _, k in loads]
+    assert set(keys) == {"key-a", "key-b", "key-c"} and len(keys) < 9       # resident adapters are not rewritten
+    assert sched.loras.num_swaps == len(loads) and all(r == 0 for r in sched.loras.refs)
+
+
+def test_a_request_refused_too_often_gets_the_next_free_slot():
+    table = LoRASlotTable(1, patience=2)
+    req = lambda rid, key: type("R", (), {"request_id": rid, "lora_key": key, "lora_slot": -1, "lora": None})()  # noqa: E731
+    a1, b, a2 = req("a1", "A"), req("b", "B"), req("a2", "A")
+    table.acquire(a1)
+    assert not table.can_admit(b) and table.can_admit(a2)     # b waits; a resident adapter's request goes on
+    assert not table.can_admit(b)                             # refused twice: the slot now drains to b
+    assert not table.can_admit(a2) and table.can_admit(req("base", None))
+    table.release(a1)
+    assert table.can_admit(b)
+    table.acquire(b)
+    assert b.lora_slot == 0 and table.can_admit(req("c", "C")) is False and table.take_loads()[-1].key == "B"
+    waiting = req("w", "W")
+    for _ in range(3):
+        table.can_admit(waiting)
+    table.release(waiting)                                    # aborted while waiting: nobody is starved for
+    assert table._starving is None and "w" not in table._refusals
+
+
+def test_preemption_and_abort_give_slots_back():
+    sched = _lora_sched(1, num_blocks=8, block_size=4, max_num_seqs=4)      # two of the a requests overflow it
+    for i in range(3):
+        sched.add_request(_req(f"a-{i}", "a", [i + 2] * 9, max_tokens=12))
+    sched.add_request(_req("b-0", "b", [9] * 5, max_tokens=4))
+    runner, result = FakeRunner(sched.num_kv_blocks, sched.block_size, sched.kv.pool), RunResult()
+    step(sched, runner, result)
+    sched.abort_requests(["a-2"])                            # still waiting: it held no slot
+    while sched.has_unfinished_requests():
+        step(sched, runner, result)
+    assert sched.num_preemptions > 0 and all(r == 0 for r in sched.loras.refs)
+    for rid in ("a-0", "a-1"):
+        assert result.tokens[rid] == reference_generate([int(rid[-1]) + 2] * 9, 12)
+    assert result.tokens["b-0"] == reference_generate([9] * 5, 4)
+    assert_pool_idle(sched)
+
+
+def test_adapter_roots_keep_hash_chains_apart():
+    tokens = list(range(16))
+    base = compute_block_hashes(tokens, 4)
+    a = compute_block_hashes(tokens, 4, parent=adapter_root("key-a"))
+    assert adapter_root(None) is None and len({*base, *a}) == 8
+    assert compute_block_hashes(tokens, 4, parent=adapter_root("key-a")) == a
+    sched = _lora_sched(2)
+    sched.add_request(_req("a-0", "a", tokens + [1]))
+    sched.add_request(make_request("base-0", tokens + [1]))
+    sched.schedule()
+    assert sched.requests["a-0"].block_hashes[:4] == a and sched.requests["base-0"].block_hashes[:4] == base

@@ -1,0 +1,197 @@
+"""PEFT adapters on the served model (model/loader/peft.py, model/lora.py): logits equal HF PEFT's
+on a tiny random Llama for every target subset and scaling rule, each token row takes its own slot,
+tensor-parallel shards of an adapter add up to the unsharded delta, and every bad adapter is one
+clear error naming it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.forward_context import set_forward_context
+from tokenforge.model.loader import load_model
+from tokenforge.model.loader.peft import read_peft_adapter
+from tokenforge.model.lora import ModelLoRASlots
+from tokenforge.model.models import get_model_class
+
+peft = pytest.importorskip("peft")
+
+ALL_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_CFG = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            vocab_size=331, max_position_embeddings=256, rms_norm_eps=1e-5, initializer_range=0.1,
+            tie_word_embeddings=False)
+
+
+def make_peft_adapter(hf_base, out_dir, targets, rank=8, alpha=16, seed=0, **extra):
+    """A random PEFT LoRA (B random too, so the delta shows) saved as PEFT saves it."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                             lora_dropout=0.0, **extra)
+    model = peft.get_peft_model(hf_base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.2)
+    model.save_pretrained(out_dir)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("base")
+    LlamaForCausalLM(LlamaConfig(**_CFG)).save_pretrained(path)
+    return path
+
+
+def _hf_base(base_dir):
+    return LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32).eval()
+
+
+def _our_logits(model, tokens, slot_of_row):
+    ids = torch.tensor(tokens)
+    with torch.no_grad(), set_forward_context(None, lora_indices=torch.tensor(slot_of_row)):
+        hidden = model(ids, torch.arange(len(tokens)))
+    return model.compute_logits(hidden).float()
+
+
+@pytest.mark.parametrize("targets,extra", [
+    (ALL_TARGETS, {}),
+    (["q_proj", "v_proj"], {}),
+    (["k_proj", "gate_proj", "down_proj"], {"use_rslora": True}),
+    (["q_proj", "o_proj", "up_proj"], {"rank_pattern": {"o_proj": 4}, "alpha_pattern": {"up_proj": 5}}),
+], ids=["all-seven", "q-v", "rslora", "patterns"])
+def test_logits_match_hf_peft(base_dir, tmp_path, targets, extra):
+    tokens = torch.randint(0, 331, (11,), generator=torch.Generator().manual_seed(3)).tolist()
+    hf = make_peft_adapter(_hf_base(base_dir), tmp_path / "a", targets, **extra)
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].float()
+        with hf.disable_adapter():
+            bare = hf(torch.tensor([tokens])).logits[0].float()
+    model = load_model(str(base_dir), "auto", torch.float32, "cpu").model
+    slots = ModelLoRASlots(model, num_slots=3, max_rank=16)
+    adapter = read_peft_adapter(tmp_path / "a", "a", max_rank=16)
+    slots.write(1, adapter)
+    torch.testing.assert_close(_our_logits(model, tokens, [1] * len(tokens)), expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(_our_logits(model, tokens, [-1] * len(tokens)), bare, atol=1e-4, rtol=1e-4)
+    assert (expected - bare).abs().max() > 1e-2          # the adapter visibly changes the logits
+
+
+def test_rows_take_their_own_slot(base_dir, tmp_path):
+    """One forward over two sequences' tokens, rows in slots 0 and 2: each matches its adapter alone
+    (the model sees one causal sequence, so compare the first sequence's rows only)."""
+    model = load_model(str(base_dir), "auto", torch.float32, "cpu").model
+    slots = ModelLoRASlots(model, num_slots=3, max_rank=8)
+    for slot, seed in ((0, 1), (2, 2)):
+        make_peft_adapter(_hf_base(base_dir), tmp_path / str(slot), ALL_TARGETS, seed=seed)
+        slots.write(slot, read_peft_adapter(tmp_path / str(slot), str(slot), 8))
+    tokens = list(range(5, 14))
+    alone = {s: _our_logits(model, tokens, [s] * len(tokens)) for s in (0, 2, -1)}
+    for s in (0, 2, -1):
+        other = {0: 2, 2: 0, -1: 0}[s]
+        mixed = _our_logits(model, tokens + tokens, [s] * len(tokens) + [other] * len(tokens))
+        torch.testing.assert_close(mixed[:len(tokens)], alone[s], atol=1e-5, rtol=1e-5)
+    slots.clear(0)
+    torch.testing.assert_close(_our_logits(model, tokens, [0] * len(tokens)), alone[-1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
+def test_tensor_parallel_shards_add_up(tmp_path, num_kv_heads):
+    """Each rank's slot holds its shard (column-parallel: B's rows; row-parallel: A's columns); the
+    ranks' deltas, concatenated or summed as the base outputs are, equal the unsharded delta."""
+    torch.manual_seed(0)
+    hf_cfg = LlamaConfig(**{**_CFG, "num_key_value_heads": num_kv_heads})
+    hf = LlamaForCausalLM(hf_cfg)
+    make_peft_adapter(hf, tmp_path / "a", ALL_TARGETS)
+    adapter = read_peft_adapter(tmp_path / "a", "a", 8)
+    arch = ArchConfig.from_hf_config(hf_cfg.to_dict() | {"architectures": ["LlamaForCausalLM"]})
+    cls = get_model_class(arch.architecture)
+    models = [cls(arch, torch.float32, rank, size) for rank, size in ((0, 1), (0, 2), (1, 2))]
+    for m in models:
+        ModelLoRASlots(m, 2, 8).write(1, adapter)
+    x = {"qkv_proj": torch.randn(3, 64), "gate_up_proj": torch.randn(3, 64), "o_proj": torch.randn(3, 64),
+         "down_proj": torch.randn(3, 112)}
+    layer = "model.layers.1"
+
+    def delta(model, name, inp):
+        linear = model.get_submodule(f"{layer}.{'mlp' if 'gate' in name or 'down' in name else 'self_attn'}.{name}")
+        with set_forward_context(None, lora_indices=torch.ones(3, dtype=torch.long)):
+            return linear.lora(inp, torch.zeros(3, linear.out_features)), linear.lora.slices
+
+    for name in ("qkv_proj", "gate_up_proj"):
+        full, full_slices = delta(models[0], name, x[name])
+        (d0, s0), (d1, _) = delta(models[1], name, x[name]), delta(models[2], name, x[name])
+        for whole, p0, p1 in zip(full.split(full_slices, -1), d0.split(s0, -1), d1.split(s0, -1)):
+            joined = torch.cat([p0, p1], -1)
+            if num_kv_heads == 1 and whole.shape[-1] < joined.shape[-1]:    # a replicated kv head
+                torch.testing.assert_close(p0, whole)
+                torch.testing.assert_close(p1, whole)
+            else:
+                torch.testing.assert_close(joined, whole)
+    for name in ("o_proj", "down_proj"):
+        full, _ = delta(models[0], name, x[name])
+        half = x[name].shape[1] // 2
+        d0, _ = delta(models[1], name, x[name][:, :half])
+        d1, _ = delta(models[2], name, x[name][:, half:])
+        torch.testing.assert_close(d0 + d1, full, atol=1e-5, rtol=1e-5)
+
+
+# ---- bad adapters ------------------------------------------------------------------------------------
+
+def _write(path, config: dict | str, tensors: dict | bytes):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps(config))
+    if isinstance(tensors, bytes):
+        (path / "adapter_model.safetensors").write_bytes(tensors)
+    else:
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+_PREFIX = "base_model.model.model.layers.0.self_attn."
+
+
+def _good(rank=4, out=64, inp=64, module="q_proj"):
+    return {f"{_PREFIX}{module}.lora_A.weight": torch.zeros(rank, inp),
+            f"{_PREFIX}{module}.lora_B.weight": torch.zeros(out, rank)}
+
+
+def test_bad_adapters_are_one_clear_error(base_dir, tmp_path):
+    model = load_model(str(base_dir), "auto", torch.float32, "cpu").model
+    slots = ModelLoRASlots(model, 2, 8)
+    cfg = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    cases = {
+        "missing": (None, r"LoRA adapter 'missing': .*missing is not a directory"),
+        "no-weights": ("config-only", r"LoRA adapter 'no-weights': .*adapter_model.safetensors is missing"),
+        "bad-json": (("{not json", _good()), r"LoRA adapter 'bad-json': .*adapter_config.json is not valid JSON"),
+        "corrupt": ((cfg, b"\x10\x00\x00\x00garbage"), r"LoRA adapter 'corrupt': .*is not a valid safetensors file"),
+        "too-big": (({**cfg, "r": 16}, _good(16)), r"LoRA adapter 'too-big' has rank 16, more than --max-lora-rank 8"),
+        "dora": (({**cfg, "use_dora": True}, _good()), r"LoRA adapter 'dora': DoRA is not supported"),
+        "half": ((cfg, {f"{_PREFIX}q_proj.lora_A.weight": torch.zeros(4, 64)}),
+                 r"LoRA adapter 'half': model.layers.0.self_attn.q_proj has no lora_B weight"),
+    }
+    for name, (content, message) in cases.items():
+        if content == "config-only":
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "adapter_config.json").write_text(json.dumps(cfg))
+        elif content is not None:
+            _write(tmp_path / name, *content)
+        with pytest.raises(ValueError, match=message):
+            read_peft_adapter(tmp_path / name, name, max_rank=8)
+    fitting = {  # readable adapters that do not fit the model: nothing is written
+        "shape": (_good(out=48), r"LoRA adapter 'shape': model.layers.0.self_attn.q_proj has lora_A \(4, 64\) and "
+                                 r"lora_B \(48, 4\), but the base model's q_proj is \[64, 64\]"),
+        "module": ({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 64),
+                    "base_model.model.lm_head.lora_B.weight": torch.zeros(331, 4)},
+                   r"LoRA adapter 'module' targets modules the base model has no LoRA slot for: lm_head \(supported: "
+                   r"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj of each layer\)"),
+    }
+    for name, (tensors, message) in fitting.items():
+        _write(tmp_path / name, cfg, tensors)
+        adapter = read_peft_adapter(tmp_path / name, name, max_rank=8)
+        with pytest.raises(ValueError, match=message):
+            slots.check(adapter)

@@ -1,0 +1,63 @@
+"""LoRAConfig: the multi-LoRA serving flags, vLLM's spelling (--enable-lora, --lora-modules, ...).
+
+Fields carry the same metadata as `config.flag` (cli/engine_args.py builds one flag per field);
+the helper is repeated here rather than imported, since config/__init__.py imports this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenforge.config.checks import check
+
+LORA = "LoRA adapters (PEFT format, many per batch)"
+
+
+def _flag(default, help: str, **cli):
+    return field(default=default, metadata={"help": help, "aliases": (), "group": LORA, **cli})
+
+
+def parse_lora_modules(entries) -> dict[str, str]:
+    """('name=path', ...) -> {name: path}; ValueError for a malformed or repeated entry."""
+    modules: dict[str, str] = {}
+    for entry in entries:
+        name, sep, path = str(entry).partition("=")
+        name, path = name.strip(), path.strip()
+        check(bool(sep and name and path), f"lora_modules entry {entry!r} is not name=path")
+        check(name not in modules, f"lora_modules names the adapter {name!r} twice")
+        modules[name] = path
+    return modules
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAConfig:
+    enable_lora: bool = _flag(False, "serve LoRA adapters over the base model: a request picks one by its `model` "
+                              "field (or offline, LLM.generate(..., lora_request=LoRARequest(name, id, path)))")
+    lora_modules: tuple[str, ...] = _flag((), "adapters to serve from the start, as name=path (a PEFT directory: "
+                                          "adapter_config.json + adapter_model.safetensors)", nargs="+",
+                                          type="str", metavar="NAME=PATH")
+    max_loras: int = _flag(1, "adapters in one batch (device slots; default %(default)s)", metavar="N")
+    max_lora_rank: int = _flag(64, "the largest adapter rank served (default %(default)s)", metavar="R")
+    max_cpu_loras: int | None = _flag(None, "adapters kept in host memory, least recently used evicted (default: "
+                                      "--max-loras)", metavar="N")
+    allow_runtime_lora_updating: bool = _flag(False, "serve: allow POST /v1/load_lora_adapter and "
+                                              "/v1/unload_lora_adapter")
+
+    @property
+    def modules(self) -> dict[str, str]:
+        return parse_lora_modules(self.lora_modules)
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+    def validate(self) -> None:
+        check(isinstance(self.max_loras, int) and self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        check(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512,
+              f"max_lora_rank must be between 1 and 512, got {self.max_lora_rank}")
+        check(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+              f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        self.modules    # noqa: B018 - parses, raising on a bad entry
+        if not self.enable_lora:
+            check(not self.lora_modules, "lora_modules needs enable_lora (--enable-lora)")
+            check(not self.allow_runtime_lora_updating, "allow_runtime_lora_updating needs enable_lora (--enable-lora)")

@@ -1,0 +1,126 @@
+"""Adapter slots on a built model: `LoRASlots` hooks on every linear a LoRA may target, and the
+writing of a PEFT adapter (model/loader/peft.py) into one slot.
+
+In: a model (after its weights are loaded), the slot count (`--max-loras`) and the largest rank
+(`--max-lora-rank`). Out: `ModelLoRASlots`, whose `write(slot, adapter)` maps each HF module of the
+adapter onto our linears (q/k/v onto the slices of qkv_proj, gate/up onto gate_up_proj, through the
+model's `packed_modules`) and shards it as the base weight is sharded: a column-parallel linear
+keeps this rank's rows of B (the rows `output_slice` gives its weight), a row-parallel one this
+rank's input columns of A (its delta is partial, summed by the same all-reduce as the output).
+`check(adapter)` raises, naming the adapter, when a module or a shape does not fit, before any
+slot is touched. Without --enable-lora none of this runs: the linears keep `lora = None`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenforge.model.layers.linear import ColumnParallelLinear, RowParallelLinear
+from tokenforge.model.layers.lora import LoRASlots
+from tokenforge.model.loader.peft import PeftAdapter
+
+TARGETS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")     # our linears that carry slots
+
+
+class ModelLoRASlots:
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
+        self.model, self.num_slots, self.max_rank = model, num_slots, max_rank
+        self.linears: dict[str, nn.Module] = {}
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] in TARGETS and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+                weight = module.weight
+                module.lora = LoRASlots(num_slots, module.in_features, module.out_features, max_rank,
+                                        module.params_dtype, tuple(module.shard_sizes())).to(weight.device)
+                self.linears[name] = module
+        if not self.linears:
+            raise ValueError(f"{type(model).__name__} has no linear named {', '.join(TARGETS)} to serve LoRA on")
+        # HF module name -> (our linear name, shard id); HF names not packed map to themselves
+        self._packed = {part: (fused, shard) for fused, parts in getattr(model, "packed_modules", {}).items()
+                        for part, shard in parts.items()}
+
+    @property
+    def supported_modules(self) -> list[str]:
+        return [p for fused in TARGETS for p in self._parts_of(fused)]
+
+    def check(self, adapter: PeftAdapter) -> None:
+        """Raise ValueError when the adapter does not fit the model (nothing is written)."""
+        self._placements(adapter)
+
+    @torch.no_grad()
+    def write(self, slot: int, adapter: PeftAdapter) -> None:
+        placements = self._placements(adapter)
+        for linear in self.linears.values():
+            linear.lora.clear_slot(slot)
+        for linear, j, a, b in placements:
+            linear.lora.set_slice(slot, j, a.to(linear.params_dtype), b.to(linear.params_dtype))
+
+    @torch.no_grad()
+    def clear(self, slot: int) -> None:
+        for linear in self.linears.values():
+            linear.lora.clear_slot(slot)
+
+    # ---- mapping and sharding -------------------------------------------------------------------
+    def _parts_of(self, fused: str) -> list[str]:
+        parts = [p for p, (f, _) in self._packed.items() if f == fused]
+        return parts or [fused]
+
+    def _placements(self, adapter: PeftAdapter) -> list[tuple[nn.Module, int, torch.Tensor, torch.Tensor]]:
+        out, unknown = [], []
+        for module, (a, b) in adapter.modules.items():
+            parent, _, leaf = module.rpartition(".")
+            fused, shard = self._packed.get(leaf, (leaf, None))
+            linear = self.linears.get(f"{parent}.{fused}")
+            if linear is None:
+                if not self._on_other_stage(parent, fused):
+                    unknown.append(module)
+                continue
+            out += [(linear, *part) for part in self._shard(adapter.name, module, linear, shard, a, b)]
+        if unknown:
+            shown = ", ".join(sorted(unknown)[:4]) + (" ..." if len(unknown) > 4 else "")
+            raise ValueError(f"LoRA adapter {adapter.name!r} targets modules the base model has no LoRA slot for: "
+                             f"{shown} (supported: {', '.join(self.supported_modules)} of each layer)")
+        return out
+
+    def _on_other_stage(self, parent: str, fused: str) -> bool:
+        """A module of a decoder layer that another pipeline stage holds (its layer is a MissingLayer)."""
+        parts = parent.split(".")
+        if fused not in TARGETS or len(parts) < 3 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return False
+        layers = self.model.model.layers
+        return int(parts[2]) < len(layers) and int(parts[2]) not in self.model.model.stage
+
+    @staticmethod
+    def _shard(name: str, module: str, linear: nn.Module, shard, a: torch.Tensor, b: torch.Tensor):
+        """[(slice index, this rank's A, this rank's B)] of one HF module's adapter."""
+        if isinstance(linear, RowParallelLinear):
+            _check_shapes(name, module, a, b, linear.input_size, linear.output_size)
+            start, size = linear.input_slice()
+            return [(0, a[:, start:start + size], b)]
+        if shard is None:                    # the whole (possibly fused) linear, as the checkpoint names it
+            slices = linear.lora.slices
+            if len(slices) > 1 and linear.tp_size > 1:
+                raise ValueError(f"LoRA adapter {name!r}: {module} adapts the fused projection as a whole, which "
+                                 "is not supported with tensor parallelism (adapt its q/k/v or gate/up parts)")
+            _check_shapes(name, module, a, b, linear.input_size, linear.output_size)
+            start = linear.tp_rank * linear.out_features
+            b, offsets = b[start:start + linear.out_features], [sum(slices[:j]) for j in range(len(slices))]
+            return [(j, a, b[o:o + size]) for j, (o, size) in enumerate(zip(offsets, slices))]
+        _, size, start = linear.output_slice(shard)
+        if isinstance(shard, str):           # q / k / v of a QKVParallelLinear (kv heads may be replicated)
+            full_out = size * linear.tp_size // (1 if shard == "q" else linear.kv_replicas)
+        else:
+            full_out = linear.output_sizes[shard]
+        _check_shapes(name, module, a, b, linear.input_size, full_out)
+        return [(linear.shard_index(shard), a, b[start:start + size])]
+
+
+def _check_shapes(name: str, module: str, a: torch.Tensor, b: torch.Tensor, in_features: int,
+                  out_features: int) -> None:
+    if a.shape[1] != in_features or b.shape[0] != out_features:
+        raise ValueError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, "
+                         f"but the base model's {module.rpartition('.')[2]} is [{out_features}, {in_features}] "
+                         f"(lora_A must be [r, {in_features}], lora_B [{out_features}, r])")
+
+
+__all__ = ["TARGETS", "ModelLoRASlots"]
