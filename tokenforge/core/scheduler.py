@@ -154,8 +154,7 @@ class Scheduler:
             kv_usage=pool.usage, kv_fragmentation=self.kv.fragmentation,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits, num_preemptions=self.num_preemptions,
-            num_kv_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
-            spec_decode=self.drafts and self.drafts.snapshot())
+            num_kv_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks, spec_decode=self.drafts and self.drafts.snapshot())
 
     # ---- schedule ------------------------------------------------------------------------------
 
