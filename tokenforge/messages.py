@@ -137,6 +137,7 @@ class EngineStats(msgspec.Struct):
     lora_swaps: int = 0                   # adapters written into a device slot (cumulative)
     kv_tiers: KVTierStats | None = None   # None when no KV tier is configured
     spec_decode: SpecDecodeStats | None = None   # None without speculative decoding
+    jit_compiles_after_ready: int = 0     # kernels compiled after start-up (executor/compile_watch.py)
 
 
 # ---- engine core (rank 0) -> workers (ranks 1..N-1), once per step ------------------------------

@@ -20,6 +20,7 @@ from tokenforge.core.speculation import DraftPlanner
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer
+from tokenforge.executor.compile_watch import WATCH
 from tokenforge.executor.factory import create_executor
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, LoRARequest
 
@@ -40,8 +41,11 @@ def startup_phases(executor_s: float, kv_s: float, executor) -> dict[str, float]
     KV profiling and allocation, CUDA graph capture."""
     runner = executor.runner
     graphs = getattr(getattr(runner, "graphs", None), "capture_seconds", 0.0) or 0.0
+    warm = getattr(runner, "warmup_seconds", 0.0) or 0.0
     phases = {"before_engine": _seconds_since_process_start() - executor_s - kv_s,
-              "load": executor_s, "kv_cache": kv_s - graphs, "cuda_graphs": graphs}
+              "load": executor_s, "kv_cache": kv_s - graphs - warm, "cuda_graphs": graphs}
+    if warm:
+        phases["warm_up"] = warm
     phases["total"] = sum(phases.values())
     return phases
 
@@ -71,6 +75,8 @@ def make_draft_planner(config) -> DraftPlanner | None:
 class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer=None) -> None:
         t0 = time.perf_counter()
+        WATCH.reset()
+        WATCH.install_triton_hook()     # compiles from here on are start-up's; after Ready, warnings
         self.executor = create_executor(config)
         t1 = time.perf_counter()
         arch = self.executor.arch
@@ -96,6 +102,7 @@ class EngineCore:
         model, load_format = self.config.model.model, self.config.load.load_format
         self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
                                         self.vocab_size)
+        WATCH.mark_ready()
 
     @property
     def max_model_len(self) -> int:
@@ -252,6 +259,7 @@ class EngineCore:
         stats.allocator_fragmentation = self.executor.allocator_fragmentation()
         stats.lora_swaps = self.scheduler.loras.num_swaps
         stats.kv_tiers = self.executor.kv_tier_stats()
+        stats.jit_compiles_after_ready = WATCH.compiles_after_ready
         return stats
 
     def set_kv_tiers_enabled(self, enabled: bool) -> None:

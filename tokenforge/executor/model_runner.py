@@ -24,6 +24,7 @@ from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration
 from tokenforge.executor.pipeline import PipelinedSteps, StageComm
 from tokenforge.executor.roles import StepInFlight, make_role
 from tokenforge.executor.spec.roles import make_speculative_role
+from tokenforge.executor.warmup import warm_up
 from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
 from tokenforge.model.attention import get_attention_backend
 from tokenforge.model.attention.backend import AttentionBatch
@@ -162,6 +163,8 @@ class ModelRunner:
                 and self.rank.pp_size == 1 and self.offloader is None):   # offloaded weights move: no graphs
             self.graphs = CudaGraphRunner(self, num_blocks)
             self.graphs.capture()
+        if self.device.type == "cuda" and self.rank.pp_size == 1:
+            self.warmup_seconds = warm_up(self, num_blocks)     # prefill/mixed shapes compile now
 
     # ---- one step -------------------------------------------------------------------------------
     @torch.inference_mode()

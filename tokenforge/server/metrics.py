@@ -66,6 +66,8 @@ class ServerMetrics:
                                      "Requests cut (finish_reason abort) when the SIGTERM drain window ran out.")
         self._last_cumulative = (0, 0, 0)
         self.spec = SpecDecodeCounters(counter)
+        self.late_compiles = gauge("jit_compiles_after_ready", "Kernels compiled after start-up (each one a request "
+                                   "waited for; the core logs what it was). 0 is the goal.")
         self.kv_tiers = KVTierCollector(model_name)
         self.registry.register(self.kv_tiers)
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
@@ -89,6 +91,7 @@ class ServerMetrics:
             self.kv_tiers.stats = stats.kv_tiers
         if stats.spec_decode is not None:
             self.spec.update(m, stats.spec_decode)
+        self.late_compiles.labels(m).set(stats.jit_compiles_after_ready)
         # The core reports running totals; Prometheus counters only increase, so add the growth.
         now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now,

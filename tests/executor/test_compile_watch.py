@@ -1,0 +1,58 @@
+"""Compiles after start-up are counted and logged; the start-up warm-up's batches fit the
+engine's limits and run through a real runner (CPU). The GPU check, that a varied request mix
+compiles nothing after Ready, is tests/executor/test_compile_watch_gpu.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tokenforge import LLM, SamplingParams
+from tokenforge.executor.compile_watch import WATCH, CompileWatch
+from tokenforge.executor.warmup import warm_up, warm_up_batches
+
+
+def test_watch_counts_start_up_and_warns_after_ready(caplog):
+    watch = CompileWatch()
+    watch.note("triton", "_prefill_kernel[...]")
+    assert watch.before_ready == 1 and watch.compiles_after_ready == 0
+    watch.mark_ready()
+    with caplog.at_level(logging.WARNING, logger="tokenforge.executor.compile_watch"):
+        watch.note("triton", "_decode_kernel[BLOCK=64](num_tokens: i32)")
+    assert watch.after_ready == ["triton: _decode_kernel[BLOCK=64](num_tokens: i32)"]
+    assert "compiled after start-up" in caplog.text and "_decode_kernel[BLOCK=64]" in caplog.text
+    watch.reset()
+    assert (watch.ready, watch.before_ready, watch.compiles_after_ready) == (False, 0, 0)
+
+
+@pytest.mark.parametrize("max_tokens,max_len,max_seqs,num_blocks", [(2048, 4096, 256, 1000), (64, 128, 2, 20),
+                                                                     (512, 300, 8, 40)])
+def test_warm_up_batches_fit_the_limits(max_tokens, max_len, max_seqs, num_blocks):
+    batches = warm_up_batches(16, max_tokens, max_len, max_seqs, num_blocks)
+    assert batches
+    for q, c in batches:
+        assert sum(q) <= max_tokens and len(q) <= max_seqs and len(q) == len(c)
+        assert all(a + b <= max_len for a, b in zip(q, c))
+        assert sum(-(-(a + b) // 16) for a, b in zip(q, c)) <= num_blocks
+    if max_seqs >= 4 and max_tokens >= 256:
+        kinds = {(len(q) > 1, any(x > 0 for x in c), 1 in q) for q, c in batches}
+        assert (False, True, False) in kinds          # a chunk over a cached prefix
+        assert (True, True, True) in kinds            # decodes beside a chunk
+
+
+def test_warm_up_runs_on_a_real_runner_and_the_engine_still_answers():
+    llm = LLM(model="tiny-llama", load_format="dummy", dtype="float32", num_kv_blocks=64, max_model_len=512,
+              max_num_batched_tokens=256)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+        before = llm.generate([[1, 2, 3, 4, 5, 6]], params, use_tqdm=False)[0].outputs[0].token_ids
+        runner = llm.engine.executor.runner
+        assert warm_up(runner, llm.engine.num_kv_blocks) >= 0
+        after = llm.generate([[1, 2, 3, 4, 5, 6]], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert before == after             # the blocks it wrote over were free: nothing cached is touched
+        stats = llm.get_stats()
+        assert stats.num_free_blocks == stats.num_kv_blocks
+        assert WATCH.ready and stats.jit_compiles_after_ready == 0
+    finally:
+        llm.shutdown()

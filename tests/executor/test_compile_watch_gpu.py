@@ -1,0 +1,35 @@
+"""GPU: after start-up (graph capture and the warm-up), a varied request mix compiles nothing:
+prompt lengths odd and aligned, chunks over cached prefixes, decodes beside prefills, several
+batch sizes and every sampler path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenforge import LLM, SamplingParams
+from tokenforge.executor.compile_watch import WATCH
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def test_no_compile_after_ready_on_a_varied_mix():
+    llm = LLM(model="tiny-llama", load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              gpu_memory_utilization=0.3)
+    try:
+        assert WATCH.ready and WATCH.before_ready > 0, "the Triton hook saw no start-up compile"
+        shared = list(range(100, 400))
+        prompts = [[7] * n for n in (3, 16, 33, 100, 257, 1000)] + [shared + [5], shared + [6, 7, 8], shared[:48] + [9]]
+        variants = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                    SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=9, ignore_eos=True, seed=1),
+                    SamplingParams(temperature=1.0, min_p=0.1, max_tokens=7, ignore_eos=True, logprobs=3),
+                    SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.3,
+                                   repetition_penalty=1.1, max_tokens=10, ignore_eos=True)]
+        for batch in (1, 3, 9):
+            for params in variants:
+                llm.generate(prompts[:batch], params, use_tqdm=False)
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)
+        assert WATCH.after_ready == [], WATCH.after_ready
+        assert llm.get_stats().jit_compiles_after_ready == 0
+    finally:
+        llm.shutdown()

@@ -1,0 +1,77 @@
+"""Compiles after start-up: counted, and each one logged with what it compiled.
+
+A request should never wait for the engine's JIT: every kernel configuration it can need is
+compiled while the engine starts (CUDA graph capture, then `ModelRunner.warm_up`'s varied
+batches), or comes from the engine cache's Triton cache. The watch makes a miss visible: Triton's
+post-compile hook (process-wide) reports every compile; other builders (a C++ extension built on
+first use) call `note`. Before `mark_ready` they are counted as start-up work; after it each is a
+warning naming the kernel and its specialisation, and `compiles_after_ready` (EngineStats,
+`tokenforge:jit_compiles_after_ready` in /metrics) grows.
+
+One watch per process (`WATCH`): the hooks are process-wide, and an engine core is one process.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+logger = logging.getLogger(__name__)
+
+
+class CompileWatch:
+    def __init__(self) -> None:
+        self.ready = False
+        self.before_ready = 0
+        self.after_ready: list[str] = []        # what compiled after start-up, in order
+        self._lock = threading.Lock()
+        self._triton_installed = False
+
+    @property
+    def compiles_after_ready(self) -> int:
+        return len(self.after_ready)
+
+    def note(self, kind: str, what: str) -> None:
+        with self._lock:
+            if not self.ready:
+                self.before_ready += 1
+                return
+            self.after_ready.append(f"{kind}: {what}")
+        logger.warning("%s compiled after start-up (a request waited for it): %s", kind, what)
+
+    def mark_ready(self) -> None:
+        with self._lock:
+            self.ready = True
+        logger.info("start-up compiled %d kernel configurations", self.before_ready)
+
+    def reset(self) -> None:
+        """A new engine in this process starts a new start-up (tests build several)."""
+        with self._lock:
+            self.ready, self.before_ready, self.after_ready = False, 0, []
+
+    def install_triton_hook(self) -> bool:
+        """Chain onto Triton's post-compile hook (Triton >= 3.4 `knobs`, else the JITFunction
+        class attribute). False when Triton is absent or has neither."""
+        if self._triton_installed:
+            return True
+        try:
+            import triton  # noqa: PLC0415
+        except ImportError:
+            return False
+        knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+        holder, attr = (knobs, "jit_post_compile_hook") if knobs is not None and hasattr(knobs, "jit_post_compile_hook") \
+            else (getattr(getattr(triton, "runtime", None), "JITFunction", None), "compiled_hook")
+        if holder is None or not hasattr(holder, attr):
+            return False
+        previous = getattr(holder, attr)
+
+        def hook(*args, **kwargs):
+            self.note("triton", str(kwargs.get("repr") or kwargs.get("key") or "a kernel"))
+            return previous(*args, **kwargs) if previous is not None else None
+
+        setattr(holder, attr, hook)
+        self._triton_installed = True
+        return True
+
+
+WATCH = CompileWatch()

@@ -1,0 +1,74 @@
+"""Start-up warm-up: forwards over the batch shapes serving meets, so their kernels compile (or
+load from the engine cache) before the engine is Ready, not on a request's path.
+
+What varies a compiled Triton kernel beyond its constexprs: Triton specialises integer arguments
+(== 1, divisible by 16) and pointer alignment, so a prefill of 17 tokens and one of 64 are two
+kernels, a chunk over a cached prefix (context > 0) takes the prefix loop, a step that mixes
+decodes and a prefill chunk runs both attention kernels in one forward, and uncaptured decode
+batches run eagerly. `warm_up_batches` lists one batch of each kind that fits the engine's
+limits; `warm_up` runs them over the real KV cache's first blocks (free at start-up; whatever
+they hold is overwritten when a sequence is given them) and the LM head over their last rows.
+The CUDA graphs (captured just before) already cover every decode bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tokenforge.model.attention.backend import AttentionBatch
+from tokenforge.model.forward_context import set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+def warm_up_batches(block_size: int, max_tokens: int, max_len: int, max_seqs: int,
+                    num_blocks: int) -> list[tuple[list[int], list[int]]]:
+    """(query_lens, context_lens) per warm-up batch, all within the token budget, the length
+    cap, the sequence cap and the cache."""
+    chunk = min(max_tokens, max_len - 1)
+    candidates = [
+        ([17], [0]), ([64], [0]), ([131], [0]), ([chunk], [0]),          # prefills: odd, aligned, long
+        ([33], [48]), ([min(chunk, 256)], [min(max_len // 2, 3 * block_size + 5)]),   # over a prefix
+        ([20, 37], [0, 0]),                                                # two prompts in one step
+        ([1, 1, 1, 40], [16, 35, 70, 0]),                                  # decodes beside a chunk
+        ([1, 1, 24], [7, 130, 64]),                                        # decodes beside a prefix chunk
+    ]
+    out = []
+    for q, c in candidates:
+        blocks = sum(-(-(a + b) // block_size) for a, b in zip(q, c))
+        if (sum(q) <= max_tokens and len(q) <= max_seqs and all(a + b <= max_len for a, b in zip(q, c))
+                and blocks <= num_blocks and (q, c) not in out):
+            out.append((q, c))
+    return out
+
+
+@torch.inference_mode()
+def warm_up(runner, num_blocks: int) -> float:
+    """Run the warm-up batches; returns the seconds it took."""
+    start = time.perf_counter()
+    sched = runner.config.scheduler
+    batches = warm_up_batches(runner.block_size, sched.max_num_batched_tokens, sched.max_model_len,
+                              sched.max_num_seqs, num_blocks)
+    for query_lens, context_lens in batches:
+        tables, next_block = [], 0
+        for q, c in zip(query_lens, context_lens):
+            n = -(-(q + c) // runner.block_size)
+            tables.append(list(range(next_block, next_block + n)))
+            next_block += n
+        batch = AttentionBatch(query_lens, context_lens, tables, runner.block_size, runner.device)
+        ids = torch.zeros(sum(query_lens), dtype=torch.long, device=runner.device)
+        pos = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)]).to(runner.device)
+        lora = torch.full_like(ids, -1) if runner.loras is not None else None
+        with set_forward_context(runner.backend.build_metadata(batch), lora):
+            hidden = runner.stages.forward(runner.model, ids, pos)
+        if hidden is not None:
+            ends = torch.tensor(query_lens, device=runner.device).cumsum(0) - 1
+            runner.model.compute_logits(hidden[ends])
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    seconds = time.perf_counter() - start
+    logger.info("warm-up: %d batch shapes in %.2f s", len(batches), seconds)
+    return seconds
