@@ -48,27 +48,46 @@ def route(logits: torch.Tensor, top_k: int, order: str = "softmax_topk",
     return weights, ids
 
 
-def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], weights/ids [T, k]."""
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def moe_reference(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation=silu_mul) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], weights/ids [T, k].
+
+    `w13`/`w2` may be any stack that `[e]` indexes to one expert's float matrix (MXFP4 experts
+    dequantize there, one selected expert at a time). Ids >= E name experts held by another rank
+    (expert parallelism) and are skipped. Biases [E, 2I] / [E, H] are added before the activation
+    and before the routing weight; `activation(gate, up) -> [n, I]` (SwiGLU by default)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    num_experts = w13.shape[0]
     for expert in ids.unique().tolist():
+        if expert >= num_experts:
+            continue
         rows, slots = (ids == expert).nonzero(as_tuple=True)
         h = x[rows].float() @ w13[expert].float().t()
+        if w13_bias is not None:
+            h = h + w13_bias[expert].float()
         gate, up = h.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2[expert].float().t()
+        y = activation(gate, up) @ w2[expert].float().t()
+        if w2_bias is not None:
+            y = y + w2_bias[expert].float()
         out.index_add_(0, rows, y * weights[rows, slots, None].float())
     return out.to(x.dtype)
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids [P], expert per block [P / block_m], valid length [1]) for ids [T, k];
-    P = T*k + E*(block_m - 1) rounded up to block_m (a bound that depends on shapes only)."""
+    P = T*k + (E+1)*(block_m - 1) rounded up to block_m (a bound that depends on shapes only).
+    Ids equal to E (experts of another rank) sort last, past the valid length, so no block runs them."""
     flat = ids.flatten()
     pairs = flat.numel()
-    cap = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    bins = num_experts + 1
+    cap = -(-(pairs + bins * (block_m - 1)) // block_m) * block_m
     # scatter_add rather than bincount: bincount syncs with the host, which a CUDA graph cannot hold
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(bins, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
@@ -80,7 +99,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     block_starts = torch.arange(0, cap, block_m, device=ids.device)
     expert_of_block = torch.searchsorted(ends, block_starts, right=True)
     expert_of_block = torch.where(expert_of_block < num_experts, expert_of_block, -1).to(torch.int32)
-    return sorted_ids, expert_of_block, ends[-1:].to(torch.int32)
+    return sorted_ids, expert_of_block, ends[num_experts - 1:num_experts].to(torch.int32)
 
 
 @triton.jit
@@ -134,7 +153,8 @@ def _block_config(num_pairs: int) -> tuple[int, int, int]:
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
               ids: torch.Tensor) -> torch.Tensor:
-    """The Triton path of `moe_reference` (same arguments, same result up to rounding)."""
+    """The Triton path of `moe_reference` for SwiGLU experts without biases (same arguments, same
+    result up to rounding); ids equal to E (another rank's experts) contribute nothing."""
     require_triton()
     tokens, hidden = x.shape
     num_experts, two_inter, _ = w13.shape
@@ -148,7 +168,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: tor
     _moe_gemm_kernel[grid](x, w13, act, sorted_ids, experts, valid, weights, inter, hidden, pairs, top_k,
                            x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, MUL_WEIGHTS=False)
-    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    # zeros: pairs of another rank's experts are never written, and the sum over k reads them
+    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
     grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, block_n))
     _moe_gemm_kernel[grid](act, w2, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
