@@ -20,8 +20,8 @@ Either way the ranks' outputs are partial sums that one all-reduce completes; th
 added by one rank only.
 
 Compute is chosen once, when the layer is built: the fused Triton kernel (kernels/moe.py) on
-CUDA for SwiGLU experts in the model dtype; the torch reference otherwise (the CPU path, and
-on CUDA for biased, clamped or MXFP4 experts until the kernel has those epilogues).
+CUDA, which also takes the biases, gpt-oss's clamped SwiGLU and MXFP4 experts (decoded inside
+the GEMMs); the torch reference on the CPU (it dequantizes one selected MXFP4 expert at a time).
 """
 
 from __future__ import annotations
@@ -67,7 +67,10 @@ def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float)
 
 
 def _fused(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return fused_moe(x, experts.w13_weight, experts.w2_weight, weights, ids)
+    w13, w2 = experts.stacks()
+    moe = experts.moe
+    return fused_moe(x, w13, w2, weights, ids, experts.w13_bias, experts.w2_bias, moe.activation,
+                     moe.swiglu_alpha, moe.swiglu_limit)
 
 
 def _reference(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -108,8 +111,7 @@ class FusedExperts(nn.Module):
                            functools.partial(swiglu_oai, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit))
         self._create_weights(dtype, per_expert_shards)
         on_cuda = torch.empty(0).device.type == "cuda"
-        fusable = moe.activation == "silu" and not moe.bias and moe.expert_format == "dense"
-        self.compute = _fused if on_cuda and HAS_TRITON and fusable else _reference   # a function: no cycle
+        self.compute = _fused if on_cuda and HAS_TRITON else _reference      # a function, not a method: no cycle
 
     def _create_weights(self, dtype: torch.dtype | None, per_expert_shards: bool) -> None:
         e, i, h = self.num_local, self.inter, self.hidden_size
