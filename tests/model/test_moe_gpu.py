@@ -1,8 +1,8 @@
 """The CUDA path of the MoE models (skips without CUDA): on the GPU every MoE layer runs the fused
 Triton kernel (biases, gpt-oss's clamped SwiGLU and MXFP4 decoding included), whose logits equal
 the torch reference path's on the same GPU weights and HF's on the CPU; and the engine serves each
-model end to end on CUDA (CUDA graphs captured over the fused kernel; gpt-oss on the torch
-attention backend, since the Triton kernels have no sinks yet), with HF's greedy tokens.
+model end to end on CUDA with HF's greedy tokens (CUDA graphs captured over the fused kernel;
+gpt-oss on both attention backends: the Triton kernels take its sinks).
 
     pytest -q tests/model/test_moe_gpu.py
 """
@@ -54,7 +54,8 @@ def test_fused_path_equals_reference_path_and_hf(checkpoint, dtype, tol):
     assert (fused - want).abs().max().item() < tol * scale
 
 
-def test_engine_serves_on_cuda_with_hfs_greedy_tokens(checkpoint):
+@pytest.mark.parametrize("attention_backend", ["triton", "torch"])
+def test_engine_serves_on_cuda_with_hfs_greedy_tokens(checkpoint, attention_backend):
     from tokenforge import LLM, SamplingParams
 
     name, hf, path = checkpoint
@@ -62,18 +63,8 @@ def test_engine_serves_on_cuda_with_hfs_greedy_tokens(checkpoint):
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                            pad_token_id=0)[0, len(prompt):].tolist()
-    backend = {"attention_backend": "torch"} if name.startswith("gpt_oss") else {}
-    with LLM(str(path), device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64, **backend) as llm:
+    with LLM(str(path), device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64,
+             attention_backend=attention_backend) as llm:
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=12, temperature=0,
                                                                          ignore_eos=True), use_tqdm=False)
     assert list(out[0].outputs[0].token_ids) == want
-
-
-def test_triton_attention_refuses_sinks_before_the_first_step(checkpoint):
-    from tokenforge import LLM
-
-    name, _, path = checkpoint
-    if not name.startswith("gpt_oss"):
-        pytest.skip("no sinks")
-    with pytest.raises(NotImplementedError, match="attention sinks .* not implemented in the triton attention backend"):
-        LLM(str(path), device="cuda", dtype="float32", max_model_len=128, num_kv_blocks=64, attention_backend="triton")

@@ -1,7 +1,8 @@
 """The MoE building blocks on their own: MXFP4 decoding against transformers' own, gpt-oss's
 clamped SwiGLU against HF's, expert ranges under expert parallelism, experts of another rank
 skipped by the reference and the alignment, attention sinks in the torch backend against the
-plain softmax with one extra logit, and backends without sinks refused when assigned."""
+plain softmax with one extra logit, and a backend without sinks refused when assigned (both real
+backends have them: tests/kernels/test_attention_sinks.py checks the Triton kernels)."""
 
 from __future__ import annotations
 
@@ -106,7 +107,7 @@ def test_torch_backend_sinks_match_the_plain_softmax(window):
 
 def test_a_backend_without_sinks_is_refused_when_assigned():
     attn = Attention(4, 2, 8, 0.3, layer_idx=5, spec=AttentionSpec(sinks=True))
-    with pytest.raises(NotImplementedError, match="attention sinks \\(layer 5\\) are not implemented in the triton "
+    with pytest.raises(NotImplementedError, match="attention sinks \\(layer 5\\) are not implemented in the flash "
                                                   "attention backend yet; use --attention-backend torch"):
-        attn.backend = types.SimpleNamespace(name="triton")
+        attn.backend = types.SimpleNamespace(name="flash")       # a backend without `supports_sinks`
     assert tuple(attn.sinks.shape) == (4,) and attn.sinks.dtype == torch.float32
