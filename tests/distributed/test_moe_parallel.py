@@ -1,7 +1,7 @@
 """Mixture-of-experts models under tensor parallelism on the CPU (gloo): each rank holding a slice
 of every expert (TP=2), or whole experts (--enable-expert-parallel), gives TP=1's greedy tokens and
-logprobs on tiny random Mixtral, Qwen3-MoE and gpt-oss checkpoints (float and MXFP4 experts). Bad
-expert layouts fail in one line before any process starts."""
+logprobs on tiny random Mixtral, Qwen2-MoE (shared experts), Qwen3-MoE and gpt-oss checkpoints
+(float and MXFP4 experts). Bad expert layouts fail in one line before any process starts."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.distributed.conftest import ENGINE
 from tests.model import moe_checkpoints
 from tokenforge import LLM, SamplingParams
 
-BUILDERS = {"mixtral": moe_checkpoints.mixtral, "qwen3_moe": moe_checkpoints.qwen3_moe,
+BUILDERS = {"mixtral": moe_checkpoints.mixtral, "qwen2_moe": moe_checkpoints.qwen2_moe, "qwen3_moe": moe_checkpoints.qwen3_moe,
             "gpt_oss": moe_checkpoints.gpt_oss, "gpt_oss_mxfp4": moe_checkpoints.gpt_oss_mxfp4}
 PROMPTS = [list(range(7, 27)), [5, 90, 17, 200, 3, 41, 41, 8, 120]]
 SETTINGS = {**ENGINE, "block_size": 4, "max_model_len": 128}

@@ -1,5 +1,5 @@
-"""Tiny random mixture-of-experts checkpoints built with transformers itself (Mixtral, Qwen3-MoE,
-gpt-oss, and gpt-oss with MXFP4 experts), saved with save_pretrained plus the bundled model's
+"""Tiny random mixture-of-experts checkpoints built with transformers itself (Mixtral, Qwen2-MoE,
+Qwen3-MoE, gpt-oss, and gpt-oss with MXFP4 experts), saved with save_pretrained plus the bundled model's
 tokenizer so `LLM(path)` serves them. Each builder returns (the HF model, its directory); the MXFP4
 one's HF model holds the experts as transformers itself dequantizes them."""
 
@@ -16,6 +16,8 @@ from transformers import (
     GptOssForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -52,6 +54,20 @@ def qwen3_moe(path: Path, norm_topk_prob: bool = True, decoder_sparse_step: int 
     for layer in hf.model.layers:           # HF inits the q/k norms at one: make them matter
         torch.nn.init.normal_(layer.self_attn.q_norm.weight, 1.0, 0.3)
         torch.nn.init.normal_(layer.self_attn.k_norm.weight, 1.0, 0.3)
+    return hf, _save(hf, path)
+
+
+def qwen2_moe(path: Path):
+    """Shared experts on the sparse layers (layer 2 dense), q/k/v bias."""
+    torch.manual_seed(0)
+    hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        **_COMMON, intermediate_size=112, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+        num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2],
+        rope_theta=1e6)).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers:          # HF inits biases at zero
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0.0, 0.1)
     return hf, _save(hf, path)
 
 

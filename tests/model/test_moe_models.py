@@ -1,5 +1,5 @@
 """Mixture-of-experts families against HF transformers on tiny random checkpoints (fp32): Mixtral,
-Qwen3-MoE (a dense layer among sparse ones; renormalised and plain top-k weights), gpt-oss (sinks,
+Qwen2-MoE (shared experts), Qwen3-MoE (a dense layer among sparse ones; renormalised and plain top-k weights), gpt-oss (sinks,
 a 6-token window on alternating layers, YaRN, biases, the clamped SwiGLU, interleaved gate/up) and
 gpt-oss with MXFP4 experts against transformers' own dequantization of them. Paged logits through
 chunked prefill (prompts longer than the window) and batched decode within 1e-4, greedy tokens
@@ -16,6 +16,7 @@ from tokenforge.model.loader import load_model
 ATOL = 1e-4
 CASES = {
     "mixtral": moe_checkpoints.mixtral,
+    "qwen2_moe": moe_checkpoints.qwen2_moe,
     "qwen3_moe": moe_checkpoints.qwen3_moe,
     "qwen3_moe_plain_topk": lambda p: moe_checkpoints.qwen3_moe(p, norm_topk_prob=False, decoder_sparse_step=2),
     "gpt_oss": moe_checkpoints.gpt_oss,

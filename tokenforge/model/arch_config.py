@@ -54,6 +54,7 @@ class MoeConfig:
     bias: bool = False                      # router and expert biases (gpt-oss)
     interleaved_gate_up: bool = False       # checkpoint rows gate0, up0, gate1, ... (gpt-oss)
     sparse_layers: tuple[int, ...] | None = None   # layers with experts (None: every layer)
+    shared_expert_intermediate_size: int = 0        # a shared expert every token runs (Qwen2-MoE); 0: none
     expert_format: str = "dense"            # dense | mxfp4 (the checkpoint's expert weights)
     expert_parallel: bool = False           # a runtime layout: whole experts per rank
 

@@ -224,7 +224,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = Router(hidden_size, moe.num_experts, moe.bias, dtype)
         self.experts = FusedExperts(hidden_size, moe, dtype, tp_rank, tp_size, per_expert_shards)
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(routing weights, expert ids), [T, k] each."""
+        return route(self.gate(x), self.moe.top_k, self.moe.routing, self.moe.renormalize)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.moe.top_k, self.moe.routing, self.moe.renormalize)   # [T, k] each
+        weights, ids = self.route(x)
         out = self.experts(x, weights, ids)
         return all_reduce(out) if self.tp_size > 1 else out

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenforge.model.models import llama, mistral, qwen2, qwen3  # noqa: F401, I001 - registers the dense families
-from tokenforge.model.models import mixtral, qwen3_moe, gpt_oss  # noqa: F401, I001 - and the mixtures of experts
+from tokenforge.model.models import mixtral, qwen3_moe, qwen2_moe, gpt_oss  # noqa: F401, I001 - and the MoE families
 from tokenforge.model.models.llama import LlamaForCausalLM
 from tokenforge.model.registry import get_spec
 

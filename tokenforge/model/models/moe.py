@@ -38,8 +38,13 @@ class MoeDecoderLayer(CheckpointedLayer):
         self.self_attn = self.attention_class(cfg, rotary, layer_idx, dtype, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         assert cfg.moe is not None, f"{cfg.architecture}: config has no experts"
-        self.mlp = (SparseMoeBlock(cfg.hidden_size, cfg.moe, dtype, tp_rank, tp_size, self.per_expert_shards)
-                    if cfg.moe.is_sparse(layer_idx) else LlamaMLP(cfg, dtype, tp_rank, tp_size))
+        self.mlp = (self.build_sparse_mlp(cfg, dtype, tp_rank, tp_size) if cfg.moe.is_sparse(layer_idx)
+                    else LlamaMLP(cfg, dtype, tp_rank, tp_size))
+
+    @classmethod
+    def build_sparse_mlp(cls, cfg: ArchConfig, dtype: torch.dtype | None, tp_rank: int, tp_size: int) -> nn.Module:
+        """The MoE block of a sparse layer (a family with shared experts builds its own)."""
+        return SparseMoeBlock(cfg.hidden_size, cfg.moe, dtype, tp_rank, tp_size, cls.per_expert_shards)
 
     def run(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor]:
