@@ -78,6 +78,16 @@ def _reference(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, id
     return moe_reference(x, w13, w2, weights, ids, experts.w13_bias, experts.w2_bias, experts.activation)
 
 
+def _all_local_ids(experts: FusedExperts, ids: torch.Tensor) -> torch.Tensor:
+    return ids
+
+
+def _rank_local_ids(experts: FusedExperts, ids: torch.Tensor) -> torch.Tensor:
+    """Global expert ids -> this rank's (expert parallelism); other ranks' experts -> E_local."""
+    local = ids - experts.first
+    return torch.where((local >= 0) & (local < experts.num_local), local, experts.num_local)
+
+
 class Router(nn.Module):
     """The gate: logits [T, E] = x W^T (+ b), replicated on every rank."""
 
@@ -110,6 +120,7 @@ class FusedExperts(nn.Module):
         self.activation = (silu_mul if moe.activation == "silu" else
                            functools.partial(swiglu_oai, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit))
         self._create_weights(dtype, per_expert_shards)
+        self.local_ids = _rank_local_ids if moe.expert_parallel else _all_local_ids
         on_cuda = torch.empty(0).device.type == "cuda"
         self.compute = _fused if on_cuda and HAS_TRITON else _reference      # a function, not a method: no cycle
 
@@ -145,10 +156,7 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights/ids [T, k] (global expert ids) -> this rank's partial sum [T, H]."""
-        if self.moe.expert_parallel:
-            local = ids - self.first
-            ids = torch.where((local >= 0) & (local < self.num_local), local, self.num_local)
-        return self.compute(self, x, weights, ids)
+        return self.compute(self, x, weights, self.local_ids(self, ids))
 
     # ---- loading -------------------------------------------------------------------------------
 
