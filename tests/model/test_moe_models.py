@@ -103,3 +103,18 @@ def test_gpt_oss_features_change_hf_logits(feature, tmp_path):
         plain.load_state_dict(hf.state_dict())
         hf = plain.eval()
     assert (_logits(hf, tokens) - before).abs().max().item() > 100 * ATOL
+
+
+def test_mxfp4_outside_experts_is_refused_before_loading(tmp_path):
+    import json
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                                 vocab_size=100)).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError) as info:
+        load_model(str(tmp_path), "auto", torch.float32, "cpu")
+    assert str(info.value).startswith("unsupported pre-quantized checkpoint: MXFP4 weights outside the experts of a "
+                                      "mixture-of-experts model (LlamaForCausalLM)")
