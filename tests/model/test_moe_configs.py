@@ -65,3 +65,17 @@ def test_doctor_counts_the_experts(capsys):
     out = capsys.readouterr().out
     assert "parameters    116.829 B  -> weights 60.77 GiB in bfloat16" in out
     assert "experts       128 x 2880 wide, top 4: 114.66 B values -> 56.73 GiB in MXFP4; a token reads 4/128" in out
+
+
+@pytest.mark.parametrize("name,active", [
+    ("mixtral-8x7b", 12.7e9), ("qwen3-30b-a3b", 3.0e9), ("gpt-oss-20b", 3.6e9), ("gpt-oss-120b", 5.1e9)])
+def test_benchmark_roofline_reads_the_experts_a_token_runs(name, active):
+    """W1's roofline: the k experts of each layer (MXFP4 at 17 bytes per 32 values), not all of them."""
+    from tokenforge.bench.lib.workloads import ModelShape
+
+    shape = ModelShape.from_config(json.loads(shipped_config_path(name).read_text()))
+    assert abs(shape.matmul_params - active) / active < 0.02          # the published active counts, lm_head in
+    per_token = shape.decode_bytes_per_token("bfloat16", 0)
+    experts = shape.layers * shape.expert_params_per_token
+    want = (shape.matmul_params - experts) * 2 + experts * (17 / 32 if name.startswith("gpt-oss") else 2)
+    assert abs(per_token - want) / want < 1e-3
