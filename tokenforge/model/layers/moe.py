@@ -168,7 +168,7 @@ class FusedExperts(nn.Module):
             loaded = loaded.transpose(1, 2)
         if param is self.w2_bias:
             part = self._experts(loaded)
-            param.data.copy_(part if self.adds_down_bias else torch.zeros_like(part))
+            self._copy(param, part if self.adds_down_bias else torch.zeros_like(part))   # added by one rank
         elif param is self.w13_bias:
             self._copy(param, self._gate_up_rows(loaded.unsqueeze(-1)).squeeze(-1))
         elif param is self.w13_weight or param is getattr(self, "w13_blocks", None) or \
