@@ -77,3 +77,53 @@ def test_fused_moe_matches_reference(tokens, hidden, inter, experts, k):
     ref = moe_reference(x, w13, w2, weights, ids)
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < 2e-2, err
+
+
+def _random_experts(e, h, i, gen, mxfp4):
+    from tokenforge.kernels.mxfp4 import Mxfp4Stack
+
+    if mxfp4:
+        return (Mxfp4Stack(torch.randint(0, 256, (e, 2 * i, h // 32, 16), generator=gen, dtype=torch.uint8),
+                           torch.randint(118, 124, (e, 2 * i, h // 32), generator=gen, dtype=torch.uint8)),
+                Mxfp4Stack(torch.randint(0, 256, (e, h, i // 32, 16), generator=gen, dtype=torch.uint8),
+                           torch.randint(118, 124, (e, h, i // 32), generator=gen, dtype=torch.uint8)))
+    return torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5, torch.randn(e, h, i, generator=gen) / i ** 0.5
+
+
+def _on(w, device, dtype):
+    from tokenforge.kernels.mxfp4 import Mxfp4Stack
+
+    if isinstance(w, Mxfp4Stack):
+        return Mxfp4Stack(w.blocks.to(device), w.scales.to(device))
+    return w.to(device, dtype)
+
+
+@pytest.mark.parametrize("variant", ["bias", "swiglu_oai", "mxfp4", "mxfp4_oai_bias", "other_rank"])
+@pytest.mark.parametrize("tokens", [3, 70])
+def test_fused_moe_epilogues_match_reference(device, variant, tokens):
+    """Biases, gpt-oss's clamped SwiGLU, MXFP4 experts decoded in the kernel, and ids of another
+    rank's experts (expert parallelism), against the torch reference."""
+    import functools
+
+    from tokenforge.model.layers.moe import swiglu_oai
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32      # the interpreter has no bf16 dots
+    gen = torch.Generator().manual_seed(tokens)
+    h, i, e, k = 128, 96, 6, 2
+    mxfp4 = variant.startswith("mxfp4")
+    w13, w2 = _random_experts(e, h, i, gen, mxfp4)
+    x = torch.randn(tokens, h, generator=gen)
+    weights, ids = route(torch.randn(tokens, e, generator=gen), k)
+    biased = variant in ("bias", "mxfp4_oai_bias")
+    b13, b2 = (torch.randn(e, 2 * i, generator=gen) / 4, torch.randn(e, h, generator=gen) / 4) if biased else (None, None)
+    oai = variant in ("swiglu_oai", "mxfp4_oai_bias")
+    if variant == "other_rank":
+        ids = torch.where(ids == 1, e, ids)
+    act = functools.partial(swiglu_oai, alpha=1.702, limit=0.4) if oai else None
+    ref = moe_reference(x, w13, w2, weights, ids, b13, b2, **({"activation": act} if act else {}))
+    x, w13, w2 = x.to(device, dtype), _on(w13, device, dtype), _on(w2, device, dtype)
+    b13, b2 = (None, None) if b13 is None else (b13.to(device, dtype), b2.to(device, dtype))
+    out = fused_moe(x, w13, w2, weights.to(device), ids.to(device), b13, b2,
+                    "swiglu_oai" if oai else "silu", 1.702, 0.4)
+    err = (out.float().cpu() - ref).norm() / ref.norm()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err

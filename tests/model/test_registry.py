@@ -14,7 +14,9 @@ import torch
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.registry import get_spec, supported_architectures
 
-SUPPORTED = "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"
+SUPPORTED = ("LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MixtralForCausalLM, "
+             "Qwen3MoeForCausalLM, Qwen2MoeForCausalLM, GptOssForCausalLM")
+DENSE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
 
@@ -24,8 +26,12 @@ def test_every_family_is_registered_with_its_packed_modules():
     for arch in supported_architectures():
         spec = get_spec(arch)
         assert spec.packed_modules["qkv_proj"] == {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
-        assert spec.packed_modules["gate_up_proj"] == {"gate_proj": 0, "up_proj": 1}
-    assert [get_spec(a).model_type for a in supported_architectures()] == ["llama", "mistral", "qwen2", "qwen3"]
+        if arch in DENSE or arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):     # dense layers keep an MLP
+            assert spec.packed_modules["gate_up_proj"] == {"gate_proj": 0, "up_proj": 1}
+        else:                                                  # experts only: no dense MLP to pack
+            assert "gate_up_proj" not in spec.packed_modules
+    assert [get_spec(a).model_type for a in supported_architectures()] == [
+        "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss"]
 
 
 @pytest.mark.parametrize("arch,bias,tied", [("LlamaForCausalLM", False, True), ("Qwen2ForCausalLM", True, False),

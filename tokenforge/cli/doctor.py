@@ -62,6 +62,7 @@ def run_doctor(model: str | None, load_format: str, memory: str | None, dtype: s
         f"parameters    {p['parameters'] / 1e9:.3f} B  -> weights {gib(p['weight_bytes'])} in {dtype}",
         f"KV per token  {p['kv_bytes_per_token'] / 1024:.1f} KiB ({arch.num_hidden_layers} layers x "
         f"{arch.num_key_value_heads} KV heads x {arch.head_dim} dims x K,V)",
+        *_expert_lines(arch, dtype, gib),
         f"memory        {gib(budget)} ({where}); {int(ACTIVATION_RESERVE * 100)}% kept for activations",
         f"KV budget     {gib(p['kv_budget_bytes'])} -> {p['kv_tokens']:,} tokens{kv_note}",
         f"sequences     {p['full_length_sequences']:,} concurrent at the full length {length:,}",
@@ -79,3 +80,17 @@ def run_doctor(model: str | None, load_format: str, memory: str | None, dtype: s
         lines.append(f"verdict       fits, but not one full-length sequence: lower --max-model-len "
                      f"below {p['kv_tokens']:,}")
     return "\n".join(lines)
+
+
+def _expert_lines(arch, dtype: str, gib) -> list[str]:
+    """A mixture of experts: how much of the weights the experts are, and what one token reads."""
+    moe = arch.moe
+    if moe is None:
+        return []
+    from tokenforge.model.arch_config import dtype_bytes  # noqa: PLC0415 - torch: only when run
+
+    values = moe.expert_numel(arch.hidden_size, arch.num_hidden_layers)
+    mxfp4 = moe.expert_format == "mxfp4"
+    fmt, size = ("MXFP4", values // 32 * 17) if mxfp4 else (dtype, values * dtype_bytes(dtype))
+    return [f"experts       {moe.num_experts} x {moe.intermediate_size} wide, top {moe.top_k}: {values / 1e9:.2f} B "
+            f"values -> {gib(size)} in {fmt}; a token reads {moe.top_k}/{moe.num_experts} of them"]

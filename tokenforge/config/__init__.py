@@ -196,6 +196,9 @@ class ParallelConfig:
     pipeline_parallel_size: int = flag(1, "split the layers into N contiguous stages, one rank (or TP group) each",
                                        "-pp", "--pipe_parallelism", "--pipe_parallelism_level", "--pipe-parallelism",
                                        cli_default=None, group=PARALLEL)
+    enable_expert_parallel: bool = flag(False, "mixture-of-experts models: each tensor-parallel rank holds whole "
+                                        "experts (E / N of them) instead of a slice of every expert",
+                                        group=PARALLEL)
     # auto: one process without parallelism; torchrun when launched by it (WORLD_SIZE > 1); else mp.
     distributed_executor_backend: str = flag(
         "auto", "mp: one worker process per rank on this host (default with TP/PP); torchrun: ranks started by "

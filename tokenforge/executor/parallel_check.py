@@ -10,6 +10,29 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _check_experts(config: EngineConfig, arch, tp: int) -> None:
+    """Experts split by their intermediate size (each rank a slice), or whole under expert parallelism."""
+    moe = arch.moe
+    if config.parallel.enable_expert_parallel:
+        if moe is None:
+            raise ValueError(f"enable_expert_parallel applies to mixture-of-experts models; {arch.architecture} "
+                             "has no experts")
+        if tp > moe.num_experts:
+            raise ValueError(f"--enable-expert-parallel with {tp} ranks needs at least as many experts; the model "
+                             f"has {moe.num_experts}")
+        return
+    if moe is None:
+        return
+    if moe.intermediate_size % tp:
+        raise ValueError(f"tensor_parallel_size {tp} does not divide the experts' intermediate size "
+                         f"{moe.intermediate_size} (it must be one of {_divisors(moe.intermediate_size)}); or add "
+                         "--enable-expert-parallel")
+    if moe.expert_format == "mxfp4" and (moe.intermediate_size // tp) % 32:
+        raise ValueError(f"tensor_parallel_size {tp} splits the MXFP4 experts' intermediate size "
+                         f"{moe.intermediate_size} into slices of {moe.intermediate_size // tp}, not whole groups of "
+                         "32; use a smaller tensor_parallel_size or --enable-expert-parallel")
+
+
 def check_parallel_layout(config: EngineConfig, arch, device: str, local_world_size: int | None = None) -> None:
     tp, pp = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
@@ -21,6 +44,7 @@ def check_parallel_layout(config: EngineConfig, arch, device: str, local_world_s
                          f"other (KV heads are split, or replicated when there are fewer than ranks)")
     if arch.intermediate_size % tp:
         raise ValueError(f"tensor_parallel_size {tp} does not divide the MLP width {arch.intermediate_size}")
+    _check_experts(config, arch, tp)
     if config.cache.kv_tiers_enabled:
         raise ValueError(f"the KV cache tiers (kv_offload_cpu_gb, kv_offload_disk_dir, kv_remote) run with one "
                          f"process only so far, not tensor_parallel_size x pipeline_parallel_size = {tp} x {pp}")

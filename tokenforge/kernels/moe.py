@@ -15,6 +15,9 @@ The fused path (`fused_moe`), for a SwiGLU expert MLP with gate and up stacked i
    silu(gate) * up, so the [T*k, 2I] intermediate never reaches memory.
 3. down GEMM: the same grid over the hidden size, each row scaled by its routing weight in the
    epilogue; the k rows of a token are then summed.
+Both GEMMs take optional per-expert biases (added before the activation and before the routing
+weight), gpt-oss's clamped SwiGLU in place of silu(gate) * up, and MXFP4 weights (kernels/mxfp4.py:
+4-bit codes and a scale per 32, decoded tile by tile in registers, so only the codes are read).
 Each expert's weights are read once per column tile for all the pairs routed to it, which makes
 decode (few pairs per expert) a pass over the selected experts' bytes.
 
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import require_triton, tl, triton
+from .mxfp4 import Mxfp4Stack
 
 ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
 
@@ -48,27 +52,46 @@ def route(logits: torch.Tensor, top_k: int, order: str = "softmax_topk",
     return weights, ids
 
 
-def moe_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                  ids: torch.Tensor) -> torch.Tensor:
-    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], weights/ids [T, k]."""
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def moe_reference(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation=silu_mul) -> torch.Tensor:
+    """x [T, H], w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], weights/ids [T, k].
+
+    `w13`/`w2` may be any stack that `[e]` indexes to one expert's float matrix (MXFP4 experts
+    dequantize there, one selected expert at a time). Ids >= E name experts held by another rank
+    (expert parallelism) and are skipped. Biases [E, 2I] / [E, H] are added before the activation
+    and before the routing weight; `activation(gate, up) -> [n, I]` (SwiGLU by default)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    num_experts = w13.shape[0]
     for expert in ids.unique().tolist():
+        if expert >= num_experts:
+            continue
         rows, slots = (ids == expert).nonzero(as_tuple=True)
         h = x[rows].float() @ w13[expert].float().t()
+        if w13_bias is not None:
+            h = h + w13_bias[expert].float()
         gate, up = h.chunk(2, dim=-1)
-        y = (F.silu(gate) * up) @ w2[expert].float().t()
+        y = activation(gate, up) @ w2[expert].float().t()
+        if w2_bias is not None:
+            y = y + w2_bias[expert].float()
         out.index_add_(0, rows, y * weights[rows, slots, None].float())
     return out.to(x.dtype)
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids [P], expert per block [P / block_m], valid length [1]) for ids [T, k];
-    P = T*k + E*(block_m - 1) rounded up to block_m (a bound that depends on shapes only)."""
+    P = T*k + (E+1)*(block_m - 1) rounded up to block_m (a bound that depends on shapes only).
+    Ids equal to E (experts of another rank) sort last, past the valid length, so no block runs them."""
     flat = ids.flatten()
     pairs = flat.numel()
-    cap = -(-(pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    bins = num_experts + 1
+    cap = -(-(pairs + bins * (block_m - 1)) // block_m) * block_m
     # scatter_add rather than bincount: bincount syncs with the host, which a CUDA graph cannot hold
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    counts = torch.zeros(bins, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
@@ -80,15 +103,33 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
     block_starts = torch.arange(0, cap, block_m, device=ids.device)
     expert_of_block = torch.searchsorted(ends, block_starts, right=True)
     expert_of_block = torch.where(expert_of_block < num_experts, expert_of_block, -1).to(torch.int32)
-    return sorted_ids, expert_of_block, ends[-1:].to(torch.int32)
+    return sorted_ids, expert_of_block, ends[num_experts - 1:num_experts].to(torch.int32)
 
 
 @triton.jit
-def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, experts_ptr, valid_ptr, weights_ptr,
-                     N, K, num_pairs, rows_per_a,
-                     stride_am, stride_we, stride_wn, stride_wk, stride_om,
+def _fp4_weight_tile(w_ptrs, s_ptrs, offs_k, mask):
+    """An MXFP4 tile [BLOCK_K, BLOCK_N] in fp32: each element's nibble of its byte (low nibble for
+    even k), decoded from e2m1, times its group's e8m0 scale."""
+    byte = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
+    exp = (code >> 1) & 3
+    mag = tl.where(exp == 0, (code & 1) * 0.5, (1.0 + (code & 1) * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
+    value = tl.where((code & 8) != 0, -mag, mag)
+    scale = tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
+    return value * scale
+
+
+@triton.jit
+def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, experts_ptr, valid_ptr, weights_ptr,
+                     N, K, num_pairs, rows_per_a, alpha, limit,
+                     stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SWIGLU: tl.constexpr, MUL_WEIGHTS: tl.constexpr):
+                     SWIGLU: tl.constexpr, OAI: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
+                     MUL_WEIGHTS: tl.constexpr):
+    """out[pair] = a[row of pair] @ W[expert]^T (+ bias) for the pairs of each BLOCK_M block.
+    W is [E, N (x2 with SWIGLU: gate rows, then up rows), K] in the activations' dtype, or (MXFP4)
+    bytes [E, N, K / 2] with scales [E, N, K / 32]. SWIGLU writes silu(gate) * up, or with OAI
+    gpt-oss's clamped form; MUL_WEIGHTS scales each row by its routing weight."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(valid_ptr):
@@ -102,21 +143,44 @@ def _moe_gemm_kernel(a_ptr, w_ptr, out_ptr, sorted_ids_ptr, experts_ptr, valid_p
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None] * stride_wk
+    rows = offs_n[None, :].to(tl.int64)
+    if MXFP4:
+        w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + (offs_k // 2)[:, None]
+        s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (offs_k // 32)[:, None]
+    else:
+        w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + offs_k[:, None]
+        s_ptrs = w_ptrs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
+        mask_w = mask_k[:, None] & mask_n[None, :]
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if MXFP4:
+            w = _fp4_weight_tile(w_ptrs + k0 // 2, s_ptrs + k0 // 32, offs_k, mask_w).to(a.dtype)
+        else:
+            w = tl.load(w_ptrs + k0, mask=mask_w, other=0.0)
         acc += tl.dot(a, w)
         if SWIGLU:   # the up rows sit N rows below the gate rows
-            u = tl.load(w_ptrs + N * stride_wn, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if MXFP4:
+                u = _fp4_weight_tile(w_ptrs + N * stride_wn + k0 // 2, s_ptrs + N * stride_sn + k0 // 32, offs_k,
+                                     mask_w).to(a.dtype)
+            else:
+                u = tl.load(w_ptrs + N * stride_wn + k0, mask=mask_w, other=0.0)
             acc_up += tl.dot(a, u)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert * stride_be + offs_n
+        acc += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if SWIGLU:
+            acc_up += tl.load(b_ptrs + N, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if SWIGLU:
-        acc = acc * tl.sigmoid(acc) * acc_up
+        if OAI:
+            gate = tl.minimum(acc, limit)
+            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+            acc = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+        else:
+            acc = acc * tl.sigmoid(acc) * acc_up
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]
@@ -132,26 +196,48 @@ def _block_config(num_pairs: int) -> tuple[int, int, int]:
     return 64, 128, 64
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
-    """The Triton path of `moe_reference` (same arguments, same result up to rounding)."""
-    require_triton()
+def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool]:
+    """(codes or weights, scales, expert and row strides of each, MXFP4?) for one projection."""
+    if isinstance(w, Mxfp4Stack):
+        blocks = w.blocks.reshape(*w.blocks.shape[:2], -1).contiguous()     # [E, N, K / 2] bytes
+        scales = w.scales.contiguous()                                      # [E, N, K / 32]
+        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), True
+    w = w.contiguous()
+    return w, w, w.stride(0), w.stride(1), 0, 0, False
+
+
+def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
+              w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """The Triton path of `moe_reference` (same result up to rounding): w13/w2 are float stacks in
+    x's dtype or `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory);
+    optional biases; activation "silu" or "swiglu_oai" (gpt-oss: clamp at `limit`, sigmoid gain
+    `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing."""
+    require_triton(x)
     tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
+    num_experts, two_inter = w13.shape[0], w13.shape[1]
     inter, top_k = two_inter // 2, ids.shape[1]
     pairs = tokens * top_k
     block_m, block_n, block_k = _block_config(pairs)
     sorted_ids, experts, valid = align(ids, num_experts, block_m)
-    x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    x = x.contiguous()
+    oai = activation == "swiglu_oai"
+    w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w13)
+    bias = w13_bias.contiguous() if w13_bias is not None else x
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (sorted_ids.numel() // block_m, triton.cdiv(inter, block_n))
-    _moe_gemm_kernel[grid](x, w13, act, sorted_ids, experts, valid, weights, inter, hidden, pairs, top_k,
-                           x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), act.stride(0),
-                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, MUL_WEIGHTS=False)
-    out = torch.empty(pairs, hidden, dtype=torch.float32, device=x.device)
+    _moe_gemm_kernel[grid](x, w, s, bias, act, sorted_ids, experts, valid, weights, inter, hidden, pairs, top_k,
+                           alpha, limit, x.stride(0), swe, swn, sse, ssn, bias.stride(0), act.stride(0),
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, OAI=oai,
+                           HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False)
+    # zeros: pairs of another rank's experts are never written, and the sum over k reads them
+    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
+    w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w2)
+    bias = w2_bias.contiguous() if w2_bias is not None else x
     grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, block_n))
-    _moe_gemm_kernel[grid](act, w2, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
-                           act.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
-                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, MUL_WEIGHTS=True)
+    _moe_gemm_kernel[grid](act, w, s, bias, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
+                           alpha, limit, act.stride(0), swe, swn, sse, ssn, bias.stride(0), out.stride(0),
+                           BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, OAI=False,
+                           HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

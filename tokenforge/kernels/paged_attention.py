@@ -33,12 +33,14 @@ def gather_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
 
 def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                         query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                        kv_scales: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                        kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Reference varlen causal attention over paged K/V, in fp32; q [T, Hq, D] -> [T, Hq, D].
 
     Sequence i owns q rows query_start_loc[i]:query_start_loc[i+1] at absolute positions
     seq_lens[i] - q_len .. seq_lens[i] - 1. A sequence with seq_len 0 (padding) gives zeros.
-    With a sliding window, the query at p sees only the keys p - sliding_window + 1 .. p.
+    With a sliding window, the query at p sees only the keys p - sliding_window + 1 .. p. `sinks`
+    [Hq] join each head's softmax as one more logit that carries no value.
     """
     out = torch.zeros_like(q)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -59,15 +61,20 @@ def paged_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: t
         visible = key_pos <= q_pos[:, None]
         if sliding_window is not None:
             visible &= key_pos > q_pos[:, None] - sliding_window
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().to(q.device).view(-1, 1, 1).expand(-1, e - s, 1)
+            probs = torch.cat((scores, sink), dim=-1).softmax(dim=-1)[..., :-1]
+        else:
+            probs = scores.softmax(dim=-1)
         out[s:e] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
 
 
 def decode_attention_ref(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                          seq_lens: torch.Tensor, scale: float, kv_scales: torch.Tensor | None = None,
-                         sliding_window: int | None = None) -> torch.Tensor:
+                         sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Reference decode: one query per sequence (the last position); q [B, Hq, D]."""
     query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32)
     return paged_attention_ref(q, kv_cache, block_tables, query_start_loc, seq_lens, scale, kv_scales,
-                               sliding_window)
+                               sliding_window, sinks)

@@ -22,6 +22,9 @@ output, so dequantizing costs no extra multiply per element. The bf16 variant is
 A sliding window (SLIDING, compile-time) moves the key range to the last `window` positions, found
 on the device from seq_lens like the rest, so the splits share only the window's tiles and a
 graph captured for a layer keeps its window (a launch argument).
+Attention sinks (HAS_SINKS, compile-time; gpt-oss): one more logit per head with no value joins
+the softmax's denominator, added where the output is normalised: in the split kernel when it
+writes the output itself, else once in the merge.
 """
 
 import torch
@@ -46,13 +49,13 @@ def _key_tiles(seq_len, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_ptr,
+    q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_ptr, sinks_ptr,
     qk_scale, num_splits, window,
     stride_qb, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ob, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
+    KV_FP8: tl.constexpr, SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the previous kernel, let the next one launch
         tl.extra.cuda.gdc_wait()
@@ -108,7 +111,15 @@ def _decode_split_kernel(
         m = m_new
 
     l_safe = tl.where(l > 0.0, l, 1.0)                          # seq_len 0 (padding) -> zeros
-    acc = acc / l_safe[:, None]
+    den = l_safe
+    if HAS_SINKS:   # the sink joins the denominator where this program writes the output itself
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        with_sink = l + tl.exp2(sink - m)                       # padding: m = -inf -> inf -> zeros
+        if SINGLE_SPLIT:
+            den = with_sink
+        else:
+            den = tl.where(active <= 1, with_sink, l_safe)
+    acc = acc / den[:, None]
     if KV_FP8:
         acc = acc * tl.load(scale_ptr + 1)                      # v = code * v_scale
     o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + d[None, :]
@@ -124,24 +135,29 @@ def _decode_split_kernel(
 
 
 @triton.jit
-def _merge_head(part_out_ptr, part_lse_ptr, row0, active, o_ptr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Log-sum-exp merge of one head's `active` partials (rows row0 .. row0+active-1) into o_ptr."""
+def _merge_head(part_out_ptr, part_lse_ptr, row0, active, o_ptr, sink, SPLITS_PAD: tl.constexpr,
+                HEAD_DIM: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """Log-sum-exp merge of one head's `active` partials (rows row0 .. row0+active-1) into o_ptr;
+    with HAS_SINKS the head's sink logit (log2 units) joins the denominator."""
     s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM)
     smask = s < active
     lse = tl.load(part_lse_ptr + row0 + s, mask=smask, other=float("-inf"))
     parts = tl.load(part_out_ptr + (row0 + s)[:, None] * HEAD_DIM + d[None, :], mask=smask[:, None], other=0.0)
-    w = tl.where(smask, tl.exp2(lse - tl.max(lse, axis=0)), 0.0)
+    top = tl.max(lse, axis=0)
+    w = tl.where(smask, tl.exp2(lse - top), 0.0)
     den = tl.sum(w, axis=0)
+    if HAS_SINKS:
+        den += tl.exp2(sink - top)
     o = tl.sum(parts * w[:, None], axis=0) / tl.where(den > 0.0, den, 1.0)
     tl.store(o_ptr + d, o.to(o_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, num_splits, window, stride_ob, stride_oh,
+    part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, sinks_ptr, num_splits, window, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, SLIDING: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -153,8 +169,11 @@ def _decode_reduce_kernel(
     active = tl.cdiv(num_tiles, tl.maximum(tl.cdiv(num_tiles, num_splits), 1))  # splits that wrote partials
     if active <= 1:                                             # the split kernel wrote the output
         return
+    sink = 0.0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
     _merge_head(part_out_ptr, part_lse_ptr, (b.to(tl.int64) * tl.num_programs(1) + h) * num_splits, active,
-                out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, SPLITS_PAD, HEAD_DIM)
+                out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh, sink, SPLITS_PAD, HEAD_DIM, HAS_SINKS)
 
 
 def choose_num_splits(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
@@ -176,9 +195,10 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
                      seq_lens: torch.Tensor, scale: float, num_splits: int | None = None,
                      out: torch.Tensor | None = None, block_n: int = 64, num_warps: int = 4,
                      num_stages: int | None = None, kv_scales: torch.Tensor | None = None,
-                     sliding_window: int | None = None) -> torch.Tensor:
+                     sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> out [B, Hq, D], attending to seq_lens[b] cached keys of each sequence (the
-    last `sliding_window` of them with a window). An fp8 cache needs the layer's kv_scales [4]."""
+    last `sliding_window` of them with a window). An fp8 cache needs the layer's kv_scales [4];
+    `sinks` [Hq] (fp32) are the heads' sink logits."""
     require_triton(q, kv_cache)
     batch, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -202,19 +222,19 @@ def decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torc
     pdl = use_pdl(q)
     _decode_split_kernel[(batch, num_kv_heads, splits)](
         q, kv_cache, block_tables, seq_lens, out, part_out, part_lse, kv_scales if fp8 else seq_lens,
-        scale * _LOG2E, splits, sliding_window or 0,
+        seq_lens if sinks is None else sinks, scale * _LOG2E, splits, sliding_window or 0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_N=block_n, SINGLE_SPLIT=single, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_FP8=fp8, SLIDING=sliding_window is not None, USE_PDL=pdl, num_warps=num_warps, num_stages=num_stages,
-        launch_pdl=pdl,
+        KV_FP8=fp8, SLIDING=sliding_window is not None, HAS_SINKS=sinks is not None, USE_PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=pdl,
     )
     if not single:
         _decode_reduce_kernel[(batch, num_q_heads)](
-            part_out, part_lse, seq_lens, out, splits, sliding_window or 0, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(splits),
-            SLIDING=sliding_window is not None, USE_PDL=pdl,
+            part_out, part_lse, seq_lens, out, seq_lens if sinks is None else sinks, splits, sliding_window or 0,
+            out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_N=block_n, SPLITS_PAD=next_power_of_2(splits),
+            SLIDING=sliding_window is not None, HAS_SINKS=sinks is not None, USE_PDL=pdl,
             num_warps=4, launch_pdl=pdl,
         )
     return out

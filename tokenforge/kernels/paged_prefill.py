@@ -17,6 +17,8 @@ e4m3 tiles are widened to q's dtype, k_scale folds into the softmax scale, v_sca
 A sliding window is a compile-time variant too (SLIDING): query p sees keys p - window + 1 .. p, so
 a program starts at the first tile its earliest query's window reaches and masks every tile (a
 row may see none of a tile's keys: the running max then stays -inf and must not make NaNs).
+Attention sinks (HAS_SINKS, compile-time; gpt-oss): each head's sink logit, which carries no
+value, joins the denominator when the output is normalised.
 """
 
 import torch
@@ -78,13 +80,13 @@ def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d, w
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_ptr,
+    q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_ptr, sinks_ptr,
     qk_scale, num_seqs, window,
     stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    SLIDING: tl.constexpr, USE_PDL: tl.constexpr,
+    SLIDING: tl.constexpr, HAS_SINKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
         tl.extra.cuda.gdc_wait()
@@ -139,7 +141,11 @@ def _prefill_kernel(
                                      stride_c_kv, stride_c_block, stride_c_slot,
                                      BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION, KV_FP8, False)
 
-    acc = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    den = tl.where(l > 0.0, l, 1.0)
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + heads, mask=row_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+        den = l + tl.exp2(sink - m)                             # masked rows: m = -inf -> inf, not stored
+    acc = acc / den[:, None]
     if KV_FP8:
         acc = acc * tl.load(scale_ptr + 1)                      # v = code * v_scale
     tl.store(out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -160,10 +166,11 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                       max_query_len: int | None = None, out: torch.Tensor | None = None,
                       config: tuple[int, int, int, int] | None = None,
-                      kv_scales: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                      kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for T new tokens of B sequences over their paged K/V; out [T, Hq, D].
     An fp8 cache needs the layer's kv_scales [4]; `sliding_window`: each query sees its last
-    that many keys (itself included)."""
+    that many keys (itself included); `sinks` [Hq] (fp32): the heads' sink logits."""
     require_triton(q, kv_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -181,11 +188,12 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     assert not fp8 or kv_scales is not None, "an fp8 KV cache needs its scales"
     _prefill_kernel[grid](
         q, kv_cache, out, block_tables, query_start_loc, seq_lens, kv_scales if fp8 else seq_lens,
-        scale * _LOG2E, num_seqs, sliding_window or 0,
+        seq_lens if sinks is None else sinks, scale * _LOG2E, num_seqs, sliding_window or 0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=block_q, BLOCK_N=block_n, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_FP8=fp8, SLIDING=sliding_window is not None, USE_PDL=use_pdl(q), num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl(q),
+        KV_FP8=fp8, SLIDING=sliding_window is not None, HAS_SINKS=sinks is not None, USE_PDL=use_pdl(q),
+        num_warps=num_warps, num_stages=num_stages, launch_pdl=use_pdl(q),
     )
     return out

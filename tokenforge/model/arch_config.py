@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenforge.model import registry
 
-_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+_SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
@@ -24,11 +24,63 @@ _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
-    rope_type: str = "default"             # default | llama3 | linear
+    rope_type: str = "default"             # default | llama3 | linear | yarn
     factor: float = 1.0
     low_freq_factor: float = 1.0            # llama3 only
     high_freq_factor: float = 4.0           # llama3 only
     original_max_position_embeddings: int = 8192
+    beta_fast: float = 32.0                 # yarn only: the ramp between extrapolated and
+    beta_slow: float = 1.0                  # interpolated frequencies, in rotations
+    truncate: bool = True                   # yarn only: round the ramp's ends to whole dims
+    attention_factor: float | None = None   # yarn only: cos/sin scale (None: 0.1 ln(factor) + 1)
+
+
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")      # silu(gate) * up | gpt-oss's clamped SwiGLU
+EXPERT_FORMATS = ("dense", "mxfp4")
+
+
+@dataclass(frozen=True, slots=True)
+class MoeConfig:
+    """The experts of a mixture-of-experts model (layers/moe.py builds them)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int                  # of one expert
+    routing: str = "softmax_topk"           # softmax_topk (Mixtral, Qwen3-MoE) | topk_softmax (gpt-oss)
+    renormalize: bool = True                # softmax_topk: rescale the k weights to sum to one
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702             # swiglu_oai: gate * sigmoid(alpha * gate) * (up + 1),
+    swiglu_limit: float = 7.0               # gate clamped above, up both sides, at the limit
+    bias: bool = False                      # router and expert biases (gpt-oss)
+    interleaved_gate_up: bool = False       # checkpoint rows gate0, up0, gate1, ... (gpt-oss)
+    sparse_layers: tuple[int, ...] | None = None   # layers with experts (None: every layer)
+    shared_expert_intermediate_size: int = 0        # a shared expert every token runs (Qwen2-MoE); 0: none
+    expert_format: str = "dense"            # dense | mxfp4 (the checkpoint's expert weights)
+    expert_parallel: bool = False           # a runtime layout: whole experts per rank
+
+    def validated(self) -> MoeConfig:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok {self.top_k} must be between 1 and the number of experts "
+                             f"({self.num_experts})")
+        if self.activation not in MOE_ACTIVATIONS:
+            raise ValueError(f"unsupported expert activation {self.activation!r}; supported: {', '.join(MOE_ACTIVATIONS)}")
+        if self.expert_format not in EXPERT_FORMATS:
+            raise ValueError(f"unsupported expert weight format {self.expert_format!r}; supported: "
+                             f"{', '.join(EXPERT_FORMATS)}")
+        if self.expert_format == "mxfp4" and self.intermediate_size % 32:
+            raise ValueError(f"MXFP4 experts need an intermediate size that is a multiple of 32, "
+                             f"got {self.intermediate_size}")
+        return self
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        return self.sparse_layers is None or layer_idx in self.sparse_layers
+
+    def expert_numel(self, hidden_size: int, num_layers: int) -> int:
+        """Values of every expert matrix (not their biases) across the model."""
+        layers = num_layers if self.sparse_layers is None else len(self.sparse_layers)
+        return layers * self.num_experts * 3 * self.intermediate_size * hidden_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +105,7 @@ class ArchConfig:
     sliding_window: int | None = None       # keys a query sees (itself included) on sliding layers
     layer_types: tuple[str, ...] = ()       # per layer "full_attention" | "sliding_attention"; () = all
                                             # sliding when sliding_window is set (Mistral)
+    moe: MoeConfig | None = None            # the experts of a mixture-of-experts model
 
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
@@ -97,6 +150,8 @@ class ArchConfig:
             raise ValueError(f"unsupported layer types {sorted(unknown)}; supported: {', '.join(LAYER_TYPES)}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be positive, got {self.sliding_window}")
+        if self.moe is not None:
+            self.moe.validated()
         return self
 
     def sliding_window_of(self, layer_idx: int) -> int | None:
@@ -126,7 +181,13 @@ class ArchConfig:
         return registry.get_spec(self.architecture).num_parameters(self)
 
     def weight_bytes(self, dtype: str = "bfloat16") -> int:
-        return self.num_parameters() * dtype_bytes(dtype)
+        """Bytes of the weights in memory: MXFP4 experts at 17 bytes per 32 values (16 of codes,
+        one scale), everything else in `dtype`."""
+        total = self.num_parameters()
+        if self.moe is None or self.moe.expert_format != "mxfp4":
+            return total * dtype_bytes(dtype)
+        experts = self.moe.expert_numel(self.hidden_size, self.num_hidden_layers)
+        return (total - experts) * dtype_bytes(dtype) + experts // 32 * 17
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
         """K and V for one token across all layers."""
@@ -149,12 +210,17 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return theta, None
+    attention_factor = params.get("attention_factor")
     return theta, RopeScaling(
         rope_type=rope_type,
         factor=float(params.get("factor", 1.0)),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=None if attention_factor is None else float(attention_factor),
     )
 
 

@@ -46,7 +46,8 @@ class ModelSpec:
         return self.model_class(config, **kwargs)
 
     def num_parameters(self, config: Any) -> int:
-        """As stored in a checkpoint (a tied lm_head counts once), from a meta-device build."""
+        """As stored in a checkpoint (a tied lm_head counts once; a quantized weight counts its
+        values), from a meta-device build."""
         return _count_parameters(self.model_class, config)
 
 
@@ -54,7 +55,8 @@ class ModelSpec:
 def _count_parameters(model_class: type[nn.Module], config: Any) -> int:
     with torch.device("meta"):
         model = model_class(config)
-    return sum(p.numel() for p in model.parameters())      # shared (tied) parameters once
+    # shared (tied) parameters once; packed codes count the values they hold (MXFP4: two a byte, scales none)
+    return sum(p.numel() * getattr(p, "values_per_element", 1) for p in model.parameters())
 
 
 def register(architecture: str, *, model_type: str,

@@ -3,7 +3,8 @@
 In: an output folder (`tokenforge bench kernels --part moe --out OUT`). Out: per shape and batch,
 the time of `kernels.moe.fused_moe` (alignment, gate-up + SwiGLU, down + routing weights, the sum
 over k) replayed as a CUDA graph, the bytes of the experts the batch selects, and their fraction of
-the read rate measured in the same run, in `kernels_moe.json`. Several weight sets are replayed in
+the read rate measured in the same run, in `kernels_moe.json`; the gpt-oss shapes also as shipped,
+with MXFP4 experts (`<shape>-mxfp4`, 17 bytes per 32 values). Several weight sets are replayed in
 turn so that no set stays in the L2; the error against `moe_reference` is recorded with each row.
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from tokenforge.bench.kernels.common import start_run
 from tokenforge.kernels.moe import fused_moe, moe_reference, route
+from tokenforge.kernels.mxfp4 import Mxfp4Stack
 
 # name -> (hidden, intermediate per expert, experts, top-k): the real configs' expert MLPs
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -44,30 +46,50 @@ def _graph_time(calls: list, repeats: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _float_experts(e: int, h: int, i: int, device) -> tuple:
+    return (torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16) * h ** -0.5,
+            torch.randn(e, h, i, device=device, dtype=torch.bfloat16) * i ** -0.5)
+
+
+def _mxfp4_experts(e: int, h: int, i: int, device) -> tuple:
+    """Random codes, scales near 2^-7 (the dummy loader's), as gpt-oss's checkpoints store them."""
+    def stack(rows: int, cols: int) -> Mxfp4Stack:
+        return Mxfp4Stack(torch.randint(0, 256, (e, rows, cols // 32, 16), device=device, dtype=torch.uint8),
+                          torch.randint(119, 122, (e, rows, cols // 32), device=device, dtype=torch.uint8))
+    return stack(2 * i, h), stack(h, i)
+
+
+def _measure(name: str, h: int, i: int, e: int, k: int, make, value_bytes: float, smoke: bool, device,
+             bw: float) -> list[dict]:
+    """One shape's rows: each decode batch replayed over several weight sets (more than the L2)."""
+    sets = 2 if smoke else min(6, max(2, int(8e9 // (e * 3 * h * i * value_bytes))))
+    experts = [make(e, h, i, device) for _ in range(sets)]
+    rows = []
+    for t in BATCHES:
+        x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
+        weights, ids = route(torch.randn(t, e, device=device), k)
+        ref = moe_reference(x, *experts[0], weights, ids).float()
+        err = ((fused_moe(x, *experts[0], weights, ids).float() - ref).norm() / ref.norm()).item()
+        seconds = _graph_time([lambda s=s: fused_moe(x, *experts[s], weights, ids) for s in range(sets)])
+        used = ids.unique().numel()
+        nbytes = used * 3 * h * i * value_bytes
+        rows.append({"shape": name, "tokens": t, "experts_read": used, "us": seconds * 1e6,
+                     "GBps": nbytes / seconds / 1e9, "frac_of_read": nbytes / seconds / bw, "rel_err": err})
+        print(f"{name:20s} T={t:<3d} {seconds * 1e6:8.1f} us  experts {used:3d}  "
+              f"{nbytes / seconds / 1e9:6.0f} GB/s  {nbytes / seconds / bw:6.1%} of read  err {err:.1e}")
+    return rows
+
+
 def run(out_dir: str, smoke: bool = False) -> dict:
     device, bw, result = start_run(out_dir, smoke, " --part moe")
     rows = []
     for name, (h, i, e, k) in SHAPES.items():
         if smoke:
             h, i, e = 64, 64, min(e, 8)
-        sets = max(2, int(8e9 // (e * 3 * h * i * 2) if not smoke else 2))
-        sets = min(sets, 6)
-        w13 = [torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16) * h ** -0.5 for _ in range(sets)]
-        w2 = [torch.randn(e, h, i, device=device, dtype=torch.bfloat16) * i ** -0.5 for _ in range(sets)]
-        for t in BATCHES:
-            x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
-            weights, ids = route(torch.randn(t, e, device=device), k)
-            ref = moe_reference(x, w13[0], w2[0], weights, ids).float()
-            err = ((fused_moe(x, w13[0], w2[0], weights, ids).float() - ref).norm() / ref.norm()).item()
-            seconds = _graph_time([lambda s=s: fused_moe(x, w13[s], w2[s], weights, ids) for s in range(sets)])
-            used = ids.unique().numel()
-            nbytes = used * 3 * h * i * 2
-            rows.append({"shape": name, "tokens": t, "experts_read": used, "us": seconds * 1e6,
-                         "GBps": nbytes / seconds / 1e9, "frac_of_read": nbytes / seconds / bw, "rel_err": err})
-            print(f"{name:14s} T={t:<3d} {seconds * 1e6:8.1f} us  experts {used:3d}  "
-                  f"{nbytes / seconds / 1e9:6.0f} GB/s  {nbytes / seconds / bw:6.1%} of read  err {err:.1e}")
-        w13 = w2 = None   # free this shape before the next
-        torch.cuda.empty_cache()
+        rows += _measure(name, h, i, e, k, _float_experts, 2, smoke, device, bw)
+        if name.startswith("gpt-oss"):      # as shipped: MXFP4 experts, 17 bytes per 32 values
+            rows += _measure(f"{name}-mxfp4", h, i, e, k, _mxfp4_experts, 17 / 32, smoke, device, bw)
+        torch.cuda.empty_cache()            # free this shape before the next
     result["moe"] = rows
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "kernels_moe.json").write_text(json.dumps(result, indent=1))

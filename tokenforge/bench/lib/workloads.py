@@ -68,26 +68,43 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    # a mixture of experts: each token runs `top_k` of `num_experts` MLPs `intermediate` wide (plus a
+    # router); MXFP4 experts read `expert_value_bytes` (17/32) per value instead of the dtype's
+    num_experts: int = 0
+    top_k: int = 0
+    expert_value_bytes: float | None = None
 
     @staticmethod
     def from_config(cfg: dict) -> ModelShape:
         heads = cfg["num_attention_heads"]
+        experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+        mxfp4 = str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower() == "mxfp4"
         return ModelShape(
-            hidden=cfg["hidden_size"], intermediate=cfg["intermediate_size"],
+            hidden=cfg["hidden_size"], intermediate=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
             layers=cfg["num_hidden_layers"], heads=heads,
             kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab=cfg["vocab_size"], tied=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias=cfg.get("model_type") == "qwen2" or bool(cfg.get("attention_bias", False)),
+            num_experts=experts, top_k=int(cfg.get("num_experts_per_tok") or 0) if experts else 0,
+            expert_value_bytes=17 / 32 if mxfp4 and experts else None,
         )
 
     @property
+    def expert_params_per_token(self) -> int:
+        """Expert MLP values one token reads per layer (0 for a dense model)."""
+        return 3 * self.hidden * self.intermediate * self.top_k
+
+    @property
     def layer_linear_params(self) -> int:
-        """q, k, v, o and the gated MLP of one decoder layer (biases included)."""
+        """q, k, v, o and the gated MLP of one decoder layer (biases included); for a mixture of
+        experts, the MLPs one token runs."""
         q = self.hidden * self.heads * self.head_dim
         kv = 2 * self.hidden * self.kv_heads * self.head_dim
         o = self.heads * self.head_dim * self.hidden
         bias = (self.heads + 2 * self.kv_heads) * self.head_dim if self.qkv_bias else 0
+        if self.top_k:      # the k experts a token runs, and the router
+            return q + kv + o + bias + self.expert_params_per_token + self.hidden * self.num_experts
         return q + kv + o + bias + 3 * self.hidden * self.intermediate
 
     @property
@@ -108,9 +125,12 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
     def decode_bytes_per_token(self, dtype: str, context_len: float) -> float:
-        """Bytes one batch-1 decode step reads: the weights, one embedding row, and the KV so far."""
+        """Bytes one batch-1 decode step reads: the weights (of a mixture of experts, the k experts of
+        each layer), one embedding row, and the KV so far."""
         b = _DTYPE_BYTES[dtype]
         weights = (self.matmul_params + self.norm_params + self.hidden) * b
+        if self.expert_value_bytes is not None:
+            weights -= self.layers * self.expert_params_per_token * (b - self.expert_value_bytes)
         return weights + self.kv_bytes_per_token(b) * context_len
 
     def matmul_flops_per_token(self) -> int:

@@ -17,6 +17,9 @@ An fp8 (e4m3) cache is the reference for the Triton fp8 kernels: k/v are quantiz
 the layer's scales (kernels/kv_quant.py) and every read dequantizes to the query's dtype; the new
 tokens' own k/v are replaced by their dequantized values, so a chunk attends to exactly what the
 cache holds. The decode workspaces (a CPU speed path) stay off for fp8.
+
+Attention sinks (a layer's `sinks` [Hq], gpt-oss) join every softmax as one more logit with no
+value: `attend` then computes the attention itself (SDPA takes no such term) with the same masks.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend:
     name = "torch"
+    supports_sinks = True
 
     def __init__(self, use_workspaces: bool = True) -> None:
         # On the CPU, decode steps read K/V from persistent contiguous mirrors (decode_workspace.py).
@@ -100,7 +104,7 @@ class TorchAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TorchAttentionMetadata, scale: float, kv_scales: torch.Tensor | None = None,
-                sliding_window: int | None = None) -> torch.Tensor:
+                sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         flat = kv_cache.view(2, -1, num_kv_heads, head_dim)     # [2, num_slots, Hkv, D]
         if is_fp8(kv_cache):
@@ -110,17 +114,21 @@ class TorchAttentionBackend:
             flat[1].index_copy_(0, metadata.slot_mapping, v)
         d = metadata.decode
         if d is not None and not metadata.prefills and d.batch_size == q.shape[0]:
-            return self._decode(q, k, v, kv_cache, d, scale, kv_scales, sliding_window)   # pure decode: no copy
+            return self._decode(q, k, v, kv_cache, d, scale, kv_scales, sliding_window, sinks)   # pure decode
         out = torch.empty_like(q)
         if d is not None:
-            out[d.rows] = self._decode(q[d.rows], k[d.rows], v[d.rows], kv_cache, d, scale, kv_scales, sliding_window)
+            out[d.rows] = self._decode(q[d.rows], k[d.rows], v[d.rows], kv_cache, d, scale, kv_scales, sliding_window,
+                                       sinks)
         for p in metadata.prefills:
-            out[p.start:p.end] = _prefill(q, k, v, kv_cache, p, scale, kv_scales, sliding_window)
+            out[p.start:p.end] = _prefill(q, k, v, kv_cache, p, scale, kv_scales, sliding_window, sinks)
         return out
 
     def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup,
-                scale: float, kv_scales: torch.Tensor | None, sliding_window: int | None) -> torch.Tensor:
+                scale: float, kv_scales: torch.Tensor | None, sliding_window: int | None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         key_mask = _decode_mask(d, sliding_window, q.dtype)
+        if sinks is not None:
+            return _decode(q, kv_cache, d, key_mask, scale, kv_scales, sinks)
         if d.context_lens is not None and not is_fp8(kv_cache):
             batch, num_heads, head_dim = q.shape
             num_kv_heads = k.shape[1]
@@ -139,8 +147,31 @@ def _dequantized(kv: torch.Tensor, kv_scales: torch.Tensor | None, dtype: torch.
     return (kv.float() * kv_scales[:2].view(2, *[1] * (kv.dim() - 1))).to(dtype)
 
 
+def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+           mask: torch.Tensor | None = None, is_causal: bool = False, sinks: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """SDPA over query [..., Hq, Lq, D] and keys/values [..., Hkv, S, D] (Hq a multiple of Hkv),
+    with an additive mask [Lq, S] (or one that broadcasts) or a plain causal one. `sinks`, shaped
+    to broadcast against the scores' [..., Hq, Lq, 1], add one value-less logit to each softmax."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
+                                              scale=scale, enable_gqa=query.shape[-3] != keys.shape[-3])
+    group = query.shape[-3] // keys.shape[-3]
+    if group > 1:
+        keys, values = keys.repeat_interleave(group, dim=-3), values.repeat_interleave(group, dim=-3)
+    scores = (query.float() @ keys.float().transpose(-1, -2)) * scale             # [..., Hq, Lq, S]
+    if is_causal:
+        mask = causal_mask(keys.shape[-2] - query.shape[-2], keys.shape[-2], None, query.device)
+    if mask is not None:
+        scores = scores + mask.float()
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return (probs @ values.float()).to(query.dtype)
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                     sliding_window: int | None = None, num_rows: int = 1) -> torch.Tensor:
+                     sliding_window: int | None = None, num_rows: int = 1,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Uncached causal attention over `num_rows` equal-length sequences laid out row after row:
     q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. One row: a profiling run; B rows: a training batch
     (differentiable; its K/V heads are expanded, which keeps SDPA on its fused path on every
@@ -149,20 +180,23 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     seq_len = num_tokens // num_rows
     mask = (causal_mask(0, seq_len, sliding_window, q.device).to(q.dtype)
             if sliding_window is not None and sliding_window < seq_len else None)
+    head_sinks = None if sinks is None else sinks.view(-1, 1, 1)                    # [Hq, 1, 1]
     if num_rows == 1:
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             is_causal=mask is None, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, mask, mask is None, head_sinks)
         return out.transpose(0, 1)
     q, k, v = (x.view(num_rows, seq_len, x.shape[1], head_dim).transpose(1, 2) for x in (q, k, v))   # [B, H, S, D]
     group = num_heads // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, scale=scale)
+    if sinks is not None:
+        out = attend(q, k, v, scale, mask, mask is None, head_sinks)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=mask is None, attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, key_mask: torch.Tensor | None, scale: float,
-            kv_scales: torch.Tensor | None = None) -> torch.Tensor:
+            kv_scales: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D], attending over each sequence's cached keys."""
     _, _, bs, num_kv_heads, head_dim = kv_cache.shape
     batch, num_heads = d.batch_size, q.shape[1]
@@ -172,7 +206,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, key_mask: t
     keys, values = kv[0].transpose(1, 2), kv[1].transpose(1, 2)  # [B, Hkv, L, D]
     # Query heads sharing a kv head act as that head's query rows: [B, Hkv, Hq/Hkv, D].
     grouped = q.reshape(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=key_mask, scale=scale)
+    group_sinks = None if sinks is None else sinks.view(num_kv_heads, -1, 1)     # [Hkv, Hq/Hkv, 1]
+    out = attend(grouped, keys, values, scale, key_mask, sinks=group_sinks)
     return out.reshape(batch, num_heads, head_dim)
 
 
@@ -222,11 +257,15 @@ def causal_mask(context_len: int, seq_len: int, sliding_window: int | None, devi
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
              p: PrefillChunk, scale: float, kv_scales: torch.Tensor | None = None,
-             sliding_window: int | None = None) -> torch.Tensor:
+             sliding_window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """This chunk's rows of q [T, Hq, D] -> [query_len, Hq, D]."""
     query = q[p.start:p.end].transpose(0, 1)                     # [Hq, Lq, D]
     mask = _prefill_mask(p, sliding_window, q.dtype, q.device)
-    if p.block_ids is None:
+    head_sinks = None if sinks is None else sinks.view(-1, 1, 1)                    # [Hq, 1, 1]
+    if p.block_ids is None and sinks is not None:
+        keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
+        out = attend(query, keys, values, scale, mask, mask is None, head_sinks)
+    elif p.block_ids is None:
         keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)   # [Hkv, Lq, D]
         # SDPA's fused (flash) path takes no GQA flag; repeating this chunk's few K/V heads is cheaper
         # than the unfused math path that enable_gqa selects.
@@ -240,7 +279,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
         kv = kv_cache.index_select(1, p.block_ids).view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len]
         kv = _dequantized(kv, kv_scales, q.dtype)
         keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)   # [Hkv, S, D]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out = attend(query, keys, values, scale, mask, sinks=head_sinks)
     return out.transpose(0, 1)
 
 

@@ -118,6 +118,7 @@ class DecodeMetadataBuffers:
 
 class TritonAttentionBackend:
     name = "triton"
+    supports_sinks = True
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
@@ -145,17 +146,19 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata, scale: float, kv_stored: bool = False,
-                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None) -> torch.Tensor:
+                kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. `kv_stored`: the rotary kernel already stored k/v.
         `kv_scales` [4]: the layer's fp8 scales (an fp8 cache only). `sliding_window`: the layer's
         window, a kernel argument (the metadata holds whole sequences; kernels skip the keys
-        before each query's window), so one metadata and one set of decode graphs serve every layer."""
+        before each query's window), so one metadata and one set of decode graphs serve every layer.
+        `sinks` [Hq]: the layer's attention-sink logits (gpt-oss), a kernel argument too."""
         if not kv_stored:
             store_kv(k, v, kv_cache, metadata.slot_mapping, kv_scales)
         if metadata.is_decode_only:
             assert q.shape[0] == metadata.num_seqs, "decode q rows must match the (padded) batch"
             return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
-                                    kv_scales=kv_scales, sliding_window=sliding_window)
+                                    kv_scales=kv_scales, sliding_window=sliding_window, sinks=sinks)
         return prefill_attention(q, kv_cache, metadata.block_tables, metadata.query_start_loc,
                                  metadata.seq_lens, scale, max_query_len=metadata.max_query_len,
-                                 kv_scales=kv_scales, sliding_window=sliding_window)
+                                 kv_scales=kv_scales, sliding_window=sliding_window, sinks=sinks)

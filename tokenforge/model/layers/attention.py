@@ -5,7 +5,10 @@ the model runner after it allocates the cache), and hands both to the backend. W
 (`set_forward_context(None)`, e.g. a memory-profiling run before the cache exists) the whole
 batch is treated as one causal sequence and nothing is cached; with `TrainingMetadata` each of
 its B rows is one causal sequence, uncached and differentiable. Its `AttentionSpec` (per layer,
-from the model's config) carries the sliding window every path applies.
+from the model's config) carries the sliding window every path applies, and whether the layer has
+attention sinks: then it owns a `sinks` parameter [its Hq] (this rank's heads' slice of the
+checkpoint's [num_heads]), and only a backend with `supports_sinks` may run it (refused when the
+runner assigns the backend, before the first step).
 
 fp8 KV: the runner also assigns `kv_scales` ([4] float32, kernels/kv_quant.py) when the cache is
 e4m3. Calibration: while `kv_amax` is a [2] tensor, every forward folds max|k| and max|v| (after
@@ -25,22 +28,45 @@ from tokenforge.model.attention.spec import FULL_ATTENTION, AttentionSpec
 from tokenforge.model.attention.torch_backend import TorchAttentionBackend, causal_attention
 from tokenforge.model.forward_context import TrainingMetadata, get_forward_context
 from tokenforge.model.layers.kernel_dispatch import triton_ops
+from tokenforge.model.layers.parallel import new_parameter
 
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int,
-                 backend: AttentionBackend | None = None, spec: AttentionSpec = FULL_ATTENTION) -> None:
+                 backend: AttentionBackend | None = None, spec: AttentionSpec = FULL_ATTENTION,
+                 tp_rank: int = 0) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.layer_idx = layer_idx
         self.spec = spec
-        self.backend: AttentionBackend = backend or TorchAttentionBackend()
+        self.tp_rank = tp_rank
+        self.sinks = (new_parameter(num_heads, dtype=torch.float32, weight_loader=self._load_sinks)
+                      if spec.sinks else None)       # fp32: the logits join a softmax
+        self.backend = backend or TorchAttentionBackend()
         # [2, num_blocks, block_size, Hkv, D]; a plain attribute, not a buffer: the runner owns it.
         self.kv_cache = torch.empty(0)
         self.kv_scales: torch.Tensor | None = None     # [4] for an fp8 cache
         self.kv_amax: torch.Tensor | None = None       # [2] running max |k|, |v| while calibrating
         self.kv_rotation: tuple[torch.Tensor, torch.Tensor] | None = None   # (Rq, Rk) [D, D], fp8 (see above)
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: AttentionBackend) -> None:
+        if self.spec.sinks and not getattr(backend, "supports_sinks", False):
+            raise NotImplementedError(f"attention sinks (layer {self.layer_idx}) are not implemented in the "
+                                      f"{backend.name} attention backend yet; use --attention-backend torch")
+        self._backend = backend
+
+    def _load_sinks(self, param: torch.nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        start = self.tp_rank * self.num_heads
+        if loaded.dim() != 1 or loaded.shape[0] < start + self.num_heads:
+            raise ValueError(f"attention sinks: expected [num_heads] covering heads {start}..{start + self.num_heads}, "
+                             f"got {tuple(loaded.shape)}")
+        param.data.copy_(loaded[start:start + self.num_heads])
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq * D]."""
@@ -50,7 +76,7 @@ class Attention(nn.Module):
         self._observe(k, v)
         if metadata is None or isinstance(metadata, TrainingMetadata):     # no KV cache
             rows = 1 if metadata is None else metadata.batch_size
-            out = causal_attention(q, k, v, self.scale, self.spec.sliding_window, rows)
+            out = causal_attention(q, k, v, self.scale, self.spec.sliding_window, rows, self.sinks)
         else:
             out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **self._per_call())
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
@@ -84,9 +110,12 @@ class Attention(nn.Module):
             extra["kv_scales"] = self.kv_scales
         if self.spec.sliding_window is not None:
             extra["sliding_window"] = self.spec.sliding_window
+        if self.sinks is not None:
+            extra["sinks"] = self.sinks
         return extra
 
     def extra_repr(self) -> str:
         window = "" if self.spec.sliding_window is None else f", sliding_window={self.spec.sliding_window}"
+        window += ", sinks" if self.spec.sinks else ""
         return (f"layer={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, backend={self.backend.name}{window}")

@@ -11,6 +11,7 @@ swapped checkpoint without hashing gigabytes at start-up.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -64,17 +65,18 @@ def read_arch_config(model: str | Path | None, load_format: str = "auto") -> Arc
 def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
                seed: int = 0, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                cache: CacheOptions | None = None, quant: QuantOptions | None = None,
-               cpu_int8_dynamic: bool = False) -> LoadedModel:
+               cpu_int8_dynamic: bool = False, expert_parallel: bool = False) -> LoadedModel:
     """Build the model for this rank on `device` and fill it: from the engine cache when it holds
     this rank's converted weights, else from the source (and then into the cache). `quant` then
     quantizes or prunes it (each rank's shard), and a pre-quantized safetensors checkpoint is
     converted to the kernels' format. The engine cache holds the weights before on-the-fly
-    quantization (which runs after every load); a pre-quantized checkpoint bypasses the cache."""
+    quantization (which runs after every load); a pre-quantized checkpoint bypasses the cache.
+    `expert_parallel`: a mixture of experts gives each rank whole experts (layers/moe.py)."""
     start = time.perf_counter()
     quant = quant or QuantOptions()
     source = resolve_model_source(model, load_format)
     gguf = GGUFFile(source.path) if source.config_kind == "gguf" else None
-    config = _read_arch_config(source, gguf)
+    config = with_expert_parallel(_read_arch_config(source, gguf), expert_parallel)
     with torch.device(device):
         net = get_model_class(config.architecture)(config, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
                                                          pp_rank=pp_rank, pp_size=pp_size)
@@ -85,7 +87,9 @@ def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, d
         if prepared.scheme is not None:
             logger.info("engine cache: not used for a pre-quantized checkpoint (%s)", prepared.scheme.label)
         else:
-            entry = WeightCache(cache.root, cache_key(checksum, dtype, cache.quantization, tp_rank, tp_size, pp_rank,
+            # expert parallelism shards the experts another way: its own key (through the tp field)
+            tp_key = f"{tp_size}-ep" if expert_parallel else tp_size
+            entry = WeightCache(cache.root, cache_key(checksum, dtype, cache.quantization, tp_rank, tp_key, pp_rank,
                                                       pp_size, cache.model_version))
     from_cache = entry is not None and entry.load_into(net, map_on_cpu=load_format == "lazy")
     if from_cache:
@@ -101,6 +105,15 @@ def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, d
     logger.info("loaded %s (%s, %s) in %.2f s%s", source.path, source.kind, config.architecture, seconds,
                 " from the engine cache" if from_cache else "")
     return LoadedModel(net, config, source.path, checksum, seconds, kv_scales)
+
+
+def with_expert_parallel(config: ArchConfig, expert_parallel: bool) -> ArchConfig:
+    if not expert_parallel:
+        return config
+    if config.moe is None:
+        raise ValueError(f"enable_expert_parallel applies to mixture-of-experts models; {config.architecture} has "
+                         "no experts")
+    return config.replace(moe=dataclasses.replace(config.moe, expert_parallel=True))
 
 
 def _fill_from_source(net: nn.Module, source: ModelSource, gguf: GGUFFile | None, config: ArchConfig,

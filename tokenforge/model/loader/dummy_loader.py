@@ -1,4 +1,6 @@
-"""Random weights for benchmarks and tests: normal(0, 0.02), norms at 1, seeded.
+"""Random weights for benchmarks and tests: normal(0, 0.02), norms at 1, seeded. Integer
+parameters (MXFP4 expert codes) get uniform random values in their `dummy_range` (default: every
+byte), so MXFP4 scales stay where the values come out near that same 0.02 (layers/moe.py).
 
 Weights are drawn in place, on the target device and in the target dtype, so an 8B model
 initialises in seconds on a GPU (nothing is built on the CPU first). Configs come from a
@@ -33,5 +35,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
             param.fill_(1.0)            # keeps activations at a sane scale through 100+ norms
         elif name.endswith(".bias"):
             param.zero_()
+        elif not param.is_floating_point():
+            low, high = getattr(param, "dummy_range", (0, 256))
+            param.random_(low, high, generator=generator)
         else:
             param.normal_(0.0, INIT_STD, generator=generator)

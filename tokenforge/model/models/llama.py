@@ -61,9 +61,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype | None, tp_rank: int, tp_size: int) -> None:
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype | None, tp_rank: int, tp_size: int,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        inter = cfg.intermediate_size
+        inter = intermediate_size or cfg.intermediate_size      # another width: a shared expert (Qwen2-MoE)
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, dtype, tp_rank, tp_size)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, dtype, tp_rank, tp_size)
         self.act_fn = SiluAndMul()

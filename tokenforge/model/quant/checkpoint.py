@@ -2,7 +2,8 @@
 quantized linear the method of its format (which registers the checkpoint's parameters for this
 rank's shard). After loading, the methods convert them (see base.py).
 
-Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py), AWQ gemm (awq.py). Anything
+Supported: compressed-tensors FP8 and W4A16 (compressed_tensors.py), AWQ gemm (awq.py), and MXFP4
+experts (mxfp4.py: the MoE layers hold them; no linear changes). Anything
 else is refused with the scheme's name. Modules the checkpoint lists as not converted stay dense.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenforge.model.quant.base import linear_layers
+from tokenforge.model.quant.mxfp4 import prepare_experts
 from tokenforge.model.quant.registry import CHECKPOINT_FORMATS, CHECKPOINT_METHODS
 from tokenforge.model.quant.scheme import CheckpointScheme, unsupported
 
@@ -54,6 +56,8 @@ def create_weights(layer: nn.Module, scheme: CheckpointScheme, name: str) -> Non
 
 def prepare_model(model: nn.Module, scheme: CheckpointScheme) -> list[tuple[str, nn.Module]]:
     """Give every quantized linear the checkpoint's parameters; returns those layers."""
+    if scheme.kind == "mxfp4":
+        return prepare_experts(model)
     layers = [(n, m) for n, m in linear_layers(model) if not _ignored(scheme, n)]
     for name, layer in layers:
         create_weights(layer, scheme, name)

@@ -20,6 +20,7 @@ from tokenforge.model.quant.compressed_tensors import parse as parse_compressed_
 from tokenforge.model.quant.fp8 import Fp8Method, Fp8SimMethod
 from tokenforge.model.quant.int4 import Int4Method
 from tokenforge.model.quant.int8 import Int8Method
+from tokenforge.model.quant.mxfp4 import parse as parse_mxfp4
 from tokenforge.model.quant.scheme import CheckpointScheme
 from tokenforge.model.quant.sparsity import Sparse24Method
 
@@ -35,6 +36,7 @@ ON_THE_FLY: dict[str, Callable[[int], QuantMethod]] = {
 CHECKPOINT_FORMATS: dict[str, Callable[[dict], CheckpointScheme]] = {
     "compressed-tensors": parse_compressed_tensors,
     "awq": parse_awq,
+    "mxfp4": parse_mxfp4,        # experts only: the MoE layer holds them (quant/mxfp4.py)
 }
 
 CHECKPOINT_METHODS: dict[str, Callable[[CheckpointScheme], QuantMethod]] = {

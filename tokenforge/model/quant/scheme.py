@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-SUPPORTED = "compressed-tensors float-quantized FP8 and pack-quantized W4A16, AWQ gemm"
+SUPPORTED = "compressed-tensors float-quantized FP8 and pack-quantized W4A16, AWQ gemm, MXFP4 MoE experts"
 
 
 @dataclass(frozen=True, slots=True)
 class CheckpointScheme:
-    kind: str                     # ct-fp8 | ct-w4a16 | awq
+    kind: str                     # ct-fp8 | ct-w4a16 | awq | mxfp4
     label: str                    # for logs and errors
     group_size: int = 0
     symmetric: bool = True

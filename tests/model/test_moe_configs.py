@@ -1,0 +1,81 @@
+"""The shipped MoE shapes for dummy-weight benchmarks (mixtral-8x7b, qwen3-30b-a3b, gpt-oss-20b and
+-120b): their parameter counts are the published ones, gpt-oss builds its experts as MXFP4 (120b
+fits one H200 only so), the dummy loader fills MXFP4 codes with values of a sane scale, and
+`tokenforge doctor` shows the experts' share of the weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tokenforge.cli import main
+from tokenforge.model.loader.dummy_loader import read_config_json
+from tokenforge.model.registry import get_spec
+from tokenforge.source import shipped_config_path
+
+H200 = 141 * 10**9
+
+
+@pytest.mark.parametrize("name,parameters", [
+    ("mixtral-8x7b", 46_702_792_704),         # "46.7B"
+    ("qwen3-30b-a3b", 30_532_122_624),        # "30.5B total, 3.3B activated"
+    ("gpt-oss-20b", 20_914_757_184),          # "20.91B" (model card)
+    ("gpt-oss-120b", 116_829_156_672),        # "116.83B" (model card)
+])
+def test_shipped_moe_configs_have_the_published_sizes(name, parameters):
+    assert read_config_json(shipped_config_path(name)).num_parameters() == parameters
+
+
+def test_gpt_oss_120b_builds_mxfp4_experts_that_fit_one_h200():
+    arch = read_config_json(shipped_config_path("gpt-oss-120b"))
+    assert arch.moe.expert_format == "mxfp4" and arch.moe.num_experts == 128 and arch.moe.top_k == 4
+    assert arch.rope_scaling.rope_type == "yarn" and arch.sliding_window_of(0) == 128 and arch.sliding_window_of(1) is None
+    with torch.device("meta"):
+        model = get_spec(arch.architecture).build(arch, dtype=torch.bfloat16)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.w13_blocks.dtype == torch.uint8 and tuple(experts.w13_blocks.shape) == (128, 5760, 90, 16)
+    assert tuple(experts.w2_scales.shape) == (128, 2880, 90)
+    stored = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert abs(stored - arch.weight_bytes("bfloat16")) / stored < 1e-4     # the fit check counts what is built
+    assert arch.weight_bytes("bfloat16") < 0.5 * H200 < arch.num_parameters() * 2
+
+
+def test_dummy_mxfp4_experts_have_a_sane_scale(tmp_path):
+    from tests.model.moe_checkpoints import gpt_oss_config
+    from tokenforge.kernels.mxfp4 import dequantize_mxfp4
+    from tokenforge.model.forward_context import set_forward_context
+    from tokenforge.model.loader import load_model
+
+    path = tmp_path / "config.json"
+    cfg = gpt_oss_config().to_dict()
+    path.write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    model = load_model(str(path), "dummy", torch.float32, "cpu").model
+    experts = model.model.layers[1].mlp.experts
+    values = dequantize_mxfp4(experts.w13_blocks, experts.w13_scales)
+    assert 0.01 < values.std().item() < 0.04 and torch.isfinite(values).all()
+    with set_forward_context(None), torch.no_grad():          # one uncached causal sequence
+        hidden = model(torch.arange(12), torch.arange(12))
+    assert torch.isfinite(model.compute_logits(hidden)).all()
+
+
+def test_doctor_counts_the_experts(capsys):
+    assert main(["doctor", "--model", "gpt-oss-120b", "--load-format", "dummy", "--memory", "141GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "parameters    116.829 B  -> weights 60.77 GiB in bfloat16" in out
+    assert "experts       128 x 2880 wide, top 4: 114.66 B values -> 56.73 GiB in MXFP4; a token reads 4/128" in out
+
+
+@pytest.mark.parametrize("name,active", [
+    ("mixtral-8x7b", 12.7e9), ("qwen3-30b-a3b", 3.0e9), ("gpt-oss-20b", 3.6e9), ("gpt-oss-120b", 5.1e9)])
+def test_benchmark_roofline_reads_the_experts_a_token_runs(name, active):
+    """W1's roofline: the k experts of each layer (MXFP4 at 17 bytes per 32 values), not all of them."""
+    from tokenforge.bench.lib.workloads import ModelShape
+
+    shape = ModelShape.from_config(json.loads(shipped_config_path(name).read_text()))
+    assert abs(shape.matmul_params - active) / active < 0.02          # the published active counts, lm_head in
+    per_token = shape.decode_bytes_per_token("bfloat16", 0)
+    experts = shape.layers * shape.expert_params_per_token
+    want = (shape.matmul_params - experts) * 2 + experts * (17 / 32 if name.startswith("gpt-oss") else 2)
+    assert abs(per_token - want) / want < 1e-3

@@ -1,0 +1,33 @@
+"""Qwen3-MoE: Qwen3's attention (q/k norms) with sparse MoE blocks, on the layers that
+`decoder_sparse_step` selects and `mlp_only_layers` does not exclude (HF's rule); the rest keep
+a dense SwiGLU MLP of `intermediate_size`. Routing: softmax over the experts, top k, renormalised
+only under `norm_topk_prob`. No shared experts (Qwen2-MoE has them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenforge.model.arch_config import MoeConfig, qwen_sliding_window_fields
+from tokenforge.model.models.llama import LLAMA_PACKED_MODULES
+from tokenforge.model.models.moe import MoeDecoderLayer, MoeForCausalLM, moe_config_fields
+from tokenforge.model.models.qwen3 import Qwen3Attention
+from tokenforge.model.registry import register
+
+
+def qwen3_moe_config_extras(cfg: dict[str, Any]) -> dict[str, Any]:
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    sparse = tuple(i for i in range(int(cfg["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
+    fields = moe_config_fields(cfg, intermediate_size=int(cfg["moe_intermediate_size"]),
+                               renormalize=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)
+    return {"moe": MoeConfig(**fields), **qwen_sliding_window_fields(cfg)}
+
+
+class Qwen3MoeDecoderLayer(MoeDecoderLayer):
+    attention_class = Qwen3Attention
+
+
+@register("Qwen3MoeForCausalLM", model_type="qwen3_moe", config_extras=qwen3_moe_config_extras)
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    decoder_layer = Qwen3MoeDecoderLayer
+    packed_modules = LLAMA_PACKED_MODULES            # gate_up_proj: the dense layers' MLP
