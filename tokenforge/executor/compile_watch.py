@@ -66,7 +66,8 @@ class CompileWatch:
         previous = getattr(holder, attr)
 
         def hook(*args, **kwargs):
-            self.note("triton", str(kwargs.get("repr") or kwargs.get("key") or "a kernel"))
+            what = " ".join(str(kwargs.get("repr") or kwargs.get("key") or "a kernel").split())
+            self.note("triton", what[:600])
             return previous(*args, **kwargs) if previous is not None else None
 
         setattr(holder, attr, hook)
