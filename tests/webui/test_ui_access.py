@@ -11,7 +11,9 @@ import httpx
 import pytest
 
 from ..server.servers import ServerProcess, fake_server
-from .browser import chromium, open_page, wait_ready
+from .browser import chromium, pages, wait_ready
+
+pytestmark = pytest.mark.timeout(180)        # every wait inside has its own timeout too
 
 KEY = "sk-ui-test"
 UI_PATHS = ("/ui", "/ui/", "/ui/dashboard", "/ui/assets/core.js", "/ui/api/stats")
@@ -20,7 +22,7 @@ UI_PATHS = ("/ui", "/ui/", "/ui/dashboard", "/ui/assets/core.js", "/ui/api/stats
 @pytest.fixture(scope="module")
 def servers():
     started: list[ServerProcess] = []
-    try:
+    try:                    # one at a time: three start-ups at once would slow each on 2 cores
         for flags, key in ((("--max-model-len", "256"), KEY), (("--protect-all-routes",), KEY), (("--no-ui",), None)):
             started.append(fake_server(*flags, api_key=key))
         yield dict(zip(("keyed", "protected", "no_ui"), started))
@@ -53,20 +55,22 @@ def test_protect_all_routes_guards_the_pages_too(servers):
         assert httpx.get(server.url + path, headers=server.headers).status_code == 200, path
 
 
-@pytest.mark.skipif(not __import__("os").environ.get("TOKENFORGE_BROWSER_LIVE"),
-                    reason="browser test: set TOKENFORGE_BROWSER_LIVE=1 (it hung once in a fresh-clone CI run)")
 def test_with_an_api_key_the_page_asks_for_it_and_refuses_a_wrong_one(servers, browser):
     server = servers["keyed"]
     wrong = httpx.get(server.url + "/v1/models", headers={"Authorization": "Bearer sk-wrong"})
     assert wrong.status_code == 401
     assert httpx.get(server.url + "/ui").status_code == 200          # the page holds no data; /v1 needs the key
-    page = open_page(browser, server.url + "/ui")
+    with pages(browser) as open_page:
+        _asks_for_the_key(open_page(server.url + "/ui"), server, wrong.json()["error"]["message"])
+
+
+def _asks_for_the_key(page, server, refusal: str) -> None:
     page.wait_for_selector("#key-dialog[open]")
     assert page.inner_text("#key-error") == ""
     page.fill("#key-input", "sk-wrong")
     page.press("#key-input", "Enter")
     page.wait_for_selector("#key-error:not(:empty)")
-    assert page.inner_text("#key-error") == "The key was refused: " + wrong.json()["error"]["message"]
+    assert page.inner_text("#key-error") == "The key was refused: " + refusal
     assert page.get_attribute("body", "data-ready") is None          # nothing was shown with the wrong key
     page.fill("#key-input", KEY)
     page.press("#key-input", "Enter")
