@@ -8,7 +8,6 @@ playground's answers are compared with the same request made to the API directly
 from __future__ import annotations
 
 import json
-import os
 import re
 import sys
 import threading
@@ -24,7 +23,10 @@ from .browser import chromium, pages, screenshot, wait_ready
 # Every wait has a timeout (browser.WAIT_MS), and each test has its own limit, so none can hang.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SERVE = [sys.executable, "-m", "tokenforge.cli", "serve", "--device", "cpu", "--max-num-seqs", "8",
+# One torch thread: the browser needs the other core, and two threads beside Chromium spin-waited
+# for each other (a 20-token answer: 12 CPU-s and 31 s with two threads, 1.8 CPU-s and 4.5 s with
+# one, on the loaded 2-core host).
+SERVE = [sys.executable, "-m", "tokenforge.cli", "serve", "--device", "cpu", "--num-threads", "1", "--max-num-seqs", "8",
          "--num-kv-blocks", "256", "--max-tokens-limit", "200", "--log-level", "warning"]
 MODEL = "SmolLM2-135M-Instruct"
 XSS = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
@@ -87,6 +89,38 @@ def last_answer(page):
     return page.locator("#chat .msg.assistant").last
 
 
+def exchange(page, act, path: str = "/v1/chat/completions"):
+    """Do act() (a send, a click) and wait for the answer: (its element, the body the page sent,
+    the stream the server sent back, summed up by `streamed`), so a test checks the page against
+    the server's own bytes without generating the answer twice."""
+    with page.expect_response(lambda r: r.url.endswith(path) and r.request.method == "POST") as info:
+        act()
+    response = info.value
+    body = response.body().decode()          # the whole stream, once it has ended
+    assert response.status == 200, body
+    return last_answer(page), response.request.post_data_json, streamed(body)
+
+
+def streamed(body: str) -> dict:
+    """An SSE body of /v1/chat/completions or /v1/completions, summed up: text, tool calls,
+    finish reason, usage."""
+    out = {"content": "", "tool_calls": {}, "finish_reason": None, "usage": None}
+    events = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]", events[-3:]
+    for event in map(json.loads, events[:-1]):
+        out["usage"] = event.get("usage") or out["usage"]
+        for choice in event["choices"]:
+            delta = choice.get("delta", {})
+            out["content"] += choice.get("text") or delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:
+                slot = out["tool_calls"].setdefault(call["index"], {"name": "", "arguments": ""})
+                slot["name"] += call.get("function", {}).get("name") or ""
+                slot["arguments"] += call.get("function", {}).get("arguments") or ""
+            out["finish_reason"] = choice.get("finish_reason") or out["finish_reason"]
+    out["tool_calls"] = [out["tool_calls"][k] for k in sorted(out["tool_calls"])]
+    return out
+
+
 def stored(page) -> dict:
     """The current conversation as the page keeps it in localStorage."""
     return page.evaluate("""() => { const id = JSON.parse(localStorage.getItem('tokenforge.current'));
@@ -124,21 +158,26 @@ def test_the_page_loads_fast_and_small_without_console_errors(open_page, live):
 
 
 def test_a_chat_message_streams_in_with_its_speed_line(open_page, live, tmp_path):
+    question = "Write a Python function that adds two numbers."
     page = playground(open_page, live)
-    set_controls(page, temperature=0, max_tokens=24)
-    send(page, "Write a Python function that adds two numbers.")
-    streaming = page.wait_for_selector("#chat .msg.assistant.streaming .content")
-    page.wait_for_function("() => { const m = document.querySelector('#chat .msg.assistant');"
-                           " return m && m.textContent.length > 12; }")
-    assert page.locator("#stop").is_enabled() and streaming is not None
-    answer = last_answer(page)
+    set_controls(page, temperature=0, max_tokens=20)
+
+    def act():
+        send(page, question)
+        page.wait_for_function("() => { const m = document.querySelector('#chat .msg.assistant.streaming .content');"
+                               " return m && m.textContent.length > 12; }")     # part of it, while it streams
+        assert page.locator("#stop").is_enabled() and not page.locator("#send").is_enabled()
+    answer, sent, got = exchange(page, act)
+    assert sent["messages"] == [{"role": "user", "content": question}]
+    assert (sent["temperature"], sent["max_tokens"], sent["stream"]) == (0, 20, True)
     speed = answer.locator(".speed").inner_text()
-    expected = api_chat(live, "Write a Python function that adds two numbers.", temperature=0, max_tokens=24)
-    usage = expected["usage"]
+    usage = got["usage"]
     assert re.fullmatch(rf"{usage['prompt_tokens']} in · {usage['completion_tokens']} out · TTFT \d+ ms · "
-                        rf"[\d.]+ tok/s · finish: {expected['choices'][0]['finish_reason']}", speed), speed
-    content = expected["choices"][0]["message"]["content"]
+                        rf"[\d.]+ tok/s · finish: {got['finish_reason']}", speed), speed
+    content = got["content"]
     assert stored(page)["messages"][1]["content"] == content      # the streamed text, exactly
+    # ... and the same answer as the API gives without a stream
+    assert api_chat(live, question, temperature=0, max_tokens=20)["choices"][0]["message"]["content"] == content
     assert answer.locator(".codeblock").count() == (content.count("```") + 1) // 2   # an open fence is a block
     if "```python" in content:
         assert answer.locator(".codeblock .tok-k").first.inner_text() in ("def", "return", "import")
@@ -195,17 +234,16 @@ def test_a_tool_call_renders_as_a_tool_call(open_page, live):
     page = playground(open_page, live)
     set_controls(page, temperature=0, max_tokens=40, tools=json.dumps(tools), tool_choice="required",
                  extra=json.dumps(extra))
-    send(page, "What is the weather in Paris?")
-    answer = last_answer(page)
-    expected = api_chat(live, "What is the weather in Paris?", temperature=0, max_tokens=40, tools=tools,
-                        tool_choice="required", **extra)["choices"][0]
-    assert expected["finish_reason"] == "tool_calls" and len(expected["message"]["tool_calls"]) == 1
-    function = expected["message"]["tool_calls"][0]["function"]
+    answer, sent, got = exchange(page, lambda: send(page, "What is the weather in Paris?"))
+    assert (sent["tools"], sent["tool_choice"], sent["parallel_tool_calls"]) == (tools, "required", False)
+    assert got["finish_reason"] == "tool_calls" and len(got["tool_calls"]) == 1 and not got["content"]
+    function = got["tool_calls"][0]
+    assert function["name"] == "get_weather" and set(json.loads(function["arguments"])) == {"city"}
     call = answer.locator(".tool-call")
-    assert call.count() == 1 and call.get_attribute("data-name") == function["name"] == "get_weather"
+    assert call.count() == 1 and call.get_attribute("data-name") == "get_weather"
+    assert call.locator(".tool-name").inner_text() == "get_weather"
     assert call.locator(".badge").inner_text().lower() == "tool call"
     assert json.loads(call.locator(".tool-args").inner_text()) == json.loads(function["arguments"])
-    assert set(json.loads(function["arguments"])) == {"city"}
     assert re.search(r" · [\d.]+ tok/s · finish: tool_calls$", answer.locator(".speed").inner_text())
     kept = stored(page)["messages"][1]
     assert [c["function"]["name"] for c in kept["tool_calls"]] == ["get_weather"] and not kept["content"]
@@ -234,8 +272,8 @@ def test_model_output_with_script_and_onerror_is_shown_never_run(open_page, live
     page.evaluate("() => { window.__pwned = undefined; }")
     extra = {"structured_outputs": {"choice": [XSS]}}
     set_controls(page, temperature=0, max_tokens=100, extra=json.dumps(extra))
-    send(page, "Say something.")
-    answer = last_answer(page)
+    answer, _, got = exchange(page, lambda: send(page, "Say something."))
+    assert got["content"] == XSS and got["finish_reason"] == "stop"        # what the engine sent
     assert stored(page)["messages"][1]["content"] == XSS
     assert answer.locator(".content").inner_text().strip() == XSS
     page.wait_for_timeout(300)          # an <img onerror> would have fired by now
@@ -259,26 +297,25 @@ def test_completions_mode_regenerate_and_edit_and_resend(open_page, live):
     page = playground(open_page, live)
     page.click("#new-completion")
     set_controls(page, temperature=0, max_tokens=8)
-    send(page, "The capital of France is")
-    direct = api(live, "/v1/completions", prompt="The capital of France is", temperature=0, max_tokens=8)
-    last_answer(page)
-    assert stored(page)["messages"][1] == {"role": "completion", "content": direct["choices"][0]["text"],
-                                           "json": False, "reasoning": "", "stats": stored(page)["messages"][1]["stats"]}
-    assert last_answer(page).locator(".content").text_content() == direct["choices"][0]["text"]
+    answer, sent, got = exchange(page, lambda: send(page, "The capital of France is"), "/v1/completions")
+    assert (sent["prompt"], sent["temperature"], sent["max_tokens"]) == ("The capital of France is", 0, 8)
+    assert got["content"] and got["usage"]["completion_tokens"] <= 8
+    kept = stored(page)["messages"][1]
+    assert kept == {"role": "completion", "content": got["content"], "json": False, "reasoning": "", "stats": kept["stats"]}
+    assert answer.locator(".content").text_content() == got["content"]
     page.click("#new-chat")
     set_controls(page, temperature=0, max_tokens=8)
-    send(page, "Hi")
-    last_answer(page)
-    page.click("#regenerate")
-    last_answer(page)
+    _, _, first = exchange(page, lambda: send(page, "Hi"))
+    _, sent, again = exchange(page, lambda: page.click("#regenerate"))
+    assert sent["messages"] == [{"role": "user", "content": "Hi"}] and again["content"] == first["content"]
     assert page.locator("#chat .msg").count() == 2
     page.click("#chat .msg.user .edit")
     page.fill("#chat .edit-box", "Name a color.")
-    page.click("#chat .resend")
-    answer = last_answer(page)
+    answer, sent, got = exchange(page, lambda: page.click("#chat .resend"))
+    assert sent["messages"] == [{"role": "user", "content": "Name a color."}]
     assert [m.inner_text() for m in page.locator("#chat .msg.user .content").all()] == ["Name a color."]
-    expected = api_chat(live, "Name a color.", temperature=0, max_tokens=8)["choices"][0]["message"]["content"]
-    assert stored(page)["messages"][1]["content"] == expected
+    assert stored(page)["messages"][1]["content"] == got["content"]
+    assert [m["role"] for m in stored(page)["messages"]] == ["user", "assistant"]
     assert page.locator(".conv-list .conv").count() == 3       # the first empty chat, the completion, this chat
     assert page.problems == []
 
@@ -329,7 +366,7 @@ def _load(url: str, stop: threading.Event) -> None:
 
 
 def test_the_dashboard_charts_update_while_a_load_runs(open_page, live, tmp_path):
-    page = open_page(open_page, live.url + "/ui/dashboard")
+    page = open_page(live.url + "/ui/dashboard")
     wait_ready(page)
     tokens = page.locator('.chart[data-chart="Tokens/s"]')
     tokens.wait_for()
