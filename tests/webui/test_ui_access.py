@@ -7,24 +7,30 @@ these rules belong to the server, not to the model, and the fake starts in a sec
 
 from __future__ import annotations
 
+import os
+import sys
+
 import httpx
 import pytest
 
-from ..server.servers import ServerProcess, fake_server
+from ..server.servers import HERE, ServerProcess
 from .browser import chromium, pages, wait_ready
 
 pytestmark = pytest.mark.timeout(180)        # every wait inside has its own timeout too
 
 KEY = "sk-ui-test"
+FAKE_SERVER = os.path.join(HERE, "fake_server.py")
 UI_PATHS = ("/ui", "/ui/", "/ui/dashboard", "/ui/assets/core.js", "/ui/api/stats")
 
 
 @pytest.fixture(scope="module")
 def servers():
     started: list[ServerProcess] = []
-    try:                    # one at a time: three start-ups at once would slow each on 2 cores
+    try:                    # all three start at once, then each is waited for
         for flags, key in ((("--max-model-len", "256"), KEY), (("--protect-all-routes",), KEY), (("--no-ui",), None)):
-            started.append(fake_server(*flags, api_key=key))
+            started.append(ServerProcess([sys.executable, FAKE_SERVER, *flags], api_key=key))
+        for server in started:
+            server.wait_healthy(300)
         yield dict(zip(("keyed", "protected", "no_ui"), started))
     finally:
         for server in started:
