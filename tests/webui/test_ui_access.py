@@ -1,5 +1,6 @@
 """Who may open the web UI: --api-key (the page asks for the key, a wrong one is refused),
---protect-all-routes (the pages themselves need the key) and --no-ui (no /ui route at all).
+--protect-all-routes (the pages themselves need the key) and --no-ui (no /ui route at all, on the
+server and on the router).
 
 The servers are the real HTTP stack around the fake engine core (tests/server/fake_server.py):
 these rules belong to the server, not to the model, and the fake starts in a second or two.
@@ -7,11 +8,19 @@ these rules belong to the server, not to the model, and the fake starts in a sec
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import sys
 
 import httpx
 import pytest
+
+from tokenforge.router.metrics import RouterMetrics
+from tokenforge.router.policy import Policy
+from tokenforge.router.proxy import RouterApp
+from tokenforge.router.replicas import Replica, ReplicaPool
+from tokenforge.router.settings import RouterSettings
 
 from ..server.servers import HERE, ServerProcess
 from .browser import chromium, pages, wait_ready
@@ -84,3 +93,45 @@ def _asks_for_the_key(page, server, refusal: str) -> None:
     assert page.inner_text("#model-name") == httpx.get(server.url + "/v1/models", headers=server.headers).json()["data"][0]["id"]
     assert page.evaluate("() => JSON.parse(localStorage.getItem('tokenforge.apiKey'))") == KEY
     assert [p for p in page.problems if "status of 401" not in p] == []
+
+
+def _router_get(ui: bool, path: str) -> tuple[int, bytes, list[str]]:
+    """GET `path` from an in-process router (round-robin, one scripted replica): status, body, and
+    the requests that reached the replica."""
+    reached: list[str] = []
+
+    async def replica(request: httpx.Request) -> httpx.Response:
+        reached.append(request.url.path)
+        return httpx.Response(200, json={"from": "replica"})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(replica)) as client:
+            settings = RouterSettings(replicas=("http://replica:1",), policy="round-robin", ui=ui)
+            metrics = RouterMetrics()
+            pool = ReplicaPool(settings, None, client, on_change=metrics.on_change)
+            pool.replicas["http://replica:1"] = Replica("http://replica:1", state="admitted", healthy=True)
+            app = RouterApp(settings, pool, Policy("round-robin", 16), None, client, metrics)
+            sent, incoming = [], [{"type": "http.request", "body": b"", "more_body": False}]
+
+            async def receive():
+                if incoming:
+                    return incoming.pop()
+                await asyncio.sleep(3600)          # the client stays connected
+
+            async def send(message):
+                sent.append(message)
+            await app({"type": "http", "method": "GET", "path": path, "query_string": b"", "headers": []}, receive, send)
+            return sent
+
+    sent = asyncio.run(run())
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), reached
+
+
+def test_router_no_ui_leaves_no_ui_route_and_sends_none_to_a_replica():
+    for path in UI_PATHS:
+        status, body, reached = _router_get(False, path)
+        assert (status, json.loads(body)["error"]["message"], reached) == (404, "The web UI is off (--no-ui).", []), path
+        status, _, reached = _router_get(True, path)
+        assert (status, reached) == (200, []), path          # the router's own page, never a replica's
+    assert _router_get(False, "/v1/models")[::2] == (200, ["/v1/models"])
