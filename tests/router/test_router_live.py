@@ -9,7 +9,6 @@ a replica killed with SIGKILL mid-run (last: it leaves two replicas).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import json
 import os
 import random
@@ -26,7 +25,7 @@ import pytest
 from tokenforge.bench.serving import storm
 
 from ..server.servers import ServerProcess, free_port
-from ..webui.browser import chromium, open_page, screenshot, wait_ready
+from ..webui.browser import chromium, open_page, run_async, screenshot, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -166,13 +165,6 @@ async def _stream_through(url: str, prompt: str) -> tuple[str | None, str | None
         return replica, f"{type(err).__name__}"
 
 
-def _run(coro):
-    """asyncio.run in a thread of its own: the dashboard's Playwright (sync API) keeps an event loop
-    running in the test's thread, where asyncio.run refuses to start (the SIGKILL test failed so)."""
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result(timeout=600)
-
-
 def _kill(replica: ServerProcess) -> None:
     engine = replica.engine_pid()
     os.kill(replica.proc.pid, signal.SIGKILL)
@@ -217,7 +209,7 @@ def test_sigkill_of_a_replica_fails_no_request_that_was_not_streaming(fleet):
             await asyncio.sleep(0.05)
         return await asyncio.gather(*tasks)
 
-    results = _run(run())
+    results = run_async(run())     # the dashboard's browser is open (the SIGKILL test failed on asyncio.run)
     failed = [(replica, err) for replica, err in results if err is not None]
     assert all(replica == victim.url for replica, _ in failed), failed
     assert sum(1 for replica, err in results if err is None) >= 39

@@ -9,6 +9,8 @@ exceptions, so a test can assert that there were none.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -19,6 +21,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT_ENV = "TOKENFORGE_UI_SCREENSHOTS"     # set: screenshots go to docs/images/ (committed)
 INSTALL = "pip install -e '.[test]' and apt-get install -y chromium"
+
+
+def run_async(coro, timeout: float = 600):
+    """asyncio.run in a thread of its own: while a browser is open, Playwright's sync API keeps an
+    event loop running in the test's thread, where asyncio.run refuses to start."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(asyncio.run, coro).result(timeout=timeout)
+    finally:
+        pool.shutdown(wait=False)           # past the timeout the test fails; it does not wait on
 
 
 def chromium_path() -> str | None:

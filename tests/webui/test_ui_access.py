@@ -23,7 +23,7 @@ from tokenforge.router.replicas import Replica, ReplicaPool
 from tokenforge.router.settings import RouterSettings
 
 from ..server.servers import HERE, ServerProcess
-from .browser import chromium, pages, wait_ready
+from .browser import chromium, pages, run_async, wait_ready
 
 pytestmark = pytest.mark.timeout(180)        # every wait inside has its own timeout too
 
@@ -123,7 +123,7 @@ def _router_get(ui: bool, path: str) -> tuple[int, bytes, list[str]]:
             await app({"type": "http", "method": "GET", "path": path, "query_string": b"", "headers": []}, receive, send)
             return sent
 
-    sent = asyncio.run(run())
+    sent = run_async(run())        # the module's browser may be open
     status = next(m["status"] for m in sent if m["type"] == "http.response.start")
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body"), reached
 
