@@ -9,6 +9,8 @@ exceptions, so a test can assert that there were none.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import os
 import shutil
@@ -19,6 +21,16 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCREENSHOT_ENV = "TOKENFORGE_UI_SCREENSHOTS"     # set: screenshots go to docs/images/ (committed)
 INSTALL = "pip install -e '.[test]' and apt-get install -y chromium"
+
+
+def run_async(coro, timeout: float = 600):
+    """asyncio.run in a thread of its own: while a browser is open, Playwright's sync API keeps an
+    event loop running in the test's thread, where asyncio.run refuses to start."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(asyncio.run, coro).result(timeout=timeout)
+    finally:
+        pool.shutdown(wait=False)           # past the timeout the test fails; it does not wait on
 
 
 def chromium_path() -> str | None:
@@ -36,24 +48,51 @@ def chromium():
     if path is None:
         pytest.skip(f"no chromium on PATH ({INSTALL})")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=path, args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
+        browser = p.chromium.launch(executable_path=path, timeout=120_000,
+                                    args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"])
         try:
             yield browser
         finally:
             browser.close()
 
 
+WAIT_MS = 120_000        # each wait of a page: generous (a loaded 2-core machine decodes slowly), never endless
+
+
 def open_page(browser, url: str, **context_options):
-    """A fresh context and page at `url`, with `page.problems`: console errors and page errors."""
+    """A fresh context and page at `url`, with `page.problems`: console errors and page errors.
+    Close it with close_page (the `pages` fixtures do so in a finally block)."""
     context = browser.new_context(**{"viewport": {"width": 1280, "height": 900}, **context_options})
     page = context.new_page()
     page.problems = []
     page.on("console", lambda m: page.problems.append(f"console.{m.type}: {m.text}") if m.type == "error" else None)
     page.on("pageerror", lambda err: page.problems.append(f"pageerror: {err}"))
-    page.set_default_timeout(300_000)     # generous: a loaded CI machine decodes slowly
+    page.set_default_timeout(WAIT_MS)
+    page.set_default_navigation_timeout(WAIT_MS)
     if url:
         page.goto(url)
     return page
+
+
+def close_page(page) -> None:
+    with contextlib.suppress(Exception):        # a crashed page's context may already be gone
+        page.context.close()
+
+
+@contextlib.contextmanager
+def pages(browser):
+    """open(url, **context) -> a page; every page opened is closed on the way out, failing or not."""
+    opened = []
+
+    def open_(url: str, **context_options):
+        page = open_page(browser, url, **context_options)
+        opened.append(page)
+        return page
+    try:
+        yield open_
+    finally:
+        for page in opened:
+            close_page(page)
 
 
 def wait_ready(page) -> float:

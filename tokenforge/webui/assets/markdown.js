@@ -64,10 +64,11 @@
   }
 
   function inline(text) {
-    const frag = document.createDocumentFragment();
+    // A regex of its own per call: the nested calls below (strong, em, del) must not move the
+    // outer call's lastIndex (a shared one sent it back to 0 after **x**: an endless loop).
+    const re = new RegExp(INLINE.source, "g"), frag = document.createDocumentFragment();
     let last = 0, m;
-    INLINE.lastIndex = 0;
-    while ((m = INLINE.exec(text)) !== null) {
+    while ((m = re.exec(text)) !== null) {
       if (m.index > last) frag.append(text.slice(last, m.index));
       if (m[1]) frag.append(h("code", {}, m[2]));
       else if (m[3]) frag.append(h("strong", {}, inline(m[3])));

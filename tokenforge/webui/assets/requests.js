@@ -110,8 +110,11 @@
       if (s.completion_tokens === undefined) s.completion_tokens = deltas;
       s.ttft_ms = first === null ? null : first - start;
       s.total_ms = end - start;
-      s.tokens_per_s = first !== null && s.completion_tokens > 1 && end > first
-        ? (s.completion_tokens - 1) / ((end - first) / 1000) : null;
+      // Streamed in pieces: the decode rate after the first token. In one piece (a constrained tool
+      // call is sent whole at the end): over the whole request, not over the last few ms.
+      s.tokens_per_s = first === null || s.completion_tokens < 2 ? null
+        : deltas > 1 && end > first ? (s.completion_tokens - 1) / ((end - first) / 1000)
+        : s.completion_tokens / ((end - start) / 1000);
       onUpdate();
     }
   };
