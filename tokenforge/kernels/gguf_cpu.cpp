@@ -127,6 +127,26 @@ inline void dot_rows(int kind, const uint8_t* wq, const float* ws, const int8_t*
         dot_i8<R>(reinterpret_cast<const int8_t*>(wq), ws, xq, dx, K, blocks, out, out_stride);
 }
 
+constexpr int64_t kMaxRow = 16384;      // the widest row the fused prologues take (gguf_cpu.py checks)
+
+// One block of 32 floats -> 32 int8 codes (scale amax / 127, round half to even), its scale, and
+// the scale times each half's code sum.
+inline void quantize_block(const float* v, int8_t* q, float* d_out, float* f_out) {
+    float amax = 0.f;
+    for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(v[j]));
+    const float d = amax / 127.f;
+    const float inv = d > 0.f ? 1.f / d : 0.f;
+    *d_out = d;
+    int32_t s0 = 0, s1 = 0;
+    for (int j = 0; j < 32; ++j) {
+        const int8_t c = static_cast<int8_t>(std::nearbyint(v[j] * inv));
+        q[j] = c;
+        (j < 16 ? s0 : s1) += c;
+    }
+    f_out[0] = d * static_cast<float>(s0);
+    f_out[1] = d * static_cast<float>(s1);
+}
+
 }  // namespace
 
 extern "C" {
@@ -135,21 +155,41 @@ extern "C" {
 void tf_quantize_activations(const float* x, int64_t M, int64_t K, int8_t* xq, float* dx, float* fx) {
     const int64_t blocks = K / 32;
 #pragma omp parallel for if (M * K >= 65536)
-    for (int64_t i = 0; i < M * blocks; ++i) {
-        const float* v = x + 32 * i;
-        float amax = 0.f;
-        for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(v[j]));
-        const float d = amax / 127.f;
-        const float inv = d > 0.f ? 1.f / d : 0.f;
-        dx[i] = d;
-        int32_t s0 = 0, s1 = 0;
-        for (int j = 0; j < 32; ++j) {
-            const int8_t q = static_cast<int8_t>(std::nearbyint(v[j] * inv));
-            xq[32 * i + j] = q;
-            (j < 16 ? s0 : s1) += q;
+    for (int64_t i = 0; i < M * blocks; ++i) quantize_block(x + 32 * i, xq + 32 * i, dx + i, fx + 2 * i);
+}
+
+// The add + RMSNorm before a projection, quantized for it: h = x (+ residual, the sum written to
+// residual_out), y = weight * (h * rsqrt(mean(h^2) + eps)), then y as tf_quantize_activations
+// quantizes it. residual and residual_out may be null (no add).
+void tf_rms_norm_quantize(const float* x, const float* residual, float* residual_out, const float* weight, float eps,
+                          int64_t M, int64_t K, int8_t* xq, float* dx, float* fx) {
+#pragma omp parallel for if (M >= 16)
+    for (int64_t m = 0; m < M; ++m) {
+        float row[kMaxRow];
+        const float* h = x + m * K;
+        if (residual != nullptr) {
+            float* sum = residual_out + m * K;
+            for (int64_t j = 0; j < K; ++j) sum[j] = h[j] + residual[m * K + j];
+            h = sum;
         }
-        fx[2 * i] = d * static_cast<float>(s0);
-        fx[2 * i + 1] = d * static_cast<float>(s1);
+        const float inv = 1.f / std::sqrt(dot_f32(h, h, K) / static_cast<float>(K) + eps);
+        for (int64_t j = 0; j < K; ++j) row[j] = weight[j] * (h[j] * inv);
+        for (int64_t b = 0; b < K / 32; ++b)
+            quantize_block(row + 32 * b, xq + m * K + 32 * b, dx + m * (K / 32) + b, fx + m * (K / 16) + 2 * b);
+    }
+}
+
+// The SwiGLU before a projection, quantized for it: gate_up [M, 2K] = [gate | up] ->
+// silu(gate) * up [M, K] as tf_quantize_activations quantizes it.
+void tf_silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, int8_t* xq, float* dx, float* fx) {
+#pragma omp parallel for if (M >= 16)
+    for (int64_t m = 0; m < M; ++m) {
+        float row[kMaxRow];
+        const float* g = gate_up + m * 2 * K;
+        const float* u = g + K;
+        for (int64_t j = 0; j < K; ++j) row[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+        for (int64_t b = 0; b < K / 32; ++b)
+            quantize_block(row + 32 * b, xq + m * K + 32 * b, dx + m * (K / 32) + b, fx + m * (K / 16) + 2 * b);
     }
 }
 

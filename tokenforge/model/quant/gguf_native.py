@@ -15,8 +15,9 @@ apply: `gguf_matmul` (kernels/gguf_cpu.py): int8 activations per block of 32, in
 products, float32 out, for up to `DEQUANTIZE_ROWS` rows (decode, short prompts). A longer prefill
 chunk dequantizes the layer into a temporary and runs the float GEMM, which on these CPUs is
 several times faster than the integer loops at that size (a 256-token window took 3x as long
-natively), and is exactly the reference path's product. The add + RMSNorm and SwiGLU prologues
-are not fused: the layer runs them before `apply`.
+natively), and is exactly the reference path's product. At decode sizes the add + RMSNorm before
+q|k|v and gate|up and the SwiGLU before down are fused into the activation quantization
+(`apply_normed`, `apply_silu_mul`: one native call each instead of ~10 small torch ops).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenforge.kernels.gguf_cpu import gguf_matmul
+from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, gguf_matmul, matmul_quantized, native_library,
+                                         rms_norm_quantize, silu_mul_quantize)
 from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed, repack
 from tokenforge.model.quant.base import QuantMethod, drop_weights
 
@@ -53,10 +55,39 @@ class GgufNativeMethod(QuantMethod):
             out = F.linear(x2.float(), self.dequantized(layer), None if bias is None else bias.float())
         else:
             parts = [gguf_matmul(x2, w) for w in layer.gguf_weight]
-            out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)     # [T, out]
-            if bias is not None:
-                out += bias
+            out = self._finish(parts, bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+    def apply_normed(self, layer, x, residual, norm, bias):
+        """Add + RMSNorm computed and quantized in one native call, then the integer kernels."""
+        lib = self._fusing(x, x.shape[-1])
+        if lib is None or (residual is not None and residual.dtype != torch.float32):
+            return None
+        acts, residual = rms_norm_quantize(lib, x.contiguous(), None if residual is None else residual.contiguous(),
+                                           norm.weight, norm.eps)
+        return self._finish([matmul_quantized(lib, acts, w) for w in layer.gguf_weight], bias), residual
+
+    def apply_silu_mul(self, layer, gate_up, bias):
+        """SwiGLU computed and quantized in one native call, then the integer kernels."""
+        lib = self._fusing(gate_up, gate_up.shape[-1] // 2)
+        if lib is None:
+            return None
+        acts = silu_mul_quantize(lib, gate_up.contiguous())
+        return self._finish([matmul_quantized(lib, acts, w) for w in layer.gguf_weight], bias)
+
+    @staticmethod
+    def _fusing(x: torch.Tensor, width: int):
+        """The native library when this call takes a fused prologue (decode sizes, float32), else None."""
+        if x.dim() != 2 or x.shape[0] > DEQUANTIZE_ROWS or x.dtype != torch.float32 or width > MAX_FUSED_ROW:
+            return None
+        return native_library()
+
+    @staticmethod
+    def _finish(parts: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)        # [T, out]
+        if bias is not None:
+            out += bias
+        return out
 
 
 GGUF_NATIVE = GgufNativeMethod()
