@@ -88,3 +88,12 @@ def test_fused_silu_mul_quantize_matches_the_reference():
     got = gguf_cpu.matmul_quantized(lib, gguf_cpu.silu_mul_quantize(lib, gate_up), packed)
     expected = gguf_matmul_ref(gguf_cpu.silu_mul_ref(gate_up), packed)
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_an_odd_block_count_takes_the_tail_path(kind):
+    """K = 288: nine blocks, so the two-block (AVX-512) loop leaves one block to the 256-bit tail."""
+    packed = repack(torch.from_numpy(_raw(kind, 24, 288, seed=7)), int(gguf.GGMLQuantizationType[kind]), 288)
+    x = torch.randn(5, 288, generator=torch.Generator().manual_seed(8))
+    got, expected = gguf_matmul(x, packed), gguf_matmul_ref(x, packed)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

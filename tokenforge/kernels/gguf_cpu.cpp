@@ -1,6 +1,6 @@
 // GGUF weights computed in their stored block format on the CPU, as llama.cpp does: activations
 // quantized per block of 32 to int8, integer dot products (AVX2 maddubs, or VNNI dpbusd where the
-// CPU has it), one float multiply-add per block. Built at first use by kernels/gguf_cpu.py
+// CPU has it; AVX-512 VNNI takes two blocks per instruction), one float multiply-add per block. Built at first use by kernels/gguf_cpu.py
 // (g++ -O3 -march=native -fopenmp) and called through ctypes; gguf_cpu.py holds the torch
 // reference these loops must match.
 //
@@ -16,7 +16,19 @@
 #include <cstring>
 #include <immintrin.h>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define TF_AVX512 1     // two blocks of 32 per 512-bit dot product
+#else
+#define TF_AVX512 0
+#endif
+
 namespace {
+
+#if TF_AVX512
+inline __m512 pair_ps(float a, float b) {           // [a x 8 | b x 8]: one value per block of a pair
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a)), _mm256_set1_ps(b), 1);
+}
+#endif
 
 #if defined(__AVX2__)
 inline __m256i dot_u8s8(__m256i u, __m256i s) {     // 8 x int32: sums of 4 adjacent u8*s8 products
@@ -57,7 +69,25 @@ inline void dot_u4(const uint8_t* qs, const float* scale, const int8_t* xq, cons
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     const __m128i low = _mm_set1_epi8(0x0F);
-    for (int64_t b = 0; b < blocks; ++b) {
+    int64_t b = 0;
+#if TF_AVX512
+    __m512 wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
+    const __m256i low256 = _mm256_set1_epi8(0x0F);
+    for (; b + 2 <= blocks; b += 2) {           // two blocks a step: [low 0 | high 0 | low 1 | high 1]
+        __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 16 * b));
+        __m512i halves = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(packed, low256)),
+                                            _mm256_and_si256(_mm256_srli_epi16(packed, 4), low256), 1);
+        __m512i q = _mm512_shuffle_i64x2(halves, halves, _MM_SHUFFLE(3, 1, 2, 0));
+        __m512 s = pair_ps(scale[b], scale[b + 1]);
+        for (int r = 0; r < R; ++r) {
+            __m512i x = _mm512_loadu_si512(xq + r * K + 32 * b);
+            __m512 d = _mm512_mul_ps(s, pair_ps(dx[r * blocks + b], dx[r * blocks + b + 1]));
+            wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x)), d, wide[r]);
+        }
+    }
+#endif
+    for (; b < blocks; ++b) {
         __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * b));
         __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(packed, 4), low), _mm_and_si128(packed, low));
         for (int r = 0; r < R; ++r) {
@@ -66,7 +96,11 @@ inline void dot_u4(const uint8_t* qs, const float* scale, const int8_t* xq, cons
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(q, x)), d, acc[r]);
         }
     }
+#if TF_AVX512
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + _mm512_reduce_add_ps(wide[r]);
+#else
     for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]);
+#endif
 #else
     for (int r = 0; r < R; ++r) {
         float acc = 0.f;
@@ -89,7 +123,26 @@ inline void dot_i8(const int8_t* q, const float* scale, const int8_t* xq, const 
 #if defined(__AVX2__)
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
+    int64_t b = 0;
+#if TF_AVX512
+    __m512 wide[R];
+    for (int r = 0; r < R; ++r) wide[r] = _mm512_setzero_ps();
+    const __m512i quads = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    for (; b + 2 <= blocks; b += 2) {           // two blocks a step; lanes 4i..4i+3: the i-th 16
+        __m512i w = _mm512_loadu_si512(q + 32 * b);
+        __m512i w_abs = _mm512_abs_epi8(w);
+        __mmask64 negative = _mm512_movepi8_mask(w);
+        __m512 s = _mm512_permutexvar_ps(quads, _mm512_castps128_ps512(_mm_loadu_ps(scale + 2 * b)));
+        for (int r = 0; r < R; ++r) {
+            __m512i x = _mm512_loadu_si512(xq + r * K + 32 * b);
+            __m512i x_signed = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+            __m512i sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w_abs, x_signed);
+            __m512 d = _mm512_mul_ps(s, pair_ps(dx[r * blocks + b], dx[r * blocks + b + 1]));
+            wide[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), d, wide[r]);
+        }
+    }
+#endif
+    for (; b < blocks; ++b) {
         __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + 32 * b));
         __m256i w_abs = _mm256_sign_epi8(w, w);
         __m256 s = _mm256_set_m128(_mm_set1_ps(scale[2 * b + 1]), _mm_set1_ps(scale[2 * b]));
@@ -101,7 +154,11 @@ inline void dot_i8(const int8_t* q, const float* scale, const int8_t* xq, const 
                                      acc[r]);
         }
     }
+#if TF_AVX512
+    for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]) + _mm512_reduce_add_ps(wide[r]);
+#else
     for (int r = 0; r < R; ++r) out[r * out_stride] = hsum(acc[r]);
+#endif
 #else
     for (int r = 0; r < R; ++r) {
         float acc = 0.f;
