@@ -14,7 +14,7 @@ from tokenforge.kernels import gguf_cpu
 from tokenforge.kernels.gguf_cpu import gguf_matmul, gguf_matmul_ref, quantize_activations_ref
 from tokenforge.kernels.gguf_repack import cat_rows, dequantize_packed, repack
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _raw(kind: str, n: int, k: int, seed: int) -> np.ndarray:

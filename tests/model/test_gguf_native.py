@@ -20,7 +20,8 @@ from tokenforge.model.quant.dense import DenseMethod
 from tokenforge.model.quant.gguf_native import DEQUANTIZE_ROWS, GgufNativeMethod
 
 PROMPTS = [[1, 5, 17, 33, 2, 60, 61, 9], list(range(10, 40))]
-CASES = {"Q4_0": ("Q4_0", None), "Q4_1": ("Q4_1", None), "Q8_0": ("Q8_0", None), "Q4_K": ("Q4_K", None),
+CASES = {"Q4_0": ("Q4_0", None), "Q4_1": ("Q4_1", None), "Q5_0": ("Q5_0", None), "Q5_1": ("Q5_1", None),
+         "Q8_0": ("Q8_0", None), "Q4_K": ("Q4_K", None),
          "Q5_K": ("Q5_K", None), "Q6_K": ("Q6_K", None),
          "Q4_K_M-like": ("Q4_K", {"attn_v.weight": "Q6_K", "ffn_down.weight": "Q6_K", "token_embd.weight": "Q8_0"})}
 
@@ -79,14 +80,14 @@ def test_long_prefill_chunks_run_the_dequantized_weight(loaded):
 
 
 def test_an_unsupported_type_says_so_in_one_line_and_runs_dequantized(tmp_path, paged_driver, caplog):
-    """Q5_0 has no native kernel: its layers keep the float path (one warning line names the type,
-    the native ones and the fallback); the others still run natively."""
-    path = write_tiny_gguf(tmp_path / "mixed.gguf", "Q8_0", TinyLlama(), mixed={"ffn_down.weight": "Q5_0"})
+    """TQ2_0 (ternary) has no native kernel: its layers keep the float path (one warning line names
+    the type, the native ones and the fallback); the others still run natively."""
+    path = write_tiny_gguf(tmp_path / "mixed.gguf", "Q8_0", K_SHAPE, mixed={"ffn_down.weight": "TQ2_0"})
     with caplog.at_level(logging.WARNING, logger="tokenforge.model.quant.gguf_native"):
         native = load_model(path, "auto", torch.float32, "cpu", gguf_native=True).model
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["GGUF type Q5_0 (2 tensors, e.g. blk.0.ffn_down.weight) has no native CPU kernel (native: Q4_0, "
-                     "Q4_1, Q8_0, Q4_K, Q5_K, Q6_K): those linears run dequantized to float32"]
+    assert lines == ["GGUF type TQ2_0 (2 tensors, e.g. blk.0.ffn_down.weight) has no native CPU kernel (native: "
+                     "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): those linears run dequantized to float32"]
     methods = {n: type(m.quant_method) for n, m in native.named_modules() if hasattr(m, "quant_method")}
     assert {methods[f"model.layers.{i}.mlp.down_proj"] for i in range(2)} == {DenseMethod}
     assert methods["model.layers.0.mlp.gate_up_proj"] is GgufNativeMethod

@@ -3,11 +3,11 @@ model (`--dtype auto`); `--dtype float32` keeps the dequantized float path as th
 
 In: the loaded float model and, per linear, its GGUF tensors as stored (`StoredTensor`s from
 model/loader/gguf_loader.py: q|k|v and gate|up in the layer's row order). `attach_gguf_native`
-repacks each one losslessly (kernels/gguf_repack.py: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K), undoes
+repacks each one losslessly (kernels/gguf_repack.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), undoes
 llama.cpp's rotary row order of q/k by permuting packed rows, hands the layer to this method and
 frees its float weight. A Q4_K_M file mixes types within one fused layer: neighbouring tensors of
 one packed layout are concatenated, so such a layer runs one kernel call per layout. A layer with a
-tensor of another type (F32, F16, Q5_0, IQ*) keeps the dense float path (one log line per quantized
+tensor of another type (F32, F16, Q2_K, Q3_K, IQ*, TQ*) keeps the dense float path (one log line per quantized
 type names it and the native ones). The embedding lookup keeps its float table; a tied LM head
 computes from token_embd's blocks.
 
