@@ -8,13 +8,14 @@
 //   u4: 4-bit codes, blocks of 32 (byte j: element j low nibble, j+16 high), a float scale per
 //       32 (Q4_0, Q4_1, Q4_K);
 //   i8: 8-bit signed codes, a float scale per 16 (Q8_0, Q5_K, Q6_K);
-// and for both a float min per 16 (w = scale * q + min), absent (null) for Q8_0 and Q6_K.
+// and a float min per scale (w = scale * q + min), absent (null) for Q8_0, Q5_0 and Q6_K.
 // Activations: xq int8 [M, K], dx float [M, K/32] (amax / 127), fx float [M, K/16] (dx times the
 // sum of the 16 codes: what a min multiplies, so the min term is one float dot per row).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VNNI__)
 #define TF_AVX512 1     // two blocks of 32 per 512-bit dot product
@@ -255,6 +256,11 @@ void tf_gguf_matmul(int kind, const void* q, const float* scale, const float* mi
                     const int8_t* xq, const float* dx, const float* fx, int64_t M, float* out) {
     const int64_t blocks = K / 32, row_bytes = kind == 0 ? K / 2 : K;
     const int64_t scales = kind == 0 ? blocks : 2 * blocks;
+    // u4 has one min per 32: what it multiplies is the sum of the two halves' dx * sum(codes)
+    std::vector<float> fx32(kind == 0 && minv != nullptr ? M * blocks : 0);
+    for (int64_t i = 0; i < static_cast<int64_t>(fx32.size()); ++i) fx32[i] = fx[2 * i] + fx[2 * i + 1];
+    const float* fmin = kind == 0 ? fx32.data() : fx;
+    const int64_t mins = kind == 0 ? blocks : 2 * blocks;
 #pragma omp parallel for schedule(static) if (N >= 64)
     for (int64_t n = 0; n < N; ++n) {
         const uint8_t* wq = static_cast<const uint8_t*>(q) + n * row_bytes;
@@ -263,7 +269,7 @@ void tf_gguf_matmul(int kind, const void* q, const float* scale, const float* mi
         for (; m + 4 <= M; m += 4) dot_rows<4>(kind, wq, ws, xq + m * K, dx + m * blocks, K, blocks, out + m * N + n, N);
         for (; m < M; ++m) dot_rows<1>(kind, wq, ws, xq + m * K, dx + m * blocks, K, blocks, out + m * N + n, N);
         if (minv != nullptr)
-            for (m = 0; m < M; ++m) out[m * N + n] += dot_f32(minv + n * 2 * blocks, fx + m * 2 * blocks, 2 * blocks);
+            for (m = 0; m < M; ++m) out[m * N + n] += dot_f32(minv + n * mins, fmin + m * mins, mins);
     }
 }
 

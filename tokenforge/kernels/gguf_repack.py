@@ -29,7 +29,7 @@ class PackedWeight:
     kind: int               # U4 or I8
     q: torch.Tensor         # u4: uint8 [N, K/2]; i8: int8 [N, K]
     scale: torch.Tensor     # float32 [N, K/32] (u4) or [N, K/16] (i8)
-    minv: torch.Tensor      # float32 [N, K/16] (both layouts)
+    minv: torch.Tensor      # float32 [N, K/32] (u4) or [N, K/16] (i8): one per scale
     in_features: int
     has_min: bool = True    # False: minv is all zero (Q8_0, Q6_K) and the kernel skips it
 
@@ -69,9 +69,7 @@ def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
     else:
         raise ValueError(f"ggml type {ggml_type} has no native CPU kernel (native: {', '.join(NATIVE_TYPES.values())})")
     kind = U4 if ggml_type in (Q4_0, Q4_1, Q4_K) else I8
-    minv = minv.reshape(n, -1)
-    if kind == U4:                       # one min per 16 in both layouts
-        minv = minv.repeat_interleave(2, dim=1)
+    minv = minv.reshape(n, -1)           # one min per 32 (u4) or per 16 (i8): per scale
     return PackedWeight(kind, q.reshape(n, -1).contiguous(), scale.reshape(n, -1).contiguous(), minv.contiguous(),
                         in_features, ggml_type not in (Q8_0, Q6_K, Q5_0))
 
@@ -156,4 +154,5 @@ def dequantize_packed(w: PackedWeight) -> torch.Tensor:
         codes = torch.cat([q & 0xF, q >> 4], dim=2).reshape(n, k).float()
     else:
         codes = w.q.float()
-    return codes * w.scale.repeat_interleave(k // w.scale.shape[1], dim=1) + w.minv.repeat_interleave(16, dim=1)
+    return (codes * w.scale.repeat_interleave(k // w.scale.shape[1], dim=1)
+            + w.minv.repeat_interleave(k // w.minv.shape[1], dim=1))

@@ -123,6 +123,7 @@ def main(args: argparse.Namespace) -> dict:
     result["ceilings"] = ceilings.measure_ceilings("cpu", args.quick_ceilings)
     result["threads"] = torch.get_num_threads()
     tf32 = measure_tokenforge(args, "float32", None)
+    result["threads"] = torch.get_num_threads()      # as the engine set it (--num-threads)
     harness.release_memory()
     prompts = tf32["prompts"]
     result["workload_args"] = {"num_prompts": len(prompts), "input_len": [args.min_input, args.max_input],
