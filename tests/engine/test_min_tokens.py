@@ -13,7 +13,7 @@ PROMPT = "Q: What is 17 times 23?\nA:"
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(max_num_seqs=4, num_kv_blocks=64)
+    return LLM(max_num_seqs=4, num_kv_blocks=64, dtype="float32")   # HF's arithmetic: the float path
 
 
 def test_min_tokens_matches_hf_min_new_tokens(llm, hf_reference):

@@ -14,7 +14,7 @@ from tokenforge.kernels import gguf_cpu
 from tokenforge.kernels.gguf_cpu import gguf_matmul, gguf_matmul_ref, quantize_activations_ref
 from tokenforge.kernels.gguf_repack import cat_rows, dequantize_packed, repack
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
 def _raw(kind: str, n: int, k: int, seed: int) -> np.ndarray:
@@ -62,3 +62,38 @@ def test_fused_rows_and_the_fallback_without_a_compiler(monkeypatch):
     torch.testing.assert_close(both, torch.cat([gguf_matmul(x, a), gguf_matmul(x, b)], dim=1))
     monkeypatch.setattr(gguf_cpu, "native_library", lambda: None)
     torch.testing.assert_close(gguf_matmul(x, cat_rows([a, b])), both, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_fused_rms_norm_quantize_matches_the_reference(with_residual):
+    """The add + RMSNorm computed and quantized in one native call, then multiplied, equals the
+    torch prologue followed by the reference product (and returns the same new residual)."""
+    lib = gguf_cpu.native_library()
+    raw = _raw("Q4_1", 64, 256, seed=3)
+    packed = repack(torch.from_numpy(raw), 3, 256)
+    gen = torch.Generator().manual_seed(4)
+    x, residual, weight = (torch.randn(3, 256, generator=gen), torch.randn(3, 256, generator=gen),
+                           1 + 0.1 * torch.randn(256, generator=gen))
+    acts, new_residual = gguf_cpu.rms_norm_quantize(lib, x, residual if with_residual else None, weight, 1e-5)
+    normed, expected_residual = gguf_cpu.rms_norm_ref(x, residual if with_residual else None, weight, 1e-5)
+    torch.testing.assert_close(new_residual, expected_residual)
+    got, expected = gguf_cpu.matmul_quantized(lib, acts, packed), gguf_matmul_ref(normed, packed)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
+def test_fused_silu_mul_quantize_matches_the_reference():
+    lib = gguf_cpu.native_library()
+    packed = repack(torch.from_numpy(_raw("Q6_K", 48, 512, seed=5)), 14, 512)
+    gate_up = torch.randn(5, 1024, generator=torch.Generator().manual_seed(6))
+    got = gguf_cpu.matmul_quantized(lib, gguf_cpu.silu_mul_quantize(lib, gate_up), packed)
+    expected = gguf_matmul_ref(gguf_cpu.silu_mul_ref(gate_up), packed)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_an_odd_block_count_takes_the_tail_path(kind):
+    """K = 288: nine blocks, so the two-block (AVX-512) loop leaves one block to the 256-bit tail."""
+    packed = repack(torch.from_numpy(_raw(kind, 24, 288, seed=7)), int(gguf.GGMLQuantizationType[kind]), 288)
+    x = torch.randn(5, 288, generator=torch.Generator().manual_seed(8))
+    got, expected = gguf_matmul(x, packed), gguf_matmul_ref(x, packed)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -34,7 +34,8 @@ class ModelConfig:
                              "HF_HUB_OFFLINE=1), or a shipped config name (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
                              "llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")  # source.py
     revision: str | None = flag(None, "branch, tag or commit of a Hub model")
-    dtype: str = flag("auto", "auto: bfloat16 on CUDA, float32 on the CPU",
+    dtype: str = flag("auto", "auto: bfloat16 on CUDA, float32 on the CPU, where a GGUF model computes its "
+                      "quantized blocks as stored (8-bit activations); float32 there: the dequantized reference",
                       choices=("auto", "float32", "bfloat16", "float16"),
                       switches={"--fp16": "float16", "--half": "float16", "--bf16": "bfloat16"})
     max_model_len: int | None = flag(None, "context length (default: the model's)", "--max-seq-length")

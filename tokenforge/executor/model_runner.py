@@ -83,7 +83,8 @@ class ModelRunner:
                  if cfg.load.engine_cache_dir else None)
         loaded = load_model(m.model, cfg.load.load_format, self.dtype, self.device, m.seed,
                             r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, cache=cache, quant=quant,
-                            cpu_int8_dynamic=cpu_int8, expert_parallel=cfg.parallel.enable_expert_parallel)
+                            cpu_int8_dynamic=cpu_int8, expert_parallel=cfg.parallel.enable_expert_parallel,
+                            gguf_native=m.dtype == "auto")
         self.model = loaded.model.eval()
         self.arch = loaded.arch_config
         # fp8 KV: per-layer [4] scale vectors, from the checkpoint or (None) calibrated later

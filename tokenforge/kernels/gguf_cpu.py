@@ -8,7 +8,9 @@ ctypes: no pybind, no torch headers. Its OpenMP runtime is torch's own libgomp.s
 loaded), so the two share one thread pool. Without a compiler (or when the build fails) the
 torch reference below computes the same numbers, slowly.
 
-`gguf_matmul_ref` is the reference every kernel path is tested against.
+`gguf_matmul_ref` is the reference every kernel path is tested against; `rms_norm_ref` and
+`silu_mul_ref` are the prologues the fused quantizers (`rms_norm_quantize`, `silu_mul_quantize`:
+the add + RMSNorm or SwiGLU computed and quantized in one call, for the decode step) must match.
 """
 
 from __future__ import annotations
@@ -61,13 +63,18 @@ def native_library() -> ctypes.CDLL | None:
                 return None
             os.replace(built, target)        # atomic: concurrent builders never load half a file
     lib = ctypes.CDLL(str(target))
-    lib.tf_quantize_activations.restype = None
-    lib.tf_gguf_matmul.restype = None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    signatures = {"tf_quantize_activations": [ptr, i64, i64, ptr, ptr, ptr],
+                  "tf_rms_norm_quantize": [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ptr],
+                  "tf_silu_mul_quantize": [ptr, i64, i64, ptr, ptr, ptr],
+                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]}
+    for name, argtypes in signatures.items():      # declared once: each call converts plain ints
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
     return lib
 
 
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+MAX_FUSED_ROW = 16384       # gguf_cpu.cpp's kMaxRow: the widest row its fused prologues take
 
 
 def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -80,11 +87,78 @@ def quantize_activations_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return xq, dx, xq.reshape(m, -1, 16).sum(-1, dtype=torch.int32)
 
 
+def rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * RMSNorm(x [+ residual]), x [+ residual]): what tf_rms_norm_quantize quantizes."""
+    h = x if residual is None else x + residual
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)), h
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """[M, 2K] -> silu(gate) * up [M, K]: what tf_silu_mul_quantize quantizes."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
 def gguf_matmul_ref(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """The reference: quantized activations times the dequantized weight, in float64 (order-free)."""
     xq, dx, _ = quantize_activations_ref(x)
     x_hat = (xq.reshape(x.shape[0], -1, 32).double() * dx.double().unsqueeze(-1)).reshape(x.shape)
     return (x_hat @ dequantize_packed(w).double().T).float()
+
+
+class Activations:
+    """Activations quantized for the native kernel: xq int8 [M, K], dx [M, K/32], fx [M, K/16]."""
+
+    __slots__ = ("dx", "fx", "xq")
+
+    def __init__(self, m: int, k: int) -> None:
+        self.xq = torch.empty(m, k, dtype=torch.int8)
+        self.dx = torch.empty(m, k // 32, dtype=torch.float32)
+        self.fx = torch.empty(m, k // 16, dtype=torch.float32)
+
+    @property
+    def pointers(self) -> tuple[int, int, int]:
+        return self.xq.data_ptr(), self.dx.data_ptr(), self.fx.data_ptr()
+
+
+def quantize_activations(lib: ctypes.CDLL, x: torch.Tensor) -> Activations:
+    """x [M, K] float32 contiguous -> its Activations."""
+    m, k = x.shape
+    acts = Activations(m, k)
+    lib.tf_quantize_activations(x.data_ptr(), m, k, *acts.pointers)
+    return acts
+
+
+def rms_norm_quantize(lib: ctypes.CDLL, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> tuple[Activations, torch.Tensor]:
+    """(the Activations of rms_norm_ref(x, residual, weight, eps), the new residual) in one call."""
+    m, k = x.shape
+    acts = Activations(m, k)
+    if residual is None:
+        lib.tf_rms_norm_quantize(x.data_ptr(), None, None, weight.data_ptr(), eps, m, k, *acts.pointers)
+        return acts, x
+    out = torch.empty_like(x)
+    lib.tf_rms_norm_quantize(x.data_ptr(), residual.data_ptr(), out.data_ptr(), weight.data_ptr(), eps, m, k,
+                             *acts.pointers)
+    return acts, out
+
+
+def silu_mul_quantize(lib: ctypes.CDLL, gate_up: torch.Tensor) -> Activations:
+    """The Activations of silu_mul_ref(gate_up) [M, 2K] in one call."""
+    m, k = gate_up.shape[0], gate_up.shape[1] // 2
+    acts = Activations(m, k)
+    lib.tf_silu_mul_quantize(gate_up.data_ptr(), m, k, *acts.pointers)
+    return acts
+
+
+def matmul_quantized(lib: ctypes.CDLL, acts: Activations, w: PackedWeight) -> torch.Tensor:
+    """Activations [M, K] times w -> float32 [M, N]."""
+    m, k = acts.xq.shape
+    out = torch.empty(m, w.out_features, dtype=torch.float32)
+    lib.tf_gguf_matmul(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
+                       w.out_features, k, *acts.pointers, m, out.data_ptr())
+    return out
 
 
 def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -94,16 +168,9 @@ def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     lib = native_library()
     if lib is None:
         return gguf_matmul_ref(x2, w).reshape(*lead, w.out_features)
-    m, k = x2.shape
-    xq = torch.empty(m, k, dtype=torch.int8)
-    dx = torch.empty(m, k // 32, dtype=torch.float32)
-    fx = torch.empty(m, k // 16, dtype=torch.float32)
-    lib.tf_quantize_activations(_ptr(x2), ctypes.c_int64(m), ctypes.c_int64(k), _ptr(xq), _ptr(dx), _ptr(fx))
-    out = torch.empty(m, w.out_features, dtype=torch.float32)
-    minv = _ptr(w.minv) if w.has_min else ctypes.c_void_p(None)
-    lib.tf_gguf_matmul(ctypes.c_int(w.kind), _ptr(w.q), _ptr(w.scale), minv, ctypes.c_int64(w.out_features),
-                       ctypes.c_int64(k), _ptr(xq), _ptr(dx), _ptr(fx), ctypes.c_int64(m), _ptr(out))
-    return out.reshape(*lead, w.out_features)
+    return matmul_quantized(lib, quantize_activations(lib, x2), w).reshape(*lead, w.out_features)
 
 
-__all__ = ["gguf_matmul", "gguf_matmul_ref", "native_library", "quantize_activations_ref"]
+__all__ = ["MAX_FUSED_ROW", "Activations", "gguf_matmul", "gguf_matmul_ref", "matmul_quantized", "native_library",
+           "quantize_activations", "quantize_activations_ref", "rms_norm_quantize", "rms_norm_ref", "silu_mul_quantize",
+           "silu_mul_ref"]

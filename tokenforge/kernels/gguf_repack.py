@@ -3,8 +3,9 @@
 Every supported type is, per sub-block, `w = scale * q + min` with small integer codes q:
 - u4 (blocks of 32, 4-bit codes): Q4_0 (min = -8 d), Q4_1, Q4_K (scale = d * sc, min = -dmin * m
   per 32-element sub-block);
-- i8 (sub-blocks of 16, signed 8-bit codes): Q8_0, Q5_K (codes 0..31, two 16s share a sub-block's
-  scale and min), Q6_K (codes q - 32, one int8 scale per 16).
+- i8 (sub-blocks of 16, signed 8-bit codes): Q8_0, Q5_0 (codes q - 16), Q5_1 (codes 0..31 and a
+  min), Q5_K (codes 0..31, two 16s share a sub-block's scale and min), Q6_K (codes q - 32, one
+  int8 scale per 16).
 Scales and mins are float32 (d * sc is not a float16), so `scale * q + min` rounds exactly as
 gguf.quants.dequantize does. Layouts as in ggml-quants.c (block_q4_K and friends).
 
@@ -18,8 +19,9 @@ from dataclasses import dataclass
 import torch
 
 U4, I8 = 0, 1
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
-NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
+                Q6_K: "Q6_K"}
 
 
 @dataclass(slots=True)
@@ -27,7 +29,7 @@ class PackedWeight:
     kind: int               # U4 or I8
     q: torch.Tensor         # u4: uint8 [N, K/2]; i8: int8 [N, K]
     scale: torch.Tensor     # float32 [N, K/32] (u4) or [N, K/16] (i8)
-    minv: torch.Tensor      # float32 [N, K/16] (both layouts)
+    minv: torch.Tensor      # float32 [N, K/32] (u4) or [N, K/16] (i8): one per scale
     in_features: int
     has_min: bool = True    # False: minv is all zero (Q8_0, Q6_K) and the kernel skips it
 
@@ -56,6 +58,8 @@ def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
     n = raw.shape[0]
     if ggml_type in (Q4_0, Q4_1, Q8_0):
         q, scale, minv = _repack_legacy(raw.reshape(-1, {Q4_0: 18, Q4_1: 20, Q8_0: 34}[ggml_type]), ggml_type)
+    elif ggml_type in (Q5_0, Q5_1):
+        q, scale, minv = _repack_q5_legacy(raw.reshape(-1, 22 if ggml_type == Q5_0 else 24), ggml_type)
     elif ggml_type == Q4_K:
         q, scale, minv = _repack_q4_k(raw.reshape(-1, 144))
     elif ggml_type == Q5_K:
@@ -65,11 +69,9 @@ def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
     else:
         raise ValueError(f"ggml type {ggml_type} has no native CPU kernel (native: {', '.join(NATIVE_TYPES.values())})")
     kind = U4 if ggml_type in (Q4_0, Q4_1, Q4_K) else I8
-    minv = minv.reshape(n, -1)
-    if kind == U4:                       # one min per 16 in both layouts
-        minv = minv.repeat_interleave(2, dim=1)
+    minv = minv.reshape(n, -1)           # one min per 32 (u4) or per 16 (i8): per scale
     return PackedWeight(kind, q.reshape(n, -1).contiguous(), scale.reshape(n, -1).contiguous(), minv.contiguous(),
-                        in_features, ggml_type not in (Q8_0, Q6_K))
+                        in_features, ggml_type not in (Q8_0, Q6_K, Q5_0))
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -89,6 +91,21 @@ def _repack_legacy(blocks: torch.Tensor, ggml_type: int):
     if ggml_type == Q4_0:
         return blocks[:, 2:], d, d * -8.0
     return blocks[:, 4:], d, _f16(blocks[:, 2:4])
+
+
+def _repack_q5_legacy(blocks: torch.Tensor, ggml_type: int):
+    """block_q5_0 {d, qh[4], qs[16]} / block_q5_1 {d, m, qh[4], qs[16]}: element j's fifth bit is
+    bit j of the little-endian qh; the low nibbles are laid out as Q4_0's."""
+    offset = 2 if ggml_type == Q5_0 else 4
+    d = _f16(blocks[:, :2])                                                 # [nb, 1]
+    qh = blocks[:, offset:offset + 4].to(torch.int64)
+    bits = (qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24).unsqueeze(1)   # [nb, 1]
+    high = (bits >> torch.arange(32)) & 1                                  # [nb, 32]
+    qs = blocks[:, offset + 4:offset + 20]
+    codes = torch.cat([qs & 0xF, qs >> 4], dim=1).to(torch.int64) | (high << 4)        # [nb, 32], 0..31
+    if ggml_type == Q5_0:
+        return (codes - 16).to(torch.int8), d.repeat(1, 2), torch.zeros(len(blocks), 2)
+    return codes.to(torch.int8), d.repeat(1, 2), _f16(blocks[:, 2:4]).repeat(1, 2)
 
 
 def _k_scales(blocks: torch.Tensor):
@@ -137,4 +154,5 @@ def dequantize_packed(w: PackedWeight) -> torch.Tensor:
         codes = torch.cat([q & 0xF, q >> 4], dim=2).reshape(n, k).float()
     else:
         codes = w.q.float()
-    return codes * w.scale.repeat_interleave(k // w.scale.shape[1], dim=1) + w.minv.repeat_interleave(16, dim=1)
+    return (codes * w.scale.repeat_interleave(k // w.scale.shape[1], dim=1)
+            + w.minv.repeat_interleave(k // w.minv.shape[1], dim=1))

@@ -1,10 +1,14 @@
-"""`tokenforge bench cpu`: W6, the bundled SmolLM2-135M on the CPU against HF transformers.
+"""`tokenforge bench cpu`: W6, the bundled SmolLM2-135M on the CPU against HF transformers and
+llama.cpp.
 
 In: 32 prompts of random token ids (lengths 8-200, fixed seed), 64 greedy output tokens, forced.
 Out, all from one run: tokenforge fp32 output tok/s; HF's best of sequential batch-1 `generate`
 and one left-padded batch; the ratio; how many tokenforge outputs equal HF's sequential ones
 token for token; then the bf16 path of both (HF padded), its ratio, and the perplexity change of
-bf16 against fp32 on a fixed text (from tokenforge's prompt logprobs).
+bf16 against fp32 on a fixed text (from tokenforge's prompt logprobs). For a GGUF model, the
+`gguf` section: tokenforge computing the blocks as stored (`--dtype auto`) and llama.cpp
+(llama-cpp-python, the `bench` extra) on the same file, prompts and threads, one prompt after
+another (batch 1) and all prompts as parallel sequences, with the ratios.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import math
 
 import torch
 
-from tokenforge.bench.lib import ceilings, harness, hf_baseline, report, workloads
+from tokenforge.bench.lib import ceilings, harness, hf_baseline, llama_cpp_peer, report, workloads
 
 # The modules tokenforge's dynamic int8 quantizes (model/quant/cpu_int8.py), by HF's names.
 INT8_MODULES = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
@@ -43,6 +47,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-bf16", action="store_true", help="skip the bf16 path")
     p.add_argument("--no-int8", action="store_true", help="skip the dynamic int8 path")
     p.add_argument("--no-sequential", action="store_true", help="skip HF's sequential batch-1 run")
+    p.add_argument("--no-gguf", action="store_true",
+                   help="skip the GGUF section (tokenforge native blocks and llama.cpp, batch 1 and parallel)")
+    p.add_argument("--llama-cpp-extra-bufts", action="store_true",
+                   help="let llama.cpp use its repacked / AMX weight buffers (off: its AMX matmul crashes on "
+                        "some VMs that report AMX)")
 
 
 def perplexity_ids(llm, vocab: int, seed: int) -> list[int]:
@@ -68,9 +77,9 @@ def tokenforge_perplexity(llm, ids: list[int]) -> float | None:
 
 
 def measure_tokenforge(args: argparse.Namespace, dtype: str, prompts: list[list[int]] | None,
-                       quantization: str | None = None) -> dict:
+                       quantization: str | None = None, **overrides) -> dict:
     """Build the engine in `dtype`, make the prompts if needed, check, time, and measure perplexity."""
-    llm = harness.build_llm(args, dtype=dtype, quantization=quantization)
+    llm = harness.build_llm(args, dtype=dtype, quantization=quantization, **overrides)
     vocab = harness.vocab_size(llm, args.model)
     if prompts is None:
         prompts = workloads.random_prompts(args.num_prompts, (args.min_input, args.max_input), vocab, args.seed)
@@ -114,6 +123,7 @@ def main(args: argparse.Namespace) -> dict:
     result["ceilings"] = ceilings.measure_ceilings("cpu", args.quick_ceilings)
     result["threads"] = torch.get_num_threads()
     tf32 = measure_tokenforge(args, "float32", None)
+    result["threads"] = torch.get_num_threads()      # as the engine set it (--num-threads)
     harness.release_memory()
     prompts = tf32["prompts"]
     result["workload_args"] = {"num_prompts": len(prompts), "input_len": [args.min_input, args.max_input],
@@ -133,6 +143,8 @@ def main(args: argparse.Namespace) -> dict:
     if not args.no_bf16:
         result["bf16"] = run_bf16(args, prompts, model, tf32)
     del model
+    if not args.no_gguf and (args.model is None or str(args.model).endswith(".gguf")):
+        result["gguf"] = run_gguf(args, prompts, tf32)
     harness.release_memory()
     report.save(result, args)
     print_summary(result)
@@ -157,6 +169,31 @@ def run_int8(args: argparse.Namespace, prompts: list[list[int]], model, tf32: di
         out["ratio"] = tf8["figures"]["output_tok_s"] / padded["output_tok_s"]
         del hf8
         harness.release_memory()
+    return out
+
+
+def run_gguf(args: argparse.Namespace, prompts: list[list[int]], tf32: dict) -> dict:
+    """tokenforge on the stored blocks (dtype auto) and llama.cpp on the same file, batch 1 and parallel."""
+    from tokenforge.source import resolve_model_source  # noqa: PLC0415
+
+    path = str(resolve_model_source(args.model, "auto").path)
+    threads = torch.get_num_threads()
+    out: dict = {"file": path, "threads": threads}
+    for shape, overrides in (("batch1", {"max_num_seqs": 1}), ("parallel", {})):
+        run = measure_tokenforge(args, "auto", prompts, **overrides)
+        harness.release_memory()
+        out[shape] = {"tokenforge": run["figures"],
+                      "greedy_match_vs_fp32": sum(a == b for a, b in zip(run["ids"], tf32["ids"]))}
+    try:
+        for shape, parallel in (("batch1", False), ("parallel", True)):
+            peer = llama_cpp_peer.run(path, prompts, args.output_len, threads, parallel, args.llama_cpp_extra_bufts)
+            peer_ids = peer.pop("_ids")
+            tf = out[shape]["tokenforge"]
+            out[shape].update(llama_cpp=peer, ratio=tf["output_tok_s"] / peer["output_tok_s"],
+                              greedy_match_vs_fp32_llama_cpp=sum(a == b for a, b in zip(peer_ids, tf32["ids"])))
+    except (ImportError, RuntimeError) as exc:
+        out["llama_cpp_error"] = str(exc)
+        print(exc)
     return out
 
 
@@ -189,6 +226,13 @@ def print_summary(r: dict) -> None:
         rows.append([name, v["output_tok_s"], v["seconds"], None])
     for key in ("int8", "bf16"):
         _add_variant_rows(rows, key, r.get(key))
+    for shape in ("batch1", "parallel"):
+        g = (r.get("gguf") or {}).get(shape)
+        if g:
+            rows.append([f"tokenforge gguf-native {shape}", g["tokenforge"]["output_tok_s"], g["tokenforge"]["median_s"],
+                         None if "ratio" not in g else f"{g['ratio']:.2f}x vs llama.cpp"])
+            if "llama_cpp" in g:
+                rows.append([g["llama_cpp"]["name"], g["llama_cpp"]["output_tok_s"], g["llama_cpp"]["seconds"], None])
     report.print_table(f"W6 cpu  {r['model']}  {r['device']}  threads={r['threads']}",
                        ["variant", "output tok/s", "seconds", "vs HF best"], rows)
     if "parity" in r:

@@ -24,12 +24,13 @@ from torch import nn
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader.dummy_loader import initialize_dummy_weights, read_config_json
 from tokenforge.model.loader.gguf_file import GGUFFile
-from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, gguf_weights
+from tokenforge.model.loader.gguf_loader import arch_config_from_gguf, gguf_weights, stored_linear_tensors
 from tokenforge.model.loader.kv_scales import KVScaleCollector, kv_scale_target
 from tokenforge.model.loader.safetensors_loader import read_hf_config, safetensors_files, safetensors_weights
 from tokenforge.model.loader.weight_cache import WeightCache, cache_key
 from tokenforge.model.models import get_model_class
-from tokenforge.model.quant import QuantOptions, after_loading, before_loading, checkpoint_scheme
+from tokenforge.model.quant import QuantOptions, after_loading, before_loading, checkpoint_scheme, linear_layers
+from tokenforge.model.quant.gguf_native import attach_gguf_native
 from tokenforge.source import LOAD_FORMATS, ModelNotFoundError, ModelSource, find_bundled_gguf, resolve_model_source
 
 logger = logging.getLogger(__name__)
@@ -65,13 +66,16 @@ def read_arch_config(model: str | Path | None, load_format: str = "auto") -> Arc
 def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, device: torch.device | str,
                seed: int = 0, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1,
                cache: CacheOptions | None = None, quant: QuantOptions | None = None,
-               cpu_int8_dynamic: bool = False, expert_parallel: bool = False) -> LoadedModel:
+               cpu_int8_dynamic: bool = False, expert_parallel: bool = False,
+               gguf_native: bool = False) -> LoadedModel:
     """Build the model for this rank on `device` and fill it: from the engine cache when it holds
     this rank's converted weights, else from the source (and then into the cache). `quant` then
     quantizes or prunes it (each rank's shard), and a pre-quantized safetensors checkpoint is
     converted to the kernels' format. The engine cache holds the weights before on-the-fly
     quantization (which runs after every load); a pre-quantized checkpoint bypasses the cache.
-    `expert_parallel`: a mixture of experts gives each rank whole experts (layers/moe.py)."""
+    `expert_parallel`: a mixture of experts gives each rank whole experts (layers/moe.py).
+    `gguf_native`: a GGUF model on the CPU (one rank, no other quantization) then computes its
+    linears from the stored blocks (model/quant/gguf_native.py)."""
     start = time.perf_counter()
     quant = quant or QuantOptions()
     source = resolve_model_source(model, load_format)
@@ -100,6 +104,9 @@ def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, d
             entry.store(net, {"source": str(source.path), "checksum": checksum, "dtype": str(dtype),
                               "tp": [tp_rank, tp_size], "pp": [pp_rank, pp_size], "kv_scales": kv_scales})
     after_loading(net, prepared, quant, cpu_int8_dynamic)
+    if gguf is not None and gguf_native and quant.is_empty and tp_size == 1 and torch.device(device).type == "cpu":
+        layers = linear_layers(net, include_lm_head=True)
+        attach_gguf_native(net, stored_linear_tensors(gguf, config, layers, net.packed_modules))
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s%s", source.path, source.kind, config.architecture, seconds,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -157,6 +158,47 @@ def gguf_weights(gguf: GGUFFile, config: ArchConfig, wanted: Callable[[str], boo
             heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
             tensor = _unpermute(tensor, heads)
         yield hf_name, tensor
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTensor:
+    """One GGUF tensor's blocks as the file stores them, for a method that computes with them."""
+
+    name: str                   # the GGUF name
+    ggml_type: int
+    blocks: torch.Tensor        # uint8 [rows, row bytes], a view of the file map
+    in_features: int
+    rotary_heads: int | None    # q/k of a `llama` file: rows in llama.cpp's rotary order, over these heads
+
+
+def stored_linear_tensors(gguf: GGUFFile, config: ArchConfig, layers: list[tuple[str, object]],
+                          packed_modules: dict[str, dict]) -> dict[str, list[StoredTensor]]:
+    """Module name -> the GGUF tensors its weight is made of, in the layer's row order (q|k|v,
+    gate|up), for each named linear (`layers`, as `quant.base.linear_layers` lists them). A tied
+    LM head is made of `token_embd.weight`."""
+    permuted = gguf.metadata["general.architecture"] in ("llama", "mistral")
+    gguf_names = {_hf_name(name): name for name in gguf.tensors}
+    out: dict[str, list[StoredTensor]] = {}
+    for module, layer in layers:
+        prefix, _, leaf = module.rpartition(".")
+        parts = packed_modules.get(leaf)
+        if parts:
+            hf_names = [f"{prefix}.{part}.weight" for part, _ in sorted(parts.items(),
+                                                                        key=lambda p: layer.shard_index(p[1]))]
+        else:
+            hf_names = ["model.embed_tokens.weight" if module == "lm_head" and config.tie_word_embeddings
+                        else f"{module}.weight"]
+        tensors = []
+        for hf_name in hf_names:
+            name = gguf_names[hf_name]
+            info = gguf.tensors[name]
+            heads = None
+            if permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):
+                heads = config.num_attention_heads if ".q_proj." in hf_name else config.num_key_value_heads
+            tensors.append(StoredTensor(name, info.ggml_type, gguf.raw(name).view(info.shape[0], -1),
+                                        info.shape[-1], heads))
+        out[module] = tensors
+    return out
 
 
 def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -1,0 +1,157 @@
+"""GGUF weights computed in their stored block format on the CPU: the default there for a GGUF
+model (`--dtype auto`); `--dtype float32` keeps the dequantized float path as the reference.
+
+In: the loaded float model and, per linear, its GGUF tensors as stored (`StoredTensor`s from
+model/loader/gguf_loader.py: q|k|v and gate|up in the layer's row order). `attach_gguf_native`
+repacks each one losslessly (kernels/gguf_repack.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), undoes
+llama.cpp's rotary row order of q/k by permuting packed rows, hands the layer to this method and
+frees its float weight. A Q4_K_M file mixes types within one fused layer: neighbouring tensors of
+one packed layout are concatenated, so such a layer runs one kernel call per layout. A layer with a
+tensor of another type (F32, F16, Q2_K, Q3_K, IQ*, TQ*) keeps the dense float path (one log line per quantized
+type names it and the native ones). The embedding lookup keeps its float table; a tied LM head
+computes from token_embd's blocks.
+
+apply: `gguf_matmul` (kernels/gguf_cpu.py): int8 activations per block of 32, integer dot
+products, float32 out, for up to `DEQUANTIZE_ROWS` rows (decode, short prompts). A longer prefill
+chunk dequantizes the layer into a temporary and runs the float GEMM, which on these CPUs is
+several times faster than the integer loops at that size (a 256-token window took 3x as long
+natively), and is exactly the reference path's product. At decode sizes the add + RMSNorm before
+q|k|v and gate|up and the SwiGLU before down are fused into the activation quantization
+(`apply_normed`, `apply_silu_mul`: one native call each instead of ~10 small torch ops).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, gguf_matmul, matmul_quantized, native_library,
+                                         rms_norm_quantize, silu_mul_quantize)
+from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed, repack
+from tokenforge.model.quant.base import QuantMethod, drop_weights
+
+logger = logging.getLogger(__name__)
+
+DEQUANTIZE_ROWS = 64
+_FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}     # float already: the dense path is the stored format
+
+
+class GgufNativeMethod(QuantMethod):
+    """`layer.gguf_weight`: the PackedWeights of one layer, one per run of a packed layout."""
+
+    name = "gguf-native"
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """float32 [out, in]: the blocks as the float path holds them."""
+        return torch.cat([dequantize_packed(w) for w in layer.gguf_weight])
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1])                                         # [T, in]
+        if x2.shape[0] > DEQUANTIZE_ROWS:
+            out = F.linear(x2.float(), self.dequantized(layer), None if bias is None else bias.float())
+        else:
+            parts = [gguf_matmul(x2, w) for w in layer.gguf_weight]
+            out = self._finish(parts, bias)
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+    def apply_normed(self, layer, x, residual, norm, bias):
+        """Add + RMSNorm computed and quantized in one native call, then the integer kernels."""
+        lib = self._fusing(x, x.shape[-1])
+        if lib is None or (residual is not None and residual.dtype != torch.float32):
+            return None
+        acts, residual = rms_norm_quantize(lib, x.contiguous(), None if residual is None else residual.contiguous(),
+                                           norm.weight, norm.eps)
+        return self._finish([matmul_quantized(lib, acts, w) for w in layer.gguf_weight], bias), residual
+
+    def apply_silu_mul(self, layer, gate_up, bias):
+        """SwiGLU computed and quantized in one native call, then the integer kernels."""
+        lib = self._fusing(gate_up, gate_up.shape[-1] // 2)
+        if lib is None:
+            return None
+        acts = silu_mul_quantize(lib, gate_up.contiguous())
+        return self._finish([matmul_quantized(lib, acts, w) for w in layer.gguf_weight], bias)
+
+    @staticmethod
+    def _fusing(x: torch.Tensor, width: int):
+        """The native library when this call takes a fused prologue (decode sizes, float32), else None."""
+        if x.dim() != 2 or x.shape[0] > DEQUANTIZE_ROWS or x.dtype != torch.float32 or width > MAX_FUSED_ROW:
+            return None
+        return native_library()
+
+    @staticmethod
+    def _finish(parts: list[torch.Tensor], bias: torch.Tensor | None) -> torch.Tensor:
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)        # [T, out]
+        if bias is not None:
+            out += bias
+        return out
+
+
+GGUF_NATIVE = GgufNativeMethod()
+
+
+def _rotary_rows(rows: int, num_heads: int) -> torch.Tensor:
+    """Row index taking llama.cpp's interleaved q/k rows to HF order (gguf_loader._unpermute)."""
+    return torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
+
+
+def packed_weights(tensors: list) -> list[PackedWeight]:
+    """A layer's stored tensors -> its PackedWeights, neighbours of one layout concatenated."""
+    groups: list[list[PackedWeight]] = []
+    for t in tensors:
+        w = repack(t.blocks, t.ggml_type, t.in_features)
+        if t.rotary_heads:
+            w = w.rows(_rotary_rows(w.out_features, t.rotary_heads))
+        if groups and groups[-1][0].kind == w.kind:
+            groups[-1].append(w)
+        else:
+            groups.append([w])
+    return [cat_rows(g) if len(g) > 1 else g[0] for g in groups]
+
+
+def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> int:
+    """Give every linear (module name -> its StoredTensors) whose tensors all have a native type
+    the GGUF method, freeing its float weight. Returns the number of layers converted."""
+    modules = dict(model.named_modules())
+    skipped: dict[int, list[str]] = defaultdict(list)
+    converted, freed = 0, 0
+    for name, tensors in stored.items():
+        other = [t for t in tensors if t.ggml_type not in NATIVE_TYPES]
+        if other:
+            for t in other:
+                if t.ggml_type not in _FLOAT_TYPES:
+                    skipped[t.ggml_type].append(t.name)
+            continue
+        layer = modules[name]
+        weights = packed_weights(tensors)
+        weight = layer._parameters.get("weight")
+        tied = layer is getattr(model, "lm_head", None) and model.config.tie_word_embeddings
+        if weight is not None and not tied:          # a tied head's weight is the embedding's table
+            freed += weight.numel() * weight.element_size()
+        drop_weights(layer)
+        layer.weight = None
+        layer.gguf_weight = weights
+        layer.quant_method = GGUF_NATIVE
+        converted += 1
+    for ggml_type, names in skipped.items():
+        logger.warning("GGUF type %s (%d tensors, e.g. %s) has no native CPU kernel (native: %s): those linears "
+                       "run dequantized to float32", type_label(ggml_type), len(names), names[0],
+                       ", ".join(NATIVE_TYPES.values()))
+    logger.info("GGUF blocks computed as stored on the CPU: %d linears (%.0f MB of float weights freed)",
+                converted, freed / 1e6)
+    return converted
+
+
+def type_label(ggml_type: int) -> str:
+    try:
+        import gguf  # noqa: PLC0415 - names only
+
+        return gguf.GGMLQuantizationType(ggml_type).name
+    except (ImportError, ValueError):
+        return f"ggml type {ggml_type}"
+
+
+__all__ = ["DEQUANTIZE_ROWS", "GGUF_NATIVE", "GgufNativeMethod", "attach_gguf_native", "packed_weights"]
