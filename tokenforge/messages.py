@@ -163,6 +163,12 @@ class WorkerStep(msgspec.Struct, tag="step", array_like=True):
     def is_empty(self) -> bool:
         return not self.sequences
 
+    @property
+    def lora_loads(self) -> list:
+        """LoRA slot writes: none on a worker (LoRA is refused across processes; the runner reads
+        this field of a SchedulerOutput and a WorkerStep alike)."""
+        return []
+
 
 class WorkerFinishStep(msgspec.Struct, tag="finish", array_like=True):
     """Pipelined steps with TP: the first stage's ranks finish their oldest step in flight (take the

@@ -9,6 +9,10 @@ import pytest
 
 from tokenforge import LLM, SamplingParams
 
+# Every engine here runs float32, the reference path: GGUF-native 8-bit activations turn float
+# rounding differences between batch shapes into different tokens (tests/model/test_gguf_native.py
+# covers that path); these tests are about the scheduling.
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -31,7 +35,7 @@ def _params():
 
 
 def _run(**kwargs):
-    llm = LLM(max_model_len=512, **kwargs)
+    llm = LLM(max_model_len=512, dtype="float32", **kwargs)
     outs = llm.generate(PROMPTS, _params(), use_tqdm=False)
     stats = llm.get_stats()
     assert stats.num_free_blocks == stats.num_kv_blocks, "KV blocks leaked"
@@ -60,12 +64,12 @@ def test_async_engine_matches_sync_engine(sync_outputs, kwargs):
 
 
 def test_async_engine_falls_back_to_sync_for_penalties_and_stays_correct(sync_outputs):
-    llm = LLM(max_model_len=512, async_scheduling=True)
+    llm = LLM(max_model_len=512, dtype="float32", async_scheduling=True)
     mixed = _params() + [SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3)]
     outs = llm.generate(PROMPTS + ["The capital of France is"], mixed, use_tqdm=False)
     got = [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in outs[:-1]]
     assert got == sync_outputs
-    ref = LLM(max_model_len=512, async_scheduling=False).generate(
+    ref = LLM(max_model_len=512, dtype="float32", async_scheduling=False).generate(
         "The capital of France is", mixed[-1], use_tqdm=False)
     assert outs[-1].outputs[0].token_ids == ref[0].outputs[0].token_ids
     # a second call reuses the engine: nothing was left in flight
@@ -78,12 +82,12 @@ def test_a_prefix_computed_in_the_same_step_is_shared_and_correct():
     computes its prefix shares those blocks (the KV store of a layer precedes its attention)."""
     prompt = "The history of the printing press begins in the fifteenth century. " * 8
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    alone = LLM(max_model_len=512).generate(prompt, params, use_tqdm=False)[0]
-    llm = LLM(max_model_len=512)
+    alone = LLM(max_model_len=512, dtype="float32").generate(prompt, params, use_tqdm=False)[0]
+    llm = LLM(max_model_len=512, dtype="float32")
     first, second = llm.generate([prompt, prompt + " And"], params, use_tqdm=False)
     assert second.num_cached_tokens >= 64 and first.num_cached_tokens == 0
     assert first.outputs[0].token_ids == alone.outputs[0].token_ids
-    reference = LLM(max_model_len=512, enable_prefix_caching=False).generate(prompt + " And", params, use_tqdm=False)
+    reference = LLM(max_model_len=512, dtype="float32", enable_prefix_caching=False).generate(prompt + " And", params, use_tqdm=False)
     assert second.outputs[0].token_ids == reference[0].outputs[0].token_ids
 
 

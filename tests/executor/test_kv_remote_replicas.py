@@ -28,7 +28,7 @@ BS, PREFIX, SUFFIX, TRIALS = 16, 1500, 12, 3
 
 @pytest.fixture(scope="module")
 def replicas():
-    engines = [LLM(device="cpu", kv_remote=REDIS, num_kv_blocks=256, max_model_len=2048, block_size=BS)
+    engines = [LLM(device="cpu", dtype="float32", kv_remote=REDIS, num_kv_blocks=256, max_model_len=2048, block_size=BS)
                for _ in range(2)]
     yield engines
     for e in engines:

@@ -85,7 +85,7 @@ def test_an_unsupported_type_says_so_in_one_line_and_runs_dequantized(tmp_path, 
     path = write_tiny_gguf(tmp_path / "mixed.gguf", "Q8_0", K_SHAPE, mixed={"ffn_down.weight": "TQ2_0"})
     with caplog.at_level(logging.WARNING, logger="tokenforge.model.quant.gguf_native"):
         native = load_model(path, "auto", torch.float32, "cpu", gguf_native=True).model
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "tokenforge.model.quant.gguf_native"]
     assert lines == ["GGUF type TQ2_0 (2 tensors, e.g. blk.0.ffn_down.weight) has no native CPU kernel (native: "
                      "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): those linears run dequantized to float32"]
     methods = {n: type(m.quant_method) for n, m in native.named_modules() if hasattr(m, "quant_method")}

@@ -16,8 +16,10 @@ import httpx
 from .servers import ServerProcess, free_port
 
 # 256 blocks of 16 tokens: room for the 1,500-token prompts, and 190 MB of KV rather than the CPU default 1 GiB.
+# float32 (the reference path): a restored prefix must give the cold run's tokens exactly; with the
+# GGUF-native 8-bit activations a KV computed in another chunking can round differently.
 SERVE = [sys.executable, "-m", "tokenforge.cli", "serve", "--device", "cpu", "--max-model-len", "2048",
-         "--num-kv-blocks", "256"]
+         "--num-kv-blocks", "256", "--dtype", "float32"]
 
 
 def start_replicas(remote_url: str, n: int = 2, *flags: str) -> list[ServerProcess]:

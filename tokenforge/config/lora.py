@@ -43,6 +43,10 @@ class LoRAConfig:
     allow_runtime_lora_updating: bool = _flag(False, "serve: allow POST /v1/load_lora_adapter and "
                                               "/v1/unload_lora_adapter")
 
+    def __post_init__(self) -> None:
+        # a tuple however it came (a list from the CLI or from msgpack, which has no tuples)
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules or ()))
+
     @property
     def modules(self) -> dict[str, str]:
         return parse_lora_modules(self.lora_modules)
