@@ -134,7 +134,7 @@ class RouterApp:
             response = await self.client.send(request, stream=True)
         except httpx.TransportError as err:
             replica.in_flight -= 1
-            self.pool.fail(replica, f"{type(err).__name__}: {err}", at_once=isinstance(err, httpx.ConnectError))
+            self.pool.fail(replica, f"{type(err).__name__}: {err}".rstrip(": "), at_once=isinstance(err, httpx.ConnectError))
             self.metrics.retries.labels(type(err).__name__).inc()
             logger.warning("replica %s: %s before the response; %s", replica.url, type(err).__name__,
                            "trying another" if retryable else "no replica left")

@@ -114,7 +114,7 @@ class ReplicaPool:
                                             headers=self._auth())
             metrics.raise_for_status()
         except httpx.HTTPError as err:
-            self.fail(replica, f"health check failed: {type(err).__name__}: {err}")
+            self.fail(replica, f"health check failed: {type(err).__name__}: {err}".rstrip(": "))
             return
         for key, value in parse_metrics(metrics.text).items():
             setattr(replica, key, value)
