@@ -21,6 +21,7 @@ from tokenforge.cli.doctor import add_doctor_parser
 from tokenforge.cli.engine_args import PLAYBOOK_NOTES, engine_kwargs
 from tokenforge.cli.eval import add_eval_parser
 from tokenforge.cli.generate import add_generate_parser
+from tokenforge.cli.quantize import add_quantize_parser
 from tokenforge.cli.parser import (
     HelpFormatter,
     Parser,
@@ -72,6 +73,7 @@ def build_parser(argv: list[str] | None = None) -> Parser:
     add_bench_parser(sub, only="*" if argv is None else _bench_name(argv))
     add_train_parsers(sub, argv)
     add_eval_parser(sub)
+    add_quantize_parser(sub)
     add_planned_commands(sub)
     for name, p in sub.choices.items():
         if "--log-level" not in p._option_string_actions and name != "bench":

@@ -54,11 +54,17 @@ class ModelConfig:
         "checks). Playbook: 8bit, 4bit", values={m: m for m in QUANTIZATION_MODES if m} | QUANTIZATION_ALIASES,
         invalid="is not a quantization mode: int8 (alias 8bit), int4 (alias 4bit), fp8, fp8-sim")
     quantization_group_size: int = flag(128, "int4: inputs per scale (default 128)")
-    quantize_lm_head: bool = flag(False, "quantize the lm_head too (default: model dtype)")
+    quantize_lm_head: bool = flag(False, "quantize the lm_head too (int8, int4, fp8; a tied lm_head gets its own "
+                                  "quantized copy and the embedding stays in the model dtype; default: model dtype)")
+    quantization_calibration: str | None = flag(
+        None, "int4 only: GPTQ rounding computed at load from this calibration text (a UTF-8 FILE, or 'builtin': "
+        "~3,600 tokens of varied prose and code shipped with tokenforge); default: round-to-nearest",
+        metavar="FILE|builtin")
     quantization_backend: str = flag("tokenforge", "tokenforge (the default and only backend; bitsandbytes is refused)")
     prune_rate: float | None = flag(None, "zero this fraction of each linear's weights by magnitude (quality only: weights stay dense)")
     sparsity: str | None = flag(None, "2:4: semi-structured pruning, run as sparse tensors on the GPU (dense on the CPU)")
     model_id: str | None = None         # the Hub id the user gave, when `model` is its local snapshot
+    calibration_token_ids: tuple[int, ...] | None = None   # the calibration text, encoded (engine_core.py)
 
     def validate(self) -> None:
         self._validate_quantization()
@@ -82,6 +88,9 @@ class ModelConfig:
         _check(g >= 8 and g % 8 == 0, f"quantization_group_size must be a positive multiple of 8, got {g}")
         _check(not self.quantize_lm_head or self.quantization in ("int8", "int4", "fp8", "fp8-sim"),
                "quantize_lm_head needs a quantization mode")
+        _check(not self.quantization_calibration or self.quantization == "int4",
+               f"quantization_calibration applies to quantization='int4' only (GPTQ rounding of int4 groups), got "
+               f"quantization={self.quantization!r}")
         _check(self.prune_rate is None or 0.0 <= self.prune_rate < 1.0,
                f"prune_rate must be in [0, 1), got {self.prune_rate}")
         _check(self.sparsity in (None, "2:4"),

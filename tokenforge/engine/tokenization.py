@@ -185,6 +185,22 @@ def load_engine_tokenizer(model: str | Path | None, load_format: str = "auto",
     return load_tokenizer(model, cache_dir)
 
 
+def with_calibration_ids(config, tokenizer=None):
+    """The config with its int4 calibration text (`quantization_calibration`) encoded into
+    `model.calibration_token_ids` and checked to hold one window, before any weight loads."""
+    import dataclasses  # noqa: PLC0415
+
+    from tokenforge.config.calibration import calibration_text, check_calibration_tokens  # noqa: PLC0415
+
+    m = config.model
+    if not m.quantization_calibration or m.calibration_token_ids is not None:
+        return config
+    text = calibration_text(m.quantization_calibration)
+    ids = (tokenizer or load_engine_tokenizer(m.model, config.load.load_format)).encode(text)
+    check_calibration_tokens(m.quantization_calibration, len(ids))
+    return dataclasses.replace(config, model=dataclasses.replace(m, calibration_token_ids=tuple(ids)))
+
+
 def _bare_config(model: str | Path | None) -> Path | None:
     if model is None:
         return None

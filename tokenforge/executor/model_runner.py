@@ -76,9 +76,8 @@ class ModelRunner:
         r, cfg, m = self.rank, self.config, self.config.model
         check_device(m.quantization, self.device.type)
         cpu_int8 = m.quantization == "int8" and self.device.type == "cpu"   # the CPU's int8 is dynamic int8
-        if cpu_int8 and m.quantize_lm_head:
-            raise ValueError("quantize_lm_head is not available with the CPU's dynamic int8 (the lm_head stays float32)")
-        quant = QuantOptions(m.quantization, m.quantization_group_size, m.quantize_lm_head, m.prune_rate, m.sparsity)
+        quant = QuantOptions(m.quantization, m.quantization_group_size, m.quantize_lm_head, m.prune_rate, m.sparsity,
+                             tuple(m.calibration_token_ids) if m.calibration_token_ids else None)
         cache = (CacheOptions(cfg.load.engine_cache_dir, m.model_version, m.quantization)
                  if cfg.load.engine_cache_dir else None)
         loaded = load_model(m.model, cfg.load.load_format, self.dtype, self.device, m.seed,

@@ -13,11 +13,16 @@ Modes (`--quantization`):
 - int8: weight-only, per output channel. CUDA: dequant-fused Triton GEMV at small M, dequantize
   + cuBLAS above. The CPU keeps its dynamic int8 (fbgemm; cpu_int8.py, applied by the runner).
 - int4: weight-only, asymmetric, groups of `group_size` inputs. The CPU simulates it (weights
-  dequantized at load).
+  dequantized at load). Round-to-nearest, or with `calibration_ids` (the encoded
+  `--quantization-calibration` text) GPTQ codes from the Hessians one float pass records
+  (calibrate.py, gptq.py).
 - fp8: W8A8 e4m3, per-channel weight scales, dynamic per-token activation scales, torch._scaled_mm
   (Hopper); refused elsewhere.
 - fp8-sim: fp8 W8A8 simulated by quantize-dequantize in float (any device), for quality tables.
-The lm_head and the embedding stay in the model dtype unless `quantize_lm_head`.
+The lm_head and the embedding stay in the model dtype unless `quantize_lm_head`; a tied lm_head
+then gets its own quantized copy (the method replaces the lm_head's reference to the shared
+Parameter) while the embedding keeps the float one. With the CPU's dynamic int8 the lm_head runs
+as weight-only int8 (int8.py, the torch reference).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 from torch import nn
 
 from tokenforge.model.quant.base import linear_layers
+from tokenforge.model.quant.calibrate import calibrate_int4
 from tokenforge.model.quant.checkpoint import CheckpointScheme, detect, prepare_model
 from tokenforge.model.quant.cpu_int8 import quantize_linears_int8
 from tokenforge.model.quant.dense import packing_pays, prepack_linears
@@ -50,6 +56,7 @@ class QuantOptions:
     quantize_lm_head: bool = False
     prune_rate: float | None = None
     sparsity: str | None = None
+    calibration_ids: tuple[int, ...] | None = None     # int4: the calibration text, encoded (GPTQ)
 
     @property
     def is_empty(self) -> bool:
@@ -87,6 +94,11 @@ def before_loading(model: nn.Module, scheme: CheckpointScheme | None, options: Q
     """Give a pre-quantized checkpoint's linears their parameters. Refuses mixing a pre-quantized
     checkpoint with on-the-fly quantization or pruning."""
     if scheme is None:
+        mode = options.sparsity or options.quantization
+        if mode:                      # refuse a shape the mode cannot take before any weight is read
+            method = ON_THE_FLY[mode](options.group_size)
+            for name, layer in _on_the_fly_layers(model, options):
+                method.check(layer, name)
         return PreparedModel(None, [])
     if not options.is_empty:
         flags = ", ".join(f"{k}={v!r}" for k, v in (("quantization", options.quantization),
@@ -115,18 +127,29 @@ def _assign_on_the_fly(model: nn.Module, options: QuantOptions, cpu_int8_dynamic
     if options.prune_rate:
         prune_model(linear_layers(model), options.prune_rate)
     mode = options.sparsity or options.quantization
-    if not mode or (mode == "int8" and cpu_int8_dynamic):
+    if not mode:
         return
+    layers = _on_the_fly_layers(model, options)
+    if mode == "int8" and cpu_int8_dynamic:        # the runner's dynamic int8 takes the linears
+        if not options.quantize_lm_head:
+            return
+        layers = [(n, m) for n, m in layers if m is getattr(model, "lm_head", None)]
     method = ON_THE_FLY[mode](options.group_size)
-    layers = linear_layers(model, include_lm_head=options.quantize_lm_head and not options.sparsity)
     for name, layer in layers:                     # check every shape before changing any
         method.check(layer, name)
+    if mode == "int4" and options.calibration_ids:
+        calibrate_int4(model, layers, options.calibration_ids, options.group_size)   # Int4Method installs it
     for _, layer in layers:
         layer.quant_method = method
         method.create_weights(layer)               # on-the-fly: the loaded float weight stays
-    logger.info("%s: %d linears%s", mode, len(layers), f" (group {options.group_size})" if mode == "int4" else "")
+    logger.info("%s: %d linears%s", mode, len(layers), f" (group {options.group_size}, "
+                f"{'GPTQ-calibrated' if options.calibration_ids else 'round-to-nearest'})" if mode == "int4" else "")
     if options.quantize_lm_head and getattr(model.config, "tie_word_embeddings", False):
         logger.info("--quantize-lm-head with tied embeddings: the embedding keeps its float copy")
+
+
+def _on_the_fly_layers(model: nn.Module, options: QuantOptions) -> list[tuple[str, nn.Module]]:
+    return linear_layers(model, include_lm_head=options.quantize_lm_head and not options.sparsity)
 
 
 __all__ = ["QUANT_MODES", "PreparedModel", "QuantOptions", "after_loading", "before_loading", "check_device",

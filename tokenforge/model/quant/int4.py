@@ -4,6 +4,9 @@ packed two per byte (kernels/quant_gemv.py's layout; the int4 checkpoint formats
 
 On the CPU int4 is simulated: the weight is dequantized back in place at load and the layer runs
 dense (the numerics of the quantized model, the speed and memory of the float one).
+
+Calibrated int4 (`--quantization-calibration`): calibrate.py leaves each layer GPTQ codes
+(gptq.py) in the same format, installed instead of round-to-nearest ones.
 """
 
 from __future__ import annotations
@@ -52,8 +55,12 @@ class Int4Method(QuantizedMethod):
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        w = layer.weight.detach()
-        self.install_packed(layer, *quantize_int4_groups(w, self.group_size, w.dtype))
+        """Round-to-nearest, or the GPTQ codes calibration left on the layer (calibrate.py)."""
+        codes = layer.__dict__.pop("calibrated_int4", None)
+        if codes is None:
+            w = layer.weight.detach()
+            codes = quantize_int4_groups(w, self.group_size, w.dtype)
+        self.install_packed(layer, *codes)
 
     def install_packed(self, layer: nn.Module, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Take the layer over with packed codes, scales and zeros (or, on the CPU, their dequantized
