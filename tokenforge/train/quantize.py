@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from tokenforge.kernels.quant_gemv import unpack_int4
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader import load_model, read_arch_config
 from tokenforge.model.quant import linear_layers
@@ -41,6 +40,11 @@ def check_int4_shapes(cfg: ArchConfig, group: int) -> None:
                     ("o_proj (heads x head_dim)", cfg.num_attention_heads * cfg.head_dim),
                     ("down_proj (intermediate_size)", cfg.intermediate_size)):
         check_group_size(k, group, name)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] (int4.py's layout: low nibble = even k) -> codes uint8 [N, K]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
 def pack_int32(codes: torch.Tensor) -> torch.Tensor:
