@@ -68,7 +68,7 @@ def _fake_quant_reference(hf, mode: str, group: int, lm_head: bool = False):
 
 
 @pytest.mark.parametrize("mode,group,lm_head", [("int8", 128, False), ("int4", 64, False), ("int4", 32, True),
-                                                ("fp8-sim", 128, False), ("int8", 128, True)])
+                                                ("fp8-sim", 128, False), ("int8", 128, True), ("fp8-sim", 128, True)])
 def test_mode_matches_dequantized_reference(float_checkpoint, paged_driver, mode, group, lm_head):
     hf, path = float_checkpoint
     opts = QuantOptions(mode, group_size=group, quantize_lm_head=lm_head)

@@ -22,7 +22,8 @@ Modes (`--quantization`):
 The lm_head and the embedding stay in the model dtype unless `quantize_lm_head`; a tied lm_head
 then gets its own quantized copy (the method replaces the lm_head's reference to the shared
 Parameter) while the embedding keeps the float one. With the CPU's dynamic int8 the lm_head runs
-as weight-only int8 (int8.py, the torch reference).
+as weight-only int8 (int8.py, the torch reference); under fp8 / fp8-sim as weight-only fp8
+(registry.LM_HEAD_METHODS: the final hidden state is not quantized).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from tokenforge.model.quant.calibrate import calibrate_int4
 from tokenforge.model.quant.checkpoint import CheckpointScheme, detect, prepare_model
 from tokenforge.model.quant.cpu_int8 import quantize_linears_int8
 from tokenforge.model.quant.dense import packing_pays, prepack_linears
-from tokenforge.model.quant.registry import ON_THE_FLY
+from tokenforge.model.quant.registry import LM_HEAD_METHODS, ON_THE_FLY
 from tokenforge.model.quant.sparsity import prune_model
 
 logger = logging.getLogger(__name__)
@@ -139,9 +140,10 @@ def _assign_on_the_fly(model: nn.Module, options: QuantOptions, cpu_int8_dynamic
         method.check(layer, name)
     if mode == "int4" and options.calibration_ids:
         calibrate_int4(model, layers, options.calibration_ids, options.group_size)   # Int4Method installs it
+    lm_head = getattr(model, "lm_head", None)
     for _, layer in layers:
-        layer.quant_method = method
-        method.create_weights(layer)               # on-the-fly: the loaded float weight stays
+        layer.quant_method = LM_HEAD_METHODS[mode]() if layer is lm_head and mode in LM_HEAD_METHODS else method
+        layer.quant_method.create_weights(layer)   # on-the-fly: the loaded float weight stays
     logger.info("%s: %d linears%s", mode, len(layers), f" (group {options.group_size}, "
                 f"{'GPTQ-calibrated' if options.calibration_ids else 'round-to-nearest'})" if mode == "int4" else "")
     if options.quantize_lm_head and getattr(model.config, "tie_word_embeddings", False):

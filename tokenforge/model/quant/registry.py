@@ -17,7 +17,7 @@ from tokenforge.model.quant.awq import AwqMethod, parse as parse_awq
 from tokenforge.model.quant.base import QuantMethod
 from tokenforge.model.quant.compressed_tensors import CompressedTensorsFp8, CompressedTensorsW4A16
 from tokenforge.model.quant.compressed_tensors import parse as parse_compressed_tensors
-from tokenforge.model.quant.fp8 import Fp8Method, Fp8SimMethod
+from tokenforge.model.quant.fp8 import Fp8Method, Fp8SimMethod, Fp8WeightOnlyMethod
 from tokenforge.model.quant.int4 import Int4Method
 from tokenforge.model.quant.int8 import Int8Method
 from tokenforge.model.quant.mxfp4 import parse as parse_mxfp4
@@ -33,6 +33,12 @@ ON_THE_FLY: dict[str, Callable[[int], QuantMethod]] = {
     "2:4": lambda group_size: Sparse24Method(),
 }
 
+# the lm_head's method where it differs from the mode's (--quantize-lm-head): weight-only fp8
+LM_HEAD_METHODS: dict[str, Callable[[], QuantMethod]] = {
+    "fp8": Fp8WeightOnlyMethod,
+    "fp8-sim": Fp8WeightOnlyMethod,
+}
+
 CHECKPOINT_FORMATS: dict[str, Callable[[dict], CheckpointScheme]] = {
     "compressed-tensors": parse_compressed_tensors,
     "awq": parse_awq,
@@ -45,4 +51,4 @@ CHECKPOINT_METHODS: dict[str, Callable[[CheckpointScheme], QuantMethod]] = {
     "awq": AwqMethod,
 }
 
-__all__ = ["CHECKPOINT_FORMATS", "CHECKPOINT_METHODS", "ON_THE_FLY"]
+__all__ = ["CHECKPOINT_FORMATS", "CHECKPOINT_METHODS", "LM_HEAD_METHODS", "ON_THE_FLY"]
