@@ -58,7 +58,7 @@ def _fake_quant_reference(hf, mode: str, group: int, lm_head: bool = False):
         w = m.weight.data
         if mode == "int4":
             m.weight.data = dequantize_int4_ref(*quantize_int4_groups(w, group, torch.float32), torch.float32)
-        elif mode == "int8":
+        elif mode == "int8" or "lm_head" in name:       # under fp8 the lm_head is int8 weight-only
             m.weight.data = dequantize_channel_ref(*quantize_int8_channel(w), torch.float32)
         else:
             m.weight.data = dequantize_channel_ref(*quantize_fp8_channel(w), torch.float32)

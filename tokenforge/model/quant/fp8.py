@@ -85,23 +85,4 @@ class Fp8SimMethod(DenseMethod):
         return None
 
 
-class Fp8WeightOnlyMethod(Int8Method):
-    """The lm_head under `--quantization fp8 | fp8-sim --quantize-lm-head`: e4m3 per-channel
-    weights, activations left in the model dtype (the per-channel GEMV / dequantize path of
-    int8.py, which reads e4m3 codes too; the CPU keeps the dequantized float weight). The logits
-    are not computed from an fp8 copy of the final hidden state: measured on the bundled model,
-    W8A8 for the head cost +2.3% to +2.9% perplexity on top of fp8-sim, weight-only fp8 (below)
-    stays within +1% (BENCHMARKS.md, "quantized lm_head")."""
-
-    name = "fp8-weight-only"
-
-    @torch.no_grad()
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        q, scale = quantize_fp8_channel(layer.weight.detach())
-        if q.device.type == "cpu":
-            become_dense(layer, dequantize_channel_ref(q, scale, torch.float32))
-        else:
-            self.install_codes(layer, q, scale)
-
-
-__all__ = ["Fp8Method", "Fp8SimMethod", "Fp8WeightOnlyMethod", "quantize_fp8_channel"]
+__all__ = ["Fp8Method", "Fp8SimMethod", "quantize_fp8_channel"]
