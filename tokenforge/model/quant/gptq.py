@@ -29,7 +29,12 @@ import torch
 from tokenforge.kernels.quant_gemv import pack_int4
 
 BLOCK = 128
-DAMP = 0.01                        # of the mean H diagonal, added to the diagonal
+# Added to H's diagonal, as a multiple of its mean: far more than GPTQ's usual 0.01. A few
+# thousand calibration tokens against K up to 1536 inputs make the raw Hessian overfit: on the
+# bundled model (first 2,048 tokens of GFDL-1.3, calibrated on the built-in text, int4 g64)
+# perplexity was float 21.15, round-to-nearest 27.70, damping 0.01: 30.30, 0.1: 28.43, 0.3: 27.29,
+# 1: 26.85, 10: 25.01, 100: 25.66.
+DAMP = 10.0
 CLIP_RATIOS = (1.0, 0.95, 0.9, 0.85, 0.8)
 
 
