@@ -166,3 +166,17 @@ def test_quantize_cli_errors(tmp_path, capsys):
                        "and MLP inputs (hidden_size) (per tensor-parallel rank): choose a group size that divides it, "
                        "e.g. 64")
     assert not (tmp_path / "o").exists()
+
+
+def test_cpu_int8_with_quantized_lm_head_end_to_end():
+    """The bundled model (tied head) through LLM: the CPU's dynamic int8 linears plus an int8
+    weight-only head, the embedding untouched, greedy decoding running on it."""
+    from tokenforge import LLM, SamplingParams
+
+    llm = LLM(device="cpu", dtype="float32", quantization="int8", quantize_lm_head=True, max_model_len=64,
+              max_num_seqs=2)
+    model = llm.engine.executor.runner.model
+    assert model.lm_head.quant_method.name == "int8" and model.lm_head.q_weight.dtype == torch.int8
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
