@@ -41,6 +41,9 @@ VARIANTS: tuple[Variant, ...] = (
     Variant("int4 g128", {"dtype": "float32", "quantization": "int4", "quantization_group_size": 128}, 8.0),
     # g128 does not divide a hidden size of 576 (the bundled SmolLM2), which int4 refuses; g64 does
     Variant("int4 g64", {"dtype": "float32", "quantization": "int4", "quantization_group_size": 64}),
+    Variant("int4 g64 GPTQ", {"dtype": "float32", "quantization": "int4", "quantization_group_size": 64,
+                              "quantization_calibration": "builtin"}, 8.0),
+    Variant("int8 + lm_head", {"dtype": "float32", "quantization": "int8", "quantize_lm_head": True}),   # vs int8: <= +1%
     Variant("fp8 W8A8", {"dtype": "float32", "quantization": "fp8"}, 3.0, fp8=True,
             cpu_kwargs={"quantization": "fp8-sim"}),
     Variant("fp8 KV", {"dtype": "float32", "kv_cache_dtype": "fp8"}, 1.0, fp8=True),
