@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+from ._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton, use_pdl
 
 
 def lora_reference(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -94,8 +94,12 @@ def lora_plan(indices: torch.Tensor, num_slots: int) -> LoRAPlan:
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, out_ptr, in_features,
                    stride_x, stride_as, stride_ar, stride_split, stride_o, SPLIT_SIZE: tl.constexpr,
-                   PACKED_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   PACKED_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     """One (tile, rank block, K split): out[split, positions, ranks] = x[rows, K split] A[slot]^T."""
+    if USE_PDL:      # launched while the previous kernel drains; everything read here comes after it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     slot = tl.load(tslot_ptr + tile)
     if slot >= 0:
@@ -122,7 +126,10 @@ def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, ou
 def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, y_ptr, out_features,
                    stride_split, stride_s, stride_bs, stride_bn, stride_y, SPLITS: tl.constexpr, RANK: tl.constexpr,
                    NUM_SLICES: tl.constexpr, SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
+                   BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     slot = tl.load(tslot_ptr + tile)
     if slot >= 0:
@@ -186,15 +193,17 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     split_size = triton.cdiv(triton.cdiv(in_features, splits), 64) * 64
     splits = triton.cdiv(in_features, split_size)
     partial = torch.empty(splits, num_tokens, packed_rank, dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x)
     _shrink_kernel[(num_tiles, rank_blocks, splits)](
         x, lora_a, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, partial, in_features,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), SPLIT_SIZE=split_size,
-        PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64)
+        PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, USE_PDL=pdl, launch_pdl=pdl)
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [out_features] * 2
     _expand_kernel[(num_tiles, triton.cdiv(out_features, 64))](
         partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features,
         partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), SPLITS=splits,
-        RANK=rank, NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m, BLOCK_N=64)
+        RANK=rank, NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m, BLOCK_N=64,
+        USE_PDL=pdl, launch_pdl=pdl)
     return y
 
 
