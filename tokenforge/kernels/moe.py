@@ -125,11 +125,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SWIGLU: tl.constexpr, OAI: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
-                     MUL_WEIGHTS: tl.constexpr):
+                     MUL_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out[pair] = a[row of pair] @ W[expert]^T (+ bias) for the pairs of each BLOCK_M block.
     W is [E, N (x2 with SWIGLU: gate rows, then up rows), K] in the activations' dtype, or (MXFP4)
     bytes [E, N, K / 2] with scales [E, N, K / 32]. SWIGLU writes silu(gate) * up, or with OAI
-    gpt-oss's clamped form; MUL_WEIGHTS scales each row by its routing weight."""
+    gpt-oss's clamped form; MUL_WEIGHTS scales each row by its routing weight. DOT_PRECISION is
+    "ieee" for fp32 activations: Triton's default for fp32 dots on NVIDIA is TF32, whose 10-bit
+    inputs move a tiny model's router past a near-tie and change whole tokens."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(valid_ptr):
@@ -160,14 +162,14 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
             w = _fp4_weight_tile(w_ptrs + k0 // 2, s_ptrs + k0 // 32, offs_k, mask_w).to(a.dtype)
         else:
             w = tl.load(w_ptrs + k0, mask=mask_w, other=0.0)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         if SWIGLU:   # the up rows sit N rows below the gate rows
             if MXFP4:
                 u = _fp4_weight_tile(w_ptrs + N * stride_wn + k0 // 2, s_ptrs + N * stride_sn + k0 // 32, offs_k,
                                      mask_w).to(a.dtype)
             else:
                 u = tl.load(w_ptrs + N * stride_wn + k0, mask=mask_w, other=0.0)
-            acc_up += tl.dot(a, u)
+            acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert * stride_be + offs_n
@@ -187,13 +189,26 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _block_config(num_pairs: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized pair counts take the smallest M tile."""
+NUM_STAGES = 3                      # Triton's default on CUDA, which the launches keep
+SHARED_MEMORY_BUDGET = 200 * 1024   # below the H100/H200 227 KiB per block, with room for the epilogue
+
+
+def _block_config(num_pairs: int, element_size: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized pair counts take the smallest M tile. 4-byte
+    (fp32) activations halve BLOCK_K, so the pipelined tiles stay within SHARED_MEMORY_BUDGET."""
     if num_pairs <= 64:
-        return 16, 64, 128
-    if num_pairs <= 1024:
-        return 32, 64, 64
-    return 64, 128, 64
+        bm, bn, bk = 16, 64, 128
+    elif num_pairs <= 1024:
+        bm, bn, bk = 32, 64, 64
+    else:
+        bm, bn, bk = 64, 128, 64
+    return bm, bn, bk if element_size <= 2 else bk // 2
+
+
+def shared_memory_bytes(block_m: int, block_n: int, block_k: int, element_size: int) -> int:
+    """What the gate-up launch's pipelined tiles hold: an activation tile and the gate and up
+    weight tiles, in the activations' dtype, for each of NUM_STAGES stages."""
+    return NUM_STAGES * (block_m * block_k + 2 * block_k * block_n) * element_size
 
 
 def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool]:
@@ -218,7 +233,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     num_experts, two_inter = w13.shape[0], w13.shape[1]
     inter, top_k = two_inter // 2, ids.shape[1]
     pairs = tokens * top_k
-    block_m, block_n, block_k = _block_config(pairs)
+    block_m, block_n, block_k = _block_config(pairs, x.element_size())
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"      # tf32 is ignored for 16-bit inputs
     sorted_ids, experts, valid = align(ids, num_experts, block_m)
     x = x.contiguous()
     oai = activation == "swiglu_oai"
@@ -229,7 +245,7 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     _moe_gemm_kernel[grid](x, w, s, bias, act, sorted_ids, experts, valid, weights, inter, hidden, pairs, top_k,
                            alpha, limit, x.stride(0), swe, swn, sse, ssn, bias.stride(0), act.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, OAI=oai,
-                           HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False)
+                           HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False, DOT_PRECISION=precision)
     # zeros: pairs of another rank's experts are never written, and the sum over k reads them
     out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
@@ -239,5 +255,5 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     _moe_gemm_kernel[grid](act, w, s, bias, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
                            alpha, limit, act.stride(0), swe, swn, sse, ssn, bias.stride(0), out.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, OAI=False,
-                           HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True)
+                           HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True, DOT_PRECISION=precision)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
