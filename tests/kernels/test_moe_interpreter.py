@@ -7,7 +7,8 @@ Shapes: several tokens, top-k 2 and 4, experts that get no token, pair counts th
 multiple of the M block (each of the three block configurations), a partial last N tile,
 biases with gpt-oss's clamped SwiGLU on MXFP4 experts, and another rank's expert ids.
 
-Runs in a child process (TRITON_INTERPRET must be set before Triton decorates the kernels), so
+Also `route_align` (routing and alignment in one launch) against `route` + `align`, and the
+GEMMs on its layout. Runs in a child process (TRITON_INTERPRET must be set before Triton decorates the kernels), so
 it needs only Triton installed; about 10 s. Also: the block configurations fit in the shared
 memory of a Hopper block (the fp32 prefill tile once asked for 240 KiB and failed to launch).
 """
@@ -35,6 +36,14 @@ CASES = [
     ("prefill", 300, 64, 160, 16, 4, (0, 9, 15), "plain"),           # 1200 pairs: the large config
     ("gpt-oss-like", 13, 64, 64, 6, 2, (4,), "mxfp4_oai_bias_other_rank"),
 ]
+# route_align (kernels/moe_routing.py): (tokens, experts, top_k, order, renormalize, first, num_local)
+ROUTING_CASES = [
+    (1, 8, 2, "softmax_topk", True, 0, None),          # Mixtral at batch 1
+    (16, 128, 8, "softmax_topk", True, 0, None),       # Qwen3-30B-A3B at batch 16
+    (3, 8, 3, "softmax_topk", False, 0, None),         # norm_topk_prob off
+    (5, 32, 4, "topk_softmax", False, 0, None),        # gpt-oss
+    (13, 32, 4, "topk_softmax", False, 8, 8),          # expert parallelism: this rank holds 8..15
+]
 
 
 @pytest.mark.parametrize("pairs", [1, 2, 64, 65, 512, 1024, 1025, 65536])
@@ -56,7 +65,14 @@ def test_fused_moe_under_the_interpreter_with_tf32_rounding_matches_reference():
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_moe_interpreter"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok ") == len(CASES), proc.stdout
+    assert proc.stdout.count(" ok ") == len(CASES) + 2 * len(ROUTING_CASES), proc.stdout
+
+
+def test_route_align_declines_batches_past_its_tile():
+    from tokenforge.kernels.moe_routing import fits
+
+    assert fits(16, 128, 8) and fits(1, 8, 2) and not fits(0, 8, 2)
+    assert not fits(32, 128, 8)          # 256 pairs x 128 experts: the torch route + align
 
 
 # ---- the child process --------------------------------------------------------------------------
@@ -121,7 +137,41 @@ def _main() -> int:
         good = err < 1e-5 and not out.isnan().any()
         failed += not good
         print(f"{name:14s} T={tokens:<4d} k={k} pairs={tokens * k:<5d} {' ok ' if good else ' FAILED '} rel err {err:.1e}")
+    for case in ROUTING_CASES:
+        failed += _routing_case(*case)
     return 1 if failed else 0
+
+
+def _routing_case(tokens, experts, k, order, renormalize, first, num_local) -> int:
+    """route_align against route + align, then the GEMMs on its layout against the reference."""
+    from tokenforge.kernels import moe
+    from tokenforge.kernels.moe_routing import route_align
+
+    gen = torch.Generator().manual_seed(tokens * experts)
+    logits = torch.randn(tokens, experts, generator=gen)
+    block = moe.alignment_block(tokens * k, 4)
+    weights, ids, *alignment = route_align(logits, k, order, renormalize, block, first, num_local)
+    want_weights, want_ids = moe.route(logits, k, order, renormalize)
+    local_count = experts if num_local is None else num_local
+    local = want_ids - first
+    local = torch.where((local >= 0) & (local < local_count), local, local_count)
+    sorted_ids, expert_of_block, valid = moe.align(local, local_count, block)
+    n = int(valid)
+    same = (torch.equal(ids, local) and torch.allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+            and int(alignment[2]) == n and torch.equal(alignment[0][:n], sorted_ids[:n])
+            and bool((alignment[0][n:] == tokens * k).all()) and torch.equal(alignment[1], expert_of_block))
+    label = f"route_align T={tokens} E={experts} k={k} {order}{' renorm' if renormalize else ''} first={first}"
+    print(f"{label:60s} {' ok ' if same else ' FAILED '}")
+    hidden, inter = 32, 32
+    x = torch.randn(tokens, hidden, generator=gen)
+    w13 = torch.randn(local_count, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+    w2 = torch.randn(local_count, hidden, inter, generator=gen) / inter ** 0.5
+    ref = moe.moe_reference(x, w13, w2, want_weights, local)
+    out = moe.fused_moe(x, w13, w2, weights, ids, alignment=tuple(alignment))
+    err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    good = err < 1e-5
+    print(f"{'  fused on its layout':60s} {' ok ' if good else ' FAILED '} rel err {err:.1e}")
+    return (not same) + (not good)
 
 
 if __name__ == "__main__":

@@ -205,6 +205,11 @@ def _block_config(num_pairs: int, element_size: int = 2) -> tuple[int, int, int]
     return bm, bn, bk if element_size <= 2 else bk // 2
 
 
+def alignment_block(num_pairs: int, element_size: int = 2) -> int:
+    """The M tile `fused_moe` runs num_pairs at: the block size its alignment pads to."""
+    return _block_config(num_pairs, element_size)[0]
+
+
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, element_size: int) -> int:
     """What the gate-up launch's pipelined tiles hold: an activation tile and the gate and up
     weight tiles, in the activations' dtype, for each of NUM_STAGES stages."""
@@ -223,11 +228,14 @@ def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, boo
 
 def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+              alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The Triton path of `moe_reference` (same result up to rounding): w13/w2 are float stacks in
     x's dtype or `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory);
     optional biases; activation "silu" or "swiglu_oai" (gpt-oss: clamp at `limit`, sigmoid gain
-    `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing."""
+    `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing. `alignment`:
+    `align`'s result for these ids at `alignment_block(T * k, x.element_size())`, when the caller has it already
+    (kernels/moe_routing.py computes it with the routing, in one launch)."""
     require_triton(x)
     tokens, hidden = x.shape
     num_experts, two_inter = w13.shape[0], w13.shape[1]
@@ -235,7 +243,7 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     pairs = tokens * top_k
     block_m, block_n, block_k = _block_config(pairs, x.element_size())
     precision = "ieee" if x.dtype == torch.float32 else "tf32"      # tf32 is ignored for 16-bit inputs
-    sorted_ids, experts, valid = align(ids, num_experts, block_m)
+    sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     x = x.contiguous()
     oai = activation == "swiglu_oai"
     w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w13)

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenforge.kernels._triton import HAS_TRITON
-from tokenforge.kernels.moe import fused_moe, moe_reference, route, silu_mul
+from tokenforge.kernels.moe import alignment_block, fused_moe, moe_reference, route, silu_mul
+from tokenforge.kernels.moe_routing import route_align
 from tokenforge.kernels.mxfp4 import GROUP, Mxfp4Stack
 from tokenforge.model.arch_config import MoeConfig
 from tokenforge.model.layers.parallel import _without_cycle, all_reduce, default_weight_loader, new_parameter
@@ -71,6 +72,20 @@ def _fused(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: t
     moe = experts.moe
     return fused_moe(x, w13, w2, weights, ids, experts.w13_bias, experts.w2_bias, moe.activation,
                      moe.swiglu_alpha, moe.swiglu_limit)
+
+
+def _fused_from_logits(experts: FusedExperts, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+    """The fused path from the router's logits: routing and alignment in one launch
+    (kernels/moe_routing.py), then the GEMMs; None when the batch is too large for that launch."""
+    moe = experts.moe
+    block = alignment_block(x.shape[0] * moe.top_k, x.element_size())
+    plan = route_align(logits, moe.top_k, moe.routing, moe.renormalize, block, experts.first, experts.num_local)
+    if plan is None:
+        return None
+    weights, ids, *alignment = plan
+    w13, w2 = experts.stacks()
+    return fused_moe(x, w13, w2, weights, ids, experts.w13_bias, experts.w2_bias, moe.activation,
+                     moe.swiglu_alpha, moe.swiglu_limit, alignment=tuple(alignment))
 
 
 def _reference(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -236,7 +251,17 @@ class SparseMoeBlock(nn.Module):
         """(routing weights, expert ids), [T, k] each."""
         return route(self.gate(x), self.moe.top_k, self.moe.routing, self.moe.renormalize)
 
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the selected experts [T, H]. On the fused path a decode-sized
+        batch routes and aligns in one launch; otherwise `route` then the experts."""
+        logits = self.gate(x)
+        if self.experts.compute is _fused:
+            out = _fused_from_logits(self.experts, x, logits)
+            if out is not None:
+                return out
+        weights, ids = route(logits, self.moe.top_k, self.moe.routing, self.moe.renormalize)
+        return self.experts(x, weights, ids)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        out = self.experts(x, weights, ids)
+        out = self.routed(x)
         return all_reduce(out) if self.tp_size > 1 else out
