@@ -82,14 +82,22 @@ def moe_reference(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Te
     return out.to(x.dtype)
 
 
+def padded_length(pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots for `pairs` sorted by expert with each expert's run padded to block_m: at most
+    min(E + 1, pairs) runs (the +1: another rank's experts) each waste block_m - 1, rounded up to
+    block_m. Also the GEMMs' grid over M, so a decode batch launches only the blocks it can fill
+    (batch 1 of a 128-expert model: 8 blocks, not 122)."""
+    return -(-(pairs + min(num_experts + 1, pairs) * (block_m - 1)) // block_m) * block_m
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids [P], expert per block [P / block_m], valid length [1]) for ids [T, k];
-    P = T*k + (E+1)*(block_m - 1) rounded up to block_m (a bound that depends on shapes only).
+    P = `padded_length` (a bound that depends on shapes only).
     Ids equal to E (experts of another rank) sort last, past the valid length, so no block runs them."""
     flat = ids.flatten()
     pairs = flat.numel()
     bins = num_experts + 1
-    cap = -(-(pairs + bins * (block_m - 1)) // block_m) * block_m
+    cap = padded_length(pairs, num_experts, block_m)
     # scatter_add rather than bincount: bincount syncs with the host, which a CUDA graph cannot hold
     counts = torch.zeros(bins, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -109,13 +117,18 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 @triton.jit
 def _fp4_weight_tile(w_ptrs, s_ptrs, offs_k, mask):
     """An MXFP4 tile [BLOCK_K, BLOCK_N] in fp32: each element's nibble of its byte (low nibble for
-    even k), decoded from e2m1, times its group's e8m0 scale."""
+    even k), decoded from e2m1, times its group's e8m0 scale. Both are built as fp32 bit patterns
+    (integer ops, no exp2): e2m1 with exponent e > 0 and mantissa m is 2^(e-1) * (1 + m/2), i.e.
+    exponent field e + 126 and mantissa bit m; e = 0 is 0 or 0.5; e8m0 s is 2^(s-127), the
+    exponent field s (s = 0, a subnormal 2^-127, is spelled out)."""
     byte = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
     code = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
     exp = (code >> 1) & 3
-    mag = tl.where(exp == 0, (code & 1) * 0.5, (1.0 + (code & 1) * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
-    value = tl.where((code & 8) != 0, -mag, mag)
-    scale = tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
+    man = code & 1
+    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22)) | ((code & 8) << 28)
+    value = bits.to(tl.float32, bitcast=True)
+    s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
+    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
     return value * scale
 
 
@@ -229,13 +242,15 @@ def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, boo
 def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-              alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              all_local: bool = False) -> torch.Tensor:
     """The Triton path of `moe_reference` (same result up to rounding): w13/w2 are float stacks in
     x's dtype or `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory);
     optional biases; activation "silu" or "swiglu_oai" (gpt-oss: clamp at `limit`, sigmoid gain
     `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing. `alignment`:
     `align`'s result for these ids at `alignment_block(T * k, x.element_size())`, when the caller has it already
-    (kernels/moe_routing.py computes it with the routing, in one launch)."""
+    (kernels/moe_routing.py computes it with the routing, in one launch). `all_local`: no id is
+    another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing."""
     require_triton(x)
     tokens, hidden = x.shape
     num_experts, two_inter = w13.shape[0], w13.shape[1]
@@ -255,7 +270,7 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, OAI=oai,
                            HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False, DOT_PRECISION=precision)
     # zeros: pairs of another rank's experts are never written, and the sum over k reads them
-    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
     w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w2)
     bias = w2_bias.contiguous() if w2_bias is not None else x

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import cdiv, next_power_of_2, require_triton, tl, triton
-from .moe import ROUTING_ORDERS
+from ._triton import next_power_of_2, require_triton, tl, triton
+from .moe import ROUTING_ORDERS, padded_length
 
 MAX_TILE = 16384
 
@@ -111,7 +111,7 @@ def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool,
     num_local = num_experts if num_local is None else num_local
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
     pairs, device = tokens * top_k, logits.device
-    cap = cdiv(pairs + (num_local + 1) * (block_m - 1), block_m) * block_m       # as `align` sizes it
+    cap = padded_length(pairs, num_local, block_m)                               # as `align` sizes it
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
     sorted_ids = torch.empty(cap, dtype=torch.int32, device=device)

@@ -71,7 +71,7 @@ def _fused(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: t
     w13, w2 = experts.stacks()
     moe = experts.moe
     return fused_moe(x, w13, w2, weights, ids, experts.w13_bias, experts.w2_bias, moe.activation,
-                     moe.swiglu_alpha, moe.swiglu_limit)
+                     moe.swiglu_alpha, moe.swiglu_limit, all_local=not moe.expert_parallel)
 
 
 def _fused_from_logits(experts: FusedExperts, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
@@ -85,7 +85,7 @@ def _fused_from_logits(experts: FusedExperts, x: torch.Tensor, logits: torch.Ten
     weights, ids, *alignment = plan
     w13, w2 = experts.stacks()
     return fused_moe(x, w13, w2, weights, ids, experts.w13_bias, experts.w2_bias, moe.activation,
-                     moe.swiglu_alpha, moe.swiglu_limit, alignment=tuple(alignment))
+                     moe.swiglu_alpha, moe.swiglu_limit, alignment=tuple(alignment), all_local=not moe.expert_parallel)
 
 
 def _reference(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
