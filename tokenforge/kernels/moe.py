@@ -243,20 +243,25 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
               alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              all_local: bool = False) -> torch.Tensor:
+              all_local: bool = False, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The Triton path of `moe_reference` (same result up to rounding): w13/w2 are float stacks in
     x's dtype or `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory);
     optional biases; activation "silu" or "swiglu_oai" (gpt-oss: clamp at `limit`, sigmoid gain
     `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing. `alignment`:
     `align`'s result for these ids at `alignment_block(T * k, x.element_size())`, when the caller has it already
     (kernels/moe_routing.py computes it with the routing, in one launch). `all_local`: no id is
-    another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing."""
+    another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing.
+    `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the table's (the tile sweep of
+    `tokenforge bench kernels --part moe_tiles`)."""
     require_triton(x)
     tokens, hidden = x.shape
     num_experts, two_inter = w13.shape[0], w13.shape[1]
     inter, top_k = two_inter // 2, ids.shape[1]
     pairs = tokens * top_k
     block_m, block_n, block_k = _block_config(pairs, x.element_size())
+    warps, stages = 4, NUM_STAGES
+    if tile is not None:
+        block_n, block_k, warps, stages = tile
     precision = "ieee" if x.dtype == torch.float32 else "tf32"      # tf32 is ignored for 16-bit inputs
     sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     x = x.contiguous()
@@ -268,7 +273,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     _moe_gemm_kernel[grid](x, w, s, bias, act, sorted_ids, experts, valid, weights, inter, hidden, pairs, top_k,
                            alpha, limit, x.stride(0), swe, swn, sse, ssn, bias.stride(0), act.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, OAI=oai,
-                           HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False, DOT_PRECISION=precision)
+                           HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False, DOT_PRECISION=precision,
+                           num_warps=warps, num_stages=stages)
     # zeros: pairs of another rank's experts are never written, and the sum over k reads them
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
@@ -278,5 +284,6 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     _moe_gemm_kernel[grid](act, w, s, bias, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
                            alpha, limit, act.stride(0), swe, swn, sse, ssn, bias.stride(0), out.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, OAI=False,
-                           HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True, DOT_PRECISION=precision)
+                           HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True, DOT_PRECISION=precision,
+                           num_warps=warps, num_stages=stages)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

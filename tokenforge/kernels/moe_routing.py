@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton
-from .moe import ROUTING_ORDERS, padded_length
+from .moe import ROUTING_ORDERS, alignment_block, fused_moe, padded_length
 
 MAX_TILE = 16384
 
@@ -123,3 +123,15 @@ def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool,
         K_PAD=next_power_of_2(top_k), P_PAD=next_power_of_2(pairs), BLOCK_M=block_m, CHUNK=256,
         SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize, num_warps=8)
     return weights, ids, sorted_ids, experts, valid
+
+
+def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k: int, order: str,
+                          renormalize: bool, first: int = 0, num_local: int | None = None, **kwargs):
+    """`fused_moe` from the router's logits, routed and aligned in one launch: [T, H], or None
+    when the batch does not `fits` (the caller routes with torch). kwargs go to `fused_moe`."""
+    block = alignment_block(x.shape[0] * top_k, x.element_size())
+    plan = route_align(logits, top_k, order, renormalize, block, first, num_local)
+    if plan is None:
+        return None
+    weights, ids, *alignment = plan
+    return fused_moe(x, w13, w2, weights, ids, alignment=tuple(alignment), **kwargs)

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenforge.kernels._triton import HAS_TRITON
-from tokenforge.kernels.moe import alignment_block, fused_moe, moe_reference, route, silu_mul
-from tokenforge.kernels.moe_routing import route_align
+from tokenforge.kernels.moe import fused_moe, moe_reference, route, silu_mul
+from tokenforge.kernels.moe_routing import fused_moe_from_logits
 from tokenforge.kernels.mxfp4 import GROUP, Mxfp4Stack
 from tokenforge.model.arch_config import MoeConfig
 from tokenforge.model.layers.parallel import _without_cycle, all_reduce, default_weight_loader, new_parameter
@@ -78,14 +78,11 @@ def _fused_from_logits(experts: FusedExperts, x: torch.Tensor, logits: torch.Ten
     """The fused path from the router's logits: routing and alignment in one launch
     (kernels/moe_routing.py), then the GEMMs; None when the batch is too large for that launch."""
     moe = experts.moe
-    block = alignment_block(x.shape[0] * moe.top_k, x.element_size())
-    plan = route_align(logits, moe.top_k, moe.routing, moe.renormalize, block, experts.first, experts.num_local)
-    if plan is None:
-        return None
-    weights, ids, *alignment = plan
     w13, w2 = experts.stacks()
-    return fused_moe(x, w13, w2, weights, ids, experts.w13_bias, experts.w2_bias, moe.activation,
-                     moe.swiglu_alpha, moe.swiglu_limit, alignment=tuple(alignment), all_local=not moe.expert_parallel)
+    return fused_moe_from_logits(x, logits, w13, w2, moe.top_k, moe.routing, moe.renormalize, experts.first,
+                                 experts.num_local, w13_bias=experts.w13_bias, w2_bias=experts.w2_bias,
+                                 activation=moe.activation, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit,
+                                 all_local=not moe.expert_parallel)
 
 
 def _reference(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
