@@ -77,6 +77,22 @@ def test_route_align_declines_batches_past_its_tile():
 
 # ---- the child process --------------------------------------------------------------------------
 
+def _interpreter_compat() -> None:
+    """Triton 3.6's interpreter turns a one-element array into a loop bound with int(), which
+    NumPy 2.4 refuses for 1-d arrays ('only 0-dimensional arrays can be converted'): take its
+    element instead (later Triton does)."""
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patch
+
+
 def _emulate_tf32_dots() -> None:
     """Make the interpreter's dots cut fp32 inputs to TF32 unless asked for "ieee", as the tensor
     cores do (they ignore the low 13 mantissa bits)."""
@@ -125,6 +141,7 @@ def _case(tokens, hidden, inter, experts, k, starved, variant, gen):
 def _main() -> int:
     from tokenforge.kernels import moe
 
+    _interpreter_compat()
     _emulate_tf32_dots()
     failed = 0
     for name, tokens, hidden, inter, experts, k, starved, variant in CASES:
