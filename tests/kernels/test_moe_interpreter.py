@@ -153,7 +153,8 @@ def _main() -> int:
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         good = err < 1e-5 and not out.isnan().any()
         failed += not good
-        print(f"{name:14s} T={tokens:<4d} k={k} pairs={tokens * k:<5d} {' ok ' if good else ' FAILED '} rel err {err:.1e}")
+        verdict = " ok " if good else " FAILED "
+        print(f"{name:14s} T={tokens:<4d} k={k} pairs={tokens * k:<5d} {verdict} rel err {err:.1e}")
     for case in ROUTING_CASES:
         failed += _routing_case(*case)
     return 1 if failed else 0

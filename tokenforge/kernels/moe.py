@@ -223,6 +223,18 @@ def alignment_block(num_pairs: int, element_size: int = 2) -> int:
     return _block_config(num_pairs, element_size)[0]
 
 
+def _tile(num_pairs: int, element_size: int, mxfp4: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of one GEMM. MXFP4 decodes each weight tile in
+    registers (a byte, a scale byte and five integer temporaries per value): at BLOCK_K 128 and
+    4 warps that is some 400 registers a thread, so it takes BLOCK_K 64 over 8 warps (16 values
+    a thread for each). Not yet measured against the alternatives: `bench kernels --part
+    moe_tiles` sweeps them."""
+    _, block_n, block_k = _block_config(num_pairs, element_size)
+    if mxfp4:
+        return block_n, min(block_k, 64), 8, NUM_STAGES
+    return block_n, block_k, 4, NUM_STAGES
+
+
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, element_size: int) -> int:
     """What the gate-up launch's pipelined tiles hold: an activation tile and the gate and up
     weight tiles, in the activations' dtype, for each of NUM_STAGES stages."""
@@ -248,8 +260,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     x's dtype or `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory);
     optional biases; activation "silu" or "swiglu_oai" (gpt-oss: clamp at `limit`, sigmoid gain
     `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing. `alignment`:
-    `align`'s result for these ids at `alignment_block(T * k, x.element_size())`, when the caller has it already
-    (kernels/moe_routing.py computes it with the routing, in one launch). `all_local`: no id is
+    `align`'s result for these ids at `alignment_block(T * k, x.element_size())`, when the caller
+    has it already (kernels/moe_routing.py computes it with the routing, in one launch). `all_local`: no id is
     another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing.
     `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the table's (the tile sweep of
     `tokenforge bench kernels --part moe_tiles`)."""
@@ -258,15 +270,13 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     num_experts, two_inter = w13.shape[0], w13.shape[1]
     inter, top_k = two_inter // 2, ids.shape[1]
     pairs = tokens * top_k
-    block_m, block_n, block_k = _block_config(pairs, x.element_size())
-    warps, stages = 4, NUM_STAGES
-    if tile is not None:
-        block_n, block_k, warps, stages = tile
+    block_m = alignment_block(pairs, x.element_size())
     precision = "ieee" if x.dtype == torch.float32 else "tf32"      # tf32 is ignored for 16-bit inputs
     sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     x = x.contiguous()
     oai = activation == "swiglu_oai"
     w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w13)
+    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4)
     bias = w13_bias.contiguous() if w13_bias is not None else x
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (sorted_ids.numel() // block_m, triton.cdiv(inter, block_n))
@@ -279,6 +289,7 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
     w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w2)
+    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4)
     bias = w2_bias.contiguous() if w2_bias is not None else x
     grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, block_n))
     _moe_gemm_kernel[grid](act, w, s, bias, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,

@@ -3,8 +3,8 @@
 In: an output folder (`tokenforge bench kernels --part moe --out OUT`). Out: per shape and batch,
 the time of the engine's MoE step from the router's logits (`fused_moe_from_logits`: routing and
 alignment in one launch, gate-up + SwiGLU, down + routing weights, the sum over k; `fused_moe`
-after torch routing where the batch is too large for that launch) replayed as a CUDA graph, the bytes of the experts the batch selects, and their fraction of
-the read rate measured in the same run, in `kernels_moe.json`; the gpt-oss shapes also as shipped,
+after torch routing where the batch is too large for that launch) replayed as a CUDA graph, the
+bytes of the experts the batch selects, and their fraction of the read rate measured in the same run, in `kernels_moe.json`; the gpt-oss shapes also as shipped,
 with MXFP4 experts (`<shape>-mxfp4`, 17 bytes per 32 values). Several weight sets are replayed in
 turn so that no set stays in the L2; the error against `moe_reference` is recorded with each row.
 """

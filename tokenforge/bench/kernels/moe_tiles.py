@@ -17,10 +17,12 @@ import torch
 
 from tokenforge.bench.kernels.common import start_run
 from tokenforge.bench.kernels.moe import SHAPES, _float_experts, _graph_time, _mxfp4_experts, engine_step
-from tokenforge.kernels.moe import _block_config
+from tokenforge.kernels.moe import _tile
 
 TILES = ((64, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 256, 4, 2), (128, 64, 4, 3), (64, 128, 8, 3),
          (32, 128, 2, 4))
+MXFP4_TILES = ((64, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3),
+               (64, 128, 4, 3))
 CASES = (("mixtral-8x7b", False), ("qwen3-30b-a3b", False), ("gpt-oss-20b", True), ("gpt-oss-120b", True))
 
 
@@ -36,8 +38,9 @@ def _rows(name: str, mxfp4: bool, smoke: bool, device, bw: float) -> list[dict]:
         logits = torch.randn(t, e, device=device)
         used = logits.topk(k, -1).indices.unique().numel()
         nbytes = used * 3 * h * i * value_bytes
-        table = _block_config(t * k)[1:] + (4, 3)
-        for tile in (table, *[c for c in TILES if c != table][:1 if smoke else None]):
+        table = _tile(t * k, 2, mxfp4)
+        candidates = [c for c in (MXFP4_TILES if mxfp4 else TILES) if c != table][:1 if smoke else None]
+        for tile in (table, *candidates):
             label = f"{name}{'-mxfp4' if mxfp4 else ''} T={t} tile={tile}"
             try:
                 seconds = _graph_time([lambda s=s: engine_step(x, logits, *experts[s], k, all_local=True, tile=tile)
