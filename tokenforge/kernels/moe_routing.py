@@ -10,8 +10,9 @@ sorted by expert, in pair order within an expert, each expert's run padded to BL
 sentinel T*k, the expert of each block (-1 past the valid length), and the valid length.
 
 One program holds the batch in registers, so it runs while T*k and E stay small (a [pairs,
-experts] and a [pairs, pairs] tile of at most MAX_TILE elements: decode up to 16 sequences on every
-shipped MoE); larger batches return None and take the torch path, where launches do not matter.
+experts] and a [pairs, pairs] tile of at most MAX_TILE elements) and T <= MAX_TOKENS: decode up to
+16 sequences on every shipped MoE; larger batches return None and take the torch path, where
+launches do not matter.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ._triton import next_power_of_2, require_triton, tl, triton
 from .moe import ROUTING_ORDERS, alignment_block, fused_moe, padded_length
 
 MAX_TILE = 16384
+MAX_TOKENS = 16       # the decode CUDA-graph buckets 1, 2, 4, 8, 16 compile every variant at start-up
 
 
 @triton.jit
@@ -89,10 +91,17 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert
         tl.store(experts_ptr + b, tl.where(begin < total, owner, -1), mask=b < num_blocks)
 
 
+def _pads(tokens: int, num_experts: int, top_k: int) -> tuple[int, int, int, int]:
+    """(T_PAD, E_PAD, K_PAD, P_PAD): P_PAD = T_PAD * K_PAD, so the variants compiled depend on the
+    token count's power of two alone (the CUDA-graph buckets' at start-up)."""
+    t_pad, k_pad = next_power_of_2(max(1, tokens)), next_power_of_2(top_k)
+    return t_pad, next_power_of_2(num_experts), k_pad, t_pad * k_pad
+
+
 def fits(tokens: int, num_experts: int, top_k: int) -> bool:
     """Whether `route_align` takes a batch of this size (else the torch route + align)."""
-    p_pad, e_pad = next_power_of_2(max(1, tokens * top_k)), next_power_of_2(num_experts)
-    return tokens > 0 and max(p_pad * e_pad, p_pad * p_pad, next_power_of_2(tokens) * e_pad) <= MAX_TILE
+    t_pad, e_pad, _, p_pad = _pads(tokens, num_experts, top_k)
+    return 0 < tokens <= MAX_TOKENS and max(p_pad * e_pad, p_pad * p_pad, t_pad * e_pad) <= MAX_TILE
 
 
 def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool, block_m: int,
@@ -117,10 +126,10 @@ def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool,
     sorted_ids = torch.empty(cap, dtype=torch.int32, device=device)
     experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
     valid = torch.empty(1, dtype=torch.int32, device=device)
+    t_pad, e_pad, k_pad, p_pad = _pads(tokens, num_experts, top_k)
     _route_align_kernel[(1,)](
         logits, weights, ids, sorted_ids, experts, valid, tokens, num_experts, first, num_local, cap,
-        logits.stride(0), K=top_k, T_PAD=next_power_of_2(tokens), E_PAD=next_power_of_2(num_experts),
-        K_PAD=next_power_of_2(top_k), P_PAD=next_power_of_2(pairs), BLOCK_M=block_m, CHUNK=256,
+        logits.stride(0), K=top_k, T_PAD=t_pad, E_PAD=e_pad, K_PAD=k_pad, P_PAD=p_pad, BLOCK_M=block_m, CHUNK=256,
         SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize, num_warps=8)
     return weights, ids, sorted_ids, experts, valid
 
