@@ -202,6 +202,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
+_SM_COUNT: dict[int, int] = {}
 NUM_STAGES = 3                      # Triton's default on CUDA, which the launches keep
 SHARED_MEMORY_BUDGET = 200 * 1024   # below the H100/H200 227 KiB per block, with room for the epilogue
 
@@ -223,13 +224,29 @@ def alignment_block(num_pairs: int, element_size: int = 2) -> int:
     return _block_config(num_pairs, element_size)[0]
 
 
-def _tile(num_pairs: int, element_size: int, mxfp4: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of one GEMM. MXFP4 decodes each weight tile in
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _tile(num_pairs: int, element_size: int, mxfp4: bool, n: int | None = None, experts: int | None = None,
+          sms: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of one GEMM of output width `n` over `experts`.
+    A decode batch whose column tiles of every expert it can select (at most min(pairs, E)) would
+    not fill the GPU twice over takes BLOCK_N 32 (Mixtral's down GEMM at batch 1: 128 programs of
+    64 columns on 132 SMs, each walking 14336 values; 256 of 32). MXFP4 decodes each weight tile in
     registers (a byte, a scale byte and five integer temporaries per value): at BLOCK_K 128 and
     4 warps that is some 400 registers a thread, so it takes BLOCK_K 64 over 8 warps (16 values
     a thread for each). Not yet measured against the alternatives: `bench kernels --part
     moe_tiles` sweeps them."""
     _, block_n, block_k = _block_config(num_pairs, element_size)
+    selectable = min(num_pairs, experts or num_pairs)
+    if num_pairs <= 64 and n is not None and selectable * triton.cdiv(n, block_n) < 2 * sms:
+        block_n = 32
     if mxfp4:
         return block_n, min(block_k, 64), 8, NUM_STAGES
     return block_n, block_k, 4, NUM_STAGES
@@ -276,7 +293,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     x = x.contiguous()
     oai = activation == "swiglu_oai"
     w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w13)
-    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4)
+    sms = _sm_count(x.device)
+    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4, inter, num_experts, sms)
     bias = w13_bias.contiguous() if w13_bias is not None else x
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (sorted_ids.numel() // block_m, triton.cdiv(inter, block_n))
@@ -289,7 +307,7 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
     w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w2)
-    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4)
+    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4, hidden, num_experts, sms)
     bias = w2_bias.contiguous() if w2_bias is not None else x
     grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, block_n))
     _moe_gemm_kernel[grid](act, w, s, bias, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
