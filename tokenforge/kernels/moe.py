@@ -125,8 +125,9 @@ def _fp4_weight_tile(w_ptrs, s_ptrs, offs_k, mask):
     code = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
     exp = (code >> 1) & 3
     man = code & 1
-    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22)) | ((code & 8) << 28)
+    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))
     value = bits.to(tl.float32, bitcast=True)
+    value = tl.where((code & 8) != 0, -value, value)
     s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
     scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
     return value * scale
