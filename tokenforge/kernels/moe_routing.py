@@ -30,7 +30,7 @@ MAX_TOKENS = 16       # the decode CUDA-graph buckets 1, 2, 4, 8, 16 compile eve
 def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, experts_ptr, valid_ptr,
                         T, E, first, num_local, cap, stride_lt,
                         K: tl.constexpr, T_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-                        P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                        P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
                         SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
     rows = tl.arange(0, T_PAD)
     cols = tl.arange(0, E_PAD)
@@ -84,8 +84,8 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert
     total = tl.sum(padded, 0)
     tl.store(valid_ptr, total)
     num_blocks = cap // BLOCK_M
-    for c in range(0, num_blocks, CHUNK):
-        b = c + tl.arange(0, CHUNK)
+    for c in range(0, num_blocks, BLOCKS_CHUNK):    # [BLOCKS_CHUNK, E_PAD] compares a pass
+        b = c + tl.arange(0, BLOCKS_CHUNK)
         begin = b * BLOCK_M
         owner = tl.sum(((ends[None, :] <= begin[:, None]) & (cols[None, :] < num_local)).to(tl.int32), 1)
         tl.store(experts_ptr + b, tl.where(begin < total, owner, -1), mask=b < num_blocks)
@@ -130,6 +130,7 @@ def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool,
     _route_align_kernel[(1,)](
         logits, weights, ids, sorted_ids, experts, valid, tokens, num_experts, first, num_local, cap,
         logits.stride(0), K=top_k, T_PAD=t_pad, E_PAD=e_pad, K_PAD=k_pad, P_PAD=p_pad, BLOCK_M=block_m, CHUNK=256,
+        BLOCKS_CHUNK=max(1, min(64, MAX_TILE // e_pad)),
         SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize, num_warps=8)
     return weights, ids, sorted_ids, experts, valid
 
