@@ -69,12 +69,22 @@ def per_token_quant_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = Non
 
 @triton.jit
 def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_w, stride_g, stride_o,
-                    QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    QUANT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    TILE: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     rmask = (rows < N)[:, None]
     rows64 = rows.to(tl.int64)[:, None]
-    if QUANT == 2:
+    if QUANT == 4:      # quant_splitk's tile layout: words [N, K/8], scales and zeros [K/G, N]
+        c: tl.constexpr = TILE // 8
+        word = cols // TILE * c + cols % c
+        shift = (cols % TILE) // c * 4
+        p = tl.load(w_ptr + rows64 * stride_w + word[None, :], mask=rmask & (cols < K)[None, :], other=0)
+        q = ((p >> shift[None, :]) & 0xF).to(tl.float32)
+        gmask = rmask & (cols < K)[None, :]
+        g = (cols // GROUP).to(tl.int64)[None, :] * stride_g + rows64
+        w = (q - tl.load(z_ptr + g, mask=gmask, other=0.0).to(tl.float32)) * tl.load(s_ptr + g, mask=gmask, other=0.0).to(tl.float32)
+    elif QUANT == 2:
         half = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         p = tl.load(w_ptr + rows64 * stride_w + half[None, :], mask=rmask & (half < K // 2)[None, :], other=0)
         q = tl.reshape(tl.join(p & 0xF, p >> 4), [BLOCK_N, BLOCK_K]).to(tl.float32)
@@ -91,7 +101,7 @@ def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_w, stride_g, stri
 
 
 def _dequant(quant: int, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-             k: int, dtype: torch.dtype, group: int) -> torch.Tensor:
+             k: int, dtype: torch.dtype, group: int, tile: int = 8) -> torch.Tensor:
     require_triton(qweight)
     n = qweight.shape[0]
     out = torch.empty(n, k, dtype=dtype, device=qweight.device)
@@ -99,7 +109,7 @@ def _dequant(quant: int, qweight: torch.Tensor, scales: torch.Tensor, zeros: tor
     _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         qweight, scales, zeros if zeros is not None else scales, out, n, k, qweight.stride(0),
         scales.stride(0) if scales.dim() == 2 else 0, out.stride(0),
-        QUANT=quant, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        QUANT=quant, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, TILE=tile, num_warps=4)
     return out
 
 
@@ -109,10 +119,17 @@ def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Ten
     return _dequant(2, packed, scales, zeros, packed.shape[1] * 2, dtype, group)
 
 
+def dequantize_int4_tiles(words: torch.Tensor, scales_t: torch.Tensor, zeros_t: torch.Tensor, dtype: torch.dtype,
+                          group: int, tile: int) -> torch.Tensor:
+    """quant_splitk's layout: int32 [N, K/8] (tile of `tile` inputs), scales and zeros [K/G, N] -> [N, K]."""
+    return _dequant(4, words, scales_t, zeros_t, words.shape[1] * 8, dtype, group, tile)
+
+
 def dequantize_channel(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """int8 / fp8 [N, K], fp32 scale [N] -> [N, K] in dtype."""
     return _dequant(1, qweight, scale, None, qweight.shape[1], dtype, 1)
 
 
 __all__ = ["FP8_MAX", "dequantize_channel", "dequantize_channel_ref", "dequantize_int4", "dequantize_int4_ref",
+           "dequantize_int4_tiles",
            "per_token_quant_fp8", "per_token_quant_fp8_ref"]

@@ -37,6 +37,7 @@ class Fp8Method(Int8Method):
     `q_input_scale` [1] for static activations or None for dynamic ones."""
 
     name = "fp8"
+    kind = "fp8"
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -45,6 +46,7 @@ class Fp8Method(Int8Method):
     def install_codes(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor,
                       input_scale: torch.Tensor | None = None) -> None:
         install(layer, self, q_weight=q, q_scale=scale, q_scale_row=scale.view(1, -1), q_input_scale=input_scale)
+        self.attach_plan(layer)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not x.is_cuda:
