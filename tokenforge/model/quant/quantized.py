@@ -53,8 +53,8 @@ class QuantizedMethod(QuantMethod):
     kind = "int8"        # the kernel table's name for this weight format
 
     def check(self, layer: nn.Module, name: str) -> None:
-        if torch.cuda.is_available():
-            plan_for(self.kind, layer.out_features, layer.in_features, self.group_size, name)
+        # on any device, so a forced kernel that cannot run a shape fails the same everywhere
+        plan_for(self.kind, layer.out_features, layer.in_features, self.group_size, name)
 
     def attach_plan(self, layer: nn.Module) -> None:
         """At install, on CUDA: choose the layer's decode kernels and give it their buffers."""
