@@ -31,6 +31,7 @@ from tokenforge.kernels.quant_splitk import (MAX_ROWS, QUANT_CHANNEL, QUANT_FP8_
 BACKENDS = ("splitk", "qgemv", "tinygemm", "dense")
 QGEMV_MAX_ROWS = 4
 TABLE_PATH = Path(__file__).with_name("kernel_table.json")
+_chosen: dict[str, dict] = {}        # table key -> plan summary, for the benches' records
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +145,7 @@ def attach(layer: nn.Module, plan: KernelPlan) -> None:
     int4 splitk: `q_words`, `q_scale_t`, `q_zero_t` (the canonical ones dropped unless qgemv or
     tinygemm needs them); tinygemm: `q_tg_weight`, `q_tg_sz`; splitk: the arrival counters."""
     layer.q_plan = plan
+    _chosen[table_key(plan.kind, plan.n, plan.k, plan.group)] = plan.summary()
     if plan.uses("splitk"):
         w = layer.q_weight
         splits = [c.config.split_k for c in plan.by_rows[1:] if c.backend == "splitk"]
@@ -162,4 +164,9 @@ def attach(layer: nn.Module, plan: KernelPlan) -> None:
             layer.register_buffer(name, None, persistent=False)
 
 
-__all__ = ["BACKENDS", "Choice", "KernelPlan", "attach", "plan_for", "table_key"]
+def chosen() -> dict[str, dict]:
+    """{table key: {M: kernel label}} of every plan attached in this process (bench records)."""
+    return dict(_chosen)
+
+
+__all__ = ["BACKENDS", "Choice", "KernelPlan", "attach", "chosen", "plan_for", "table_key"]
