@@ -185,9 +185,17 @@ def run(out_dir: str, smoke: bool = False) -> dict:
     global SHAPES  # noqa: PLW0603 - the smoke run swaps in tiny shapes
     if smoke:
         SHAPES = {"tiny": {"a": (48, 256)}}
-    result["rows"] = [r for model, shapes in SHAPES.items() for shape, (n, k) in shapes.items()
-                      for r in guarded(lambda model=model, shape=shape, n=n, k=k:
-                                       bench_shape(model, shape, n, k, device, bw, smoke), f"{model} {shape}")]
+    result["rows"] = []
+    for model, shapes in SHAPES.items():
+        for shape, (n, k) in shapes.items():
+            result["rows"] += guarded(lambda model=model, shape=shape, n=n, k=k:
+                                      bench_shape(model, shape, n, k, device, bw, smoke), f"{model} {shape}")
+            table = _save(out_dir, result)      # after every shape: a run cut short keeps what it measured
+    print_table(result, table)
+    return result
+
+
+def _save(out_dir: str, result: dict) -> dict:
     table = {"comment": f"measured by `tokenforge bench kernels --part quant_sweep` on {result['device']}, "
                         f"commit {result['git_commit']}; HBM read {result['hbm_read_GBps']:.0f} GB/s",
              "entries": table_from([r for r in result["rows"] if "error" not in r])}
@@ -195,8 +203,7 @@ def run(out_dir: str, smoke: bool = False) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "kernels_qsweep.json").write_text(json.dumps(result, indent=1))
     (out / "quant_table.json").write_text(json.dumps(table, indent=1))
-    print_table(result, table)
-    return result
+    return table
 
 
 def print_table(r: dict, table: dict) -> None:

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The quantized linears' decode kernels on one H200, in one device call of at most ~5 minutes:
+#   bash bench/gpu/quant_kernels.sh OUTDIR          (OUTDIR defaults to $OUT)
+# 1. the GPU tests of the split-K kernels, tinygemm and the kernel plan (bit-level checks first);
+# 2. `bench kernels --part quant_sweep`: every split-K config x the 8B and 70B linear shapes x
+#    M in (1, 4, 8, 16), with tinygemm, the prologue GEMV, the many-row paths and bf16 cuBLAS as
+#    peers; writes kernels_qsweep.json and the measured kernel table quant_table.json;
+# 3. W1 (`bench latency`, Llama-3.1-8B shape, dummy weights, 128 in / 256 out) for bf16, int4,
+#    int8 and fp8, the quantized ones on the table just measured, while the time budget lasts
+#    (QK_BUDGET_S, default 290 s; a run starts only with QK_W1_S, default 55 s, left).
+# Out (at most 4 files, for the device tool's limits): log.txt (everything printed),
+# kernels_qsweep.json, quant_table.json, w1.json (the W1 results, one per mode, with the kernel
+# choice per shape). QK_BATCH=N adds `--batch-size N` to the W1 runs.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out="${1:-${OUT:?give OUTDIR or set OUT}}"
+mkdir -p "$out" /tmp/qk_w1
+budget="${QK_BUDGET_S:-290}"
+per_w1="${QK_W1_S:-55}"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+log="$out/log.txt"
+say() { echo "[quant_kernels ${SECONDS}s] $*" | tee -a "$log"; }
+
+say "commit $(git rev-parse --short HEAD 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
+timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_quant_splitk.py \
+    tests/model/test_quant_plan_gpu.py 2>&1 | tail -25 | tee -a "$log"
+say "tests rc ${PIPESTATUS[0]}"
+
+timeout 150 python3 -m tokenforge.bench kernels --part quant_sweep --out "$out" 2>&1 | tee -a "$log" | tail -80
+say "sweep rc ${PIPESTATUS[0]}"
+
+w1() {   # mode, extra args...
+    local mode="$1"; shift
+    if (( budget - SECONDS < per_w1 )); then say "W1 $mode skipped: ${SECONDS}s of ${budget}s spent"; return; fi
+    say "W1 $mode"
+    timeout $(( budget - SECONDS )) env "$@" python3 -m tokenforge.bench latency --model llama-3.1-8b \
+        --load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline --repeats 1 --quick-ceilings \
+        ${QK_BATCH:+--batch-size $QK_BATCH} $( [ "$mode" != bf16 ] && echo --quantization "$mode" ) \
+        --results-dir "/tmp/qk_w1/$mode" --out "/tmp/qk_w1/$mode" 2>&1 | tail -15 | tee -a "$log"
+}
+table="$out/quant_table.json"
+[ -s "$table" ] || table=""
+w1 int4 TOKENFORGE_QUANT_TABLE="$table"
+w1 bf16 QK=1
+w1 fp8 TOKENFORGE_QUANT_TABLE="$table"
+w1 int8 TOKENFORGE_QUANT_TABLE="$table"
+python3 - "$out/w1.json" <<'PY'
+import glob, json, sys
+runs = {}
+for path in sorted(glob.glob("/tmp/qk_w1/*/*.json")):
+    mode = path.split("/")[3]
+    r = json.load(open(path))
+    runs.setdefault(mode, {k: r.get(k) for k in ("tokenforge", "roofline", "roofline_frac", "batch_size",
+                                                  "quant_kernels", "ceilings", "weights", "command")})
+json.dump(runs, open(sys.argv[1], "w"), indent=1)
+for mode, r in runs.items():
+    tf = r["tokenforge"] or {}
+    print(f"W1 {mode:<5} {tf.get('output_tok_s', 0):8.1f} tok/s  decode {tf.get('decode_tok_s') or 0:8.1f} tok/s  "
+          f"roofline {100 * (r['roofline_frac'] or 0):.1f}%")
+PY
+say "done"
