@@ -52,7 +52,9 @@ def test_int4_tile_layout_round_trip(block_k):
 # divide the tiles, FMA and tensor-core variants
 INT4_CASES = [(1, 48, 512, SplitKConfig(16, 128, 1, False)), (3, 40, 512, SplitKConfig(16, 256, 2, False)),
               (1, 64, 1024, SplitKConfig(32, 512, 2, True)), (5, 48, 768, SplitKConfig(16, 256, 2, True)),
-              (16, 32, 1024, SplitKConfig(16, 128, 3, True))]
+              (16, 32, 1024, SplitKConfig(16, 128, 3, True)), (8, 200, 1024, SplitKConfig(64, 256, 4, True)),
+              (2, 256, 1024, SplitKConfig(128, 512, 2, True, 4, 3)),
+              (4, 64, 1024, SplitKConfig(64, 512, 2, True, 4, 1, False))]   # on CUDA: PTX planes but the last
 
 
 @pytest.mark.parametrize("m,n,k,cfg", INT4_CASES)

@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
+from ._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton, use_pdl
 
 QUANT_CHANNEL, QUANT_INT4, QUANT_FP8_A8 = 1, 2, 3
 FP8_MAX = 448.0
@@ -41,6 +41,7 @@ class SplitKConfig(NamedTuple):
     dot: bool = True
     num_warps: int = 4
     stages: int = 1     # 1: the loop keeps one weight tile in flight by hand; >1: Triton's pipeliner
+    asm: bool = True    # int4 on tensor cores: the nibbles -> bf16 by inline PTX (CUDA; else Triton ops)
 
 
 # ---- layouts and torch references -------------------------------------------------------------
@@ -103,6 +104,70 @@ def _mma(a, b, acc, F32: tl.constexpr):
     if F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
     return tl.dot(a, b, acc)
+
+
+def _dequant_ptx(groups: int) -> str:
+    """Two int32 words in ($8, $9), then per group of the tile -(128 + z) and s as bf16 pairs; out
+    the 8 nibble planes dequantized, (q - z) * s as bf16 pairs (low half: the first word). Per
+    byte b of both words one PRMT gathers them; per plane a mask-and-OR puts q into a bf16
+    mantissa under exponent 2^7 (128 + q), one packed FMA subtracts 128 + z (exact: small
+    integers) and one multiplies by s (rounded once, as the reference's cast). ~2 instructions
+    per weight, no converter."""
+    lines = ["{ .reg .b32 x, y, t, one, nz;", "mov.b32 one, 0x3F803F80;", "mov.b32 nz, 0x80008000;"]
+    for b, sel in enumerate(("0x4400", "0x5511", "0x6622", "0x7733")):
+        lines.append(f"prmt.b32 x, $8, $9, {sel};")
+        lines.append("shr.b32 y, x, 4;")
+        for half, src in enumerate(("x", "y")):
+            plane = 2 * b + half
+            g = plane * groups // 8
+            lines += [f"and.b32 t, {src}, 0x000F000F;", "or.b32 t, t, 0x43004300;",
+                      f"fma.rn.bf16x2 t, t, one, ${10 + g};", f"fma.rn.bf16x2 ${plane}, t, ${10 + groups + g}, nz;"]
+    return "\n".join(lines + ["}"])
+
+
+def _constant(text: str):
+    return tl.constexpr(text) if HAS_TRITON else text
+
+
+_PTX_1, _PTX_2, _PTX_4 = (_constant(_dequant_ptx(g)) for g in (1, 2, 4))
+_CONS_1, _CONS_2, _CONS_4 = (_constant(",".join(["=r"] * 8 + ["r"] * (2 + 2 * g))) for g in (1, 2, 4))
+
+
+@triton.jit
+def _group_operands(s_ptr, z_ptr, g, g_stride, cols, N, C: tl.constexpr):
+    """-(128 + z) and s of group g for the tile's rows, broadcast to [BLOCK_N, C] bf16."""
+    s = tl.load(s_ptr + g * g_stride + cols, mask=cols < N, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + g * g_stride + cols, mask=cols < N, other=0.0).to(tl.float32)
+    nzz = tl.broadcast_to((-128.0 - z).to(tl.bfloat16)[:, None], [cols.shape[0], C])
+    return nzz, tl.broadcast_to(s.to(tl.bfloat16)[:, None], [cols.shape[0], C])
+
+
+@triton.jit
+def _int4_tile_asm(acc, words, x_ptr, ms, m_mask, stride_xm, k0, s_ptr, z_ptr, g_stride, cols, N,
+                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The CUDA path: dequantized bf16 planes by inline PTX (_dequant_ptx), then one chain of
+    tensor-core products into acc [BLOCK_N, BLOCK_M] (no per-group epilogue)."""
+    C: tl.constexpr = BLOCK_K // 8
+    GPT: tl.constexpr = BLOCK_K // GROUP
+    g0 = k0 // GROUP
+    z0, s0 = _group_operands(s_ptr, z_ptr, g0, g_stride, cols, N, C)
+    if GPT == 1:
+        planes = tl.inline_asm_elementwise(_PTX_1, _CONS_1, [words, z0, s0], dtype=(tl.bfloat16,) * 8,
+                                           is_pure=True, pack=2)
+    elif GPT == 2:
+        z1, s1 = _group_operands(s_ptr, z_ptr, g0 + 1, g_stride, cols, N, C)
+        planes = tl.inline_asm_elementwise(_PTX_2, _CONS_2, [words, z0, z1, s0, s1],
+                                           dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        z1, s1 = _group_operands(s_ptr, z_ptr, g0 + 1, g_stride, cols, N, C)
+        z2, s2 = _group_operands(s_ptr, z_ptr, g0 + 2, g_stride, cols, N, C)
+        z3, s3 = _group_operands(s_ptr, z_ptr, g0 + 3, g_stride, cols, N, C)
+        planes = tl.inline_asm_elementwise(_PTX_4, _CONS_4, [words, z0, z1, z2, z3, s0, s1, s2, s3],
+                                           dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    for i in tl.static_range(8):
+        xc = _x_chunk_t(x_ptr, ms, m_mask, k0 + i * C + tl.arange(0, C), stride_xm)   # [C, BM]
+        acc = tl.dot(planes[i], xc.to(tl.bfloat16), acc)
+    return acc
 
 
 @triton.jit
@@ -169,7 +234,8 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                    M, N, K, stride_xm, stride_wn, g_stride, stride_ym,
                    QUANT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                   USE_PDL: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr):
+                   USE_PDL: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
+                   ASM: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     safe = tl.minimum(cols, N - 1).to(tl.int64)     # rows past N re-read row N-1 (stores masked)
@@ -196,7 +262,10 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         else:
             w = _load_w(w_ptrs, t, BLOCK_K, QUANT)
             w_next = w
-        if QUANT == 2:
+        if QUANT == 2 and ASM:
+            acc = _int4_tile_asm(acc, w, x_ptr, ms, m_mask, stride_xm, t * BLOCK_K, s_ptr, z_ptr, g_stride, cols, N,
+                                 GROUP, BLOCK_K)
+        elif QUANT == 2:
             acc = _int4_tile(acc, w, x_ptr, ms, m_mask, stride_xm, t * BLOCK_K, s_ptr, z_ptr, g_stride, cols, N,
                              GROUP, BLOCK_M, BLOCK_N, BLOCK_K, DOT, F32)
         else:
@@ -307,7 +376,9 @@ def splitk_gemm(quant: int, x: torch.Tensor, qweight: torch.Tensor, scales: torc
         m, n, k, x.stride(0), qweight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, y.stride(0),
         QUANT=quant, GROUP=group, HAS_BIAS=bias is not None, DOT=cfg.dot,
         BLOCK_M=max(16 if cfg.dot else 1, next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, USE_PDL=pdl, F32=not x.is_cuda, PREFETCH=cfg.stages == 1, num_warps=cfg.num_warps,
+        SPLIT_K=cfg.split_k, USE_PDL=pdl, F32=not x.is_cuda, PREFETCH=cfg.stages == 1,
+        ASM=cfg.asm and x.is_cuda and quant == QUANT_INT4 and cfg.dot and x.dtype == torch.bfloat16
+        and cfg.block_k // group in (1, 2, 4), num_warps=cfg.num_warps,
         num_stages=cfg.stages, launch_pdl=pdl)
     return y
 

@@ -35,8 +35,9 @@ SHAPES = {"8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096
 MS = (1, 4, 8, 16)
 GROUP = 128
 SMS = 132
-# (block_n, block_k, dot, num_warps, stages); split-K is chosen per shape for ~4 waves of programs
-CONFIGS = {"int4": [(64, 512, True, 4, 1), (128, 512, True, 8, 1), (64, 1024, True, 4, 3), (32, 512, False, 4, 1)],
+# (block_n, block_k, dot, num_warps, stages[, asm]); split-K is chosen per shape for ~4 waves of programs
+CONFIGS = {"int4": [(64, 256, True, 4, 1), (128, 256, True, 8, 1), (64, 512, True, 4, 1), (128, 512, True, 4, 3),
+                    (64, 512, True, 4, 1, False), (32, 512, False, 4, 1)],
            "int8": [(64, 256, True, 4, 1), (128, 256, True, 8, 3), (32, 512, False, 4, 1)],
            "fp8": [(64, 256, True, 4, 1), (128, 256, True, 8, 3)]}
 SMOKE_CONFIGS = {"int4": [(16, 128, True, 4, 1), (16, 128, False, 4, 1)], "int8": [(16, 128, True, 4, 1)],
@@ -81,8 +82,8 @@ def _splitk_cases(kind: str, qs: list[tuple], n: int, k: int, configs: list[tupl
     counters = new_counters(n, 16, device)
     quant = {"int4": QUANT_INT4, "int8": QUANT_CHANNEL, "fp8": QUANT_FP8_A8}[kind]
     repacked: dict[int, list[tuple]] = {}
-    for bn, bk, dot, warps, stages in configs:
-        cfg = SplitKConfig(bn, bk, split_for(n, k, bn, bk), dot, warps, stages)
+    for bn, bk, dot, warps, stages, *asm in configs:
+        cfg = SplitKConfig(bn, bk, split_for(n, k, bn, bk), dot, warps, stages, *asm)
         if check_config(quant, cfg, 1, n, k, GROUP) is not None:
             continue
         if kind == "int4":
@@ -142,7 +143,8 @@ def bench_shape(model: str, shape: str, n: int, k: int, device, bw: float, smoke
               qs[0][0].float() * qs[0][1].float()[:, None])
         for backend, cfg, a8, every, one in _splitk_cases(kind, qs, n, k, (SMOKE_CONFIGS if smoke else CONFIGS)[kind],
                                                           device):
-            label = f"{backend}(n{cfg[0]},k{cfg[1]},s{cfg[2]},{'dot' if cfg[3] else 'fma'},w{cfg[4]},st{cfg[5]})"
+            label = (f"{backend}(n{cfg[0]},k{cfg[1]},s{cfg[2]},{'dot' if cfg[3] else 'fma'},w{cfg[4]},st{cfg[5]}"
+                     f"{'' if cfg[6] or kind != 'int4' else ',no-asm'})")
             x_err = xs[MS[-1]] if cfg[3] else xs[1]
             x_ref = quantize_act_blocks_ref(x_err, cfg[1]) if a8 else x_err.float()   # W8A8: x quantized too
             err = _rel(one(x_err), x_ref @ w0.t())

@@ -45,7 +45,7 @@ class Choice:
             return self.backend
         c = self.config
         return (f"{self.backend}{'-a8' if self.a8 else ''}(n{c.block_n},k{c.block_k},s{c.split_k},"
-                f"{'dot' if c.dot else 'fma'},w{c.num_warps},st{c.stages})")
+                f"{'dot' if c.dot else 'fma'},w{c.num_warps},st{c.stages}{'' if c.asm else ',no-asm'})")
 
 
 @dataclass(frozen=True, slots=True)
