@@ -6,7 +6,7 @@ that one at 0.9 (int4) and 1.7-2.0 TB/s (int8) on the H200:
   of BLOCK_K inputs, nibble i of word j is input k0 + i * C + j (C = BLOCK_K / 8). So nibble i of
   every word pairs with one contiguous run of C inputs: a thread's 16-byte load is 32 weights, a
   shift and a mask give them in input order, and no interleave (join + reshape) is needed;
-- split-K over programs (grid: N / BLOCK_N x SPLIT_K), so every shape fills the 132 SMs several
+- split-K over programs (grid: N / BLOCK_N x split_k), so every shape fills the 132 SMs several
   times; partial sums go to an fp32 workspace and the last program of each N tile to arrive (a
   per-tile counter, reset by that program) adds them, applies scale and bias and stores y: one
   launch, no memset;
@@ -231,9 +231,9 @@ def _load_w(w_ptrs, t, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
 
 @triton.jit
 def _splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
-                   M, N, K, stride_xm, stride_wn, g_stride, stride_ym,
+                   M, N, K, stride_xm, stride_wn, g_stride, stride_ym, split_k,
                    QUANT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                    USE_PDL: tl.constexpr, F32: tl.constexpr, PREFETCH: tl.constexpr,
                    ASM: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -244,7 +244,7 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     else:
         w_ptrs = w_ptr + safe[:, None] * stride_wn + tl.arange(0, BLOCK_K)[None, :]
     tiles = K // BLOCK_K
-    per = tl.cdiv(tiles, SPLIT_K)
+    per = tl.cdiv(tiles, split_k)       # split_k is a runtime value: one compile serves every split
     t0 = pid_k * per
     t1 = tl.minimum(t0 + per, tiles)
     # The weights never depend on the previous kernel: start streaming them before the wait.
@@ -272,14 +272,14 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
             acc = _channel_tile(acc, w, x_ptr, ms, m_mask, stride_xm, t * BLOCK_K, QUANT, BLOCK_K, DOT, F32)
         w = w_next
     out_mask = (cols < N)[:, None] & m_mask[None, :]
-    if SPLIT_K > 1:     # partials to the workspace; the last program of this N tile reduces
+    if SPLIT:           # partials to the workspace; the last program of this N tile reduces
         offs = ms[None, :] * N + cols[:, None]
         tl.store(ws_ptr + pid_k * M * N + offs, acc, mask=out_mask)
         tl.debug_barrier()          # every thread's partials are written before the release
         done = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel")
-        if done == SPLIT_K - 1:
+        if done == split_k - 1:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for j in range(SPLIT_K):
+            for j in range(split_k):
                 acc += tl.load(ws_ptr + j * M * N + offs, mask=out_mask, other=0.0, cache_modifier=".cg")
             tl.store(cnt_ptr + pid_n, 0)
             _epilogue(acc, s_ptr, b_ptr, y_ptr, ms, cols, out_mask, N, stride_ym, QUANT, HAS_BIAS)
@@ -374,9 +374,10 @@ def splitk_gemm(quant: int, x: torch.Tensor, qweight: torch.Tensor, scales: torc
     _splitk_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         x, qweight, scales, zeros if zeros is not None else scales, bias if bias is not None else y, y, ws, counters,
         m, n, k, x.stride(0), qweight.stride(0), scales.stride(0) if scales.dim() == 2 else 0, y.stride(0),
+        cfg.split_k,
         QUANT=quant, GROUP=group, HAS_BIAS=bias is not None, DOT=cfg.dot,
         BLOCK_M=max(16 if cfg.dot else 1, next_power_of_2(m)), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k, USE_PDL=pdl, F32=not x.is_cuda, PREFETCH=cfg.stages == 1,
+        SPLIT=cfg.split_k > 1, USE_PDL=pdl, F32=not x.is_cuda, PREFETCH=cfg.stages == 1,
         ASM=cfg.asm and x.is_cuda and quant == QUANT_INT4 and cfg.dot and x.dtype == torch.bfloat16
         and cfg.block_k // group in (1, 2, 4), num_warps=cfg.num_warps,
         num_stages=cfg.stages, launch_pdl=pdl)
