@@ -224,6 +224,17 @@ def _channel_tile(acc, w, x_ptr, ms, m_mask, stride_xm, k0, QUANT: tl.constexpr,
 
 
 @triton.jit
+def _channel_fma1(acc_e, w, x_ptr, k0, BLOCK_K: tl.constexpr):
+    """One row, CUDA cores: acc_e [BLOCK_N, BLOCK_K] += w * x elementwise (reduced once, after the loop)."""
+    xr = tl.load(x_ptr + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)[None, :]
+    if w.dtype == tl.int8:     # 2^23 + 128 + q, exact for q in [-128, 127]
+        wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+    else:
+        wf = w.to(tl.float32)
+    return acc_e + wf * xr
+
+
+@triton.jit
 def _load_w(w_ptrs, t, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
     step: tl.constexpr = BLOCK_K // 8 if QUANT == 2 else BLOCK_K
     return tl.load(w_ptrs + t * step, eviction_policy="evict_first")
@@ -256,6 +267,8 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
     ms = tl.arange(0, BLOCK_M).to(tl.int64)
     m_mask = ms < M
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)                      # y^T
+    ELEM: tl.constexpr = QUANT != 2 and not DOT and BLOCK_M == 1
+    acc_e = tl.zeros([BLOCK_N, BLOCK_K] if ELEM else [1, 1], dtype=tl.float32)
     for t in range(t0, t1):
         if PREFETCH:
             w_next = _load_w(w_ptrs, tl.minimum(t + 1, t1 - 1), BLOCK_K, QUANT)   # one tile ahead in flight
@@ -268,9 +281,13 @@ def _splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
         elif QUANT == 2:
             acc = _int4_tile(acc, w, x_ptr, ms, m_mask, stride_xm, t * BLOCK_K, s_ptr, z_ptr, g_stride, cols, N,
                              GROUP, BLOCK_M, BLOCK_N, BLOCK_K, DOT, F32)
+        elif ELEM:
+            acc_e = _channel_fma1(acc_e, w, x_ptr, t * BLOCK_K, BLOCK_K)
         else:
             acc = _channel_tile(acc, w, x_ptr, ms, m_mask, stride_xm, t * BLOCK_K, QUANT, BLOCK_K, DOT, F32)
         w = w_next
+    if ELEM:
+        acc = tl.sum(acc_e, axis=1)[:, None]
     out_mask = (cols < N)[:, None] & m_mask[None, :]
     if SPLIT:           # partials to the workspace; the last program of this N tile reduces
         offs = ms[None, :] * N + cols[:, None]
