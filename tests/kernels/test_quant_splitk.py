@@ -135,3 +135,32 @@ def test_tinygemm_backend_matches_reference(rel_err, m):
     weight, sz = int4_tinygemm.pack(packed, scale, zero)
     x = torch.randn(m, 1024, device="cuda").bfloat16()
     assert rel_err(int4_tinygemm.matmul(x, weight, sz, G), splitk_ref(QUANT_INT4, x, w_ref)) <= 1e-2
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("static", [False, True])
+def test_rms_norm_quant_fp8_matches_the_unfused_chain(device, rel_err, residual, static):
+    from tokenforge.kernels.quant_ops import rms_norm_quant_fp8, rms_norm_quant_fp8_ref  # noqa: PLC0415
+
+    x = torch.randn(5, 640, device=device).bfloat16() * 2
+    res = torch.randn(5, 640, device=device).bfloat16() if residual else None
+    w = (1 + 0.2 * torch.randn(640, device=device)).bfloat16()
+    s = torch.tensor([0.01], device=device) if static else None
+    q_ref, s_ref, r_ref = rms_norm_quant_fp8_ref(x, res.clone() if residual else None, w, 1e-5, s)
+    q, scale, r = rms_norm_quant_fp8(x, res, w, 1e-5, s)
+    cpu = device.type == "cpu"        # the interpreter truncates to bf16 where the GPU rounds
+    assert rel_err(scale, s_ref) <= (2e-2 if cpu else 1e-3) and q.dtype == torch.float8_e4m3fn
+    assert rel_err(q.float() * scale, q_ref.float() * s_ref) <= (8e-2 if cpu else 1e-2)
+    assert (rel_err(r, r_ref) <= 1e-2 if cpu else torch.equal(r, r_ref)) and (r is res if residual else r is x)
+
+
+def test_silu_mul_quant_fp8_matches_the_unfused_chain(device, rel_err):
+    from tokenforge.kernels.quant_ops import silu_mul_quant_fp8, silu_mul_quant_fp8_ref  # noqa: PLC0415
+
+    gu = torch.randn(3, 2 * 384, device=device).bfloat16() * 3
+    gu[1] = 0                                         # an all-zero row must not divide by zero
+    q, scale = silu_mul_quant_fp8(gu)
+    q_ref, s_ref = silu_mul_quant_fp8_ref(gu)
+    assert scale.shape == (3, 1) and rel_err(scale, s_ref) <= 2e-2
+    assert rel_err(q.float() * scale, q_ref.float() * s_ref) <= (8e-2 if device.type == "cpu" else 1e-2)
+    assert torch.isfinite(q.float()).all()

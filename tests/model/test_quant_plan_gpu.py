@@ -52,3 +52,29 @@ def test_splitk_int4_keeps_only_the_tile_layout(monkeypatch):
     assert layer.q_weight is None and layer.q_words.dtype == torch.int32
     assert layer.q_scale_t.shape == (1024 // 128, 768)
     kernel_plan._table.cache_clear()
+
+
+@torch.inference_mode()
+def test_fp8_many_rows_fuse_the_activation_quantization_into_norm_and_silu(monkeypatch, rel_err):
+    """Above the decode rows, W8A8's per-token quantization runs inside the norm / SwiGLU kernel:
+    the same product as the unfused chain (norm kernel, then quantize, then _scaled_mm)."""
+    from tokenforge.model.layers import RMSNorm, SiluAndMul  # noqa: PLC0415
+    from tokenforge.model.layers.linear import MergedColumnParallelLinear  # noqa: PLC0415
+
+    monkeypatch.delenv(envs.QUANT_KERNEL, raising=False)
+    method = Fp8Method()
+    down = _layer(method)                                       # 1024 -> 768
+    with torch.device("cuda"):
+        gate_up = MergedColumnParallelLinear(768, [1024, 1024], params_dtype=torch.bfloat16)
+        norm = RMSNorm(768, 1e-6, torch.bfloat16)
+    torch.nn.init.normal_(gate_up.weight, std=0.03)
+    gate_up.quant_method = method
+    method.create_weights(gate_up)
+    method.process_weights_after_loading(gate_up)
+    x = torch.randn(40, 768, device="cuda", dtype=torch.bfloat16)
+    res = torch.randn(40, 768, device="cuda", dtype=torch.bfloat16)
+    y, new_res = gate_up.forward_normed(norm, x, res.clone())
+    h, res_ref = norm(x, res.clone())
+    assert torch.equal(new_res, res_ref) and rel_err(y, method.matmul(gate_up, h, None)) <= 1e-3
+    gu = torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16)
+    assert rel_err(down.forward_silu_mul(SiluAndMul(), gu), method.matmul(down, SiluAndMul()(gu), None)) <= 1e-3

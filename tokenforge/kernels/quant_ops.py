@@ -5,7 +5,11 @@ activation quantization.
   and one write. At large M a quantized linear dequantizes into a temporary and runs cuBLAS: the
   GEMM's FLOPs dominate there (M = 512 at N, K = 4096: the dequant costs ~2% of the matmul).
 - `per_token_quant_fp8`: x [M, K] -> (e4m3 [M, K], fp32 scale [M, 1]) with amax / 448 per row
-  (dynamic) or a given per-tensor scale (static), the activation side of fp8 W8A8.
+  (dynamic) or a given per-tensor scale (static), the activation side of fp8 W8A8;
+  `rms_norm_quant_fp8` / `silu_mul_quant_fp8` fuse it into the kernel that produces the
+  activation (the residual add + RMSNorm, the SwiGLU), so W8A8's many-row path reads the
+  activation once and writes e4m3: no separate quantization pass. Numerics: the produced
+  activation is rounded to the model dtype first, exactly as the unfused chain rounds it.
 Each has a torch reference (`*_ref`) with the same rounding.
 """
 
@@ -65,6 +69,93 @@ def per_token_quant_fp8(x: torch.Tensor, static_scale: torch.Tensor | None = Non
             _MIN_SCALE, STATIC=static_scale is not None, BLOCK=next_power_of_2(k), USE_PDL=pdl,
             num_warps=8 if k >= 8192 else 4, launch_pdl=pdl)
     return q, scale
+
+
+def rms_norm_quant_fp8_ref(x, residual, weight, eps, static_scale=None):
+    from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref  # noqa: PLC0415
+
+    if residual is None:
+        h, new_residual = rms_norm_ref(x, weight, eps), x
+    else:
+        h, new_residual = fused_add_rms_norm_ref(x, residual, weight, eps)
+    return (*per_token_quant_fp8_ref(h, static_scale), new_residual)
+
+
+def silu_mul_quant_fp8_ref(gate_up, static_scale=None):
+    from .activation import silu_and_mul_ref  # noqa: PLC0415
+
+    return per_token_quant_fp8_ref(silu_and_mul_ref(gate_up), static_scale)
+
+
+@triton.jit
+def _produce_quant_kernel(x_ptr, r_ptr, w_ptr, q_ptr, s_ptr, static_ptr, K, stride_x, stride_r, stride_q, eps,
+                          min_scale, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, STATIC: tl.constexpr,
+                          BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """One row: h = rmsnorm(x (+ residual)) * w (PROLOGUE 1; the sum written back to the
+    residual) or silu(gate) * up (PROLOGUE 2), rounded to x's dtype, then e4m3 codes and the scale."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    dt = x_ptr.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if PROLOGUE == 2:
+        g = x.to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + K + cols, mask=mask, other=0.0).to(tl.float32)
+        h = (g * tl.sigmoid(g) * u).to(dt).to(tl.float32)
+    else:
+        if HAS_RESIDUAL:
+            r = tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)
+            tl.store(r_ptr + row * stride_r + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / K + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        h = ((xf * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        scale = tl.maximum(tl.max(tl.abs(h), axis=0) / 448.0, min_scale)
+    q = tl.clamp(h / scale, -448.0, 448.0)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row, scale)
+
+
+def _produce_quant(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None,
+                   eps: float, static_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    require_triton(x)
+    assert x.stride(-1) == 1 and (residual is None or residual.stride(-1) == 1)
+    m = x.shape[0]
+    k = x.shape[1] // 2 if prologue == 2 else x.shape[1]
+    q = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
+    if m:
+        pdl = use_pdl(x)
+        r = residual if residual is not None else x
+        _produce_quant_kernel[(m,)](
+            x, r, weight if weight is not None else x, q, scale, static_scale if static_scale is not None else scale,
+            k, x.stride(0), r.stride(0), q.stride(0), eps, _MIN_SCALE, PROLOGUE=prologue,
+            HAS_RESIDUAL=residual is not None, STATIC=static_scale is not None, BLOCK=next_power_of_2(k),
+            # the norm kernel's warps: the same layout, so the same reduction order (bit-equal rstd)
+            USE_PDL=pdl, num_warps=max(1, min(16, next_power_of_2(k) // 256)), launch_pdl=pdl)
+    return q, scale
+
+
+def rms_norm_quant_fp8(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                       static_scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, K], fp32 scale [M, 1], the residual) of rmsnorm(x + residual) * weight; the
+    residual is updated in place to x + residual (with None, x is the residual)."""
+    q, scale = _produce_quant(1, x, residual, weight, eps, static_scale)
+    return q, scale, residual if residual is not None else x
+
+
+def silu_mul_quant_fp8(gate_up: torch.Tensor, static_scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 [M, I], fp32 scale [M, 1]) of silu(gate) * up for gate_up [M, 2I]."""
+    return _produce_quant(2, gate_up, None, None, 0.0, static_scale)
 
 
 @triton.jit
@@ -131,5 +222,6 @@ def dequantize_channel(qweight: torch.Tensor, scale: torch.Tensor, dtype: torch.
 
 
 __all__ = ["FP8_MAX", "dequantize_channel", "dequantize_channel_ref", "dequantize_int4", "dequantize_int4_ref",
-           "dequantize_int4_tiles",
+           "dequantize_int4_tiles", "rms_norm_quant_fp8", "rms_norm_quant_fp8_ref", "silu_mul_quant_fp8",
+           "silu_mul_quant_fp8_ref",
            "per_token_quant_fp8", "per_token_quant_fp8_ref"]

@@ -353,16 +353,15 @@ def check_config(quant: int, cfg: SplitKConfig, m: int, n: int, k: int, group: i
 
 
 def splitk_config(quant: int, m: int, n: int, k: int, group: int = 128, sms: int = 132) -> SplitKConfig:
-    """Static tiles (graph-captured calls cannot autotune): enough programs for ~4 waves of the
-    SMs. Placeholders until `bench gpu/quant_kernels.sh` fills kernels/quant_table.py."""
-    block_k = min(1024, 8 * group) if quant == QUANT_INT4 else 512
-    block_k = max(b for b in (128, 256, 512, 1024) if b <= block_k and k % b == 0) if k % 128 == 0 else block_k
-    block_n = 64 if m > 4 else 32
-    tiles_n = triton.cdiv(n, block_n)
-    split = 1
-    while tiles_n * split < 4 * sms and split * 2 <= k // block_k:
+    """Static tiles (graph-captured calls cannot autotune) for shapes the kernel table lacks:
+    [64, 256] tensor-core tiles (int4: ~120 registers, ~2 instructions per weight in the offline
+    SASS), and split-K for ~4 waves of programs over the SMs."""
+    block_k = max(256, group) if quant == QUANT_INT4 else 256
+    block_k = block_k if k % block_k == 0 else 128
+    tiles_n, split = triton.cdiv(n, 64), 1
+    while tiles_n * split < 4 * sms and split * 2 <= k // block_k and split < 16:
         split *= 2
-    return SplitKConfig(block_n, block_k, split, dot=m > 1 or quant == QUANT_FP8_A8)
+    return SplitKConfig(64, block_k, split, dot=True)
 
 
 def splitk_gemm(quant: int, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
