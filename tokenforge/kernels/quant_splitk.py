@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 
 from ._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton, use_pdl
+from .quant_layout import repack_groups, repack_int4, unrepack_int4
 
 QUANT_CHANNEL, QUANT_INT4, QUANT_FP8_A8 = 1, 2, 3
 FP8_MAX = 448.0
@@ -45,33 +46,6 @@ class SplitKConfig(NamedTuple):
 
 
 # ---- layouts and torch references -------------------------------------------------------------
-
-def repack_int4(packed: torch.Tensor, block_k: int) -> torch.Tensor:
-    """Canonical uint8 [N, K/2] (low nibble = even k) -> int32 [N, K/8] in the tile layout."""
-    from .quant_gemv import unpack_int4  # noqa: PLC0415
-
-    q = unpack_int4(packed).to(torch.int32)                      # [N, K]
-    n, k = q.shape
-    assert k % block_k == 0 and block_k % 8 == 0, (k, block_k)
-    q = q.reshape(n, k // block_k, 8, block_k // 8)              # [N, tile, nibble i, word j]
-    words = torch.zeros(n, k // block_k, block_k // 8, dtype=torch.int32, device=q.device)
-    for i in range(8):
-        words |= q[:, :, i, :] << (4 * i)
-    return words.reshape(n, k // 8)
-
-
-def unrepack_int4(words: torch.Tensor, block_k: int) -> torch.Tensor:
-    """The inverse: int32 [N, K/8] -> uint8 codes [N, K] in input order."""
-    n = words.shape[0]
-    w = words.reshape(n, -1, block_k // 8)
-    q = torch.stack([(w >> (4 * i)) & 0xF for i in range(8)], dim=2)   # [N, tile, 8, C]
-    return q.reshape(n, -1).to(torch.uint8)
-
-
-def repack_groups(values: torch.Tensor) -> torch.Tensor:
-    """Per-(row, group) scales or zeros [N, K/G] -> [K/G, N] (contiguous per group)."""
-    return values.t().contiguous()
-
 
 def quantize_act_blocks_ref(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """x [M, K] -> x fake-quantized to e4m3 with one scale per (row, block of block_k inputs)."""
@@ -240,7 +214,7 @@ def _load_w(w_ptrs, t, BLOCK_K: tl.constexpr, QUANT: tl.constexpr):
     return tl.load(w_ptrs + t * step, eviction_policy="evict_first")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "split_k"])     # one compile for every row count and split
 def _splitk_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, ws_ptr, cnt_ptr,
                    M, N, K, stride_xm, stride_wn, g_stride, stride_ym, split_k,
                    QUANT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
