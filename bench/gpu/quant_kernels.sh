@@ -7,7 +7,10 @@
 #    peers; writes kernels_qsweep.json and the measured kernel table quant_table.json;
 # 3. W1 (`bench latency`, Llama-3.1-8B shape, dummy weights, 128 in / 256 out) for bf16, int4,
 #    int8 and fp8, the quantized ones on the table just measured, while the time budget lasts
-#    (QK_BUDGET_S, default 290 s; a run starts only with QK_W1_S, default 55 s, left).
+#    (QK_BUDGET_S, default 295 s; a run starts only with QK_W1_S, default 75 s, left).
+# QK_PHASES picks phases (default "tests sweep w1"); QK_MODES the W1 modes (default "int4 bf16 fp8
+# int8"); QK_TABLE a kernel table for W1 when the sweep is not run (default: the bundled one).
+# Wheels in .whl/ (carry it) are installed into /tmp/site first, as bench/run_suite.py does.
 # Out (at most 4 files, for the device tool's limits): log.txt (everything printed),
 # kernels_qsweep.json, quant_table.json, w1.json (the W1 results, one per mode, with the kernel
 # choice per shape). QK_BATCH=N adds `--batch-size N` to the W1 runs.
@@ -15,19 +18,28 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out="${1:-${OUT:?give OUTDIR or set OUT}}"
 mkdir -p "$out" /tmp/qk_w1
-budget="${QK_BUDGET_S:-290}"
-per_w1="${QK_W1_S:-55}"
-export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+budget="${QK_BUDGET_S:-295}"
+per_w1="${QK_W1_S:-75}"
+phases="${QK_PHASES:-tests sweep w1}"
+site=""
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl >/dev/null 2>&1 && site="/tmp/site:" || echo "wheels failed to install"
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH="$site$PWD${PYTHONPATH:+:$PYTHONPATH}"
 log="$out/log.txt"
 say() { echo "[quant_kernels ${SECONDS}s] $*" | tee -a "$log"; }
 
 say "commit $(git rev-parse --short HEAD 2>/dev/null) on $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)"
-timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_quant_splitk.py \
-    tests/model/test_quant_plan_gpu.py 2>&1 | tail -25 | tee -a "$log"
-say "tests rc ${PIPESTATUS[0]}"
-
-timeout 150 python3 -m tokenforge.bench kernels --part quant_sweep --out "$out" 2>&1 | tee -a "$log" | tail -80
-say "sweep rc ${PIPESTATUS[0]}"
+if [[ " $phases " == *" tests "* ]]; then
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_splitk.py \
+        tests/model/test_quant_plan_gpu.py 2>&1 | tail -30 | tee -a "$log"
+    say "tests rc ${PIPESTATUS[0]}"
+fi
+if [[ " $phases " == *" sweep "* ]]; then
+    timeout 150 python3 -m tokenforge.bench kernels --part quant_sweep --out "$out" 2>&1 | tee -a "$log" | tail -90
+    say "sweep rc ${PIPESTATUS[0]}"
+fi
 
 w1() {   # mode, extra args...
     local mode="$1"; shift
@@ -38,13 +50,12 @@ w1() {   # mode, extra args...
         ${QK_BATCH:+--batch-size $QK_BATCH} $( [ "$mode" != bf16 ] && echo --quantization "$mode" ) \
         --results-dir "/tmp/qk_w1/$mode" --out "/tmp/qk_w1/$mode" 2>&1 | tail -15 | tee -a "$log"
 }
-table="$out/quant_table.json"
+table="${QK_TABLE:-$out/quant_table.json}"
 [ -s "$table" ] || table=""
-w1 int4 TOKENFORGE_QUANT_TABLE="$table"
-w1 bf16 QK=1
-w1 fp8 TOKENFORGE_QUANT_TABLE="$table"
-w1 int8 TOKENFORGE_QUANT_TABLE="$table"
-python3 - "$out/w1.json" <<'PY'
+if [[ " $phases " == *" w1 "* ]]; then
+    for mode in ${QK_MODES:-int4 bf16 fp8 int8}; do w1 "$mode" TOKENFORGE_QUANT_TABLE="$table"; done
+fi
+python3 - "$out/w1.json" <<'PY' 2>&1 | tee -a "$log"
 import glob, json, sys
 runs = {}
 for path in sorted(glob.glob("/tmp/qk_w1/*/*.json")):
