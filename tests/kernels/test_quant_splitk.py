@@ -164,3 +164,60 @@ def test_silu_mul_quant_fp8_matches_the_unfused_chain(device, rel_err):
     assert scale.shape == (3, 1) and rel_err(scale, s_ref) <= 2e-2
     assert rel_err(q.float() * scale, q_ref.float() * s_ref) <= (8e-2 if device.type == "cpu" else 1e-2)
     assert torch.isfinite(q.float()).all()
+
+
+def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
+    """A tiny emulator of the PTX the int4 tensor-core path inlines (mov, prmt, shr, and, or,
+    fma.rn.bf16x2), to check its byte selectors, masks and halves without a GPU."""
+    def bf16(bits: int) -> float:
+        return torch.tensor([bits], dtype=torch.int32).view(torch.int16)[0:1].view(torch.bfloat16).item()
+
+    def to_bf16(v: float) -> int:            # round to nearest even, as fma.rn does
+        return torch.tensor([v], dtype=torch.float64).to(torch.bfloat16).view(torch.int16).item() & 0xFFFF
+
+    val = lambda a: regs[a] if a in regs else int(a, 16)   # noqa: E731
+    for op in (s.strip() for s in text.replace("{", "").replace("}", "").split(";") if s.strip()):
+        if op.startswith(".reg"):
+            continue
+        name, args = op.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        a = [val(x) for x in src]
+        if name == "mov.b32":
+            out = a[0]
+        elif name == "prmt.b32":
+            data = a[0] | (a[1] << 32)
+            out = sum(((data >> 8 * ((a[2] >> 4 * i) & 7)) & 0xFF) << 8 * i for i in range(4))
+        elif name == "shr.b32":
+            out = a[0] >> a[1]
+        elif name == "and.b32":
+            out = a[0] & a[1]
+        elif name == "or.b32":
+            out = a[0] | a[1]
+        else:
+            assert name == "fma.rn.bf16x2", name
+            out = sum(to_bf16(bf16((a[0] >> h) & 0xFFFF) * bf16((a[1] >> h) & 0xFFFF) + bf16((a[2] >> h) & 0xFFFF))
+                      << h for h in (0, 16))
+        regs[d] = out & 0xFFFFFFFF
+    return regs
+
+
+@pytest.mark.parametrize("groups", [1, 2, 4])
+def test_dequant_ptx_gives_each_plane_dequantized(groups):
+    from tokenforge.kernels.quant_splitk import _dequant_ptx  # noqa: PLC0415
+
+    gen = torch.Generator().manual_seed(groups)
+    q = torch.randint(0, 16, (2, 8), generator=gen)                  # [word, nibble]
+    z = torch.randint(0, 16, (groups,), generator=gen).float()
+    s = (torch.rand(groups, generator=gen) * 0.05 + 1e-3).bfloat16().float()
+    pair = lambda v: (lambda b: b | (b << 16))(torch.tensor([v]).bfloat16().view(torch.int16).item() & 0xFFFF)  # noqa: E731
+    regs = {"$8": sum(int(q[0, i]) << 4 * i for i in range(8)), "$9": sum(int(q[1, i]) << 4 * i for i in range(8))}
+    for g in range(groups):
+        regs[f"${10 + g}"] = pair(-128.0 - float(z[g]))
+        regs[f"${10 + groups + g}"] = pair(float(s[g]))
+    regs = _run_ptx(_dequant_ptx(groups), regs)
+    for plane in range(8):
+        g = plane * groups // 8
+        for half, word in ((0, 0), (16, 1)):
+            got = torch.tensor([(regs[f"${plane}"] >> half) & 0xFFFF], dtype=torch.int32).view(torch.int16)[0:1]
+            want = ((q[word, plane] - z[g]) * s[g]).to(torch.bfloat16).float()
+            assert got.view(torch.bfloat16).item() == want.item(), (plane, word)
