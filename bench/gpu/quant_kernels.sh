@@ -9,7 +9,7 @@
 #    int8 and fp8, the quantized ones on the table just measured, while the time budget lasts
 #    (QK_BUDGET_S, default 295 s; a run starts only with QK_W1_S, default 75 s, left).
 # QK_PHASES picks phases (default "tests sweep w1"); QK_MODES the W1 modes (default "int4 bf16 fp8
-# int8"); QK_TABLE a kernel table for W1 when the sweep is not run (default: the bundled one).
+# int8"; MODE-KERNEL forces a decode kernel, e.g. int4-tinygemm: torch's int4 op as the peer); QK_TABLE a kernel table for W1 when the sweep is not run (default: the bundled one).
 # Wheels in .whl/ (carry it) are installed into /tmp/site first, as bench/run_suite.py does.
 # Out (at most 4 files, for the device tool's limits): log.txt (everything printed),
 # kernels_qsweep.json, quant_table.json, w1.json (the W1 results, one per mode, with the kernel
@@ -41,13 +41,15 @@ if [[ " $phases " == *" sweep "* ]]; then
     say "sweep rc ${PIPESTATUS[0]}"
 fi
 
-w1() {   # mode, extra args...
-    local mode="$1"; shift
+w1() {   # mode (bf16 | int4 | int8 | fp8, or MODE-KERNEL: int4-tinygemm forces that kernel), env...
+    local mode="$1" quant="${1%%-*}" kernel=""; shift
+    [[ "$mode" == *-* ]] && kernel="${mode#*-}"
     if (( budget - SECONDS < per_w1 )); then say "W1 $mode skipped: ${SECONDS}s of ${budget}s spent"; return; fi
     say "W1 $mode"
-    timeout $(( budget - SECONDS )) env "$@" python3 -m tokenforge.bench latency --model llama-3.1-8b \
-        --load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline --repeats 1 --quick-ceilings \
-        ${QK_BATCH:+--batch-size $QK_BATCH} $( [ "$mode" != bf16 ] && echo --quantization "$mode" ) \
+    timeout $(( budget - SECONDS )) env "$@" ${kernel:+TOKENFORGE_QUANT_KERNEL=$kernel} python3 -m tokenforge.bench \
+        latency --model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline \
+        --repeats 1 --quick-ceilings ${QK_BATCH:+--batch-size $QK_BATCH} \
+        $( [ "$quant" != bf16 ] && echo --quantization "$quant" ) \
         --results-dir "/tmp/qk_w1/$mode" --out "/tmp/qk_w1/$mode" 2>&1 | tail -15 | tee -a "$log"
 }
 table="${QK_TABLE:-$out/quant_table.json}"
