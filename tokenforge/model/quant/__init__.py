@@ -87,6 +87,7 @@ def before_loading(model: nn.Module, scheme: CheckpointScheme | None, options: Q
     """Give a pre-quantized checkpoint's linears their parameters. Refuses mixing a pre-quantized
     checkpoint with on-the-fly quantization or pruning."""
     if scheme is None:
+        _check_on_the_fly(model, options)
         return PreparedModel(None, [])
     if not options.is_empty:
         flags = ", ".join(f"{k}={v!r}" for k, v in (("quantization", options.quantization),
@@ -109,6 +110,16 @@ def after_loading(model: nn.Module, prepared: PreparedModel, options: QuantOptio
         logger.info("linear methods after loading: %s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()       # the float copies freed by quantization go back to the driver
+
+
+def _check_on_the_fly(model: nn.Module, options: QuantOptions) -> None:
+    """Refuse a shape the on-the-fly method (its group size, a forced decode kernel) cannot take,
+    before any weight loads."""
+    mode = options.sparsity or options.quantization
+    if mode in ON_THE_FLY:
+        method = ON_THE_FLY[mode](options.group_size)
+        for name, layer in linear_layers(model, include_lm_head=options.quantize_lm_head and not options.sparsity):
+            method.check(layer, name)
 
 
 def _assign_on_the_fly(model: nn.Module, options: QuantOptions, cpu_int8_dynamic: bool) -> None:
