@@ -185,11 +185,16 @@ def _serve_fails(*argv: str) -> tuple[int, str]:
     return out.returncode, out.stderr
 
 
-@pytest.mark.parametrize("parser,missing", [("gpt_oss", "<|start|> / <|channel|> / <|message|> / <|end|> tokens"),
-                                            ("qwen3", "<think> / </think> tokens")])
-def test_a_parser_for_a_model_without_its_format_is_one_line(parser, missing):
-    """The bundled SmolLM2 (a Llama) speaks neither format: refused before the weights load."""
-    code, err = _serve_fails("--reasoning-parser", parser)
+@pytest.mark.parametrize("parser,model,missing", [
+    ("gpt_oss", None, "<|start|> / <|channel|> / <|message|> / <|end|> tokens"),
+    ("qwen3", None, "<think> / </think> tokens"),
+    ("gpt_oss", "qwen3", "<|start|> / <|channel|> / <|message|> / <|end|> tokens"),
+    ("qwen3", "gpt_oss", "<think> / </think> tokens")])
+def test_a_parser_for_a_model_without_its_format_is_one_line(checkpoints, parser, model, missing):
+    """The bundled SmolLM2 (a Llama; a GGUF, whose tokenizer the check loads for the engine) speaks
+    neither format, and each tiny checkpoint (an HF directory, read with `tokenizers` alone) only its
+    own: refused before the weights load."""
+    code, err = _serve_fails(*([str(checkpoints[model])] if model else []), "--reasoning-parser", parser)
     assert code == 2, err
     lines = err.strip().splitlines()
     assert lines[-1].startswith(f"tokenforge: error: --reasoning-parser {parser}: the model's tokenizer has no "

@@ -8,6 +8,7 @@ namespace ServerSettings.from_args reads.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tokenforge import envs
 from tokenforge.cli.engine_args import PLAYBOOK_NOTES, add_engine_args, engine_kwargs
@@ -64,13 +65,19 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def check_reasoning_parser(settings: ServerSettings, config: EngineConfig):
-    """With --reasoning-parser: the model's tokenizer, loaded now (before the weights) to check that
-    the model speaks the parser's format; the engine then uses it. None without the flag."""
+    """With --reasoning-parser, check before the weights load that the model speaks the parser's
+    format (its markers are tokens of the vocabulary). An HF directory's tokenizer.json is read with
+    `tokenizers` alone (fast; the engine still loads its own tokenizer while the weights load);
+    otherwise the engine's tokenizer is loaded now and returned, for the engine to use."""
     if settings.reasoning_parser is None:
         return None
-    from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - only with the flag
+    from tokenforge.engine.tokenization import FastTokenizerFiles, load_engine_tokenizer  # noqa: PLC0415
     from tokenforge.server.reasoning import get_reasoning_parser  # noqa: PLC0415
 
+    model = Path(config.model.model) if config.model.model else None
+    if model is not None and all((model / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        get_reasoning_parser(settings.reasoning_parser, FastTokenizerFiles(model))
+        return None
     tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format)
     get_reasoning_parser(settings.reasoning_parser, tokenizer)
     return tokenizer
