@@ -167,6 +167,21 @@ def test_qwen3_think_tags(qwen3, checkpoints):
     assert (_joined(parts, "reasoning"), _joined(parts, "content")) == (message.reasoning_content, message.content)
 
 
+def test_qwen3_thinking_then_a_hermes_tool_call(qwen3, checkpoints):
+    """The reasoning parser runs first; the tool-call parser reads the content after </think>."""
+    start, end = _think_ids(checkpoints)
+    grammar = (f'start: <[{start}]> "Use the tool." <[{end}]> "\\n<tool_call>\\n" '
+               '"{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Paris\\"}}" "\\n</tool_call>"')
+    choice = _chat(qwen3, grammar, tools=[WEATHER]).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Use the tool."
+    assert choice.message.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"})]
+    parts, calls, finish = _streamed(qwen3, grammar, tools=[WEATHER])
+    assert finish == "tool_calls" and (_joined(parts, "reasoning"), _joined(parts, "content")) == ("Use the tool.", "")
+    assert [c.function.name for c in calls] == ["get_weather"]
+
+
 def test_qwen3_prefilled_think_and_enable_thinking_false(qwen3, checkpoints):
     grammar = f'start: "Two and two." "\\n" <[{_think_ids(checkpoints)[1]}]> "\\n\\n" "Four."'
     prefilled = _chat(qwen3, grammar, extra_body={"chat_template": QWEN3_PREFILL_TEMPLATE}).choices[0].message
