@@ -31,7 +31,7 @@ step() {   # name limit_s cmd...: skipped when the budget is spent, cut to what 
 }
 step tests 140 python3 -m pytest -q --timeout 100 -p no:cacheprovider tests/model/test_moe_gpu.py tests/kernels/test_moe.py \
   tests/kernels/test_moe_interpreter.py tests/kernels/test_attention_sinks.py
-W1="--load-format dummy --dtype bfloat16 --max-model-len 4096 --max-num-seqs 16 --no-baseline --repeats 1 --quick-ceilings"
+W1="--load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline --repeats 1 --quick-ceilings"
 step w1-qwen3-30b-a3b 50 python3 -m tokenforge.bench latency --model qwen3-30b-a3b $W1 --results-dir "$W/w1-qwen3-30b-a3b"
 step w1-gpt-oss-20b 70 python3 -m tokenforge.bench latency --model gpt-oss-20b $W1 --results-dir "$W/w1-gpt-oss-20b" \
   --profile-dir "$W/profile-gpt-oss-20b"

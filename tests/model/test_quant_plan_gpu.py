@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.kernels.conftest import _rel_err
 from tokenforge import envs
 from tokenforge.model.layers.linear import RowParallelLinear
 from tokenforge.model.quant import kernel_plan
@@ -31,7 +32,7 @@ def _layer(method, k: int = 1024, n: int = 768):
                                           ("qgemv", lambda: Int4Method(128)), ("splitk", Int8Method),
                                           ("splitk", Fp8Method), ("dense", Int8Method)])
 @torch.inference_mode()
-def test_forced_backend_matches_the_dequantized_product(monkeypatch, rel_err, backend, make):
+def test_forced_backend_matches_the_dequantized_product(monkeypatch, backend, make):
     monkeypatch.setenv(envs.QUANT_KERNEL, backend)
     method = make()
     layer = _layer(method)
@@ -42,7 +43,7 @@ def test_forced_backend_matches_the_dequantized_product(monkeypatch, rel_err, ba
         y = layer(x)
         ref = F.linear(x.float(), w.float()).to(torch.bfloat16)
         tol = 5e-2 if isinstance(method, Fp8Method) else 1e-2      # W8A8: the activations are quantized too
-        assert rel_err(y, ref) <= tol, (backend, m)
+        assert _rel_err(y, ref) <= tol, (backend, m)
 
 
 @torch.inference_mode()
@@ -55,7 +56,7 @@ def test_splitk_int4_keeps_only_the_tile_layout(monkeypatch):
 
 
 @torch.inference_mode()
-def test_fp8_many_rows_fuse_the_activation_quantization_into_norm_and_silu(monkeypatch, rel_err):
+def test_fp8_many_rows_fuse_the_activation_quantization_into_norm_and_silu(monkeypatch):
     """Above the decode rows, W8A8's per-token quantization runs inside the norm / SwiGLU kernel:
     the same product as the unfused chain (norm kernel, then quantize, then _scaled_mm)."""
     from tokenforge.model.layers import RMSNorm, SiluAndMul  # noqa: PLC0415
@@ -75,6 +76,6 @@ def test_fp8_many_rows_fuse_the_activation_quantization_into_norm_and_silu(monke
     res = torch.randn(40, 768, device="cuda", dtype=torch.bfloat16)
     y, new_res = gate_up.forward_normed(norm, x, res.clone())
     h, res_ref = norm(x, res.clone())
-    assert torch.equal(new_res, res_ref) and rel_err(y, method.matmul(gate_up, h, None)) <= 1e-3
+    assert torch.equal(new_res, res_ref) and _rel_err(y, method.matmul(gate_up, h, None)) <= 1e-3
     gu = torch.randn(40, 2048, device="cuda", dtype=torch.bfloat16)
-    assert rel_err(down.forward_silu_mul(SiluAndMul(), gu), method.matmul(down, SiluAndMul()(gu), None)) <= 1e-3
+    assert _rel_err(down.forward_silu_mul(SiluAndMul(), gu), method.matmul(down, SiluAndMul()(gu), None)) <= 1e-3
