@@ -19,6 +19,8 @@ DIST_TIMEOUT_S = "TOKENFORGE_DIST_TIMEOUT_S"    # collectives and rendezvous giv
 COMMIT = "TOKENFORGE_COMMIT"                    # bench: the commit recorded in results (else git's)
 PACED_VOCAB = "TOKENFORGE_PACED_VOCAB"          # bench frontend_cpu: the paced fake engine's vocabulary
 PACED_STEP_MS = "TOKENFORGE_PACED_STEP_MS"      # bench frontend_cpu: its step time
+QUANT_KERNEL = "TOKENFORGE_QUANT_KERNEL"        # quantized linears: force one decode kernel (model/quant/kernel_plan.py)
+QUANT_TABLE = "TOKENFORGE_QUANT_TABLE"          # quantized linears: a kernel table JSON instead of the bundled one
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -77,6 +79,14 @@ def local_rank() -> int:
 
 def local_world_size(default: int) -> int:
     return int(_get("LOCAL_WORLD_SIZE", str(default)))
+
+
+def quant_kernel() -> str | None:
+    return (_get(QUANT_KERNEL) or "").strip().lower() or None
+
+
+def quant_table() -> str | None:
+    return _get(QUANT_TABLE) or None
 
 
 # libraries

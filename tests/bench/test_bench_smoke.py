@@ -57,6 +57,13 @@ def test_latency_smoke(tmp_path):
     assert r["tokenforge"]["ms_per_token_p50"] is not None and 0 < r["roofline_frac"]
 
 
+def test_latency_at_a_fixed_batch_records_it_and_the_quant_kernels(tmp_path):
+    r = _run(tmp_path, "latency", "--model", TINY, "--input-len", "8", "--output-len", "6", "--no-baseline",
+             "--batch-size", "3", *COMMON)
+    assert r["batch_size"] == 3 and r["workload_args"]["num_prompts"] == 3
+    assert r["tokenforge"]["decode_tok_s"] > 0 and r["quant_kernels"] == {}    # dense float: no plans
+
+
 def test_latency_replay_drafter_at_full_and_zero_acceptance(tmp_path):
     """The replay drafter proposes the greedy continuation back: at acceptance 1 every draft is
     accepted (K + 1 tokens a step), at 0 none is; greedy output equals the run without."""
@@ -119,7 +126,7 @@ def test_tiers_smoke(tmp_path):
         assert sorted(p[:8] for p in prompts[r0 * 4:(r0 + 1) * 4]) == sorted(p[:8] for p in prompts[:4])
 
 
-@pytest.mark.parametrize("part", ["attention", "gemv", "quant"])
+@pytest.mark.parametrize("part", ["attention", "gemv", "quant", "quant_sweep"])
 def test_kernels_bench_gets_its_output_folder_through_the_cli(part, tmp_path, monkeypatch):
     """`tokenforge bench kernels` used to hand its argparse Namespace to a main(out_dir) as the folder."""
     import importlib

@@ -1,6 +1,7 @@
 """The scheduler's LoRA slots (core/lora_slots.py): a step never uses more adapters than slots,
 requests of a resident adapter share its slot, writes happen only for adapters not resident, a
-request refused too often gets the next free slot (others of any adapter wait for it), aborted
+request refused too often gets the next free slot (one slot drains to it while the others go on
+serving their adapters), aborted
 and preempted requests give their slots back, and adapter-rooted block hashes keep adapters'
 KV apart. The fake runner checks every request's tokens against the reference model."""
 
@@ -78,6 +79,24 @@ def test_a_request_refused_too_often_gets_the_next_free_slot():
         table.can_admit(waiting)
     table.release(waiting)                                    # aborted while waiting: nobody is starved for
     assert table._starving is None and "w" not in table._refusals
+
+
+def test_a_starving_request_drains_one_slot_and_the_others_keep_serving():
+    table = LoRASlotTable(3, patience=1)
+    req = lambda rid, key: type("R", (), {"request_id": rid, "lora_key": key, "lora_slot": -1, "lora": None})()  # noqa: E731
+    held = {key: [req(f"{key}{i}", key) for i in range(n)] for key, n in (("A", 2), ("B", 1), ("C", 3))}
+    for reqs in held.values():
+        for r in reqs:
+            table.acquire(r)
+    d = req("d", "D")
+    assert not table.can_admit(d)                         # refused once: D starves, B's slot (1 request) drains
+    assert table.can_admit(req("a9", "A")) and table.can_admit(req("c9", "C"))   # the other slots go on
+    assert not table.can_admit(req("b9", "B")) and not table.can_admit(req("e", "E"))
+    table.release(held["B"][0])                           # B's slot is free: it waits for D, not for B or E
+    assert not table.can_admit(req("b9", "B")) and not table.can_admit(req("e", "E")) and table.can_admit(d)
+    table.acquire(d)
+    assert d.lora_slot == 1 and table.take_loads()[-1].key == "D" and table._draining == -1
+    assert table.can_admit(req("a9", "A")) and table.can_admit(req("d2", "D")) and not table.can_admit(req("b9", "B"))
 
 
 def test_preemption_and_abort_give_slots_back():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.kernels.conftest import INTERPRET, _rel_err, _tol
-from tokenforge.kernels.lora import lora_reference, lora_shrink_expand
+from tokenforge.kernels.lora import lora_block_m, lora_plan, lora_reference, lora_shrink_expand
 
 CASES = [  # (tokens, in, slices, slots, rank)
     (1, 64, (96,), 1, 16),
@@ -80,3 +80,34 @@ def test_triton_reads_the_index_from_the_device(device):
     second = lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices)
     ref = lora_reference(x, y, a, b, scale, idx, slices)
     assert _rel_err(second, ref) < 1e-2 and not torch.equal(first, second)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-slices{len(c[2])}-S{c[3]}-R{c[4]}")
+def test_plan_tiles_every_adapter_row_once_with_its_own_slot(case):
+    """lora_plan (torch only, any device): each row with an adapter is in exactly one tile, whose
+    slot is the row's, tiles hold at most BLOCK_M rows, base rows are in none, unused tiles are -1."""
+    tokens, slots = case[0], case[3]
+    idx = _problem(*case, torch.float32, "cpu")[5]
+    plan = lora_plan(idx, slots)
+    assert plan.block_m == lora_block_m(tokens) and plan.tile_slot.shape[0] == -(-tokens // plan.block_m) + min(slots, tokens)
+    seen = []
+    for slot, start, count in zip(plan.tile_slot.tolist(), plan.tile_start.tolist(), plan.tile_count.tolist()):
+        if slot < 0:
+            assert count == 0
+            continue
+        assert 0 < count <= plan.block_m
+        rows = plan.rows[start:start + count].tolist()
+        assert all(idx[r].item() == slot for r in rows)
+        seen += rows
+    assert sorted(seen) == (idx >= 0).nonzero().flatten().tolist()
+
+
+def test_one_plan_serves_every_linear_of_a_step(device):
+    """The plan made once per step (what LoRASlots keeps in the forward context) gives each linear
+    the same result as a plan of its own."""
+    x, y, a, b, scale, idx, slices = _problem(23, 64, (32, 16, 16), 3, 16, torch.float32, device)
+    plan = lora_plan(idx, a.shape[0])
+    shared = lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices, plan)
+    own = lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices)
+    assert torch.equal(shared, own)
+    assert _rel_err(shared, lora_reference(x, y, a, b, scale, idx, slices)) < 1e-2

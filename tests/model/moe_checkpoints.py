@@ -91,9 +91,19 @@ def _randomize_gpt_oss(hf: GptOssForCausalLM) -> None:
                 bias.normal_(0.0, 0.1)
 
 
+def honour_swiglu_constants(hf: GptOssForCausalLM) -> GptOssForCausalLM:
+    """transformers before 5.18 hard-codes the experts' SwiGLU at alpha 1.702, limit 7 and ignores
+    the config's swiglu_alpha/limit (which tokenforge reads, as newer transformers does): set them on
+    HF's experts so the reference computes what the saved config says on every version."""
+    for layer in hf.model.layers:
+        layer.mlp.experts.alpha = getattr(hf.config, "swiglu_alpha", 1.702)
+        layer.mlp.experts.limit = hf.config.swiglu_limit
+    return hf
+
+
 def gpt_oss(path: Path):
     torch.manual_seed(0)
-    hf = GptOssForCausalLM(gpt_oss_config()).eval()
+    hf = honour_swiglu_constants(GptOssForCausalLM(gpt_oss_config()).eval())
     _randomize_gpt_oss(hf)
     return hf, _save(hf, path)
 

@@ -100,6 +100,18 @@ def test_rows_take_their_own_slot(base_dir, tmp_path):
     torch.testing.assert_close(_our_logits(model, tokens, [0] * len(tokens)), alone[-1], atol=1e-6, rtol=1e-6)
 
 
+def test_each_forward_makes_its_own_lora_plan(base_dir):
+    """The rows-by-slot plan the linears share (kernels/lora.py) lives in the forward context for
+    one forward only: a CUDA graph captured after warm-up runs in the same context must record its
+    own plan, not replay one the warm-up allocated (an illegal address on the GPU)."""
+    model = load_model(str(base_dir), "auto", torch.float32, "cpu").model
+    ModelLoRASlots(model, num_slots=2, max_rank=8)
+    with torch.no_grad(), set_forward_context(None, lora_indices=torch.tensor([0, 1, -1])) as ctx:
+        ctx.lora_plan = "a plan from an earlier forward"
+        model(torch.tensor([5, 6, 7]), torch.arange(3))
+        assert ctx.lora_plan is None          # the CPU's reference path makes none
+
+
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
 def test_tensor_parallel_shards_add_up(tmp_path, num_kv_heads):
     """Each rank's slot holds its shard (column-parallel: B's rows; row-parallel: A's columns); the

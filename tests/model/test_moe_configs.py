@@ -79,3 +79,24 @@ def test_benchmark_roofline_reads_the_experts_a_token_runs(name, active):
     experts = shape.layers * shape.expert_params_per_token
     want = (shape.matmul_params - experts) * 2 + experts * (17 / 32 if name.startswith("gpt-oss") else 2)
     assert abs(per_token - want) / want < 1e-3
+
+
+def test_a_pre_quantized_checkpoint_with_quantized_experts_fails_before_loading(tmp_path):
+    """AWQ (or compressed-tensors) experts have no parameters to load into: one clear error, before
+    any tensor is read, instead of a 'no matching parameter' half way through the load."""
+    from tests.model import moe_checkpoints
+    from tokenforge.model.loader import load_model
+
+    _, path = moe_checkpoints.mixtral(tmp_path / "mixtral")
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm",
+                                     "zero_point": True}
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "model.safetensors").write_bytes(b"not read")        # the check comes before the load
+    with pytest.raises(ValueError) as info:
+        load_model(str(path), "auto", torch.float32, "cpu")
+    assert str(info.value) == (
+        "unsupported pre-quantized checkpoint: awq gemm, 4 bits, group 32 experts (MixtralForCausalLM, "
+        "model.layers.0.mlp.experts): the fused MoE kernel takes bf16/fp16 or MXFP4 experts; use the unquantized "
+        "checkpoint (supported: compressed-tensors float-quantized FP8 and pack-quantized W4A16, AWQ gemm, MXFP4 MoE "
+        "experts)")

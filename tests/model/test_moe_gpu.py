@@ -1,6 +1,7 @@
 """The CUDA path of the MoE models (skips without CUDA): on the GPU every MoE layer runs the fused
-Triton kernel (biases, gpt-oss's clamped SwiGLU and MXFP4 decoding included), whose logits equal
-the torch reference path's on the same GPU weights and HF's on the CPU; and the engine serves each
+Triton kernel (biases, gpt-oss's clamped SwiGLU and MXFP4 decoding included), whose fp32 logits
+equal the torch reference path's on the same GPU weights and HF's on the CPU (bf16: each MoE layer
+against the reference on the same inputs, since bf16 flips router near-ties); and the engine serves each
 model end to end on CUDA with HF's greedy tokens (CUDA graphs captured over the fused kernel;
 gpt-oss on both attention backends: the Triton kernels take its sinks).
 
@@ -38,10 +39,12 @@ def _paged_logits(model) -> torch.Tensor:
     return torch.cat([driver.step([("s", TOKENS[:21])])[0], driver.step([("s", TOKENS[21:])])[0]]).cpu()
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
-def test_fused_path_equals_reference_path_and_hf(checkpoint, dtype, tol):
+def test_fused_path_equals_reference_path_and_hf_in_fp32(checkpoint):
+    """Whole-model logits: fp32 keeps every router decision of these tiny models (their closest
+    near-tie is 1.6e-4 apart), so the fused path, the torch path and HF agree to rounding."""
     _, hf, path = checkpoint
-    model = load_model(str(path), "auto", dtype, "cuda").model
+    tol = 2e-3
+    model = load_model(str(path), "auto", torch.float32, "cuda").model
     assert all(e.compute is moe_layer._fused for e in _experts(model))
     fused = _paged_logits(model)
     for experts in _experts(model):
@@ -52,6 +55,32 @@ def test_fused_path_equals_reference_path_and_hf(checkpoint, dtype, tol):
     scale = want.abs().max().item()
     assert (fused - reference).abs().max().item() < tol * scale
     assert (fused - want).abs().max().item() < tol * scale
+
+
+def test_fused_layers_equal_reference_layers_in_bf16(checkpoint):
+    """bf16, layer by layer on the same inputs and routing: bf16 rounding flips some of the tiny
+    models' router near-ties, so whole-model bf16 logits differ from fp32 HF by up to 2 on the CPU
+    reference path too; each MoE layer's output is what the kernels are answerable for. Both fused
+    entries: from given routing, and from the router's logits (routing + alignment in one launch
+    for these decode-sized and prefill-sized batches alike)."""
+    _, _, path = checkpoint
+    model = load_model(str(path), "auto", torch.bfloat16, "cuda").model
+    blocks = [m for m in model.modules() if isinstance(m, moe_layer.SparseMoeBlock)]
+    seen = []
+    hooks = [b.register_forward_pre_hook(lambda mod, args: seen.append((mod, args[0]))) for b in blocks]
+    _paged_logits(model)
+    for hook in hooks:
+        hook.remove()
+    assert len(seen) == 2 * len(blocks)
+    with torch.inference_mode():
+        for block, x in seen:
+            experts = block.experts
+            weights, ids = block.route(x)
+            local = experts.local_ids(experts, ids)
+            reference = moe_layer._reference(experts, x, weights, local).float()
+            for fused in (moe_layer._fused(experts, x, weights, local), block.routed(x)):
+                err = ((fused.float() - reference).norm() / reference.norm()).item()
+                assert err < 2e-2, (experts, x.shape[0], err)
 
 
 @pytest.mark.parametrize("attention_backend", ["triton", "torch"])

@@ -8,11 +8,13 @@ namespace ServerSettings.from_args reads.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tokenforge import envs
 from tokenforge.cli.engine_args import PLAYBOOK_NOTES, add_engine_args, engine_kwargs
 from tokenforge.cli.parser import HelpFormatter
 from tokenforge.config import EngineConfig
+from tokenforge.server.reasoning import REASONING_PARSERS
 from tokenforge.server.settings import ServerSettings
 
 
@@ -53,12 +55,32 @@ def run_serve(args: argparse.Namespace) -> int:
         kwargs = engine_kwargs(args)
         config = EngineConfig.from_kwargs(**kwargs)
         check_engine_args(kwargs)
+        tokenizer = check_reasoning_parser(settings, config)
     except BaseException:
         core.shutdown()
         if sock is not None:
             sock.close()
         raise
-    return run_server(args, config, sock, core)
+    return run_server(args, config, sock, core, tokenizer=tokenizer)
+
+
+def check_reasoning_parser(settings: ServerSettings, config: EngineConfig):
+    """With --reasoning-parser, check before the weights load that the model speaks the parser's
+    format (its markers are tokens of the vocabulary). An HF directory's tokenizer.json is read with
+    `tokenizers` alone (fast; the engine still loads its own tokenizer while the weights load);
+    otherwise the engine's tokenizer is loaded now and returned, for the engine to use."""
+    if settings.reasoning_parser is None:
+        return None
+    from tokenforge.engine.tokenization import FastTokenizerFiles, load_engine_tokenizer  # noqa: PLC0415
+    from tokenforge.server.reasoning import get_reasoning_parser  # noqa: PLC0415
+
+    model = Path(config.model.model) if config.model.model else None
+    if model is not None and all((model / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        get_reasoning_parser(settings.reasoning_parser, FastTokenizerFiles(model))
+        return None
+    tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format)
+    get_reasoning_parser(settings.reasoning_parser, tokenizer)
+    return tokenizer
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -106,6 +128,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
                    help="how tool calls are read from the model's text (default: from the chat template; "
                         "hermes for templates without tool support)")
+    g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="return the model's thinking apart from its answer, as message.reasoning_content "
+                        "(streamed as delta.reasoning_content), as vLLM does: qwen3 for <think> ... </think> "
+                        "(Qwen3, QwQ, DeepSeek-R1 style), gpt_oss for OpenAI's harmony channels (gpt-oss; its "
+                        "tool calls become tool_calls). Checked against the model's tokenizer at start-up")
     g.add_argument("--stream-interval", type=int, default=d.stream_interval, metavar="TOKENS",
                    help="streaming: send a chunk at the first token, at the finish, and otherwise every TOKENS "
                         "tokens (default %(default)s: one chunk per token); larger values cut the server's "

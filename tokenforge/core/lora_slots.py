@@ -6,9 +6,11 @@ adapter's content fingerprint; None for the base model). Out: each running reque
 step's forward (`LoRASlotLoad`). A slot is held while any running request uses its adapter, so
 the adapters of one step are at most the slot count (`--max-loras`); a request whose adapter
 finds no slot waits (`can_admit`) while others run, but not forever: once one has been refused
-`patience` times, no other LoRA request is admitted until it is, so the slots drain to it (base
-requests still run). A released slot keeps its adapter: the next
-request of it reuses the slot without a write; a new adapter takes the least recently released.
+`patience` times, one slot drains to it (the one fewest running requests hold: its adapter
+admits no new request until the slot is free and taken), while the other slots keep admitting
+their adapters' requests, and no new adapter takes a free slot before it (base requests still
+run). A released slot keeps its adapter: the next request of it reuses the slot without a
+write; a new adapter takes the least recently released.
 The device runs its steps in order, so a write queued for step N+1 lands after step N's forward
 read the slot's old adapter.
 """
@@ -38,18 +40,21 @@ class LoRASlotTable:
         self.num_swaps = 0
         self.patience = patience
         self._refusals: dict[str, int] = {}        # request id -> schedules that found no slot for it
-        self._starving = None                      # the request the slots drain to, once one waited too long
+        self._starving = None                      # the request a slot drains to, once one waited too long
+        self._draining = -1                        # that slot
 
     def can_admit(self, req) -> bool:
         if req.lora_key is None:
             return True
+        slot = self.slot_of.get(req.lora_key)
         if self._starving is not None and self._starving is not req:
-            return False
-        if req.lora_key in self.slot_of or self._idle:
+            return slot is not None and slot != self._draining and self.refs[slot] > 0   # free slots wait for it
+        if slot is not None or self._idle:
             return True
         refused = self._refusals[req.request_id] = self._refusals.get(req.request_id, 0) + 1
         if refused >= self.patience:
             self._starving = req
+            self._draining = min(range(len(self.refs)), key=lambda s: self.refs[s])
         return False
 
     def acquire(self, req) -> None:
@@ -86,7 +91,7 @@ class LoRASlotTable:
     def _forget(self, req) -> None:
         self._refusals.pop(req.request_id, None)
         if self._starving is req:
-            self._starving = None
+            self._starving, self._draining = None, -1
 
     def take_loads(self) -> list[LoRASlotLoad]:
         loads, self._loads = self._loads, []

@@ -6,12 +6,15 @@ In: x [T, in] (the projection's input), y [T, out] (its output), the slot tensor
 output sizes of the packed projections (q/k/v, gate/up; one slice for the others): output column
 c of slice j reads the shrunk ranks j*R .. (j+1)*R. Out: y with the deltas added.
 
-Two steps, as in Punica / S-LoRA: shrink (x A^T: [T, n*R], fp32) then expand (into y). The Triton
-kernels take the per-row index as a tensor and never sync with the host, so they run inside CUDA
-graphs: each program covers BLOCK_M consecutive rows and loops over the slots, multiplying only
-when some row of its block uses that slot (a prefill chunk is one adapter, so its blocks do one
-slot's work; a decode block does the slots its rows use). The shrink also splits the input dim
-(256 columns a program, partial sums added in order), so a decode batch still fills the GPU.
+Two steps, as in Punica / S-LoRA: shrink (x A^T: [T, n*R], fp32) then expand (into y). Rows are
+grouped by slot first (`lora_plan`, once per step for every linear, on the device: a stable sort
+of the indices and a table of tiles, each at most BLOCK_M rows of one slot), so every program
+multiplies by exactly one adapter and never loops over the slots; rows without an adapter are in
+no tile. The table has a fixed length for a given T (cdiv(T, BLOCK_M) + min(S, T) tiles, the
+unused ones marked slot -1), so nothing syncs with the host and the kernels replay in CUDA
+graphs. The shrink splits the input dim when the tiles alone would not fill the GPU (a decode
+batch); the expand adds the split partial sums in a fixed order, so results do not depend on
+timing.
 
 `lora_reference` is the torch computation (the CPU path and the kernels' test): both GEMMs over
 every slot at once, each row masked to its own, so no host sync and no per-row gather either.
@@ -19,9 +22,12 @@ every slot at once, each row masked to its own, so no host sync and no per-row g
 
 from __future__ import annotations
 
+import functools
+from typing import NamedTuple
+
 import torch
 
-from ._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton
+from ._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton, use_pdl
 
 
 def lora_reference(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -41,104 +47,164 @@ def lora_reference(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-             scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...]) -> torch.Tensor:
+             scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...],
+             plan: LoRAPlan | None = None) -> torch.Tensor:
     """The kernels on CUDA (y updated in place), the reference elsewhere."""
     if HAS_TRITON and x.is_cuda:
-        return lora_shrink_expand(x, y, lora_a, lora_b, scale, indices, slices)
+        return lora_shrink_expand(x, y, lora_a, lora_b, scale, indices, slices, plan)
     return lora_reference(x, y, lora_a, lora_b, scale, indices, slices)
 
 
-@triton.jit
-def _shrink_kernel(x_ptr, a_ptr, idx_ptr, out_ptr, num_tokens, in_features, split_size, stride_x, stride_as,
-                   stride_ar, stride_split, stride_o, NUM_SLOTS: tl.constexpr, PACKED_RANK: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One (row block, rank block, K split): out[split, rows, ranks] = x[rows, K split] A[slot]^T."""
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-    k_start = tl.program_id(2) * split_size
-    row_ok = rows < num_tokens
-    slot_of_row = tl.load(idx_ptr + rows, mask=row_ok, other=-1)
-    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    ks = tl.arange(0, BLOCK_K)
-    for s in range(NUM_SLOTS):
-        mine = slot_of_row == s
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            part = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-            for k0 in range(k_start, k_start + split_size, BLOCK_K):
-                k = k0 + ks
-                k_ok = k < in_features
-                xt = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                             mask=mine[:, None] & k_ok[None, :], other=0.0)
-                at = tl.load(a_ptr + s * stride_as + ranks[:, None] * stride_ar + k[None, :],
-                             mask=(ranks[:, None] < PACKED_RANK) & k_ok[None, :], other=0.0)
-                part += tl.dot(xt, tl.trans(at))
-            acc = tl.where(mine[:, None], part, acc)
-    out = out_ptr + tl.program_id(2) * stride_split
-    tl.store(out + rows[:, None].to(tl.int64) * stride_o + ranks[None, :], acc,
-             mask=row_ok[:, None] & (ranks[None, :] < PACKED_RANK))
+class LoRAPlan(NamedTuple):
+    """Rows grouped by slot: `rows` [T] the row order (base rows first, then each slot's rows in
+    order), and per tile its slot (-1: unused), first position in `rows`, and row count."""
+    rows: torch.Tensor
+    tile_slot: torch.Tensor
+    tile_start: torch.Tensor
+    tile_count: torch.Tensor
+    block_m: int
+
+
+def lora_block_m(num_tokens: int) -> int:
+    return 16 if num_tokens <= 128 else (32 if num_tokens <= 1024 else 64)
+
+
+def lora_plan(indices: torch.Tensor, num_slots: int) -> LoRAPlan:
+    """The tiles of one step's rows (device ops only, no host sync; shapes depend on T and S alone)."""
+    num_tokens = indices.shape[0]
+    block_m = lora_block_m(num_tokens)
+    idx = indices.to(torch.int32)
+    rows = torch.sort(idx, stable=True).indices.to(torch.int32)                        # base rows (-1) first
+    counts = (idx[:, None] == torch.arange(num_slots, device=idx.device, dtype=torch.int32)).sum(0, dtype=torch.int32)
+    seg_end = torch.cumsum(counts, 0, dtype=torch.int32) + (num_tokens - counts.sum(dtype=torch.int32))
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
+    max_tiles = -(-num_tokens // block_m) + min(num_slots, num_tokens)
+    t = torch.arange(max_tiles, device=idx.device, dtype=torch.int32)
+    slot = torch.searchsorted(tile_end, t, right=True).to(torch.int32)                # num_slots: unused
+    valid = slot < num_slots
+    s = slot.clamp(max=num_slots - 1).long()
+    local = t - (tile_end[s] - tiles[s])
+    start = seg_end[s] - counts[s] + local * block_m
+    count = torch.clamp(counts[s] - local * block_m, max=block_m)
+    return LoRAPlan(rows, torch.where(valid, slot, -1), start.to(torch.int32),
+                    torch.where(valid, count, 0).to(torch.int32), block_m)
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, scale_ptr, idx_ptr, y_ptr, num_tokens, out_features, stride_s, stride_bs,
-                   stride_bn, stride_y, NUM_SLOTS: tl.constexpr, RANK: tl.constexpr, NUM_SLICES: tl.constexpr,
-                   SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    col0 = tl.program_id(1) * BLOCK_N
-    cols = col0 + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < num_tokens, cols < out_features
-    slot_of_row = tl.load(idx_ptr + rows, mask=row_ok, other=-1)
-    # the packed slice of each output column (its shrunk ranks start at slice * RANK); a bound
-    # past the last slice is out_features, which no column reaches
-    slice_of_col = (cols >= SLICE1).to(tl.int32) + (cols >= SLICE2).to(tl.int32)
-    rs = tl.arange(0, RANK)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for s in range(NUM_SLOTS):
-        mine = slot_of_row == s
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            bt = tl.load(b_ptr + s * stride_bs + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
-                         mask=col_ok[None, :], other=0.0)                                      # [R, BLOCK_N]
-            part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(NUM_SLICES):
-                lo = 0 if j == 0 else (SLICE1 if j == 1 else SLICE2)
-                hi = SLICE1 if j == 0 else (SLICE2 if j == 1 else out_features)
-                if (col0 < hi) & (col0 + BLOCK_N > lo):      # only the slices this column block meets
-                    st = tl.load(s_ptr + rows[:, None].to(tl.int64) * stride_s + j * RANK + rs[None, :],
-                                 mask=mine[:, None], other=0.0)                                # [BLOCK_M, R]
-                    d = tl.dot(st.to(bt.dtype), bt)
-                    part += tl.where((slice_of_col == j)[None, :], d, 0.0)
-            acc = tl.where(mine[:, None], part * tl.load(scale_ptr + s), acc)
-    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * stride_y + cols[None, :]
-    mask = (row_ok & (slot_of_row >= 0))[:, None] & col_ok[None, :]
-    y = tl.load(y_ptrs, mask=mask, other=0.0)
-    tl.store(y_ptrs, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=mask)
+def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, out_ptr, in_features,
+                   stride_x, stride_as, stride_ar, stride_split, stride_o, SPLIT_SIZE: tl.constexpr,
+                   PACKED_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    """One (tile, rank block, K split): out[split, positions, ranks] = x[rows, K split] A[slot]^T."""
+    if USE_PDL:      # launched while the previous kernel drains; everything read here comes after it
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tile = tl.program_id(0)
+    slot = tl.load(tslot_ptr + tile)
+    if slot >= 0:
+        pos = tl.load(tstart_ptr + tile) + tl.arange(0, BLOCK_M)
+        ok = tl.arange(0, BLOCK_M) < tl.load(tcount_ptr + tile)
+        rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
+        ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rank_ok = ranks < PACKED_RANK
+        k_start = tl.program_id(2) * SPLIT_SIZE
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        a_rows = a_ptr + slot.to(tl.int64) * stride_as + ranks[:, None] * stride_ar
+        for k0 in range(0, SPLIT_SIZE, BLOCK_K):
+            k = k_start + k0 + ks
+            k_ok = k < in_features
+            xt = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
+            at = tl.load(a_rows + k[None, :], mask=rank_ok[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.dot(xt, tl.trans(at))
+        out = out_ptr + tl.program_id(2) * stride_split
+        tl.store(out + pos[:, None].to(tl.int64) * stride_o + ranks[None, :], acc, mask=ok[:, None] & rank_ok[None, :])
+
+
+@triton.jit
+def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, y_ptr, out_features,
+                   stride_split, stride_s, stride_bs, stride_bn, stride_y, SPLITS: tl.constexpr, RANK: tl.constexpr,
+                   NUM_SLICES: tl.constexpr, SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    tile = tl.program_id(0)
+    slot = tl.load(tslot_ptr + tile)
+    if slot >= 0:
+        pos = tl.load(tstart_ptr + tile) + tl.arange(0, BLOCK_M)
+        ok = tl.arange(0, BLOCK_M) < tl.load(tcount_ptr + tile)
+        rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
+        col0 = tl.program_id(1) * BLOCK_N
+        cols = col0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < out_features
+        # the packed slice of each output column (its shrunk ranks start at slice * RANK); a bound
+        # past the last slice is out_features, which no column reaches
+        slice_of_col = (cols >= SLICE1).to(tl.int32) + (cols >= SLICE2).to(tl.int32)
+        rs = tl.arange(0, RANK)
+        bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
+                     mask=col_ok[None, :], other=0.0)                                        # [R, BLOCK_N]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(NUM_SLICES):
+            lo = 0 if j == 0 else (SLICE1 if j == 1 else SLICE2)
+            hi = SLICE1 if j == 0 else (SLICE2 if j == 1 else out_features)
+            if (col0 < hi) & (col0 + BLOCK_N > lo):      # only the slices this column block meets
+                st_ptrs = s_ptr + pos[:, None].to(tl.int64) * stride_s + j * RANK + rs[None, :]
+                st = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
+                for sp in tl.static_range(SPLITS):        # the shrink's K splits, in order
+                    st += tl.load(st_ptrs + sp * stride_split, mask=ok[:, None], other=0.0)
+                d = tl.dot(st.to(bt.dtype), bt)
+                acc += tl.where((slice_of_col == j)[None, :], d, 0.0)
+        y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
+        mask = ok[:, None] & col_ok[None, :]
+        y = tl.load(y_ptrs, mask=mask, other=0.0)
+        tl.store(y_ptrs, (y.to(tl.float32) + acc * tl.load(scale_ptr + slot)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
 
 def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                       scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...]) -> torch.Tensor:
-    """The Triton path of `lora_reference`; y [T, out] (contiguous rows) is updated in place."""
+                       scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...],
+                       plan: LoRAPlan | None = None) -> torch.Tensor:
+    """The Triton path of `lora_reference`; y [T, out] (contiguous rows) is updated in place.
+    `plan`: lora_plan(indices, S), shared by the step's linears (computed here when absent)."""
     require_triton(x, y, lora_a, lora_b)
     assert len(slices) <= 3 and sum(slices) == y.shape[1] and x.stride(-1) == 1 and y.stride(-1) == 1
     num_slots, packed_rank, in_features = lora_a.shape
     rank, (num_tokens, out_features) = lora_b.shape[2], y.shape
     assert rank == next_power_of_2(rank) and rank >= 16, "slot ranks are powers of two >= 16 (tl.dot, tl.arange)"
     assert lora_a.stride(-1) == 1 and lora_b.stride(-1) == 1
-    # Split K so that a decode batch (few row blocks, a rank block or two) still fills the GPU; the
-    # partial sums are added in a fixed order afterwards, so the result does not depend on timing.
-    block_m = 16 if num_tokens <= 128 else (32 if num_tokens <= 1024 else 64)
-    split_size = 256 if in_features > 256 else triton.next_power_of_2(in_features)
+    if num_tokens == 0:
+        return y
+    plan = plan if plan is not None else lora_plan(indices, num_slots)
+    num_tiles, block_m = plan.tile_slot.shape[0], plan.block_m
+    block_r = min(64, next_power_of_2(packed_rank))
+    rank_blocks = triton.cdiv(packed_rank, block_r)
+    # Split K (a power of two of splits, so few kernel variants) until the shrink has about two
+    # programs per SM (a decode batch has a tile or two), each split at least 256 inputs.
+    want = triton.cdiv(2 * _num_sms(x.device), num_tiles * rank_blocks)
+    splits = 1
+    while splits < want and splits * 2 * 256 <= in_features:
+        splits *= 2
+    split_size = triton.cdiv(triton.cdiv(in_features, splits), 64) * 64
     splits = triton.cdiv(in_features, split_size)
     partial = torch.empty(splits, num_tokens, packed_rank, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(packed_rank, 64), splits)
-    _shrink_kernel[grid](x, lora_a, indices, partial, num_tokens, in_features, split_size, x.stride(0),
-                         lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1),
-                         NUM_SLOTS=num_slots, PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=64, BLOCK_K=64)
-    shrunk = partial.sum(0) if splits > 1 else partial[0]                   # [T, n*R] fp32
+    pdl = use_pdl(x)
+    _shrink_kernel[(num_tiles, rank_blocks, splits)](
+        x, lora_a, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, partial, in_features,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), SPLIT_SIZE=split_size,
+        PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, USE_PDL=pdl, launch_pdl=pdl)
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [out_features] * 2
-    grid = (triton.cdiv(num_tokens, block_m), triton.cdiv(out_features, 64))
-    _expand_kernel[grid](shrunk, lora_b, scale, indices, y, num_tokens, out_features, shrunk.stride(0),
-                         lora_b.stride(0), lora_b.stride(1), y.stride(0), NUM_SLOTS=num_slots, RANK=rank,
-                         NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m, BLOCK_N=64)
+    _expand_kernel[(num_tiles, triton.cdiv(out_features, 64))](
+        partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features,
+        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), SPLITS=splits,
+        RANK=rank, NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m, BLOCK_N=64,
+        USE_PDL=pdl, launch_pdl=pdl)
     return y
 
 
-__all__ = ["add_lora", "lora_reference", "lora_shrink_expand"]
+__all__ = ["LoRAPlan", "add_lora", "lora_block_m", "lora_plan", "lora_reference", "lora_shrink_expand"]

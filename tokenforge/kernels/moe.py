@@ -82,14 +82,22 @@ def moe_reference(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Te
     return out.to(x.dtype)
 
 
+def padded_length(pairs: int, num_experts: int, block_m: int) -> int:
+    """Slots for `pairs` sorted by expert with each expert's run padded to block_m: at most
+    min(E + 1, pairs) runs (the +1: another rank's experts) each waste block_m - 1, rounded up to
+    block_m. Also the GEMMs' grid over M, so a decode batch launches only the blocks it can fill
+    (batch 1 of a 128-expert model: 8 blocks, not 122)."""
+    return -(-(pairs + min(num_experts + 1, pairs) * (block_m - 1)) // block_m) * block_m
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids [P], expert per block [P / block_m], valid length [1]) for ids [T, k];
-    P = T*k + (E+1)*(block_m - 1) rounded up to block_m (a bound that depends on shapes only).
+    P = `padded_length` (a bound that depends on shapes only).
     Ids equal to E (experts of another rank) sort last, past the valid length, so no block runs them."""
     flat = ids.flatten()
     pairs = flat.numel()
     bins = num_experts + 1
-    cap = -(-(pairs + bins * (block_m - 1)) // block_m) * block_m
+    cap = padded_length(pairs, num_experts, block_m)
     # scatter_add rather than bincount: bincount syncs with the host, which a CUDA graph cannot hold
     counts = torch.zeros(bins, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
@@ -109,13 +117,19 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 @triton.jit
 def _fp4_weight_tile(w_ptrs, s_ptrs, offs_k, mask):
     """An MXFP4 tile [BLOCK_K, BLOCK_N] in fp32: each element's nibble of its byte (low nibble for
-    even k), decoded from e2m1, times its group's e8m0 scale."""
+    even k), decoded from e2m1, times its group's e8m0 scale. Both are built as fp32 bit patterns
+    (integer ops, no exp2): e2m1 with exponent e > 0 and mantissa m is 2^(e-1) * (1 + m/2), i.e.
+    exponent field e + 126 and mantissa bit m; e = 0 is 0 or 0.5; e8m0 s is 2^(s-127), the
+    exponent field s (s = 0, a subnormal 2^-127, is spelled out)."""
     byte = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
     code = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
     exp = (code >> 1) & 3
-    mag = tl.where(exp == 0, (code & 1) * 0.5, (1.0 + (code & 1) * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
-    value = tl.where((code & 8) != 0, -mag, mag)
-    scale = tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
+    man = code & 1
+    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))
+    value = bits.to(tl.float32, bitcast=True)
+    value = tl.where((code & 8) != 0, -value, value)
+    s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
+    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
     return value * scale
 
 
@@ -125,11 +139,13 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SWIGLU: tl.constexpr, OAI: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
-                     MUL_WEIGHTS: tl.constexpr):
+                     MUL_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out[pair] = a[row of pair] @ W[expert]^T (+ bias) for the pairs of each BLOCK_M block.
     W is [E, N (x2 with SWIGLU: gate rows, then up rows), K] in the activations' dtype, or (MXFP4)
     bytes [E, N, K / 2] with scales [E, N, K / 32]. SWIGLU writes silu(gate) * up, or with OAI
-    gpt-oss's clamped form; MUL_WEIGHTS scales each row by its routing weight."""
+    gpt-oss's clamped form; MUL_WEIGHTS scales each row by its routing weight. DOT_PRECISION is
+    "ieee" for fp32 activations: Triton's default for fp32 dots on NVIDIA is TF32, whose 10-bit
+    inputs move a tiny model's router past a near-tie and change whole tokens."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(valid_ptr):
@@ -160,14 +176,14 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
             w = _fp4_weight_tile(w_ptrs + k0 // 2, s_ptrs + k0 // 32, offs_k, mask_w).to(a.dtype)
         else:
             w = tl.load(w_ptrs + k0, mask=mask_w, other=0.0)
-        acc += tl.dot(a, w)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
         if SWIGLU:   # the up rows sit N rows below the gate rows
             if MXFP4:
                 u = _fp4_weight_tile(w_ptrs + N * stride_wn + k0 // 2, s_ptrs + N * stride_sn + k0 // 32, offs_k,
                                      mask_w).to(a.dtype)
             else:
                 u = tl.load(w_ptrs + N * stride_wn + k0, mask=mask_w, other=0.0)
-            acc_up += tl.dot(a, u)
+            acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert * stride_be + offs_n
@@ -187,13 +203,60 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _block_config(num_pairs: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized pair counts take the smallest M tile."""
+_SM_COUNT: dict[int, int] = {}
+NUM_STAGES = 3                      # Triton's default on CUDA, which the launches keep
+SHARED_MEMORY_BUDGET = 200 * 1024   # below the H100/H200 227 KiB per block, with room for the epilogue
+
+
+def _block_config(num_pairs: int, element_size: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K): decode-sized pair counts take the smallest M tile. 4-byte
+    (fp32) activations halve BLOCK_K, so the pipelined tiles stay within SHARED_MEMORY_BUDGET."""
     if num_pairs <= 64:
-        return 16, 64, 128
-    if num_pairs <= 1024:
-        return 32, 64, 64
-    return 64, 128, 64
+        bm, bn, bk = 16, 64, 128
+    elif num_pairs <= 1024:
+        bm, bn, bk = 32, 64, 64
+    else:
+        bm, bn, bk = 64, 128, 64
+    return bm, bn, bk if element_size <= 2 else bk // 2
+
+
+def alignment_block(num_pairs: int, element_size: int = 2) -> int:
+    """The M tile `fused_moe` runs num_pairs at: the block size its alignment pads to."""
+    return _block_config(num_pairs, element_size)[0]
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def _tile(num_pairs: int, element_size: int, mxfp4: bool, n: int | None = None, experts: int | None = None,
+          sms: int = 132) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of one GEMM of output width `n` over `experts`.
+    A decode batch whose column tiles of every expert it can select (at most min(pairs, E)) would
+    not fill the GPU twice over takes BLOCK_N 32 (Mixtral's down GEMM at batch 1: 128 programs of
+    64 columns on 132 SMs, each walking 14336 values; 256 of 32). MXFP4 decodes each weight tile in
+    registers (a byte, a scale byte and five integer temporaries per value): at BLOCK_K 128 and
+    4 warps that is some 400 registers a thread, so it takes BLOCK_K 64 over 8 warps (16 values
+    a thread for each). Not yet measured against the alternatives: `bench kernels --part
+    moe_tiles` sweeps them."""
+    _, block_n, block_k = _block_config(num_pairs, element_size)
+    selectable = min(num_pairs, experts or num_pairs)
+    if num_pairs <= 64 and n is not None and selectable * triton.cdiv(n, block_n) < 2 * sms:
+        block_n = 32
+    if mxfp4:
+        return block_n, min(block_k, 64), 8, NUM_STAGES
+    return block_n, block_k, 4, NUM_STAGES
+
+
+def shared_memory_bytes(block_m: int, block_n: int, block_k: int, element_size: int) -> int:
+    """What the gate-up launch's pipelined tiles hold: an activation tile and the gate and up
+    weight tiles, in the activations' dtype, for each of NUM_STAGES stages."""
+    return NUM_STAGES * (block_m * block_k + 2 * block_k * block_n) * element_size
 
 
 def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool]:
@@ -208,36 +271,49 @@ def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, boo
 
 def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+              activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+              alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              all_local: bool = False, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The Triton path of `moe_reference` (same result up to rounding): w13/w2 are float stacks in
     x's dtype or `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory);
     optional biases; activation "silu" or "swiglu_oai" (gpt-oss: clamp at `limit`, sigmoid gain
-    `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing."""
+    `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing. `alignment`:
+    `align`'s result for these ids at `alignment_block(T * k, x.element_size())`, when the caller
+    has it already (kernels/moe_routing.py computes it with the routing, in one launch). `all_local`: no id is
+    another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing.
+    `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the table's (the tile sweep of
+    `tokenforge bench kernels --part moe_tiles`)."""
     require_triton(x)
     tokens, hidden = x.shape
     num_experts, two_inter = w13.shape[0], w13.shape[1]
     inter, top_k = two_inter // 2, ids.shape[1]
     pairs = tokens * top_k
-    block_m, block_n, block_k = _block_config(pairs)
-    sorted_ids, experts, valid = align(ids, num_experts, block_m)
+    block_m = alignment_block(pairs, x.element_size())
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"      # tf32 is ignored for 16-bit inputs
+    sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     x = x.contiguous()
     oai = activation == "swiglu_oai"
     w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w13)
+    sms = _sm_count(x.device)
+    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4, inter, num_experts, sms)
     bias = w13_bias.contiguous() if w13_bias is not None else x
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (sorted_ids.numel() // block_m, triton.cdiv(inter, block_n))
     _moe_gemm_kernel[grid](x, w, s, bias, act, sorted_ids, experts, valid, weights, inter, hidden, pairs, top_k,
                            alpha, limit, x.stride(0), swe, swn, sse, ssn, bias.stride(0), act.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, OAI=oai,
-                           HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False)
+                           HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False, DOT_PRECISION=precision,
+                           num_warps=warps, num_stages=stages)
     # zeros: pairs of another rank's experts are never written, and the sum over k reads them
-    out = torch.zeros(pairs, hidden, dtype=torch.float32, device=x.device)
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
     w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w2)
+    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4, hidden, num_experts, sms)
     bias = w2_bias.contiguous() if w2_bias is not None else x
     grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, block_n))
     _moe_gemm_kernel[grid](act, w, s, bias, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
                            alpha, limit, act.stride(0), swe, swn, sse, ssn, bias.stride(0), out.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, OAI=False,
-                           HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True)
+                           HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True, DOT_PRECISION=precision,
+                           num_warps=warps, num_stages=stages)
     return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)

@@ -41,6 +41,7 @@ class TrainingMetadata:
 class ForwardContext:
     attn_metadata: Any          # the active backend's metadata object, None, or TrainingMetadata
     lora_indices: Any = None    # torch.Tensor [T] int: each token row's adapter slot, -1 for none
+    lora_plan: Any = None       # kernels/lora.py's LoRAPlan of those rows, made by the step's first LoRA linear
 
 
 _current: ForwardContext | None = None

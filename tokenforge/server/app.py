@@ -45,6 +45,7 @@ from tokenforge.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from tokenforge.server.reasoning import get_reasoning_parser
 from tokenforge.server.serving_chat import create_chat_completion, render_prompt
 from tokenforge.server.serving_common import ServingContext
 from tokenforge.server.serving_completions import create_completion
@@ -109,8 +110,9 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     metrics = ServerMetrics(name)
     metrics.set_model_info(engine.identity.version, engine.identity.checksum)
     lora = engine.config.lora
+    reasoning = get_reasoning_parser(settings.reasoning_parser, engine.tokenizer) if settings.reasoning_parser else None
     ctx = ServingContext(engine, settings, metrics, name, ChatTemplateRenderer(engine.tokenizer, settings.chat_template),
-                         LoRARegistry(engine, name) if lora.enable_lora else None)
+                         LoRARegistry(engine, name) if lora.enable_lora else None, reasoning)
     app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.",
                   docs_url=None, redoc_url=None)
     add_offline_docs(app)
@@ -298,7 +300,13 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
         sock.close()
         return 1
     state = ServerState(engine, settings.shutdown_timeout)
-    app = build_app(engine, settings, state=state)
+    try:
+        app = build_app(engine, settings, state=state)
+    except ValueError as err:           # --reasoning-parser for a model without that format
+        logger.error("%s", err)
+        await engine.shutdown()
+        sock.close()
+        return 1
     try:
         if app.state.ctx.loras is not None:
             await load_startup_adapters(app.state.ctx.loras, config.lora.modules, int(time.time()))
@@ -338,13 +346,16 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
 
 
 def run_server(args, engine_config: EngineConfig | None = None, sock: socket.socket | None = None,
-               core=None) -> int:
+               core=None, tokenizer=None) -> int:
     """The CLI entry: `tokenforge serve`. Returns the exit code (0 after a graceful stop). `core`:
-    an EngineCoreClient from prestart(), configured with the config here."""
+    an EngineCoreClient from prestart(), configured with the config here; `tokenizer`: the model's,
+    when the CLI loaded it already (to check --reasoning-parser)."""
     settings = ServerSettings.from_args(args)
     config = engine_config or EngineConfig.from_cli(args)
     configure_logging(settings.log_level, "api")
     options = {"client": core} if core is not None else {}
+    if tokenizer is not None:
+        options["tokenizer"] = tokenizer
     return _run_loop(serve(config, settings, sock=sock or bind_socket(settings.host, settings.port), **options))
 
 

@@ -4,13 +4,18 @@ The stream is OpenAI's: per choice a first chunk with `role: assistant`, then co
 then a chunk with an empty delta and the finish_reason; with stream_options.include_usage a last
 chunk with empty choices and the usage; then [DONE]. A text-only model refuses image, audio,
 video and file parts with 400 (the playbook's multimodal flag).
+
+With --reasoning-parser every choice's text goes through its ReasoningStream first (streaming or
+not, the same deltas): the thinking becomes `reasoning_content` (`delta.reasoning_content` while
+streaming, sent as it resolves), the rest is the content that the tool-call handling then reads;
+a format with its own tool calls (harmony) hands them over directly.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -19,6 +24,7 @@ from tokenforge.messages import CompletionOutput, Logprob, RequestOutput
 from tokenforge.server.chat_template import TemplateError
 from tokenforge.server.errors import bad_request
 from tokenforge.server.protocol import ChatCompletionRequest, ChatMessage
+from tokenforge.server.reasoning import ReasoningStream
 from tokenforge.server.serving_common import (
     ServingContext,
     build_sampling_params,
@@ -35,6 +41,7 @@ from tokenforge.server.serving_common import (
 )
 from tokenforge.server.streaming import EngineEventStream, sse
 from tokenforge.server.structured import structured_request
+from tokenforge.server.tool_parsers import ToolCall
 from tokenforge.server.tools import (
     ToolSetup,
     extract_calls,
@@ -103,6 +110,9 @@ def render_prompt(ctx: ServingContext, messages: list[ChatMessage], *, add_gener
 @dataclass(slots=True)
 class _Choice:
     content: str = ""
+    reasoning: str = ""
+    reasoning_stream: ReasoningStream | None = None     # with --reasoning-parser
+    format_calls: list[ToolCall] = field(default_factory=list)     # tool calls the reasoning format carried
     num_tokens: int = 0
     finish_reason: str | None = None
     logprobs: list | None = None
@@ -112,14 +122,17 @@ class _Choice:
 
 class ChatBuilder:
     def __init__(self, ctx: ServingContext, req: ChatCompletionRequest, request_id: str,
-                 top_logprobs: int | None, tools: ToolSetup | None = None) -> None:
+                 top_logprobs: int | None, tools: ToolSetup | None = None, prompt: str = "") -> None:
         self.ctx = ctx
         self.req = req
         self.request_id = request_id
         self.top_logprobs = top_logprobs
         self.tools = tools
+        self.reasoning = ctx.reasoning
         self.created = now_s()
-        self.choices = {i: _Choice(logprobs=[] if top_logprobs is not None else None) for i in range(req.n)}
+        self.choices = {i: _Choice(logprobs=[] if top_logprobs is not None else None,
+                                   reasoning_stream=self.reasoning.stream(prompt) if self.reasoning else None)
+                        for i in range(req.n)}
         self.prompt_tokens = 0
         self.cached_tokens = 0
 
@@ -127,21 +140,38 @@ class ChatBuilder:
         return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.ctx.model_name, "system_fingerprint": None}
 
-    def _absorb(self, output: RequestOutput, tracker) -> list[tuple[int, CompletionOutput, list | None]]:
+    def _absorb(self, output: RequestOutput, tracker) -> list[tuple[int, CompletionOutput, list | None, str]]:
+        """Take in one output; per completion (index, output, logprobs, the new reasoning text)."""
         tracker.observe(output)
         self.prompt_tokens = len(output.prompt_token_ids)
         self.cached_tokens = output.num_cached_tokens
         deltas = []
         for completion in output.outputs:
             choice = self.choices[completion.index]
-            choice.content += completion.text
+            reasoning = self._split_reasoning(choice, completion)
             choice.num_tokens += len(completion.token_ids)
             choice.finish_reason = completion.finish_reason or choice.finish_reason
             logprobs = self._logprobs(completion) if choice.logprobs is not None else None
             if logprobs:
                 choice.logprobs.extend(logprobs)
-            deltas.append((completion.index, completion, logprobs))
+            deltas.append((completion.index, completion, logprobs, reasoning))
         return deltas
+
+    @staticmethod
+    def _split_reasoning(choice: _Choice, completion: CompletionOutput) -> str:
+        """Add a completion's new text to the choice: through its reasoning stream when there is one.
+        Returns the new reasoning text."""
+        stream = choice.reasoning_stream
+        if stream is None:
+            choice.content += completion.text
+            return ""
+        parsed = stream.feed(completion.text)
+        if completion.finish_reason is not None:
+            parsed += stream.finish()
+        choice.content += parsed.content
+        choice.reasoning += parsed.reasoning
+        choice.format_calls += parsed.tool_calls
+        return parsed.reasoning
 
     def _logprobs(self, completion: CompletionOutput) -> list[dict]:
         tokenizer = self.ctx.engine.tokenizer
@@ -160,10 +190,17 @@ class ChatBuilder:
 
     def _message(self, choice: _Choice) -> tuple[dict, str | None]:
         """The final assistant message and finish reason, with tool calls parsed out."""
-        if self.tools is None:
-            return {"role": "assistant", "content": choice.content}, choice.finish_reason
-        content, calls = extract_calls(self.tools, choice.content)
-        message = {"role": "assistant", "content": content}
+        message = {"role": "assistant", "content": choice.content}
+        if self.reasoning is not None:      # as vLLM: null fields rather than empty ones
+            message = {"role": "assistant", "content": choice.content or None,
+                       "reasoning_content": choice.reasoning or None}
+        if self.tools is None or self.tools.mode == "none":
+            return message, choice.finish_reason
+        if choice.format_calls:
+            calls = choice.format_calls
+        else:
+            content, calls = extract_calls(self.tools, choice.content)
+            message["content"] = content or None if self.reasoning is not None else content
         if not calls:
             return message, choice.finish_reason
         message["tool_calls"] = [c.to_openai() for c in calls]
@@ -183,7 +220,7 @@ class ChatBuilder:
     def _streamable(self, choice: _Choice) -> str:
         """Content that can go out now: all of it without tools; with tools, none once a call may
         have started (and never a tail that could be the start of a call marker)."""
-        if self.tools is None:
+        if self.tools is None or self.tools.parser is None:
             text = choice.content[choice.sent:]
         elif self.tools.constrained or choice.holding:
             return ""
@@ -231,11 +268,13 @@ class ChatBuilder:
         for index in range(self.req.n):
             yield chunk(index, {"role": "assistant", "content": ""})
         async for _, output in outputs:
-            for index, completion, logprobs in self._absorb(output, tracker):
+            for index, completion, logprobs, reasoning in self._absorb(output, tracker):
                 choice = self.choices[index]
                 text = self._streamable(choice)
-                if text or logprobs:
-                    yield chunk(index, {"content": text}, {"content": logprobs} if logprobs else None)
+                if text or logprobs or reasoning:
+                    delta = {"reasoning_content": reasoning, **({"content": text} if text else {})} if reasoning \
+                        else {"content": text}
+                    yield chunk(index, delta, {"content": logprobs} if logprobs else None)
                 if completion.finish_reason is not None:
                     deltas, finish_reason = self._final_chunks(index, choice)
                     for delta in deltas:
@@ -248,6 +287,14 @@ class ChatBuilder:
 def _token_entry(token: str, logprob: float) -> dict:
     return {"token": token, "logprob": logprob if logprob > -1e38 else -9999.0,
             "bytes": list(token.encode("utf-8"))}
+
+
+def _with_reasoning(parser, params, tools: ToolSetup | None):
+    """A format whose markers are special tokens is decoded with them; one that carries its own tool
+    calls takes the place of the free-text tool parser."""
+    if tools is not None and parser.emits_tool_calls and tools.mode == "auto":
+        tools.parser = None
+    return params.clone(skip_special_tokens=False) if parser.keeps_special_tokens else params
 
 
 def _check_request(req: ChatCompletionRequest) -> None:
@@ -276,7 +323,9 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         checks.append((structured.param, structured.spec))
     params = await constrain(ctx, params, checks,
                              apply_last=structured is not None or (tools is not None and tools.constrained))
-    builder = ChatBuilder(ctx, req, new_id("chatcmpl"), top_logprobs, tools)
+    if ctx.reasoning is not None:
+        params = _with_reasoning(ctx.reasoning, params, tools)
+    builder = ChatBuilder(ctx, req, new_id("chatcmpl"), top_logprobs, tools, prompt["prompt"])
     stack = contextlib.ExitStack()
     try:
         streams = submit(ctx, [prompt], params, builder.request_id, request_salt(request, req.cache_salt), stack,

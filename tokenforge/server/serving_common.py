@@ -36,6 +36,7 @@ from tokenforge.server.errors import (
 from tokenforge.server.lora import LoRARegistry
 from tokenforge.server.metrics import ServerMetrics
 from tokenforge.server.protocol import SamplingFields
+from tokenforge.server.reasoning import ReasoningParser
 from tokenforge.server.settings import ServerSettings
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class ServingContext:
     model_name: str
     renderer: ChatTemplateRenderer
     loras: LoRARegistry | None = None   # the served LoRA adapters (None without --enable-lora)
+    reasoning: ReasoningParser | None = None    # --reasoning-parser, checked against the tokenizer
 
     @property
     def max_model_len(self) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from tokenforge import envs
 from tokenforge.config import parse_size
+from tokenforge.server.reasoning import check_parser_name
 
 API_KEY_ENV = envs.API_KEY
 DEFAULT_MAX_BODY = 8 * 2**20
@@ -36,6 +37,7 @@ class ServerSettings:
     access_log: bool = False                    # one line per request (method, path, status, tokens, times)
     protect_all_routes: bool = False            # the API key guards every route, not only /v1/*
     tool_call_parser: str | None = None         # None: chosen from the chat template
+    reasoning_parser: str | None = None         # gpt_oss | qwen3: thinking as reasoning_content; None: off
     # Streaming: a delta goes out at the first token, at every finish, and otherwise once this many
     # tokens are waiting (vLLM's --stream-interval). 1 = one chunk per token (the default).
     stream_interval: int = 1
@@ -58,6 +60,8 @@ class ServerSettings:
         check(self.shutdown_timeout >= 0, f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
         check(all(self.api_keys), "an API key must not be empty")
         check(self.stream_interval >= 1, f"stream_interval must be >= 1, got {self.stream_interval}")
+        if self.reasoning_parser is not None:
+            check_parser_name(self.reasoning_parser)
         return self
 
     @staticmethod
@@ -86,6 +90,7 @@ class ServerSettings:
             access_log=bool(getattr(args, "access_log", False)),
             protect_all_routes=bool(getattr(args, "protect_all_routes", False)),
             tool_call_parser=getattr(args, "tool_call_parser", None),
+            reasoning_parser=getattr(args, "reasoning_parser", None),
             stream_interval=getattr(args, "stream_interval", defaults.stream_interval),
             ui=not getattr(args, "no_ui", False),
         ).validate()

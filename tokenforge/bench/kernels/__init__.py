@@ -4,8 +4,11 @@
 
 attention (attention.py): decode and prefill attention, the fused ops and a whole batch-1 decode
 step, into OUT/kernels.json. gemv (gemv.py): the small-M GEMV table and the decode step with our
-GEMVs. quant (quant.py): the quantized GEMVs, into OUT/kernels_quant.json. moe (moe.py): the fused
-MoE at decode batches 1-16 on real expert shapes, into OUT/kernels_moe.json. `--smoke` runs tiny
+GEMVs. quant (quant.py): the quantized GEMVs, into OUT/kernels_quant.json. quant_sweep (quant_sweep.py):
+the split-K decode kernels of the quantized linears against their peers on the 8B and 70B shapes at
+M = 1-16, into OUT/kernels_qsweep.json, and the measured kernel table OUT/quant_table.json. moe
+(moe.py): the fused MoE at decode batches 1-16 on real expert shapes, into OUT/kernels_moe.json;
+moe_tiles (moe_tiles.py): its tile candidates at batch 1 and 16, into OUT/kernels_moe_tiles.json. `--smoke` runs tiny
 shapes on the CPU through Triton's interpreter (set TRITON_INTERPRET=1) to check the script.
 The torch and Triton imports wait until the bench runs (the parser is built by `tokenforge --help`).
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-PARTS = ("attention", "gemv", "quant", "moe")
+PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,10 @@
 """Kernel micro-benchmark, the fused MoE: decode batches 1-16 on real expert shapes.
 
 In: an output folder (`tokenforge bench kernels --part moe --out OUT`). Out: per shape and batch,
-the time of `kernels.moe.fused_moe` (alignment, gate-up + SwiGLU, down + routing weights, the sum
-over k) replayed as a CUDA graph, the bytes of the experts the batch selects, and their fraction of
-the read rate measured in the same run, in `kernels_moe.json`; the gpt-oss shapes also as shipped,
+the time of the engine's MoE step from the router's logits (`fused_moe_from_logits`: routing and
+alignment in one launch, gate-up + SwiGLU, down + routing weights, the sum over k; `fused_moe`
+after torch routing where the batch is too large for that launch) replayed as a CUDA graph, the
+bytes of the experts the batch selects, and their fraction of the read rate measured in the same run, in `kernels_moe.json`; the gpt-oss shapes also as shipped,
 with MXFP4 experts (`<shape>-mxfp4`, 17 bytes per 32 values). Several weight sets are replayed in
 turn so that no set stays in the L2; the error against `moe_reference` is recorded with each row.
 """
@@ -11,12 +12,14 @@ turn so that no set stays in the L2; the error against `moe_reference` is record
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import torch
 
 from tokenforge.bench.kernels.common import start_run
 from tokenforge.kernels.moe import fused_moe, moe_reference, route
+from tokenforge.kernels.moe_routing import fused_moe_from_logits
 from tokenforge.kernels.mxfp4 import Mxfp4Stack
 
 # name -> (hidden, intermediate per expert, experts, top-k): the real configs' expert MLPs
@@ -26,7 +29,12 @@ BATCHES = (1, 2, 4, 8, 16)
 
 
 def _graph_time(calls: list, repeats: int = 50) -> float:
-    """Median seconds of one call, each call captured in its own graph and replayed in turn."""
+    """Median seconds of one call, each call captured in its own graph and replayed in turn
+    (on the CPU, `--smoke`: one plain call, to check the script)."""
+    if not torch.cuda.is_available():
+        start = time.perf_counter()
+        calls[0]()
+        return time.perf_counter() - start
     graphs = []
     for fn in calls:
         fn()
@@ -59,6 +67,16 @@ def _mxfp4_experts(e: int, h: int, i: int, device) -> tuple:
     return stack(2 * i, h), stack(h, i)
 
 
+def engine_step(x, logits, w13, w2, k: int, **kwargs):
+    """What a MoE layer runs on the fused path (layers/moe.py): the one-launch routing when the
+    batch fits it, else torch routing and `fused_moe`."""
+    out = fused_moe_from_logits(x, logits, w13, w2, k, "softmax_topk", True, **kwargs)
+    if out is None:
+        weights, ids = route(logits, k)
+        out = fused_moe(x, w13, w2, weights, ids, **kwargs)
+    return out
+
+
 def _measure(name: str, h: int, i: int, e: int, k: int, make, value_bytes: float, smoke: bool, device,
              bw: float) -> list[dict]:
     """One shape's rows: each decode batch replayed over several weight sets (more than the L2)."""
@@ -67,10 +85,12 @@ def _measure(name: str, h: int, i: int, e: int, k: int, make, value_bytes: float
     rows = []
     for t in BATCHES:
         x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
-        weights, ids = route(torch.randn(t, e, device=device), k)
+        logits = torch.randn(t, e, device=device)
+        weights, ids = route(logits, k)
         ref = moe_reference(x, *experts[0], weights, ids).float()
-        err = ((fused_moe(x, *experts[0], weights, ids).float() - ref).norm() / ref.norm()).item()
-        seconds = _graph_time([lambda s=s: fused_moe(x, *experts[s], weights, ids) for s in range(sets)])
+        err = ((engine_step(x, logits, *experts[0], k, all_local=True).float() - ref).norm() / ref.norm()).item()
+        seconds = _graph_time([lambda s=s: engine_step(x, logits, *experts[s], k, all_local=True)
+                               for s in range(sets)])
         used = ids.unique().numel()
         nbytes = used * 3 * h * i * value_bytes
         rows.append({"shape": name, "tokens": t, "experts_read": used, "us": seconds * 1e6,

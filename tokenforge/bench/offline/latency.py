@@ -1,6 +1,9 @@
 """`tokenforge bench latency`: W1, batch-1 decode against the memory-bandwidth roofline.
 
-In: a model (default the Llama-3.1-8B shape with dummy bf16 weights), 128 tokens in, 256 out.
+In: a model (default the Llama-3.1-8B shape with dummy bf16 weights), 128 tokens in, 256 out;
+`--batch-size N` (the engine's max_num_seqs) decodes N requests at once: a fixed decode batch of N,
+tok/s counting all N.
+The quantized linears' decode kernel per shape and row count goes into the JSON (`quant_kernels`).
 Out: tok/s, ms/token p50/p99 (gaps between a request's tokens, from the engine's per-token time
 stamps), the fraction of the roofline (read bandwidth / bytes read per token, measured in the
 same run), and HF transformers at batch 1 (best of eager and static cache).
@@ -69,6 +72,9 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], proposer=None, *
         drafts.proposer = proposer
     timing, outs = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
     harness.profile_run(llm, prompts, args)
+    from tokenforge.model.quant import kernel_plan  # noqa: PLC0415 - torch waits until the bench runs
+
+    args.quant_kernels = kernel_plan.chosen()
     stats = drafts.stats() if drafts is not None else None
     harness.shutdown(llm)
     return timing, harness.token_ids(outs), stats
@@ -93,7 +99,11 @@ def measure_speculative(args: argparse.Namespace, prompts: list[list[int]], voca
 
 
 def main(args: argparse.Namespace) -> dict:
+    batch = getattr(args, "max_num_seqs", None)      # --batch-size (the engine flag's alias): a fixed batch
+    if batch is not None:
+        args.num_prompts = batch
     result, cfg = harness.begin("W1", args, "latency", "for the roofline")
+    result["batch_size"] = args.num_prompts
     shape = workloads.ModelShape.from_config(cfg)
     prompts = workloads.random_prompts(args.num_prompts, args.input_len, shape.vocab, args.seed)
     result["workload_args"] = {"num_prompts": args.num_prompts, "input_len": args.input_len,
@@ -121,6 +131,7 @@ def main(args: argparse.Namespace) -> dict:
     if getattr(args, "profile", None):
         tf["profile"] = args.profile
     result["tokenforge"] = tf
+    result["quant_kernels"] = getattr(args, "quant_kernels", {})
     result["roofline"] = roofline(shape, args.dtype, result["ceilings"]["read_bw_tbps"],
                                   args.input_len, args.output_len, result.get("weights"))
     result["roofline_frac"] = tf["output_tok_s"] / args.num_prompts / result["roofline"]["roofline_tok_s"]

@@ -12,8 +12,9 @@ with any quant method, since it only sees x and y.
   `scale` buffer alpha / r, which travels in state dicts and so with an exported adapter.
 - `LoRASlots`: adapters in fixed slots, each token row picking one (or none, -1) by the index the
   forward context carries (`ForwardContext.lora_indices` [T], built once per step by the runner);
-  batched multi-adapter serving, computed by kernels/lora.py (Triton shrink/expand on CUDA, the
-  torch reference elsewhere). Packed linears (qkv, gate_up) keep one A per packed projection, so
+  batched multi-adapter serving, computed by kernels/lora.py (Triton shrink/expand on CUDA over
+  the rows grouped by slot, a plan the step's first LoRA linear makes and keeps in the context;
+  the torch reference elsewhere). Packed linears (qkv, gate_up) keep one A per packed projection, so
   a PEFT adapter's separate q/k/v (gate/up) adapters map onto the fused linear without merging.
   Outside a forward context, or with no indices, it adds nothing.
 """
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenforge.kernels.lora import add_lora
+from tokenforge.kernels.lora import add_lora, lora_plan
 from tokenforge.model.forward_context import current_forward_context
 
 
@@ -104,7 +105,12 @@ class LoRASlots(nn.Module):
         if indices is None:
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])     # [T, in], [T, out]
-        return add_lora(x2, y2, self.lora_A, self.lora_B, self.scale, indices, self.slices).reshape(y.shape)
+        plan = None
+        if x2.is_cuda:       # the rows grouped by slot, once per step for all the linears
+            plan = ctx.lora_plan
+            if plan is None or plan.rows.shape[0] != indices.shape[0]:
+                plan = ctx.lora_plan = lora_plan(indices, self.lora_A.shape[0])
+        return add_lora(x2, y2, self.lora_A, self.lora_B, self.scale, indices, self.slices, plan).reshape(y.shape)
 
 
 __all__ = ["LoRA", "LoRASlots"]

@@ -34,6 +34,7 @@ from torch import nn
 
 from tokenforge.kernels._triton import HAS_TRITON
 from tokenforge.kernels.moe import fused_moe, moe_reference, route, silu_mul
+from tokenforge.kernels.moe_routing import fused_moe_from_logits
 from tokenforge.kernels.mxfp4 import GROUP, Mxfp4Stack
 from tokenforge.model.arch_config import MoeConfig
 from tokenforge.model.layers.parallel import _without_cycle, all_reduce, default_weight_loader, new_parameter
@@ -70,7 +71,18 @@ def _fused(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: t
     w13, w2 = experts.stacks()
     moe = experts.moe
     return fused_moe(x, w13, w2, weights, ids, experts.w13_bias, experts.w2_bias, moe.activation,
-                     moe.swiglu_alpha, moe.swiglu_limit)
+                     moe.swiglu_alpha, moe.swiglu_limit, all_local=not moe.expert_parallel)
+
+
+def _fused_from_logits(experts: FusedExperts, x: torch.Tensor, logits: torch.Tensor) -> torch.Tensor | None:
+    """The fused path from the router's logits: routing and alignment in one launch
+    (kernels/moe_routing.py), then the GEMMs; None when the batch is too large for that launch."""
+    moe = experts.moe
+    w13, w2 = experts.stacks()
+    return fused_moe_from_logits(x, logits, w13, w2, moe.top_k, moe.routing, moe.renormalize, experts.first,
+                                 experts.num_local, w13_bias=experts.w13_bias, w2_bias=experts.w2_bias,
+                                 activation=moe.activation, alpha=moe.swiglu_alpha, limit=moe.swiglu_limit,
+                                 all_local=not moe.expert_parallel)
 
 
 def _reference(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -236,7 +248,17 @@ class SparseMoeBlock(nn.Module):
         """(routing weights, expert ids), [T, k] each."""
         return route(self.gate(x), self.moe.top_k, self.moe.routing, self.moe.renormalize)
 
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sum of the selected experts [T, H]. On the fused path a decode-sized
+        batch routes and aligns in one launch; otherwise `route` then the experts."""
+        logits = self.gate(x)
+        if self.experts.compute is _fused:
+            out = _fused_from_logits(self.experts, x, logits)
+            if out is not None:
+                return out
+        weights, ids = route(logits, self.moe.top_k, self.moe.routing, self.moe.renormalize)
+        return self.experts(x, weights, ids)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        out = self.experts(x, weights, ids)
+        out = self.routed(x)
         return all_reduce(out) if self.tp_size > 1 else out

@@ -23,6 +23,7 @@ from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.forward_context import (
     TrainingMetadata,
     current_attn_metadata,
+    current_forward_context,
     get_forward_context,
     set_forward_context,
 )
@@ -87,6 +88,9 @@ class DecoderModel(nn.Module):
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
         """The first stage embeds input_ids; a later one continues from `intermediate` = (hidden,
         residual) [T, H] each. The last stage returns the normed hidden [T, H], others the pair."""
+        ctx = current_forward_context()
+        if ctx is not None:      # what the step's linears share is made anew by each forward (a CUDA
+            ctx.lora_plan = None  # graph's capture must record it, not reuse its warm-up run's)
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None     # [T, H]
         else:

@@ -36,8 +36,7 @@ class SharedExpertMoeBlock(SparseMoeBlock):
         self.shared_expert_gate = Router(cfg.hidden_size, 1, False, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.route(x)
-        routed = self.experts(x, weights, ids)
+        routed = self.routed(x)
         routed = all_reduce(routed) if self.tp_size > 1 else routed
         return routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 

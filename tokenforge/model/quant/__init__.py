@@ -95,11 +95,7 @@ def before_loading(model: nn.Module, scheme: CheckpointScheme | None, options: Q
     """Give a pre-quantized checkpoint's linears their parameters. Refuses mixing a pre-quantized
     checkpoint with on-the-fly quantization or pruning."""
     if scheme is None:
-        mode = options.sparsity or options.quantization
-        if mode:                      # refuse a shape the mode cannot take before any weight is read
-            method = ON_THE_FLY[mode](options.group_size)
-            for name, layer in _on_the_fly_layers(model, options):
-                method.check(layer, name)
+        _check_on_the_fly(model, options)     # a shape the mode cannot take: before any weight is read
         return PreparedModel(None, [])
     if not options.is_empty:
         flags = ", ".join(f"{k}={v!r}" for k, v in (("quantization", options.quantization),
@@ -122,6 +118,16 @@ def after_loading(model: nn.Module, prepared: PreparedModel, options: QuantOptio
         logger.info("linear methods after loading: %s", ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())))
     if torch.cuda.is_available():
         torch.cuda.empty_cache()       # the float copies freed by quantization go back to the driver
+
+
+def _check_on_the_fly(model: nn.Module, options: QuantOptions) -> None:
+    """Refuse a shape the on-the-fly method (its group size, a forced decode kernel) cannot take,
+    before any weight loads."""
+    mode = options.sparsity or options.quantization
+    if mode in ON_THE_FLY:
+        method = ON_THE_FLY[mode](options.group_size)
+        for name, layer in _on_the_fly_layers(model, options):
+            method.check(layer, name)
 
 
 def _assign_on_the_fly(model: nn.Module, options: QuantOptions, cpu_int8_dynamic: bool) -> None:

@@ -58,6 +58,12 @@ def prepare_model(model: nn.Module, scheme: CheckpointScheme) -> list[tuple[str,
     """Give every quantized linear the checkpoint's parameters; returns those layers."""
     if scheme.kind == "mxfp4":
         return prepare_experts(model)
+    from tokenforge.model.layers.moe import FusedExperts  # noqa: PLC0415 - MoE models only
+
+    experts = [n for n, m in model.named_modules() if isinstance(m, FusedExperts) and not _ignored(scheme, n)]
+    if experts:        # their tensors would have nowhere to go (the fused MoE kernel reads float or MXFP4)
+        raise unsupported(f"{scheme.label} experts ({type(model).__name__}, {experts[0]}): the fused MoE kernel "
+                          "takes bf16/fp16 or MXFP4 experts; use the unquantized checkpoint")
     layers = [(n, m) for n, m in linear_layers(model) if not _ignored(scheme, n)]
     for name, layer in layers:
         create_weights(layer, scheme, name)

@@ -1,9 +1,11 @@
 """fp8 e4m3 weights, one fp32 scale per output channel (s = amax / 448), two ways to run them.
 
 - `Fp8Method` (`--quantization fp8`, W8A8, CUDA sm90+): activations quantized per token
-  (dynamic) or with a checkpoint's per-tensor scale (static), multiplied by torch._scaled_mm. Up
-  to QGEMV_MAX_TOKENS rows take the weight-only GEMV instead (activations unquantized): those
-  steps read weights only, and _scaled_mm pads them to a tile anyway. The products accumulate in
+  (dynamic) or with a checkpoint's per-tensor scale (static), multiplied by torch._scaled_mm; the
+  quantization runs inside the kernel producing the activation (RMSNorm, SiLU-and-mul:
+  quant_ops.rms_norm_quant_fp8 / silu_mul_quant_fp8), not as its own pass. Decode rows (<= 16)
+  take the layer's kernel plan (kernel_plan.py): the split-K W8A8 kernel quantizes them in its
+  prologue, the weight-only GEMV leaves them unquantized. The products accumulate in
   the tensor cores' fast mode (no periodic promotion to fp32), as float8 inference usually runs
   (torchao's default): the per-token and per-channel scales are applied to fp32 sums either way.
 - `Fp8SimMethod` (`--quantization fp8-sim`, any device, for quality tables): the weight is
@@ -22,7 +24,7 @@ from tokenforge.kernels.quant_ops import FP8_MAX
 from tokenforge.model.quant.base import install
 from tokenforge.model.quant.dense import DenseMethod, become_dense
 from tokenforge.model.quant.int8 import Int8Method
-from tokenforge.model.quant.quantized import on_gpu
+from tokenforge.model.quant.quantized import decode_choice, on_gpu
 
 
 def quantize_fp8_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,6 +39,7 @@ class Fp8Method(Int8Method):
     `q_input_scale` [1] for static activations or None for dynamic ones."""
 
     name = "fp8"
+    kind = "fp8"
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -45,14 +48,37 @@ class Fp8Method(Int8Method):
     def install_codes(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor,
                       input_scale: torch.Tensor | None = None) -> None:
         install(layer, self, q_weight=q, q_scale=scale, q_scale_row=scale.view(1, -1), q_input_scale=input_scale)
+        self.attach_plan(layer)
 
     def matmul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if not x.is_cuda:
             raise ValueError("fp8 W8A8 runs on CUDA only (on the CPU use quantization='fp8-sim')")
         quantize = quant_ops.per_token_quant_fp8 if on_gpu(x) else quant_ops.per_token_quant_fp8_ref
         xq, x_scale = quantize(x, layer.q_input_scale)
+        return self._scaled_mm(layer, xq, x_scale, bias, x.dtype)
+
+    @staticmethod
+    def _scaled_mm(layer: nn.Module, xq: torch.Tensor, x_scale: torch.Tensor, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
         return torch._scaled_mm(xq, layer.q_weight.t(), scale_a=x_scale, scale_b=layer.q_scale_row,
-                                bias=bias, out_dtype=x.dtype, use_fast_accum=True)
+                                bias=bias, out_dtype=dtype, use_fast_accum=True)
+
+    def _many_rows(self, layer: nn.Module, x: torch.Tensor) -> bool:
+        """The _scaled_mm path, where the activation quantization fuses into its producer."""
+        return x.dim() == 2 and on_gpu(x) and decode_choice(layer, x) is None
+
+    def apply_normed(self, layer, x, residual, norm, bias):
+        if not self._many_rows(layer, x):
+            return super().apply_normed(layer, x, residual, norm, bias)
+        xq, x_scale, new_residual = quant_ops.rms_norm_quant_fp8(x.contiguous(), residual, norm.weight, norm.eps,
+                                                                 layer.q_input_scale)
+        return self._scaled_mm(layer, xq, x_scale, bias, x.dtype), new_residual
+
+    def apply_silu_mul(self, layer, gate_up, bias):
+        if not self._many_rows(layer, gate_up):
+            return super().apply_silu_mul(layer, gate_up, bias)
+        xq, x_scale = quant_ops.silu_mul_quant_fp8(gate_up.contiguous(), layer.q_input_scale)
+        return self._scaled_mm(layer, xq, x_scale, bias, gate_up.dtype)
 
 
 class Fp8SimMethod(DenseMethod):

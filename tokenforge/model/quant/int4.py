@@ -45,6 +45,7 @@ class Int4Method(QuantizedMethod):
     """`q_weight` uint8 [N, K/2], `q_scale` and `q_zero` [N, K/G] in the model dtype."""
 
     name = "int4"
+    kind = "int4"
     quant = QUANT_INT4
 
     def __init__(self, group_size: int = 128) -> None:
@@ -52,6 +53,7 @@ class Int4Method(QuantizedMethod):
 
     def check(self, layer: nn.Module, name: str) -> None:
         check_group_size(layer.in_features, self.group_size, name)
+        super().check(layer, name)
 
     @torch.no_grad()
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -69,8 +71,12 @@ class Int4Method(QuantizedMethod):
             become_dense(layer, dequantize_int4_ref(packed, scale, zero, torch.float32))
         else:
             install(layer, self, q_weight=packed, q_scale=scale, q_zero=zero)
+            self.attach_plan(layer)
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+        if layer.q_weight is None:        # the split-K kernel's tile layout alone (kernel_plan.attach)
+            return quant_ops.dequantize_int4_tiles(layer.q_words, layer.q_scale_t, layer.q_zero_t, dtype,
+                                                   self.group_size, layer.q_plan.tile)
         if on_gpu(layer.q_weight):
             return quant_ops.dequantize_int4(layer.q_weight, layer.q_scale, layer.q_zero, dtype, self.group_size)
         return dequantize_int4_ref(layer.q_weight, layer.q_scale, layer.q_zero, dtype)

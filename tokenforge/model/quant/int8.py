@@ -35,6 +35,7 @@ class Int8Method(QuantizedMethod):
 
     def install_codes(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         install(layer, self, q_weight=q, q_scale=scale)
+        self.attach_plan(layer)
 
     def dequantize(self, layer: nn.Module, dtype: torch.dtype) -> torch.Tensor:
         if on_gpu(layer.q_weight):

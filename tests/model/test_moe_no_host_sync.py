@@ -1,0 +1,71 @@
+"""The fused MoE path reads nothing back to the host, so a decode step holds in a CUDA graph and
+never stalls the launch queue: its whole torch side runs on meta tensors (shapes only, where any
+`.item()`, `.tolist()`, `nonzero` or data-dependent shape raises), with the Triton launches
+stubbed. Decode-sized batches (routing and alignment in one launch) and prefill-sized ones
+(torch routing and `align`), Mixtral-style and gpt-oss-style (MXFP4, biases, top-k then
+softmax), with expert parallelism's id mapping; the torch reference (which does sync, and is
+the CPU path) is shown to be caught by the same check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenforge.kernels import moe as kernels_moe
+from tokenforge.kernels import moe_routing
+from tokenforge.model.arch_config import MoeConfig
+from tokenforge.model.layers import moe as moe_layer
+
+
+class _Launches:
+    """Stands in for a Triton kernel: `kernel[grid](*args, **meta)` records the call, computes nothing."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls += 1
+        return launch
+
+
+@pytest.fixture
+def stubbed(monkeypatch):
+    routing, gemm = _Launches(), _Launches()
+    monkeypatch.setattr(moe_routing, "_route_align_kernel", routing)
+    monkeypatch.setattr(kernels_moe, "_moe_gemm_kernel", gemm)
+    monkeypatch.setattr(moe_routing, "require_triton", lambda *t: None)
+    monkeypatch.setattr(kernels_moe, "require_triton", lambda *t: None)
+    return routing, gemm
+
+
+def _block(style: str, expert_parallel: bool = False) -> moe_layer.SparseMoeBlock:
+    if style == "gpt-oss":
+        cfg = MoeConfig(num_experts=32, top_k=4, intermediate_size=64, routing="topk_softmax", activation="swiglu_oai",
+                        bias=True, interleaved_gate_up=True, expert_format="mxfp4", expert_parallel=expert_parallel)
+    else:
+        cfg = MoeConfig(num_experts=8, top_k=2, intermediate_size=96, expert_parallel=expert_parallel)
+    with torch.device("meta"):
+        block = moe_layer.SparseMoeBlock(64, cfg, torch.bfloat16, tp_rank=1 if expert_parallel else 0,
+                                         tp_size=2 if expert_parallel else 1)
+    block.experts.compute = moe_layer._fused
+    return block
+
+
+@pytest.mark.parametrize("style", ["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("expert_parallel", [False, True])
+@pytest.mark.parametrize("tokens,one_launch", [(1, True), (16, True), (300, False)])
+def test_fused_moe_layer_needs_no_host_sync(stubbed, style, expert_parallel, tokens, one_launch):
+    routing, gemm = stubbed
+    block = _block(style, expert_parallel)
+    with torch.inference_mode():
+        out = block.routed(torch.empty(tokens, 64, dtype=torch.bfloat16, device="meta"))
+    assert out.shape == (tokens, 64) and out.dtype == torch.bfloat16 and out.is_meta
+    assert routing.calls == (1 if one_launch else 0) and gemm.calls == 2
+
+
+def test_the_check_catches_a_host_sync(stubbed):
+    block = _block("mixtral")
+    block.experts.compute = moe_layer._reference         # ids.unique().tolist(): a sync
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        block.routed(torch.empty(2, 64, dtype=torch.bfloat16, device="meta"))

@@ -1,0 +1,147 @@
+"""Routing and alignment of a decode-sized MoE batch in one Triton launch.
+
+`route` + `align` (kernels/moe.py) are about twenty small torch kernels (softmax, top-k, the
+renormalisation, a scatter count, cumsums, a sort, a search); at decode each costs a few
+microseconds of launch, more than the expert GEMMs of a small model. `route_align` does the same
+work in one program: router logits [T, E] -> routing weights [T, k] fp32, this rank's expert ids
+[T, k] (another rank's experts -> the sentinel E_local, as `_rank_local_ids` maps them), and the
+sorted-and-padded pair layout that `fused_moe` takes (`alignment=`), equal to `align`'s: pairs
+sorted by expert, in pair order within an expert, each expert's run padded to BLOCK_M with the
+sentinel T*k, the expert of each block (-1 past the valid length), and the valid length.
+
+One program holds the batch in registers, so it runs while T*k and E stay small (a [pairs,
+experts] and a [pairs, pairs] tile of at most MAX_TILE elements) and T <= MAX_TOKENS: decode up to
+16 sequences on every shipped MoE; larger batches return None and take the torch path, where
+launches do not matter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import next_power_of_2, require_triton, tl, triton
+from .moe import ROUTING_ORDERS, alignment_block, fused_moe, padded_length
+
+MAX_TILE = 16384
+MAX_TOKENS = 16       # the decode CUDA-graph buckets 1, 2, 4, 8, 16 compile every variant at start-up
+
+
+@triton.jit
+def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, experts_ptr, valid_ptr,
+                        T, E, first, num_local, cap, stride_lt,
+                        K: tl.constexpr, T_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                        P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
+                        SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
+    rows = tl.arange(0, T_PAD)
+    cols = tl.arange(0, E_PAD)
+    live = (rows < T)[:, None] & (cols < E)[None, :]
+    s = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :], mask=live, other=float("-inf"))
+    s = s.to(tl.float32)
+    if SOFTMAX_FIRST:                     # select on the probabilities, as torch does
+        row_max = tl.max(s, 1)
+        p = tl.where(live, tl.exp(s - tl.where(rows < T, row_max, 0.0)[:, None]), 0.0)
+        s = tl.where(live, p / tl.maximum(tl.sum(p, 1), 1e-30)[:, None], -1.0)
+    kk = tl.arange(0, K_PAD)
+    top = tl.zeros((T_PAD, K_PAD), dtype=tl.float32)
+    sel = tl.zeros((T_PAD, K_PAD), dtype=tl.int32)
+    for j in tl.static_range(K):          # the k largest, the lowest index first on a tie
+        best = tl.max(s, 1)
+        idx = tl.min(tl.where(s == best[:, None], cols[None, :], E_PAD), 1)
+        top = tl.where(kk[None, :] == j, best[:, None], top)
+        sel = tl.where(kk[None, :] == j, idx[:, None], sel)
+        s = tl.where(cols[None, :] == idx[:, None], float("-inf"), s)
+    chosen = kk[None, :] < K
+    if SOFTMAX_FIRST:
+        w = tl.where(chosen, top, 0.0)
+        if RENORMALIZE:
+            w = w / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
+    else:                                 # a softmax over the k chosen logits
+        top_max = tl.where(rows < T, tl.max(tl.where(chosen, top, float("-inf")), 1), 0.0)
+        e = tl.where(chosen, tl.exp(top - top_max[:, None]), 0.0)
+        w = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
+    out = (rows < T)[:, None] & chosen
+    offs = rows[:, None] * K + kk[None, :]
+    tl.store(weights_ptr + offs, w, mask=out)
+    local = sel - first
+    local = tl.where((local >= 0) & (local < num_local), local, num_local)
+    tl.store(ids_ptr + offs, local.to(tl.int64), mask=out)
+
+    pairs = T * K
+    for c in range(0, cap, CHUNK):        # every slot starts as padding
+        o = c + tl.arange(0, CHUNK)
+        tl.store(sorted_ids_ptr + o, tl.zeros((CHUNK,), dtype=tl.int32) + pairs, mask=o < cap)
+    tl.debug_barrier()                    # the ids above and the padding, visible to every thread
+    p = tl.arange(0, P_PAD)
+    expert = tl.load(ids_ptr + p, mask=p < pairs, other=E_PAD).to(tl.int32)       # pair p's expert
+    onehot = (expert[:, None] == cols[None, :]) & (cols[None, :] < num_local)     # [P_PAD, E_PAD]
+    padded = (tl.sum(onehot.to(tl.int32), 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    start_of = tl.sum(tl.where(onehot, starts[None, :], 0), 1)
+    same_before = (expert[None, :] == expert[:, None]) & (p[None, :] < p[:, None])  # [P_PAD (p), P_PAD (q)]
+    rank = tl.sum(same_before.to(tl.int32), 1)
+    tl.store(sorted_ids_ptr + start_of + rank, p, mask=(p < pairs) & (expert < num_local))
+    total = tl.sum(padded, 0)
+    tl.store(valid_ptr, total)
+    num_blocks = cap // BLOCK_M
+    for c in range(0, num_blocks, BLOCKS_CHUNK):    # [BLOCKS_CHUNK, E_PAD] compares a pass
+        b = c + tl.arange(0, BLOCKS_CHUNK)
+        begin = b * BLOCK_M
+        owner = tl.sum(((ends[None, :] <= begin[:, None]) & (cols[None, :] < num_local)).to(tl.int32), 1)
+        tl.store(experts_ptr + b, tl.where(begin < total, owner, -1), mask=b < num_blocks)
+
+
+def _pads(tokens: int, num_experts: int, top_k: int) -> tuple[int, int, int, int]:
+    """(T_PAD, E_PAD, K_PAD, P_PAD): P_PAD = T_PAD * K_PAD, so the variants compiled depend on the
+    token count's power of two alone (the CUDA-graph buckets' at start-up)."""
+    t_pad, k_pad = next_power_of_2(max(1, tokens)), next_power_of_2(top_k)
+    return t_pad, next_power_of_2(num_experts), k_pad, t_pad * k_pad
+
+
+def fits(tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether `route_align` takes a batch of this size (else the torch route + align)."""
+    t_pad, e_pad, _, p_pad = _pads(tokens, num_experts, top_k)
+    return 0 < tokens <= MAX_TOKENS and max(p_pad * e_pad, p_pad * p_pad, t_pad * e_pad) <= MAX_TILE
+
+
+def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool, block_m: int,
+                first: int = 0, num_local: int | None = None):
+    """(weights [T, k] fp32, local ids [T, k] int64, sorted pair ids, expert per block, valid [1])
+    for router logits [T, E] of a batch that `fits`, else None. `first`/`num_local`: this rank's
+    experts under expert parallelism (default: all of them)."""
+    if order not in ROUTING_ORDERS:
+        raise ValueError(f"unknown routing order {order!r}; supported: {', '.join(ROUTING_ORDERS)}")
+    tokens, num_experts = logits.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
+    if not fits(tokens, num_experts, top_k):
+        return None
+    require_triton(logits)
+    num_local = num_experts if num_local is None else num_local
+    logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    pairs, device = tokens * top_k, logits.device
+    cap = padded_length(pairs, num_local, block_m)                               # as `align` sizes it
+    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=device)
+    sorted_ids = torch.empty(cap, dtype=torch.int32, device=device)
+    experts = torch.empty(cap // block_m, dtype=torch.int32, device=device)
+    valid = torch.empty(1, dtype=torch.int32, device=device)
+    t_pad, e_pad, k_pad, p_pad = _pads(tokens, num_experts, top_k)
+    _route_align_kernel[(1,)](
+        logits, weights, ids, sorted_ids, experts, valid, tokens, num_experts, first, num_local, cap,
+        logits.stride(0), K=top_k, T_PAD=t_pad, E_PAD=e_pad, K_PAD=k_pad, P_PAD=p_pad, BLOCK_M=block_m, CHUNK=256,
+        BLOCKS_CHUNK=max(1, min(64, MAX_TILE // e_pad)),
+        SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize, num_warps=8)
+    return weights, ids, sorted_ids, experts, valid
+
+
+def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k: int, order: str,
+                          renormalize: bool, first: int = 0, num_local: int | None = None, **kwargs):
+    """`fused_moe` from the router's logits, routed and aligned in one launch: [T, H], or None
+    when the batch does not `fits` (the caller routes with torch). kwargs go to `fused_moe`."""
+    block = alignment_block(x.shape[0] * top_k, x.element_size())
+    plan = route_align(logits, top_k, order, renormalize, block, first, num_local)
+    if plan is None:
+        return None
+    weights, ids, *alignment = plan
+    return fused_moe(x, w13, w2, weights, ids, alignment=tuple(alignment), **kwargs)
