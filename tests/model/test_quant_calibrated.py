@@ -120,6 +120,9 @@ def test_calibration_needs_int4():
                               "groups), got quantization='int8'")
     with pytest.raises(ValueError, match="got quantization=None"):
         EngineConfig.from_kwargs(device="cpu", quantization_calibration="builtin")
+    with pytest.raises(ValueError, match="not with pipeline_parallel_size > 1 yet"):
+        EngineConfig.from_kwargs(device="cpu", quantization="int4", quantization_calibration="builtin",
+                                 pipeline_parallel_size=2)
 
 
 def test_short_calibration_text_refused_before_loading(tmp_path, no_weight_reads):

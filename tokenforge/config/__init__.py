@@ -294,6 +294,9 @@ class EngineConfig:
         _check(not self.lora.enable_lora or self.parallel.world_size == 1,
                "enable_lora serves adapters on one rank only yet: not with tensor or pipeline parallelism")
         steps, pp = self.scheduler.pipeline_steps, self.parallel.pipeline_parallel_size
+        _check(not self.model.quantization_calibration or pp == 1,
+               "quantization_calibration runs the whole model on each rank to calibrate: not with "
+               "pipeline_parallel_size > 1 yet (calibrate with `tokenforge quantize`, then serve its checkpoint)")
         _check(steps == 1 or pp > 1, f"pipeline_steps {steps} keeps several steps in flight across pipeline "
                "stages: it needs pipeline_parallel_size > 1 (or pipeline_steps 1)")
         return self
