@@ -7,7 +7,7 @@ Backends for M <= MAX_ROWS rows (the many-row path above is the method's `matmul
 - `tinygemm`: torch's int4 op (kernels/int4_tinygemm.py), int4 only;
 - `dense`: the many-row path at every M.
 The table (kernel_table.json, or the file in $TOKENFORGE_QUANT_TABLE) maps (kind, N, K, group) to
-a choice per M bucket, as measured by `bench/gpu/quant_kernels.sh`; a shape missing from it gets
+a choice per M bucket, as measured by `bench/quant_kernels.sh`; a shape missing from it gets
 the behaviour measured before the table existed (qgemv up to 4 rows, then the many-row path).
 $TOKENFORGE_QUANT_KERNEL forces one backend on every layer; a shape that backend cannot run is a
 ValueError naming the layer, raised before any weight loads (`check`).

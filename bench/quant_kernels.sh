@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The quantized linears' decode kernels on one H200, in one device call of at most ~5 minutes:
-#   bash bench/gpu/quant_kernels.sh OUTDIR          (OUTDIR defaults to $OUT)
+#   bash bench/quant_kernels.sh OUTDIR          (OUTDIR defaults to $OUT)
 # 1. the GPU tests of the split-K kernels, tinygemm and the kernel plan (bit-level checks first);
 # 2. `bench kernels --part quant_sweep`: every split-K config x the 8B and 70B linear shapes x
 #    M in (1, 4, 8, 16), with tinygemm, the prologue GEMV, the many-row paths and bf16 cuBLAS as
@@ -15,7 +15,7 @@
 # kernels_qsweep.json, quant_table.json, w1.json (the W1 results, one per mode, with the kernel
 # choice per shape). QK_BATCH=N adds `--batch-size N` to the W1 runs.
 set -uo pipefail
-cd "$(dirname "$0")/../.."
+cd "$(dirname "$0")/.."
 out="${1:-${OUT:?give OUTDIR or set OUT}}"
 mkdir -p "$out" /tmp/qk_w1
 budget="${QK_BUDGET_S:-295}"

