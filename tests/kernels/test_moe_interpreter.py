@@ -35,6 +35,7 @@ CASES = [
     ("top4", 37, 64, 48, 8, 4, (2, 6), "plain"),                     # 148 pairs: the middle config
     ("prefill", 300, 64, 160, 16, 4, (0, 9, 15), "plain"),           # 1200 pairs: the large config
     ("gpt-oss-like", 13, 64, 64, 6, 2, (4,), "mxfp4_oai_bias_other_rank"),
+    ("mxfp4-partial-k", 3, 96, 160, 4, 2, (), "mxfp4_oai_bias_other_rank"),   # K tiles of 64: 96 ends half full
 ]
 # route_align (kernels/moe_routing.py): (tokens, experts, top_k, order, renormalize, first, num_local)
 ROUTING_CASES = [

@@ -115,22 +115,28 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 @triton.jit
-def _fp4_weight_tile(w_ptrs, s_ptrs, offs_k, mask):
-    """An MXFP4 tile [BLOCK_K, BLOCK_N] in fp32: each element's nibble of its byte (low nibble for
-    even k), decoded from e2m1, times its group's e8m0 scale. Both are built as fp32 bit patterns
-    (integer ops, no exp2): e2m1 with exponent e > 0 and mantissa m is 2^(e-1) * (1 + m/2), i.e.
-    exponent field e + 126 and mantissa bit m; e = 0 is 0 or 0.5; e8m0 s is 2^(s-127), the
-    exponent field s (s = 0, a subnormal 2^-127, is spelled out)."""
+def _fp4_weight_tiles(w_ptrs, s_ptrs, mask):
+    """An MXFP4 tile as two [BLOCK_K / 2, BLOCK_N] fp32 tiles, the even k (low nibbles) and the odd
+    k (high nibbles) of the bytes at `w_ptrs`, each value decoded from e2m1 times its group's e8m0
+    scale. The bytes are loaded once, contiguous along K (16-byte loads down each weight row); a
+    tile of one byte per k would read each byte twice with no contiguity for the loads to
+    coalesce on. Values are built as fp32 bit patterns (integer ops, no exp2): e2m1 with exponent
+    e > 0 and mantissa m is 2^(e-1) * (1 + m/2), i.e. exponent field e + 126 and mantissa bit m;
+    e = 0 is 0 or 0.5; e8m0 s is 2^(s-127), the exponent field s (s = 0, a subnormal 2^-127, is
+    spelled out)."""
     byte = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    code = (byte >> ((offs_k % 2) * 4)[:, None]) & 0xF
+    s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
+    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
+    return _e2m1(byte & 0xF) * scale, _e2m1(byte >> 4) * scale
+
+
+@triton.jit
+def _e2m1(code):
     exp = (code >> 1) & 3
     man = code & 1
     bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))
     value = bits.to(tl.float32, bitcast=True)
-    value = tl.where((code & 8) != 0, -value, value)
-    s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
-    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
-    return value * scale
+    return tl.where((code & 8) != 0, -value, value)
 
 
 @triton.jit
@@ -157,34 +163,42 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
     a_row = (pair // rows_per_a).to(tl.int64)      # the token (gate-up) or the pair itself (down)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
-    rows = offs_n[None, :].to(tl.int64)
-    if MXFP4:
-        w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + (offs_k // 2)[:, None]
-        s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (offs_k // 32)[:, None]
-    else:
-        w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + offs_k[:, None]
-        s_ptrs = w_ptrs
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        mask_w = mask_k[:, None] & mask_n[None, :]
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if MXFP4:
-            w = _fp4_weight_tile(w_ptrs + k0 // 2, s_ptrs + k0 // 32, offs_k, mask_w).to(a.dtype)
-        else:
-            w = tl.load(w_ptrs + k0, mask=mask_w, other=0.0)
-        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
-        if SWIGLU:   # the up rows sit N rows below the gate rows
-            if MXFP4:
-                u = _fp4_weight_tile(w_ptrs + N * stride_wn + k0 // 2, s_ptrs + N * stride_sn + k0 // 32, offs_k,
-                                     mask_w).to(a.dtype)
-            else:
-                u = tl.load(w_ptrs + N * stride_wn + k0, mask=mask_w, other=0.0)
-            acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
-        a_ptrs += BLOCK_K
+    rows = offs_n[None, :].to(tl.int64)
+    if MXFP4:   # bytes: k = 2j (low nibble) and 2j + 1 (high) of byte j; the activations split to match
+        offs_j = tl.arange(0, BLOCK_K // 2)
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + 2 * offs_j[None, :]
+        w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + offs_j[:, None]
+        s_ptrs = s_ptr + expert * stride_se + rows * stride_sn + (offs_j // 16)[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            mask_j = offs_j < (K - k0) // 2
+            mask_a = mask_m[:, None] & mask_j[None, :]
+            mask_w = mask_j[:, None] & mask_n[None, :]
+            a_even = tl.load(a_ptrs, mask=mask_a, other=0.0)
+            a_odd = tl.load(a_ptrs + 1, mask=mask_a, other=0.0)
+            lo, hi = _fp4_weight_tiles(w_ptrs + k0 // 2, s_ptrs + k0 // 32, mask_w)
+            acc += tl.dot(a_even, lo.to(a_even.dtype), input_precision=DOT_PRECISION)
+            acc += tl.dot(a_odd, hi.to(a_odd.dtype), input_precision=DOT_PRECISION)
+            if SWIGLU:   # the up rows sit N rows below the gate rows
+                lo, hi = _fp4_weight_tiles(w_ptrs + N * stride_wn + k0 // 2, s_ptrs + N * stride_sn + k0 // 32,
+                                           mask_w)
+                acc_up += tl.dot(a_even, lo.to(a_even.dtype), input_precision=DOT_PRECISION)
+                acc_up += tl.dot(a_odd, hi.to(a_odd.dtype), input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_row[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = w_ptr + expert * stride_we + rows * stride_wn + offs_k[:, None]
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = offs_k < K - k0
+            mask_w = mask_k[:, None] & mask_n[None, :]
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            acc += tl.dot(a, tl.load(w_ptrs + k0, mask=mask_w, other=0.0), input_precision=DOT_PRECISION)
+            if SWIGLU:
+                acc_up += tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=mask_w, other=0.0),
+                                 input_precision=DOT_PRECISION)
+            a_ptrs += BLOCK_K
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         acc += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
