@@ -120,23 +120,24 @@ def _fp4_weight_tiles(w_ptrs, s_ptrs, mask):
     k (high nibbles) of the bytes at `w_ptrs`, each value decoded from e2m1 times its group's e8m0
     scale. The bytes are loaded once, contiguous along K (16-byte loads down each weight row); a
     tile of one byte per k would read each byte twice with no contiguity for the loads to
-    coalesce on. Values are built as fp32 bit patterns (integer ops, no exp2): e2m1 with exponent
-    e > 0 and mantissa m is 2^(e-1) * (1 + m/2), i.e. exponent field e + 126 and mantissa bit m;
-    e = 0 is 0 or 0.5; e8m0 s is 2^(s-127), the exponent field s (s = 0, a subnormal 2^-127, is
-    spelled out)."""
+    coalesce on. A code (sign s, exponent e, mantissa m) placed in an fp16 bit pattern as sign bit
+    15, exponent bits 11-10 and mantissa bit 9 is 2^(e-15) * (1 + m/2) for e > 0 and m * 2^-15 for
+    e = 0 (a subnormal the conversion keeps): e2m1's value times 2^-14, which the scale takes
+    back. So a value costs a few integer ops and one conversion. e8m0 s is 2^(s-127): with the
+    2^14, the fp32 exponent field s + 14 (s = 0, a subnormal 2^-127, is spelled out; an s that
+    would overflow, >= 241, saturates to infinity, as 2^114 * a value > 2^127 does anyway)."""
     byte = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
     s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
-    scale = tl.where(s == 0, 5.877471754111438e-39, (s << 23).to(tl.float32, bitcast=True))
-    return _e2m1(byte & 0xF) * scale, _e2m1(byte >> 4) * scale
+    scale = tl.where(s == 0, 5.877471754111438e-39 * 16384.0,
+                     (tl.minimum(s + 14, 255) << 23).to(tl.float32, bitcast=True))
+    lo = ((byte << 12) & 0x8000) | ((byte << 9) & 0x0E00)
+    hi = ((byte << 8) & 0x8000) | ((byte << 5) & 0x0E00)
+    return (_f16_bits(lo) * scale), (_f16_bits(hi) * scale)
 
 
 @triton.jit
-def _e2m1(code):
-    exp = (code >> 1) & 3
-    man = code & 1
-    bits = tl.where(exp == 0, man * (126 << 23), ((exp + 126) << 23) | (man << 22))
-    value = bits.to(tl.float32, bitcast=True)
-    return tl.where((code & 8) != 0, -value, value)
+def _f16_bits(bits):
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
