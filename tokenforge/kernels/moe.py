@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton
 from .mxfp4 import Mxfp4Stack
 
 ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
@@ -257,14 +257,18 @@ def _tile(num_pairs: int, element_size: int, mxfp4: bool, n: int | None = None, 
     64 columns on 132 SMs, each walking 14336 values; 256 of 32). MXFP4 decodes each weight tile in
     registers (a byte, a scale byte and five integer temporaries per value): at BLOCK_K 128 and
     4 warps that is some 400 registers a thread, so it takes BLOCK_K 64 over 8 warps (16 values
-    a thread for each). Not yet measured against the alternatives: `bench kernels --part
-    moe_tiles` sweeps them."""
+    a thread for each). 16-bit decode batches (<= 64 pairs) take BLOCK_N 32 over 2 warps and 4
+    stages: the best of `bench kernels --part moe_tiles` on the H200 for Mixtral at T = 1 (92.9%
+    of the read rate against 86.6% for the earlier (64 | 32, 128, 4 warps, 3 stages); qwen3-30b-a3b
+    43% either way; 2026-12-02 round 4 in BENCHMARKS.md)."""
     _, block_n, block_k = _block_config(num_pairs, element_size)
     selectable = min(num_pairs, experts or num_pairs)
     if num_pairs <= 64 and n is not None and selectable * triton.cdiv(n, block_n) < 2 * sms:
         block_n = 32
     if mxfp4:
         return block_n, min(block_k, 64), 8, NUM_STAGES
+    if num_pairs <= 64 and element_size <= 2:
+        return 32, block_k, 2, 4
     return block_n, block_k, 4, NUM_STAGES
 
 
@@ -331,4 +335,26 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, OAI=False,
                            HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True, DOT_PRECISION=precision,
                            num_warps=warps, num_stages=stages)
-    return out.view(tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
+
+
+@triton.jit
+def _topk_sum_kernel(src_ptr, dst_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    kk = tl.arange(0, K_PAD)
+    mask = (kk < K)[:, None] & (offs_h < H)[None, :]
+    rows = tl.load(src_ptr + (t * K + kk)[:, None] * H + offs_h[None, :], mask=mask, other=0.0)
+    tl.store(dst_ptr + t * H + offs_h, tl.sum(rows, 0).to(dst_ptr.dtype.element_ty), mask=offs_h < H)
+
+
+def topk_sum(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, k, H] fp32 -> its sum over k in `dtype`, in one launch (torch's sum and cast are two:
+    some 5 us a MoE layer at decode)."""
+    tokens, top_k, hidden = src.shape
+    dst = torch.empty(tokens, hidden, dtype=dtype, device=src.device)
+    if tokens:
+        block_h = 1024
+        _topk_sum_kernel[(tokens, triton.cdiv(hidden, block_h))](src, dst, hidden, K=top_k,
+                                                                  K_PAD=next_power_of_2(top_k), BLOCK_H=block_h)
+    return dst
