@@ -82,6 +82,9 @@ def kernel_share(llm, prompts: list[list[int]], loras: list, args: argparse.Name
     spans = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(us for _, us in spans) or 1.0
+    out = Path(args.profile_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))
     lora = sum(us for name, us in spans if any(k in name for k in _LORA_KERNELS))
     return {"lora_kernels_us": lora, "device_us": total, "lora_share": lora / total,
             "lora_launches": sum(1 for name, _ in spans if any(k in name for k in _LORA_KERNELS))}
