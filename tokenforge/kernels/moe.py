@@ -16,8 +16,10 @@ The fused path (`fused_moe`), for a SwiGLU expert MLP with gate and up stacked i
 3. down GEMM: the same grid over the hidden size, each row scaled by its routing weight in the
    epilogue; the k rows of a token are then summed.
 Both GEMMs take optional per-expert biases (added before the activation and before the routing
-weight), gpt-oss's clamped SwiGLU in place of silu(gate) * up, and MXFP4 weights (kernels/mxfp4.py:
-4-bit codes and a scale per 32, decoded tile by tile in registers, so only the codes are read).
+weight), gpt-oss's clamped SwiGLU in place of silu(gate) * up, MXFP4 weights (kernels/mxfp4.py:
+4-bit codes and a scale per 32, decoded tile by tile in registers, so only the codes are read) and
+fp8 weights (kernels/moe_fp8.py: e4m3 codes widened tile by tile to the activations' dtype, the
+per-row scales applied to the fp32 accumulators in the epilogue, before the biases).
 Each expert's weights are read once per column tile for all the pairs routed to it, which makes
 decode (few pairs per expert) a pass over the selected experts' bytes.
 
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from ._triton import next_power_of_2, require_triton, tl, triton
+from .moe_fp8 import Fp8Stack
 from .mxfp4 import Mxfp4Stack
 
 ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
@@ -146,10 +149,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SWIGLU: tl.constexpr, OAI: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
-                     MUL_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     FP8: tl.constexpr, MUL_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """out[pair] = a[row of pair] @ W[expert]^T (+ bias) for the pairs of each BLOCK_M block.
     W is [E, N (x2 with SWIGLU: gate rows, then up rows), K] in the activations' dtype, or (MXFP4)
-    bytes [E, N, K / 2] with scales [E, N, K / 32]. SWIGLU writes silu(gate) * up, or with OAI
+    bytes [E, N, K / 2] with scales [E, N, K / 32], or (FP8) e4m3 [E, N, K] with fp32 scales [E, N]
+    (one a row, so they scale the accumulators after the K loop). SWIGLU writes silu(gate) * up, or with OAI
     gpt-oss's clamped form; MUL_WEIGHTS scales each row by its routing weight. DOT_PRECISION is
     "ieee" for fp32 activations: Triton's default for fp32 dots on NVIDIA is TF32, whose 10-bit
     inputs move a tiny model's router past a near-tie and change whole tokens."""
@@ -195,11 +199,17 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
             mask_k = offs_k < K - k0
             mask_w = mask_k[:, None] & mask_n[None, :]
             a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc += tl.dot(a, tl.load(w_ptrs + k0, mask=mask_w, other=0.0), input_precision=DOT_PRECISION)
+            w = tl.load(w_ptrs + k0, mask=mask_w, other=0.0).to(a.dtype)        # FP8: exact in a's dtype
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
             if SWIGLU:
-                acc_up += tl.dot(a, tl.load(w_ptrs + N * stride_wn + k0, mask=mask_w, other=0.0),
-                                 input_precision=DOT_PRECISION)
+                u = tl.load(w_ptrs + N * stride_wn + k0, mask=mask_w, other=0.0).to(a.dtype)
+                acc_up += tl.dot(a, u, input_precision=DOT_PRECISION)
             a_ptrs += BLOCK_K
+        if FP8:      # each output row's scale, on the products (before the bias: it is not quantized)
+            sc_ptrs = s_ptr + expert * stride_se + offs_n * stride_sn
+            acc *= tl.load(sc_ptrs, mask=mask_n, other=0.0)[None, :]
+            if SWIGLU:
+                acc_up *= tl.load(sc_ptrs + N * stride_sn, mask=mask_n, other=0.0)[None, :]
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert * stride_be + offs_n
         acc += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -278,14 +288,18 @@ def shared_memory_bytes(block_m: int, block_n: int, block_k: int, element_size: 
     return NUM_STAGES * (block_m * block_k + 2 * block_k * block_n) * element_size
 
 
-def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, bool]:
-    """(codes or weights, scales, expert and row strides of each, MXFP4?) for one projection."""
+def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, str]:
+    """(codes or weights, scales, expert and row strides of each, format) for one projection; the
+    format is "mxfp4", "fp8" or "float"."""
     if isinstance(w, Mxfp4Stack):
         blocks = w.blocks.reshape(*w.blocks.shape[:2], -1).contiguous()     # [E, N, K / 2] bytes
         scales = w.scales.contiguous()                                      # [E, N, K / 32]
-        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), True
+        return blocks, scales, blocks.stride(0), blocks.stride(1), scales.stride(0), scales.stride(1), "mxfp4"
+    if isinstance(w, Fp8Stack):
+        codes, scales = w.codes.contiguous(), w.scales.contiguous()         # [E, N, K] e4m3, [E, N] fp32
+        return codes, scales, codes.stride(0), codes.stride(1), scales.stride(0), scales.stride(1), "fp8"
     w = w.contiguous()
-    return w, w, w.stride(0), w.stride(1), 0, 0, False
+    return w, w, w.stride(0), w.stride(1), 0, 0, "float"
 
 
 def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
@@ -294,7 +308,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
               alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
               all_local: bool = False, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The Triton path of `moe_reference` (same result up to rounding): w13/w2 are float stacks in
-    x's dtype or `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory);
+    x's dtype, `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory) or
+    `Fp8Stack`s (e4m3 widened inside the GEMMs, the row scales in their epilogues);
     optional biases; activation "silu" or "swiglu_oai" (gpt-oss: clamp at `limit`, sigmoid gain
     `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing. `alignment`:
     `align`'s result for these ids at `alignment_block(T * k, x.element_size())`, when the caller
@@ -312,28 +327,30 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     x = x.contiguous()
     oai = activation == "swiglu_oai"
-    w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w13)
+    w, s, swe, swn, sse, ssn, fmt = _weight_args(w13)
     sms = _sm_count(x.device)
-    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4, inter, num_experts, sms)
+    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), fmt == "mxfp4", inter, num_experts, sms)
     bias = w13_bias.contiguous() if w13_bias is not None else x
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     grid = (sorted_ids.numel() // block_m, triton.cdiv(inter, block_n))
     _moe_gemm_kernel[grid](x, w, s, bias, act, sorted_ids, experts, valid, weights, inter, hidden, pairs, top_k,
                            alpha, limit, x.stride(0), swe, swn, sse, ssn, bias.stride(0), act.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, OAI=oai,
-                           HAS_BIAS=w13_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=False, DOT_PRECISION=precision,
+                           HAS_BIAS=w13_bias is not None, MXFP4=fmt == "mxfp4", FP8=fmt == "fp8", MUL_WEIGHTS=False,
+                           DOT_PRECISION=precision,
                            num_warps=warps, num_stages=stages)
     # zeros: pairs of another rank's experts are never written, and the sum over k reads them
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
-    w, s, swe, swn, sse, ssn, mxfp4 = _weight_args(w2)
-    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), mxfp4, hidden, num_experts, sms)
+    w, s, swe, swn, sse, ssn, fmt = _weight_args(w2)
+    block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), fmt == "mxfp4", hidden, num_experts, sms)
     bias = w2_bias.contiguous() if w2_bias is not None else x
     grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, block_n))
     _moe_gemm_kernel[grid](act, w, s, bias, out, sorted_ids, experts, valid, flat_weights, hidden, inter, pairs, 1,
                            alpha, limit, act.stride(0), swe, swn, sse, ssn, bias.stride(0), out.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, OAI=False,
-                           HAS_BIAS=w2_bias is not None, MXFP4=mxfp4, MUL_WEIGHTS=True, DOT_PRECISION=precision,
+                           HAS_BIAS=w2_bias is not None, MXFP4=fmt == "mxfp4", FP8=fmt == "fp8", MUL_WEIGHTS=True,
+                           DOT_PRECISION=precision,
                            num_warps=warps, num_stages=stages)
     return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
 

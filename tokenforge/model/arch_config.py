@@ -37,6 +37,7 @@ class RopeScaling:
 
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")      # silu(gate) * up | gpt-oss's clamped SwiGLU
 EXPERT_FORMATS = ("dense", "mxfp4")
+FP8_EXPERT_MODES = ("fp8", "fp8-sim")         # --quantization modes that store float experts as fp8
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,8 +80,14 @@ class MoeConfig:
 
     def expert_numel(self, hidden_size: int, num_layers: int) -> int:
         """Values of every expert matrix (not their biases) across the model."""
-        layers = num_layers if self.sparse_layers is None else len(self.sparse_layers)
-        return layers * self.num_experts * 3 * self.intermediate_size * hidden_size
+        return self._sparse_layers(num_layers) * self.num_experts * 3 * self.intermediate_size * hidden_size
+
+    def expert_rows(self, hidden_size: int, num_layers: int) -> int:
+        """Output rows of every expert matrix (gate, up: I each; down: H), which per-row scales count."""
+        return self._sparse_layers(num_layers) * self.num_experts * (2 * self.intermediate_size + hidden_size)
+
+    def _sparse_layers(self, num_layers: int) -> int:
+        return num_layers if self.sparse_layers is None else len(self.sparse_layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,14 +187,32 @@ class ArchConfig:
         model built on the meta device, so every architecture counts its own modules."""
         return registry.get_spec(self.architecture).num_parameters(self)
 
-    def weight_bytes(self, dtype: str = "bfloat16") -> int:
+    def weight_bytes(self, dtype: str = "bfloat16", quantization: str | None = None, group_size: int = 128) -> int:
         """Bytes of the weights in memory: MXFP4 experts at 17 bytes per 32 values (16 of codes,
-        one scale), everything else in `dtype`."""
-        total = self.num_parameters()
-        if self.moe is None or self.moe.expert_format != "mxfp4":
-            return total * dtype_bytes(dtype)
-        experts = self.moe.expert_numel(self.hidden_size, self.num_hidden_layers)
-        return (total - experts) * dtype_bytes(dtype) + experts // 32 * 17
+        one scale), everything else in `dtype`; with an on-the-fly `quantization`, what stays
+        resident after it (loading holds the float weights first): fp8 and int8 linears at one
+        byte a value plus an fp32 scale per output row, int4 at half a byte plus a 16-bit scale and
+        zero per group; under fp8 and fp8-sim the float experts also take one byte a value and an
+        fp32 scale per row (model/quant/experts.py). The lm_head and embedding stay in `dtype`."""
+        size = dtype_bytes(dtype)
+        total = self.num_parameters() * size
+        if self.moe is not None:
+            experts = self.moe.expert_numel(self.hidden_size, self.num_hidden_layers)
+            if self.moe.expert_format == "mxfp4":
+                total -= experts * size - experts // 32 * 17
+            elif quantization in FP8_EXPERT_MODES:
+                total -= experts * size - self.fp8_expert_bytes()
+        if quantization in ("fp8", "int8", "int4"):
+            values, rows = registry.get_spec(self.architecture).linear_values(self)
+            quantized = values + 4 * rows if quantization != "int4" else values // 2 + values // group_size * 4
+            total -= values * size - quantized
+        return total
+
+    def fp8_expert_bytes(self) -> int:
+        """The float experts as fp8 e4m3: a byte a value and an fp32 scale per (expert, row)."""
+        assert self.moe is not None
+        layers = self.num_hidden_layers
+        return self.moe.expert_numel(self.hidden_size, layers) + 4 * self.moe.expert_rows(self.hidden_size, layers)
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
         """K and V for one token across all layers."""

@@ -50,6 +50,11 @@ class ModelSpec:
         values), from a meta-device build."""
         return _count_parameters(self.model_class, config)
 
+    def linear_values(self, config: Any) -> tuple[int, int]:
+        """(weight values, output rows) of the linears an on-the-fly --quantization converts (every
+        parallel linear: not the lm_head, the embedding, a MoE router or the expert stacks)."""
+        return _count_linears(self.model_class, config)
+
 
 @functools.lru_cache(maxsize=32)
 def _count_parameters(model_class: type[nn.Module], config: Any) -> int:
@@ -57,6 +62,15 @@ def _count_parameters(model_class: type[nn.Module], config: Any) -> int:
         model = model_class(config)
     # shared (tied) parameters once; packed codes count the values they hold (MXFP4: two a byte, scales none)
     return sum(p.numel() * getattr(p, "values_per_element", 1) for p in model.parameters())
+
+
+@functools.lru_cache(maxsize=32)
+def _count_linears(model_class: type[nn.Module], config: Any) -> tuple[int, int]:
+    with torch.device("meta"):
+        model = model_class(config)
+    lm_head = getattr(model, "lm_head", None)
+    linears = [m for m in model.modules() if hasattr(m, "quant_method") and m is not lm_head]
+    return sum(m.out_features * m.in_features for m in linears), sum(m.out_features for m in linears)
 
 
 def register(architecture: str, *, model_type: str,

@@ -37,8 +37,8 @@ def gib(n: float) -> str:
 
 
 def plan(arch: ArchConfig, memory: int, dtype: str, block_size: int, max_model_len: int,
-         kv_cache_dtype: str = "auto") -> dict:
-    weights = arch.weight_bytes(dtype)
+         kv_cache_dtype: str = "auto", quantization: str | None = None) -> dict:
+    weights = arch.weight_bytes(dtype, quantization)
     kv_per_token = arch.kv_bytes_per_token("fp8" if kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype)
     left = int(memory * (1 - ACTIVATION_RESERVE)) - weights
     tokens = max(0, left // kv_per_token // block_size * block_size)

@@ -7,7 +7,9 @@ Weights live stacked, one tensor per projection for all of this rank's experts:
 `w13_weight` [E_local, 2I_local, H] (gate rows, then up rows) and `w2_weight` [E_local, H, I_local],
 or for MXFP4 checkpoints (gpt-oss) their 4-bit codes and scales (`w13_blocks` [E, 2I, H/32, 16]
 and `w13_scales` [E, 2I, H/32] uint8, the same for w2), kept 4-bit in memory; gpt-oss adds
-`w13_bias` and `w2_bias`. Their weight loaders take HF's tensors as checkpoints store them, named
+`w13_bias` and `w2_bias`. `--quantization fp8` turns the float stacks into e4m3 codes with one
+fp32 scale per expert and row once they are loaded (`install_fp8`: `w13_fp8` [E, 2I, H] with
+`w13_fp8_scale` [E, 2I], the same for w2; kernels/moe_fp8.py). Their weight loaders take HF's tensors as checkpoints store them, named
 by a shard id: `(expert, "gate" | "up" | "down")` for one expert's [I, H] / [H, I] matrix (Mixtral's
 w1/w3/w2, Qwen3-MoE's gate/up/down_proj), or a layout name for a tensor of every expert
 (`"transposed"`: gpt-oss's [E, H, 2I] / [E, I, H]; `"rows"`: already [E, out, ...]). Interleaved
@@ -20,8 +22,9 @@ Either way the ranks' outputs are partial sums that one all-reduce completes; th
 added by one rank only.
 
 Compute is chosen once, when the layer is built: the fused Triton kernel (kernels/moe.py) on
-CUDA, which also takes the biases, gpt-oss's clamped SwiGLU and MXFP4 experts (decoded inside
-the GEMMs); the torch reference on the CPU (it dequantizes one selected MXFP4 expert at a time).
+CUDA, which also takes the biases, gpt-oss's clamped SwiGLU and MXFP4 or fp8 experts (decoded
+inside the GEMMs); the torch reference on the CPU (it dequantizes one selected MXFP4 or fp8 expert
+at a time).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import nn
 
 from tokenforge.kernels._triton import HAS_TRITON
 from tokenforge.kernels.moe import fused_moe, moe_reference, route, silu_mul
+from tokenforge.kernels.moe_fp8 import Fp8Stack, quantize_fp8_stack
 from tokenforge.kernels.moe_routing import fused_moe_from_logits
 from tokenforge.kernels.mxfp4 import GROUP, Mxfp4Stack
 from tokenforge.model.arch_config import MoeConfig
@@ -151,20 +155,39 @@ class FusedExperts(nn.Module):
             self.w13_blocks.values_per_element = self.w2_blocks.values_per_element = 2     # for parameter counts
             self.w13_scales.values_per_element = self.w2_scales.values_per_element = 0
             self.w13_weight = self.w2_weight = None
+            self.weight_format = "mxfp4"
         else:
             self.w13_weight = new_parameter(e, 2 * i, h, dtype=dtype, weight_loader=load)
             self.w2_weight = new_parameter(e, h, i, dtype=dtype, weight_loader=load)
             if per_expert_shards:        # one checkpoint tensor per expert and projection
                 self.w13_weight.num_shards = 2 * self.moe.num_experts
                 self.w2_weight.num_shards = self.moe.num_experts
+            self.weight_format = "dense"
         self.w13_bias = new_parameter(e, 2 * i, dtype=dtype, weight_loader=load) if self.moe.bias else None
         self.w2_bias = new_parameter(e, h, dtype=dtype, weight_loader=load) if self.moe.bias else None
 
     def stacks(self):
-        """(w13, w2) as the reference indexes them: float stacks, or MXFP4 ones dequantized per expert."""
-        if self.w13_weight is not None:
+        """(w13, w2) as the reference indexes them: float stacks, or MXFP4 / fp8 ones dequantized
+        per expert."""
+        if self.weight_format == "dense":
             return self.w13_weight, self.w2_weight
+        if self.weight_format == "fp8":
+            return Fp8Stack(self.w13_fp8, self.w13_fp8_scale), Fp8Stack(self.w2_fp8, self.w2_fp8_scale)
         return Mxfp4Stack(self.w13_blocks, self.w13_scales), Mxfp4Stack(self.w2_blocks, self.w2_scales)
+
+    @torch.no_grad()
+    def install_fp8(self) -> None:
+        """The loaded float stacks -> e4m3 codes and per-(expert, row) fp32 scales, as buffers (not
+        trained, and the engine cache keeps the weights from before quantization); the float
+        stacks are freed. The biases stay in the model dtype."""
+        assert self.weight_format == "dense", self.weight_format
+        for name in ("w13", "w2"):
+            codes, scales = quantize_fp8_stack(getattr(self, f"{name}_weight").detach())
+            delattr(self, f"{name}_weight")
+            setattr(self, f"{name}_weight", None)
+            self.register_buffer(f"{name}_fp8", codes, persistent=False)
+            self.register_buffer(f"{name}_fp8_scale", scales, persistent=False)
+        self.weight_format = "fp8"
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights/ids [T, k] (global expert ids) -> this rank's partial sum [T, H]."""
@@ -230,7 +253,7 @@ class FusedExperts(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"experts={self.first}..{self.first + self.num_local - 1} of {self.moe.num_experts}, "
-                f"top_k={self.moe.top_k}, intermediate={self.inter}, format={self.moe.expert_format}, "
+                f"top_k={self.moe.top_k}, intermediate={self.inter}, format={self.weight_format}, "
                 f"compute={self.compute.__name__.strip('_')}")
 
 

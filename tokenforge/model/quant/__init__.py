@@ -19,6 +19,8 @@ Modes (`--quantization`):
 - fp8: W8A8 e4m3, per-channel weight scales, dynamic per-token activation scales, torch._scaled_mm
   (Hopper); refused elsewhere.
 - fp8-sim: fp8 W8A8 simulated by quantize-dequantize in float (any device), for quality tables.
+A mixture of experts' expert stacks are not linears: experts.py quantizes them under fp8 and
+fp8-sim (e4m3 weight-only, per expert and row) and says in one line that other modes leave them.
 The lm_head and the embedding stay in the model dtype unless `quantize_lm_head`; a tied lm_head
 then gets its own quantized copy (the method replaces the lm_head's reference to the shared
 Parameter) while the embedding keeps the float one. With the CPU's dynamic int8 the lm_head runs
@@ -42,6 +44,7 @@ from tokenforge.model.quant.calibrate import calibrate_int4
 from tokenforge.model.quant.checkpoint import CheckpointScheme, detect, prepare_model
 from tokenforge.model.quant.cpu_int8 import quantize_linears_int8
 from tokenforge.model.quant.dense import packing_pays, prepack_linears
+from tokenforge.model.quant.experts import quantize_experts
 from tokenforge.model.quant.registry import LM_HEAD_METHODS, ON_THE_FLY
 from tokenforge.model.quant.sparsity import prune_model
 
@@ -110,6 +113,7 @@ def after_loading(model: nn.Module, prepared: PreparedModel, options: QuantOptio
     tensors. `cpu_int8_dynamic`: int8 on the CPU is the runner's dynamic int8, not done here."""
     if prepared.scheme is None:
         _assign_on_the_fly(model, options, cpu_int8_dynamic)
+        quantize_experts(model, options.sparsity or options.quantization or ("prune" if options.prune_rate else None))
     counts = Counter()
     for _, layer in linear_layers(model, include_lm_head=True):
         layer.quant_method.process_weights_after_loading(layer)
