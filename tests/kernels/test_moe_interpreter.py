@@ -5,7 +5,8 @@ broke the tiny Mixtral on an H200: a router near-tie flipped) fails here, not on
 
 Shapes: several tokens, top-k 2 and 4, experts that get no token, pair counts that are not a
 multiple of the M block (each of the three block configurations), a partial last N tile,
-biases with gpt-oss's clamped SwiGLU on MXFP4 experts, and another rank's expert ids.
+biases with gpt-oss's clamped SwiGLU on MXFP4 experts, fp8 (e4m3, a scale per row) experts with
+and without biases, and another rank's expert ids.
 
 Also `route_align` (routing and alignment in one launch) against `route` + `align`, and the
 GEMMs on its layout. Runs in a child process (TRITON_INTERPRET must be set before Triton decorates the kernels), so
@@ -36,6 +37,8 @@ CASES = [
     ("prefill", 300, 64, 160, 16, 4, (0, 9, 15), "plain"),           # 1200 pairs: the large config
     ("gpt-oss-like", 13, 64, 64, 6, 2, (4,), "mxfp4_oai_bias_other_rank"),
     ("mxfp4-partial-k", 3, 96, 160, 4, 2, (), "mxfp4_oai_bias_other_rank"),   # K tiles of 64: 96 ends half full
+    ("fp8-decode", 1, 96, 96, 6, 2, (), "fp8"),                      # e4m3 experts, per-row scales; K half full
+    ("fp8-top4", 37, 64, 48, 8, 4, (2,), "fp8_bias_other_rank"),     # the scales before the biases
 ]
 # route_align (kernels/moe_routing.py): (tokens, experts, top_k, order, renormalize, first, num_local)
 ROUTING_CASES = [
@@ -129,6 +132,15 @@ def _case(tokens, hidden, inter, experts, k, starved, variant, gen):
         w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
         w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
         return (x, w13, w2, weights, ids), {}, {}
+    if variant.startswith("fp8"):
+        from tokenforge.kernels.moe_fp8 import Fp8Stack, quantize_fp8_stack
+
+        w13 = Fp8Stack(*quantize_fp8_stack(torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5))
+        w2 = Fp8Stack(*quantize_fp8_stack(torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5))
+        if variant == "fp8":
+            return (x, w13, w2, weights, ids), {}, {}
+        b13, b2 = torch.randn(experts, 2 * inter, generator=gen) / 4, torch.randn(experts, hidden, generator=gen) / 4
+        return (x, w13, w2, weights, torch.where(ids == 1, experts, ids), b13, b2), {}, {}
     w13 = Mxfp4Stack(torch.randint(0, 256, (experts, 2 * inter, hidden // 32, 16), generator=gen, dtype=torch.uint8),
                      torch.randint(120, 124, (experts, 2 * inter, hidden // 32), generator=gen, dtype=torch.uint8))
     w2 = Mxfp4Stack(torch.randint(0, 256, (experts, hidden, inter // 32, 16), generator=gen, dtype=torch.uint8),
