@@ -67,6 +67,22 @@ def test_doctor_counts_the_experts(capsys):
     assert "experts       128 x 2880 wide, top 4: 114.66 B values -> 56.73 GiB in MXFP4; a token reads 4/128" in out
 
 
+def test_doctor_counts_fp8_experts(capsys):
+    """--quantization fp8: the experts at a byte a value plus an fp32 scale per (expert, row), the
+    attention linears at a byte, the embedding and lm_head in bf16; int8 leaves the experts."""
+    assert main(["doctor", "--model", "mixtral-8x7b", "--load-format", "dummy", "--memory", "141GiB",
+                 "--quantization", "fp8"]) == 0
+    out = capsys.readouterr().out
+    # 45.097 B expert values + 4 x 8.39 M rows; 1.342 B attention values + 4 x 1.31 M rows; 0.262 B x 2 bytes
+    assert ("parameters    46.703 B  -> weights 43.77 GiB in bfloat16 with --quantization fp8 (loading holds "
+            "86.99 GiB first)") in out
+    assert ("experts       8 x 14336 wide, top 2: 45.10 B values -> 42.03 GiB in fp8 e4m3 (+ a scale per row); a "
+            "token reads 2/8 of them") in out
+    assert main(["doctor", "--model", "mixtral-8x7b", "--load-format", "dummy", "--memory", "141GiB",
+                 "--quantization", "int8"]) == 0
+    assert "45.10 B values -> 84.00 GiB in bfloat16;" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("name,active", [
     ("mixtral-8x7b", 12.7e9), ("qwen3-30b-a3b", 3.0e9), ("gpt-oss-20b", 3.6e9), ("gpt-oss-120b", 5.1e9)])
 def test_benchmark_roofline_reads_the_experts_a_token_runs(name, active):
@@ -100,3 +116,23 @@ def test_a_pre_quantized_checkpoint_with_quantized_experts_fails_before_loading(
         "model.layers.0.mlp.experts): the fused MoE kernel takes bf16/fp16 or MXFP4 experts; use the unquantized "
         "checkpoint (supported: compressed-tensors float-quantized FP8 and pack-quantized W4A16, AWQ gemm, MXFP4 MoE "
         "experts)")
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b"])
+@pytest.mark.parametrize("quantization", ["fp8", "int8"])
+def test_quantized_roofline_counts_only_the_experts_a_mode_quantizes(name, quantization):
+    """W1's roofline under --quantization: fp8 reads the float experts at one byte a value, int8
+    leaves them in bf16, MXFP4 experts stay at 17/32 either way; the router stays in bf16."""
+    from tokenforge.bench.lib.workloads import ModelShape
+    from tokenforge.bench.offline.latency import roofline
+
+    shape = ModelShape.from_config(json.loads(shipped_config_path(name).read_text()))
+    got = roofline(shape, "bfloat16", 1.0, 0, 0, {"quantization": quantization})["bytes_per_token"]
+    experts = shape.layers * shape.expert_params_per_token
+    router = shape.layers * shape.hidden * shape.num_experts
+    dense = shape.layers * shape.layer_linear_params - experts - router               # attention
+    mxfp4 = name.startswith("gpt-oss")
+    unquantized = shape.decode_bytes_per_token("bfloat16", 0)
+    rest = unquantized - (dense + router) * 2 - experts * (17 / 32 if mxfp4 else 2)   # norms, lm_head, embedding row
+    expert_bytes = experts * (17 / 32 if mxfp4 else 1 if quantization == "fp8" else 2)
+    assert abs(got - (rest + dense + router * 2 + expert_bytes)) / got < 1e-9

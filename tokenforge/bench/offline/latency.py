@@ -37,7 +37,9 @@ def _quant_bytes_per_weight(quantization: str | None, group: int, dtype: str) ->
 def roofline(shape: workloads.ModelShape, dtype: str, read_bw_tbps: float, input_len: int,
              output_len: int, weights: dict | None = None) -> dict:
     """The batch-1 decode ceiling: every weight once per token, plus the KV at the mean length.
-    With a quantization mode the linears (and the lm_head with quantize_lm_head) read fewer bytes."""
+    With a quantization mode the linears (and the lm_head with quantize_lm_head) read fewer bytes;
+    of a mixture of experts' per-token weights the router stays in the model dtype and only fp8
+    quantizes the (float) experts (model/quant/experts.py)."""
     context = input_len + output_len / 2
     per_token = shape.decode_bytes_per_token(dtype, context)
     weights = weights or {}
@@ -45,6 +47,10 @@ def roofline(shape: workloads.ModelShape, dtype: str, read_bw_tbps: float, input
     if bpw is not None:
         b = workloads._DTYPE_BYTES[dtype]
         quantized = shape.layers * shape.layer_linear_params
+        if shape.top_k:
+            quantized -= shape.layers * shape.hidden * shape.num_experts          # the router
+            if weights.get("quantization") != "fp8" or shape.expert_value_bytes is not None:
+                quantized -= shape.layers * shape.expert_params_per_token        # left as loaded (or MXFP4)
         quantized += shape.vocab * shape.hidden if weights.get("quantize_lm_head") else 0
         per_token -= quantized * (b - bpw)
     return {"bytes_per_token": per_token, "mean_context_len": context,
