@@ -113,8 +113,8 @@ def test_a_pre_quantized_checkpoint_with_quantized_experts_fails_before_loading(
         load_model(str(path), "auto", torch.float32, "cpu")
     assert str(info.value) == (
         "unsupported pre-quantized checkpoint: awq gemm, 4 bits, group 32 experts (MixtralForCausalLM, "
-        "model.layers.0.mlp.experts): the fused MoE kernel takes bf16/fp16 or MXFP4 experts; use the unquantized "
-        "checkpoint (supported: compressed-tensors float-quantized FP8 and pack-quantized W4A16, AWQ gemm, MXFP4 MoE "
+        "model.layers.0.mlp.experts): the fused MoE kernel takes bf16/fp16 or MXFP4 experts, or fp8 ones it "
+        "quantizes itself; use the unquantized checkpoint, with --quantization fp8 for fp8 experts (supported: compressed-tensors float-quantized FP8 and pack-quantized W4A16, AWQ gemm, MXFP4 MoE "
         "experts)")
 
 

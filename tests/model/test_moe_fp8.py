@@ -139,3 +139,45 @@ def test_an_mxfp4_checkpoint_with_quantization_fp8_is_refused_before_loading(tmp
         load_model(str(path), "auto", torch.float32, "cpu", quant=QuantOptions(quantization="fp8"))
     assert str(info.value) == "the checkpoint is already quantized (MXFP4 experts): drop quantization='fp8'"
     assert json.loads((path / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
+
+
+def _sharded_experts(moe, w13, w2, rank, size):
+    experts = moe_layer.FusedExperts(w13.shape[2], moe, torch.float32, rank, size, per_expert_shards=False)
+    experts.weight_loader(experts.w13_weight, w13)
+    experts.weight_loader(experts.w2_weight, w2)
+    experts.install_fp8()
+    return experts
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_each_rank_quantizes_its_own_shard(expert_parallel):
+    """Under --enable-expert-parallel a rank's codes and scales are TP=1's for its experts, bit for
+    bit; under TP=2 the gate/up rows are too (whole rows), while the down rows' scales cover the
+    rank's slice of I (as row-parallel fp8 linears do), so the summed partials stay within e4m3's
+    error of TP=1's output."""
+    from tokenforge.model.arch_config import MoeConfig
+
+    gen = torch.Generator().manual_seed(5)
+    e, h, i, k, t = 6, 32, 48, 2, 9
+    moe = MoeConfig(num_experts=e, top_k=k, intermediate_size=i, expert_parallel=expert_parallel)
+    w13, w2 = torch.randn(e, 2 * i, h, generator=gen) / 6, torch.randn(e, h, i, generator=gen) / 7
+    whole = _sharded_experts(MoeConfig(num_experts=e, top_k=k, intermediate_size=i), w13, w2, 0, 1)
+    ranks = [_sharded_experts(moe, w13, w2, r, 2) for r in range(2)]
+    x = torch.randn(t, h, generator=gen)
+    weights, ids = moe_layer.route(torch.randn(t, e, generator=gen), k)
+    with torch.no_grad():
+        want = whole(x, weights, ids)
+        got = sum(r(x, weights, ids) for r in ranks)
+    if expert_parallel:
+        for r in ranks:
+            span = slice(r.first, r.first + r.num_local)
+            assert torch.equal(r.w13_fp8.view(torch.uint8), whole.w13_fp8[span].view(torch.uint8))
+            assert torch.equal(r.w2_fp8_scale, whole.w2_fp8_scale[span])
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+        return
+    for r in ranks:
+        rows = torch.cat((torch.arange(r.inter_start, r.inter_start + r.inter),
+                          i + torch.arange(r.inter_start, r.inter_start + r.inter)))
+        assert torch.equal(r.w13_fp8.view(torch.uint8), whole.w13_fp8[:, rows].view(torch.uint8))
+        assert torch.equal(r.w13_fp8_scale, whole.w13_fp8_scale[:, rows])
+    assert ((got - want).norm() / want.norm()).item() < 0.06

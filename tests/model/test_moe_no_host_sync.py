@@ -2,8 +2,8 @@
 never stalls the launch queue: its whole torch side runs on meta tensors (shapes only, where any
 `.item()`, `.tolist()`, `nonzero` or data-dependent shape raises), with the Triton launches
 stubbed. Decode-sized batches (routing and alignment in one launch) and prefill-sized ones
-(torch routing and `align`), Mixtral-style and gpt-oss-style (MXFP4, biases, top-k then
-softmax), with expert parallelism's id mapping; the torch reference (which does sync, and is
+(torch routing and `align`), Mixtral-style (bf16 or fp8 experts) and gpt-oss-style (MXFP4,
+biases, top-k then softmax), with expert parallelism's id mapping; the torch reference (which does sync, and is
 the CPU path) is shown to be caught by the same check."""
 
 from __future__ import annotations
@@ -48,11 +48,13 @@ def _block(style: str, expert_parallel: bool = False) -> moe_layer.SparseMoeBloc
     with torch.device("meta"):
         block = moe_layer.SparseMoeBlock(64, cfg, torch.bfloat16, tp_rank=1 if expert_parallel else 0,
                                          tp_size=2 if expert_parallel else 1)
+    if style == "mixtral-fp8":         # --quantization fp8: e4m3 experts with per-row scales
+        block.experts.install_fp8()
     block.experts.compute = moe_layer._fused
     return block
 
 
-@pytest.mark.parametrize("style", ["mixtral", "gpt-oss"])
+@pytest.mark.parametrize("style", ["mixtral", "mixtral-fp8", "gpt-oss"])
 @pytest.mark.parametrize("expert_parallel", [False, True])
 @pytest.mark.parametrize("tokens,one_launch", [(1, True), (16, True), (300, False)])
 def test_fused_moe_layer_needs_no_host_sync(stubbed, style, expert_parallel, tokens, one_launch):

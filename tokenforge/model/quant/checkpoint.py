@@ -61,9 +61,10 @@ def prepare_model(model: nn.Module, scheme: CheckpointScheme) -> list[tuple[str,
     from tokenforge.model.layers.moe import FusedExperts  # noqa: PLC0415 - MoE models only
 
     experts = [n for n, m in model.named_modules() if isinstance(m, FusedExperts) and not _ignored(scheme, n)]
-    if experts:        # their tensors would have nowhere to go (the fused MoE kernel reads float or MXFP4)
+    if experts:        # their tensors would have nowhere to go (the fused MoE kernel reads float, fp8 or MXFP4)
         raise unsupported(f"{scheme.label} experts ({type(model).__name__}, {experts[0]}): the fused MoE kernel "
-                          "takes bf16/fp16 or MXFP4 experts; use the unquantized checkpoint")
+                          "takes bf16/fp16 or MXFP4 experts, or fp8 ones it quantizes itself; use the unquantized "
+                          "checkpoint, with --quantization fp8 for fp8 experts")
     layers = [(n, m) for n, m in linear_layers(model) if not _ignored(scheme, n)]
     for name, layer in layers:
         create_weights(layer, scheme, name)
