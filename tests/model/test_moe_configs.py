@@ -114,8 +114,8 @@ def test_a_pre_quantized_checkpoint_with_quantized_experts_fails_before_loading(
     assert str(info.value) == (
         "unsupported pre-quantized checkpoint: awq gemm, 4 bits, group 32 experts (MixtralForCausalLM, "
         "model.layers.0.mlp.experts): the fused MoE kernel takes bf16/fp16 or MXFP4 experts, or fp8 ones it "
-        "quantizes itself; use the unquantized checkpoint, with --quantization fp8 for fp8 experts (supported: compressed-tensors float-quantized FP8 and pack-quantized W4A16, AWQ gemm, MXFP4 MoE "
-        "experts)")
+        "quantizes itself; use the unquantized checkpoint, with --quantization fp8 for fp8 experts (supported: "
+        "compressed-tensors float-quantized FP8 and pack-quantized W4A16, AWQ gemm, MXFP4 MoE experts)")
 
 
 @pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b"])
