@@ -34,6 +34,7 @@ def stubbed(monkeypatch):
     routing, gemm = _Launches(), _Launches()
     monkeypatch.setattr(moe_routing, "_route_align_kernel", routing)
     monkeypatch.setattr(kernels_moe, "_moe_gemm_kernel", gemm)
+    monkeypatch.setattr(kernels_moe, "_topk_sum_kernel", _Launches())      # the sum over k (one launch)
     monkeypatch.setattr(moe_routing, "require_triton", lambda *t: None)
     monkeypatch.setattr(kernels_moe, "require_triton", lambda *t: None)
     return routing, gemm
