@@ -8,7 +8,7 @@ CPU, on tiny random Mixtral, Qwen3-MoE and Qwen2-MoE (shared experts) built with
 - against the float model: each MoE layer within 6% (norm) on the same inputs and routing (e4m3's
   3 mantissa bits: these layers measured 4.3..5.1%), the whole model's logits within 12% (norm;
   measured 1.0..7.3%) with the float model's argmax at >= 90% of positions (measured 97..100%);
-- the modes that leave experts (int8, int4, the CPU's dynamic int8) say so in one line, MXFP4
+- the modes that leave experts (int8, int4, the CPU's dynamic int8, pruning) say so in one line, MXFP4
   experts stay 4-bit, and an MXFP4 checkpoint with --quantization fp8 is refused before loading.
 """
 
@@ -110,15 +110,18 @@ def test_fp8_experts_stay_close_to_the_float_model(checkpoint):
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
 
 
-@pytest.mark.parametrize("quantization,cpu_int8_dynamic", [("int8", False), ("int8", True), ("int4", False)])
-def test_modes_that_leave_the_experts_say_so_in_one_line(tmp_path, caplog, quantization, cpu_int8_dynamic):
+@pytest.mark.parametrize("options,cpu_int8_dynamic,flag", [
+    ({"quantization": "int8"}, False, "--quantization int8"), ({"quantization": "int8"}, True, "--quantization int8"),
+    ({"quantization": "int4", "group_size": 32}, False, "--quantization int4"),
+    ({"prune_rate": 0.2}, False, "--prune-rate")])
+def test_modes_that_leave_the_experts_say_so_in_one_line(tmp_path, caplog, options, cpu_int8_dynamic, flag):
     _, path = moe_checkpoints.mixtral(tmp_path / "mixtral")
     with caplog.at_level(logging.INFO, logger="tokenforge.model.quant"):
         model = load_model(str(path), "auto", torch.float32, "cpu", cpu_int8_dynamic=cpu_int8_dynamic,
-                           quant=QuantOptions(quantization=quantization, group_size=32)).model
+                           quant=QuantOptions(**options)).model
     lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert lines == [f"--quantization {quantization} does not quantize MoE experts: the experts of 3 layers stay in "
-                     "float32 (only --quantization fp8 quantizes them)"]
+    assert lines == [f"{flag} does not apply to MoE experts: the experts of 3 layers stay in float32 (only "
+                     "--quantization fp8 quantizes them)"]
     assert all(e.weight_format == "dense" and e.w13_weight.dtype == torch.float32 for e in _experts(model))
 
 

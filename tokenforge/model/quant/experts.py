@@ -48,7 +48,7 @@ def quantize_experts(model: nn.Module, mode: str | None) -> int:
         return 0
     if mode not in EXPERT_MODES:
         dtype = str(dense[0].w13_weight.dtype).removeprefix("torch.")
-        logger.warning("%s does not quantize MoE experts: the experts of %d layers stay in %s (only "
+        logger.warning("%s does not apply to MoE experts: the experts of %d layers stay in %s (only "
                        "--quantization fp8 quantizes them)", _label(mode), len(dense), dtype)
         return 0
     for e in dense:
