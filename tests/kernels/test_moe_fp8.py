@@ -71,3 +71,27 @@ def test_fused_moe_reads_fp8_experts(device, variant, tokens):
     out = fused_moe(x.to(device, dtype), _on(w13, device), _on(w2, device), weights.to(device), ids.to(device), *bias)
     err = (out.float().cpu() - ref).norm() / ref.norm()
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("tokens,hidden,inter,experts,k", [
+    (1, 256, 512, 8, 2), (4, 512, 384, 8, 2), (16, 256, 192, 128, 8), (300, 512, 256, 32, 4)])
+def test_fused_moe_fp8_matches_reference_on_cuda(tokens, hidden, inter, experts, k):
+    """bf16 activations over e4m3 experts at decode and prefill sizes, from given routing and (a
+    batch that fits it) from the router's logits in one launch, as the MoE layer runs them."""
+    from tokenforge.kernels.moe_routing import fused_moe_from_logits
+
+    torch.manual_seed(tokens)
+    dev = "cuda"
+    x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16)
+    w13 = Fp8Stack(*quantize_fp8_stack(torch.randn(experts, 2 * inter, hidden, device=dev) / hidden ** 0.5))
+    w2 = Fp8Stack(*quantize_fp8_stack(torch.randn(experts, hidden, inter, device=dev) / inter ** 0.5))
+    logits = torch.randn(tokens, experts, device=dev)
+    weights, ids = route(logits, k)
+    ref = moe_reference(x, w13, w2, weights, ids).float()
+    outs = [fused_moe(x, w13, w2, weights, ids)]
+    if tokens <= 16:
+        outs.append(fused_moe_from_logits(x, logits, w13, w2, k, "softmax_topk", True, all_local=True))
+    for out in outs:
+        err = (out.float() - ref).norm() / ref.norm()
+        assert err < 2e-2, err
