@@ -29,7 +29,7 @@ def add_doctor_parser(sub) -> argparse.ArgumentParser:
                      help="propose tensor x pipeline parallelism for N GPUs of --memory each")
     doc.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per host (TP stays within one)")
     doc.add_argument("--kv-cache-dtype", type=kv_cache_dtype_type(), default="auto", help="auto or fp8 (e4m3)")
-    doc.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "fp8", "fp8-sim"],
+    doc.add_argument("--quantization", default=None, choices=["int8", "int4", "fp8", "fp8-sim"],
                      help="count the weights as this on-the-fly mode leaves them (fp8 also quantizes MoE experts)")
     doc.set_defaults(func=run)
     return doc
