@@ -46,7 +46,7 @@ class StepInFlight:
     host: HostCopy | None = None
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
     awaits_last_stage: bool = False             # pipelined first stage: `finish_stages` brings its hidden states
-    draft_logits: tuple | None = None           # speculative decoding: (sequences, [R, V]) at the draft positions
+    verify: tuple | None = None                 # speculative decoding: (sequences, [N, K + 2] results, event)
 
     @property
     def sample_pending(self) -> bool:

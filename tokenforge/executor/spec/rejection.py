@@ -1,18 +1,19 @@
-"""Verification of draft tokens against the target model's distributions.
+"""Verification of draft tokens against the target model's distributions, on the device.
 
 For request i with drafts d_1..d_k (k <= K), the target forward over the k+1 positions gives
-distributions p_1..p_{k+1}; the runner's ordinary sampler draws the bonus token from p_{k+1}
-(with the request's own sampling settings), `verify` handles p_1..p_k. Greedy rows accept the longest prefix with d_j == argmax p_j and then
-emit argmax at the first mismatch (or the bonus token argmax p_{k+1} when all match), so the
+distributions p_1..p_{k+1}. Greedy rows accept the longest prefix with d_j == argmax p_j and then
+emit the argmax at the first mismatch (or argmax p_{k+1}, the bonus token, when all match), so the
 output is token for token the non-speculative greedy output.
 
 Sampled rows use the standard rule (Leviathan et al.; Chen et al.): accept d_j with probability
 min(1, p_j(d_j) / q_j(d_j)), where q_j is the drafter's distribution (one-hot for deterministic
 drafters such as n-gram lookup: q_j(d_j) = 1); at the first rejection sample from the residual
-norm(max(0, p_j - q_j)); if every draft is accepted, sample the bonus token from p_{k+1}. The
+norm(max(0, p_j - q_j)); if every draft is accepted, emit the bonus token drawn from p_{k+1}. The
 emitted tokens are then distributed exactly as the target's own samples.
 
-Everything is batched over rows and positions; the only host read is the final `.tolist()`.
+Everything is batched over rows and positions and stays on the device: the results are two small
+tensors (tokens [N, K+1], accepted counts [N]) the runner copies back with the step's other
+results, so a verify step still syncs with the host once. `verify` is the list form (tests).
 """
 
 from __future__ import annotations
@@ -28,13 +29,25 @@ class VerifyOutput:
     num_accepted: list[int]      # per row: how many drafts were accepted (0..k)
 
 
-def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
-           greedy: torch.Tensor, bonus_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None,
-           generator: torch.Generator | None = None) -> VerifyOutput:
+def greedy_verify(target_ids: torch.Tensor, draft_tokens: torch.Tensor,
+                  num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_ids [N, K+1]: the argmax at each verified position; draft_tokens [N, K] (entries
+    past num_drafts ignored); num_drafts [N]. Returns (tokens [N, K+1], num_accepted [N]): a row
+    emits tokens[:num_accepted + 1], the accepted drafts (equal to the argmax) and the argmax after."""
+    k_max = draft_tokens.shape[1]
+    positions = torch.arange(k_max, device=draft_tokens.device)
+    ok = (target_ids[:, :k_max] == draft_tokens) & (positions[None, :] < num_drafts[:, None])
+    return target_ids, ok.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def rejection_verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
+                     greedy: torch.Tensor, bonus_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None,
+                     generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """target_probs [N, K, V]: the target's (processed) distributions at the K draft positions
     (rows past num_drafts ignored); draft_tokens [N, K] int64; num_drafts [N] int64; greedy [N]
-    bool; bonus_tokens [N]: the token the sampler drew from the distribution after the last draft,
-    emitted when every draft is accepted; draft_probs [N, K, V] or None (one-hot drafts)."""
+    bool; bonus_tokens [N]: the token drawn from the distribution after the last draft, emitted
+    when every draft is accepted; draft_probs [N, K, V] or None (one-hot drafts).
+    Returns (tokens [N, K+1], num_accepted [N]) as `greedy_verify` does."""
     n, k_max = draft_tokens.shape
     device = target_probs.device
     positions = torch.arange(k_max, device=device)
@@ -63,14 +76,28 @@ def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: t
     norm = diff.sum(dim=1, keepdim=True)
     # a residual of zero mass can only come from rounding (p == q): fall back to p itself
     residual = torch.where(norm > 0, diff / norm.clamp_min(torch.finfo(diff.dtype).tiny), p_rej)
-    corrected = torch.where(greedy, p_rej.argmax(dim=1), _sample(residual, generator))
+    corrected = torch.where(greedy, p_rej.argmax(dim=1), sample(residual, generator))
     next_token = torch.where(num_accepted < num_drafts, corrected, bonus_tokens.to(corrected.dtype))
+    tokens = torch.cat([draft_tokens, draft_tokens[:, :1]], dim=1).clone()            # [N, K+1]
+    tokens.scatter_(1, num_accepted[:, None], next_token[:, None])
+    return tokens, num_accepted
 
-    drafts, accepted, nxt = draft_tokens.tolist(), num_accepted.tolist(), next_token.tolist()
-    return VerifyOutput([d[:a] + [t] for d, a, t in zip(drafts, accepted, nxt)], accepted)
+
+def verify(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
+           greedy: torch.Tensor, bonus_tokens: torch.Tensor, draft_probs: torch.Tensor | None = None,
+           generator: torch.Generator | None = None) -> VerifyOutput:
+    """`rejection_verify` as lists (one host read)."""
+    tokens, accepted = rejection_verify(target_probs, draft_tokens, num_drafts, greedy, bonus_tokens,
+                                        draft_probs, generator)
+    return to_lists(tokens, accepted)
 
 
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def to_lists(tokens: torch.Tensor, num_accepted: torch.Tensor) -> VerifyOutput:
+    accepted = num_accepted.tolist()
+    return VerifyOutput([t[:a + 1] for t, a in zip(tokens.tolist(), accepted)], accepted)
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One draw per row by the exponential race (no host sync, as the main sampler does)."""
     q = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / q).argmax(dim=1)

@@ -1,83 +1,140 @@
-"""Rank roles with speculative decoding: after the ordinary sampling (which draws each drafted
-sequence's bonus token from the distribution after its last draft), the logits at the draft
-positions are taken too, and the driver verifies the drafts when it collects the step.
+"""Rank roles with speculative decoding: a step's drafted sequences are verified on the device,
+the others sample one token as usual.
 
 A sequence scheduled with d drafts holds n tokens: ..., t (its last known token), d_1..d_d. The
 row of t predicts d_1, the row of d_j predicts d_{j+1}, and the last row (d_d's) predicts the bonus
-token, which the base role samples as it samples any last row. Every first-stage rank computes
-the draft rows' logits in the same order, after the base role's collectives (TP LM head).
+token. Every drafted sequence takes K + 1 rows of the LM head (K the configured drafts per step;
+rows past its d + 1 repeat its last row), so the head's shape depends on the number of drafted
+sequences only. Greedy rows compare the argmax with the drafts (`greedy_verify`); sampled rows go
+through the rejection rule with the bonus token drawn from the last real row. The results (tokens
+[N, K+1] and accepted counts [N]) are copied back behind the step and read in `collect`: the step
+still syncs with the host once. Every first-stage rank runs the same LM-head calls in the same
+order (the plain rows', the prompt rows', then the verify rows'), for the TP head's collectives.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from tokenforge.executor.roles import Driver, StepInFlight, TPFollower
+from tokenforge.executor.roles import Driver, StepInFlight, TPFollower, broadcast_sampled, prompt_logits
 from tokenforge.executor.sampler import apply_min_p, apply_top_k_top_p
-from tokenforge.executor.sampling_batch import SamplingBatch
-from tokenforge.executor.spec.rejection import verify
+from tokenforge.executor.sampling_batch import SamplingBatch, upload
+from tokenforge.executor.spec.rejection import greedy_verify, rejection_verify, sample
 
 
 def make_speculative_role(runner):
     return SpeculativeDriver(runner) if runner.rank.is_driver else SpeculativeFollower(runner)
 
 
-def draft_logits(role, step: StepInFlight) -> None:
-    """Queue the LM head over every drafted sequence's draft positions (rows of t, d_1..d_{d-1})."""
-    seqs, index = [], []
+@dataclass(slots=True)
+class VerifyRows:
+    """A step's drafted sequences and where their rows are (device tensors, one upload)."""
+
+    seqs: list                      # the drafted sequences, in batch order
+    rows: torch.Tensor              # [N * (K + 1)] hidden rows: t, d_1..d_d, then the last repeated
+    drafts: torch.Tensor            # [N, K] (0 past num_drafts)
+    num_drafts: torch.Tensor        # [N]
+    greedy: torch.Tensor            # [N] bool
+    k: int
+
+
+def verify_rows(step: StepInFlight, k: int, device: torch.device) -> VerifyRows | None:
+    """None when no sequence of the step carries drafts."""
+    seqs, rows, drafts, counts, greedy = [], [], [], [], []
     for i, s in enumerate(step.sched.sequences):
         d = s.num_draft_tokens
         if not (s.sample and d):
             continue
         end = step.inputs.query_start_loc[i + 1] - 1          # the last row: the bonus token's
-        index.extend(range(end - d, end))
+        rows.extend(range(end - d, end + 1))
+        rows.extend([end] * (k - d))
+        drafts.extend(s.token_ids[-d:])
+        drafts.extend([0] * (k - d))
+        counts.append(d)
+        greedy.append(int(s.params.is_greedy))
         seqs.append(s)
-    if seqs:
-        rows = torch.tensor(index, device=step.hidden.device)
-        step.draft_logits = (seqs, role.model.compute_logits(step.hidden[rows]))
+    if not seqs:
+        return None
+    n = len(seqs)
+    packed = upload(torch.tensor(rows + drafts + counts + greedy, dtype=torch.long), device)
+    r = n * (k + 1)
+    return VerifyRows(seqs, packed[:r], packed[r:r + n * k].view(n, k), packed[r + n * k:r + n * k + n],
+                      packed[r + n * k + n:].bool(), k)
+
+
+def plain_logits(role, step: StepInFlight) -> torch.Tensor | None:
+    """[N, V] logits of the last rows of the sequences that sample without drafts (step.sampling)."""
+    index = {id(s): i for i, s in enumerate(step.sched.sequences)}
+    rows = [step.inputs.query_start_loc[index[id(s)] + 1] - 1 for s in step.sampling]
+    if not rows:
+        return None
+    return role.model.compute_logits(step.hidden[torch.tensor(rows, device=step.hidden.device)])
+
+
+def _split_plain(role, step: StepInFlight) -> None:
+    step.sampling = [s for s in step.sampling if not s.num_draft_tokens]
+    role.previous.rows = {s.request_id: i for i, s in enumerate(step.sampling)}
 
 
 class SpeculativeFollower(TPFollower):
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
-        super().after_forward(step, defer_sampling)
-        draft_logits(self, step)
-        step.draft_logits = None      # rank 0 verifies; this rank only joined the collectives
+        plan = verify_rows(step, self.config.scheduler.num_draft_tokens, self.device)
+        if plan is None:
+            return super().after_forward(step, defer_sampling)
+        _split_plain(self, step)
+        logits = plain_logits(self, step)
+        self.previous.tokens = (torch.empty(len(step.sampling), dtype=torch.long, device=self.device)
+                                if logits is not None else None)
+        prompt_logits(self, step)
+        broadcast_sampled(self, step)
+        self.model.compute_logits(step.hidden[plan.rows])     # rank 0 verifies; this rank joins the head
 
 
 class SpeculativeDriver(Driver):
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
+        plan = verify_rows(step, self.config.scheduler.num_draft_tokens, self.device)
+        if plan is None:
+            return super().after_forward(step, defer_sampling)
         if defer_sampling:
-            raise RuntimeError("speculative decoding runs synchronous steps: nothing defers its sampling")
-        super().after_forward(step, defer_sampling)
-        draft_logits(self, step)
+            raise RuntimeError("a step with drafts is never launched ahead: nothing defers its sampling")
+        _split_plain(self, step)
+        step.logits = plain_logits(self, step)
+        self._finish_launch(step, step.sched)
+        tokens, accepted = self.verify(plan, self.model.compute_logits(step.hidden[plan.rows]))
+        result = torch.cat([tokens, accepted[:, None]], dim=1)                     # [N, K + 2]
+        event = None
+        if self.device.type == "cuda":
+            result = result.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        step.verify = (plan.seqs, result, event)
+
+    def verify(self, plan: VerifyRows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N * (K + 1), V] -> (tokens [N, K + 1], accepted [N]), on the device."""
+        n, k = len(plan.seqs), plan.k
+        if all(s.params.is_greedy for s in plan.seqs):
+            return greedy_verify(logits.argmax(dim=-1).view(n, k + 1), plan.drafts, plan.num_drafts)
+        params = [s.params for s in plan.seqs for _ in range(k + 1)]
+        rows = len(params)
+        batch = SamplingBatch.build(params, [[]] * rows, [[]] * rows, [None] * rows, self.vocab_size, self.device)
+        probs = target_probs(logits, batch).view(n, k + 1, -1)                     # [N, K + 1, V]
+        last = probs[torch.arange(n, device=probs.device), plan.num_drafts]        # [N, V]
+        bonus = torch.where(plan.greedy, last.argmax(dim=1), sample(last, None))
+        return rejection_verify(probs[:, :k], plan.drafts, plan.num_drafts, plan.greedy, bonus)
 
     def collect(self, step: StepInFlight, out) -> None:
+        verified, step.verify = step.verify, None
+        if verified is not None and verified[2] is not None:
+            verified[2].synchronize()           # recorded after the plain rows' copies: one wait
         super().collect(step, out)
-        if step.draft_logits is None:
+        if verified is None:
             return
-        seqs, logits = step.draft_logits
-        step.draft_logits = None
-        k = max(s.num_draft_tokens for s in seqs)
-        vocab = logits.shape[-1]
-        device = logits.device
-        probs = torch.zeros(len(seqs), k, vocab, device=device)
-        drafts = torch.zeros(len(seqs), k, dtype=torch.long)
-        params, rows = [], 0
-        for i, s in enumerate(seqs):
-            d = s.num_draft_tokens
-            drafts[i, :d] = torch.tensor(s.token_ids[-d:])
-            params.extend([s.params] * d)
-        flat = target_probs(logits, SamplingBatch.build(params, [[]] * len(params), [[]] * len(params),
-                                                        [None] * len(params), self.vocab_size, device))
-        for i, s in enumerate(seqs):
-            d = s.num_draft_tokens
-            probs[i, :d] = flat[rows:rows + d]
-            rows += d
-        bonus = torch.tensor([out.sampled_token_ids[s.request_id][-1] for s in seqs], device=device)
-        result = verify(probs, drafts.to(device), torch.tensor([s.num_draft_tokens for s in seqs], device=device),
-                        torch.tensor([s.params.is_greedy for s in seqs], device=device), bonus)
-        for s, tokens in zip(seqs, result.tokens):
-            out.sampled_token_ids[s.request_id] = tokens
+        seqs, result, _ = verified
+        for s, row in zip(seqs, result.tolist()):
+            accepted = row[-1]
+            out.sampled_token_ids[s.request_id] = row[:accepted + 1]
 
 
 def target_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
