@@ -1,7 +1,13 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed with persistent inputs.
 
-In: a decode-only InputBatch (one token per sequence). Out: the hidden states [B, H], computed by
-replaying the graph captured for the smallest bucket >= B. Buckets are captured largest first
+In: a decode-only InputBatch (one token per sequence), or a speculative verify batch (each
+sequence its last known token plus its drafts). Out: the hidden states [T, H], computed by
+replaying the graph captured for the smallest bucket >= T. A verify batch runs as decode rows
+(`decode_rows`): the row at position p of a sequence is a decode of its own whose context is the
+p tokens before it, with the sequence's block table. Every row's KV is stored before attention
+reads it, so row j sees the drafts before it exactly as a causal prefill would, through the same
+decode kernel the 1-token steps use. With K drafts per step, buckets of (1 + K) x 1, 2, 4, 8 rows
+are captured besides the decode sizes. Buckets are captured largest first
 so the smaller graphs reuse the first one's memory pool. Padded rows carry slot -1 (the KV store
 writes nowhere) and a length-1 context, so they cost almost nothing and touch no real block.
 
@@ -24,17 +30,30 @@ from tokenforge.model.forward_context import set_forward_context
 logger = logging.getLogger(__name__)
 
 
-def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Buckets up to max_num_seqs (the default CUDA batch, 512, captures 40; up to 1024, 48)."""
+def capture_sizes(max_num_seqs: int, num_draft_tokens: int = 0) -> list[int]:
+    """Buckets up to max_num_seqs (the default CUDA batch, 512, captures 40; up to 1024, 48), and
+    with speculative decoding the verify rows of 1, 2, 4 and 8 sequences with K drafts each."""
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32)) + list(range(576, 1025, 64))
-    return [s for s in sizes if s <= max_num_seqs] or [1]
+    decode = [s for s in sizes if s <= max_num_seqs] or [1]
+    verify = [(1 + num_draft_tokens) * b for b in (1, 2, 4, 8) if b <= max_num_seqs] if num_draft_tokens else []
+    return sorted(set(decode + verify))
+
+
+def decode_rows(batch: AttentionBatch) -> AttentionBatch:
+    """The batch as one decode per token: a sequence with context c and q new tokens becomes q
+    rows with contexts c, c + 1, .., c + q - 1 over the same block table."""
+    contexts, tables = [], []
+    for q, c, table in zip(batch.query_lens, batch.context_lens, batch.block_tables):
+        contexts.extend(range(c, c + q))
+        tables.extend([table] * q)
+    return AttentionBatch([1] * len(contexts), contexts, tables, batch.block_size, batch.device)
 
 
 class CudaGraphRunner:
     def __init__(self, runner, num_kv_blocks: int) -> None:
         self.runner = runner
         cfg = runner.config
-        self.sizes = capture_sizes(cfg.scheduler.max_num_seqs)
+        self.sizes = capture_sizes(cfg.scheduler.max_num_seqs, cfg.scheduler.num_draft_tokens)
         self.max_batch = self.sizes[-1]
         max_blocks = -(-cfg.scheduler.max_model_len // runner.block_size)
         device = runner.device
@@ -48,9 +67,10 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        self.verify_replays = 0          # verify steps replayed (tests read it)
 
     def can_run(self, inputs) -> bool:
-        return inputs.is_decode_only and inputs.num_seqs <= self.max_batch and bool(self.graphs)
+        return inputs.rows_are_decodes and inputs.num_tokens <= self.max_batch and bool(self.graphs)
 
     def _bucket(self, n: int) -> int:
         for size in self.sizes:
@@ -100,11 +120,15 @@ class CudaGraphRunner:
         self.buffers = self.input_ids = self.positions = self.lora_indices = None
 
     def run(self, inputs) -> torch.Tensor:
-        n = inputs.num_seqs
+        n = inputs.num_tokens
         size = self._bucket(n)
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
-        self.buffers.fill(inputs.attn_batch, padded_batch_size=size)
+        batch = inputs.attn_batch
+        if not inputs.is_decode_only:
+            batch = decode_rows(batch)
+            self.verify_replays += 1
+        self.buffers.fill(batch, padded_batch_size=size)
         if self.lora_indices is not None:
             self.lora_indices[:n].copy_(inputs.lora_indices, non_blocking=True)
             self.lora_indices[n:size].fill_(-1)

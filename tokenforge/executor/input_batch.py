@@ -26,6 +26,9 @@ class InputBatch:
     placeholder_dst: list[int] = field(default_factory=list)
     placeholder_src: list[int] = field(default_factory=list)
     lora_indices: torch.Tensor | None = None    # [T] each row's LoRA slot (-1: none); None without LoRA
+    # Every sequence is one decode or a verify of its drafts (its last known token and drafts):
+    # each row can run as a decode of its own (the CUDA graphs' layout, executor/cuda_graph.py).
+    rows_are_decodes: bool = False
 
     @property
     def num_seqs(self) -> int:
@@ -70,6 +73,7 @@ def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.d
         input_ids=_to_device(ids, device, pin), positions=_to_device(positions, device, pin),
         attn_batch=attn, query_start_loc=starts, is_decode_only=len(ids) == len(seqs),
         placeholder_dst=dst, placeholder_src=src,
+        rows_are_decodes=all(len(s.token_ids) == 1 + s.num_draft_tokens for s in seqs),
         lora_indices=_to_device([s.lora_slot for s in seqs for _ in s.token_ids], device, pin) if lora else None)
 
 
