@@ -75,7 +75,22 @@ def test_latency_replay_drafter_at_full_and_zero_acceptance(tmp_path):
         assert spec["greedy_equal_to_no_speculation"] and spec["num_speculative_tokens"] == 3
         assert spec["spec_decode"]["acceptance_rate"] == rate, spec
         assert spec["no_speculation"]["output_tok_s"] > 0 and spec["speedup_vs_no_speculation"] > 0
+        assert spec["greedy_equal_to_replayed"] and spec["replay_keep_rate"] == rate
     assert spec["expected_tokens_per_step"] == 1.0
+
+
+def test_replay_drafter_learns_the_engines_own_path_and_always_drafts_k():
+    """The speculative engine's emitted tokens (the histories) overwrite the stored continuation,
+    so a verify path that rounds a near tie differently is replayed as it is; a miss makes every
+    later token of the draft a miss too, and a draft has k tokens whatever the coin flips."""
+    from tokenforge.bench.lib.replay import ReplayDrafter, keep_rate
+
+    drafter = ReplayDrafter([[5, 6]], [[7, 8, 9, 10, 11]], 1.0, vocab_size=100)
+    assert drafter([5, 6, 7, 42], 2) == [9, 10]
+    assert drafter.continuations([[5, 6]]) == [[7, 42, 9, 10, 11]]
+    zero = ReplayDrafter([[5, 6]], [[7, 8, 9, 10]], 0.0, vocab_size=100)
+    assert zero([5, 6], 3) == [8, 9, 10]       # every token replaced by the next id: all rejected
+    assert keep_rate({"num_drafts": 10, "accepted_per_position": [8, 6, 5, 4]}) == 23 / (10 + 8 + 6 + 5)
 
 
 def test_replay_drafter_keeps_each_token_with_its_probability():

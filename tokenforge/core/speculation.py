@@ -27,10 +27,14 @@ class DraftPlanner:
     def __init__(self, proposer: Proposer, num_draft_tokens: int) -> None:
         self.proposer = proposer
         self.k = num_draft_tokens
-        self.num_drafted = 0            # totals, for metrics (vLLM's spec_decode counters)
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        """Totals, for metrics (vLLM's spec_decode counters); the bench resets them after a warm-up."""
+        self.num_drafted = 0
         self.num_accepted = 0
         self.num_verify_steps = 0       # sequences verified with at least one draft
-        self.accepted_per_position = [0] * num_draft_tokens
+        self.accepted_per_position = [0] * self.k
 
     @staticmethod
     def eligible(req: Request) -> bool:
@@ -68,4 +72,5 @@ class DraftPlanner:
         return {"num_drafts": steps, "num_draft_tokens": self.num_drafted,
                 "num_accepted_tokens": self.num_accepted,
                 "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
-                "mean_acceptance_length": 1 + self.num_accepted / steps if steps else 0.0}
+                "mean_acceptance_length": 1 + self.num_accepted / steps if steps else 0.0,
+                "accepted_per_position": list(self.accepted_per_position)}

@@ -95,3 +95,31 @@ def test_rejection_verify_tokens_tensor_holds_accepted_drafts_then_the_next():
         assert t[:a] == d[:a]
         if a == 3:
             assert t[3] == 5                  # every draft accepted: the bonus token
+
+
+def test_driver_verify_samples_the_target_distribution():
+    """The driver's device path (temperature applied to the logits, bonus token drawn from the
+    last real row): with drafts from an unrelated distribution the emitted first token follows
+    softmax(logits_0 / T), and after an accepted draft the next one follows softmax(logits_1 / T)."""
+    from types import SimpleNamespace
+
+    from tokenforge.executor.spec.roles import SpeculativeDriver, VerifyRows
+    from tokenforge.messages import WireSamplingParams
+
+    from tests.executor.spec.test_rejection import CHI2_DF4_P1E4, _chi2
+
+    torch.manual_seed(7)
+    n, k, v, temp = 30000, 2, 5, 0.7
+    logits = torch.randn(k + 1, v) * 1.5
+    p = torch.softmax(logits / temp, dim=-1)
+    drafts = torch.randint(v, (n, k))
+    num = torch.full((n,), 1)                  # one draft: position 1 is the bonus row, 2 is padding
+    seqs = [SimpleNamespace(params=WireSamplingParams(temperature=temp))] * n
+    plan = VerifyRows(seqs, torch.empty(0), drafts, num, torch.zeros(n, dtype=torch.bool), k)
+    fake = SimpleNamespace(vocab_size=v, device=torch.device("cpu"))
+    tokens, accepted = SpeculativeDriver.verify(fake, plan, logits.repeat(n, 1))
+    assert int(accepted.max()) <= 1
+    assert _chi2(tokens[:, 0], p[0]) < CHI2_DF4_P1E4
+    second = tokens[accepted == 1, 1]
+    assert second.numel() > 3000
+    assert _chi2(second, p[1]) < CHI2_DF4_P1E4

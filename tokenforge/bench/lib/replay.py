@@ -3,12 +3,19 @@ no real drafter can agree with (dummy weights).
 
 In: the greedy continuations a run without speculation produced for each prompt, and an
 acceptance `a`. Out: a proposer (history, k) -> draft ids for the engine's DraftPlanner: the next
-k tokens of the known continuation, each kept with probability a; the first one not kept is
-replaced by a token the target will not pick, so a draft is accepted up to its first miss (the
-accepted length per step is then geometric, mean (1 - a^(k+1)) / (1 - a) with the bonus token).
+k tokens of the known continuation, each kept with probability a; from the first one not kept on,
+every token is replaced by one the target will not pick, so a draft is accepted up to its first
+miss (the accepted length per step is then geometric, mean (1 - a^(k+1)) / (1 - a) with the bonus
+token). A draft always has k tokens, so a verify step's shape does not depend on the coin flips.
 
-Greedy output with it equals the continuation it replays: what the bench checks. It lives in the
-bench (DESIGN.md): it is a measuring device, not a speculative method.
+The continuation is learnt from the speculative engine itself: every history it is asked about
+holds the tokens the engine emitted so far, which overwrite the stored ones. On dummy bf16 weights
+the logits are near ties everywhere, and a verify batch of 1 + k rows (cuBLAS over several rows)
+can round a tie differently from the 1-row decode that made the first continuation; after one
+untimed pass the drafter replays the verify path's own greedy tokens, so the measured acceptance
+is the chosen one. Greedy output with it equals that continuation; on weights without near ties
+(and on the CPU's float32) also the run without speculation: what the bench checks and reports.
+It lives in the bench (DESIGN.md): it is a measuring device, not a speculative method.
 """
 
 from __future__ import annotations
@@ -45,14 +52,16 @@ class ReplayDrafter:
             self.num_unknown += 1
             return []
         cont, done = found
-        draft = []
+        n = len(history) - done
+        cont[:done] = history[n:]                 # what the engine emitted: its own greedy path
+        draft, missed = [], False
         for token in cont[done:done + k]:
-            if self.rng.random() < self.acceptance:
-                draft.append(token)
-            else:
-                draft.append((token + 1) % self.vocab_size)     # not the greedy token: rejected
-                break
+            missed = missed or self.rng.random() >= self.acceptance
+            draft.append((token + 1) % self.vocab_size if missed else token)   # a miss: rejected
         return draft
+
+    def continuations(self, prompts: list[list[int]]) -> list[list[int]]:
+        return [self.by_prompt[tuple(p)] for p in prompts]
 
     @staticmethod
     def expected_tokens_per_step(acceptance: float, k: int) -> float:
@@ -60,3 +69,13 @@ class ReplayDrafter:
         if acceptance >= 1.0:
             return k + 1.0
         return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+def keep_rate(stats: dict) -> float | None:
+    """The measured chance that a draft token is accepted given that the ones before it were (the
+    replay's a): accepted drafts over the positions reached (a draft's first, and each one after
+    an accepted one). Every replay draft has k tokens, so position j is reached as often as j - 1
+    was accepted."""
+    per_pos = stats.get("accepted_per_position") or []
+    reached = stats["num_drafts"] + sum(per_pos[:-1])
+    return sum(per_pos) / reached if reached else None

@@ -71,11 +71,15 @@ def tokenforge_figures(timing: harness.Timing, num_prompts: int, input_len: int,
 
 
 def measure(args: argparse.Namespace, prompts: list[list[int]], proposer=None, **overrides) -> tuple[harness.Timing, list, dict | None]:
-    """Timing, greedy outputs and (with speculation) the drafts' acceptance stats of one engine."""
+    """Timing, greedy outputs and (with speculation) the drafts' acceptance stats of one engine.
+    With the replay drafter, one untimed pass first teaches it the engine's own greedy path."""
     llm = harness.build_llm(args, **overrides)
     drafts = llm.engine.scheduler.drafts
     if proposer is not None:
         drafts.proposer = proposer
+        llm.generate([{"prompt_token_ids": p} for p in prompts],
+                     harness.sampling_params(args.output_len, cache_salt="replay-calibration"), use_tqdm=False)
+        drafts.reset_counters()
     timing, outs = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
     harness.profile_run(llm, prompts, args)
     from tokenforge.model.quant import kernel_plan  # noqa: PLC0415 - torch waits until the bench runs
@@ -101,6 +105,8 @@ def measure_speculative(args: argparse.Namespace, prompts: list[list[int]], voca
            "replay_acceptance": args.replay_acceptance, "num_speculative_tokens": k}
     if args.replay_acceptance is not None:
         out["expected_tokens_per_step"] = replay.ReplayDrafter.expected_tokens_per_step(args.replay_acceptance, k)
+        out["replay_keep_rate"] = replay.keep_rate(stats)
+        out["greedy_equal_to_replayed"] = ids == proposer.continuations(prompts)
     return out
 
 
