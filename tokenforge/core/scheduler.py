@@ -59,10 +59,8 @@ class Scheduler:
         self.config = scheduler_config
         self.block_size = cache_config.block_size
         self.num_kv_blocks = num_kv_blocks
-        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
-        # A sequence can never outgrow the pool either; stopping it there avoids a request that
-        # preempts itself forever.
+        self.kv = KVCacheManager(num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        # A sequence can never outgrow the pool either: stopped there, no request preempts itself forever.
         self.max_len = min(scheduler_config.max_model_len, num_kv_blocks * cache_config.block_size)
         self.requests: dict[str, Request] = {}     # every unfinished request
         self.waiting: deque[Request] = deque()     # WAITING and PREEMPTED, in service order
@@ -135,8 +133,8 @@ class Scheduler:
                 self.waiting.appendleft(req)
 
     def can_schedule_ahead(self) -> bool:
-        """Whether the next step may be scheduled before this one's output is known."""
-        return self._num_needs_sync == 0
+        """Whether the next step may be scheduled before this one's output is known (and drafts none)."""
+        return not self._num_needs_sync and (self.drafts is None or self.drafts.allows_step_ahead(len(self.running)))
 
     def get_num_running(self) -> int:
         return len(self.running)
@@ -161,6 +159,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
+        if self.drafts is not None:
+            self.drafts.begin_step(len(self.running))     # this step's k (speculative decoding)
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
         if self.pipeline_steps == 1:

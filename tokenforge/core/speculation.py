@@ -4,8 +4,17 @@ rollback of rejected drafts' KV after verification.
 A `DraftPlanner` is made once at start-up when a speculative method is set (else the scheduler
 holds None and pays nothing). Its proposer is a plain callable (history, k) -> draft ids, injected
 by the engine (core imports no torch or numpy). A request decoding its last known token gets up
-to K drafts, capped by its remaining max_tokens, the length cap and the step's token budget; it
+to k drafts, capped by its remaining max_tokens, the length cap and the step's token budget; it
 is then scheduled as 1 + d tokens and verified by the runner in one forward.
+
+Adaptive use: every step, `begin_step` picks k (0..K) for the running batch from the acceptance
+seen so far (a decayed count of accepted drafts over drafts reached, `acceptance`) and a cost model
+of a forward over r rows (`StepCost`: a fixed part, the weights' read, plus r / flat_rows, and on a
+device whose steps are scheduled ahead (CUDA) the cost of a synchronous step). It keeps the k with
+the most tokens per unit of cost; 0 means this step does not speculate. Speculating steps are
+synchronous (the drafts read the step before's tokens), others may be scheduled ahead as usual
+(`allows_step_ahead`). While the rule says 0, one step in `probe_every` still drafts for at most
+`probe_requests` requests, so the acceptance stays measured at little cost.
 
 Not drafted (they decode one token a step as before): requests whose sampling reads their own
 history within a step (penalties), that want logprobs or grammar masks, that are before
@@ -16,6 +25,7 @@ the verifier would need per-position state for those.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from tokenforge.core.request import Request
 from tokenforge.messages import SpecDecodeStats
@@ -23,10 +33,41 @@ from tokenforge.messages import SpecDecodeStats
 Proposer = Callable[[list[int], int], list[int]]
 
 
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """A forward over r rows costs 1 + r / flat_rows (1: the weights' read); a synchronous step
+    costs sync_cost times that where steps are otherwise scheduled ahead."""
+
+    flat_rows: float = 16.0
+    sync_cost: float = 1.0
+
+    def of(self, rows: int) -> float:
+        return 1.0 + rows / self.flat_rows
+
+
+def tokens_per_step(acceptance: float, k: int) -> float:
+    """Expected tokens a drafted request emits per step: (1 - a^(k+1)) / (1 - a)."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
 class DraftPlanner:
-    def __init__(self, proposer: Proposer, num_draft_tokens: int) -> None:
+    DECAY = 0.98                    # per verified sequence, on the acceptance counts
+    PRIOR = (4.0, 5.0)              # (accepted, reached): 0.8 before any is seen, so a new engine tries
+
+    def __init__(self, proposer: Proposer, num_draft_tokens: int, cost: StepCost | None = None,
+                 probe_every: int = 64, probe_requests: int = 4) -> None:
         self.proposer = proposer
         self.k = num_draft_tokens
+        self.cost = cost or StepCost()
+        self.probe_every, self.probe_requests = probe_every, probe_requests
+        self._accepted, self._reached = self.PRIOR
+        self.step_k = num_draft_tokens       # this step's drafts per request (0: none)
+        self._quota: int | None = None       # requests that may still draft this step (None: all)
+        self._idle_steps = 0                 # steps the rule said 0 since the last probe
+        self._ahead = False                  # the step being scheduled runs ahead of one in flight
+        self.drafted_in_flight = False       # the last step scheduled drafted: none may go ahead of it
         self.reset_counters()
 
     def reset_counters(self) -> None:
@@ -36,6 +77,37 @@ class DraftPlanner:
         self.num_verify_steps = 0       # sequences verified with at least one draft
         self.accepted_per_position = [0] * self.k
 
+    @property
+    def acceptance(self) -> float:
+        return self._accepted / self._reached
+
+    def choose_k(self, batch: int) -> int:
+        """The k with the most tokens per unit of cost for `batch` decoding requests (0: none)."""
+        batch = max(batch, 1)
+        best_k, best = 0, batch / self.cost.of(batch)
+        for k in range(1, self.k + 1):
+            rate = batch * tokens_per_step(self.acceptance, k) / (self.cost.of(batch * (1 + k)) * self.cost.sync_cost)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
+
+    def allows_step_ahead(self, batch: int) -> bool:
+        """Whether the next step may be scheduled ahead of the one in flight (then it drafts nothing)."""
+        if self.drafted_in_flight or self.choose_k(batch) > 0:
+            return False
+        self._ahead = True
+        return True
+
+    def begin_step(self, batch: int) -> None:
+        """Pick this step's k for `batch` running requests (called as the scheduler starts a step)."""
+        k, self._quota = (0 if self._ahead else self.choose_k(batch)), None
+        self._ahead = self.drafted_in_flight = False
+        if k == 0:
+            self._idle_steps += 1
+            if self._idle_steps >= self.probe_every:
+                self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
+        self.step_k = k
+
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.params
@@ -44,13 +116,18 @@ class DraftPlanner:
 
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
-        if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
+        if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1 or self._quota == 0:
             return []
-        room = min(self.k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
+        room = min(self.step_k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
                    max_len - req.num_tokens - 1)
         if room <= 0 or not self.eligible(req):
             return []
-        return self.proposer(req.all_token_ids, room)[:room]
+        drafts = self.proposer(req.all_token_ids, room)[:room]
+        if drafts:
+            self.drafted_in_flight = True
+            if self._quota is not None:
+                self._quota -= 1
+        return drafts
 
     def after_verify(self, req: Request, num_drafts: int, num_new_tokens: int) -> None:
         """Roll the request back to the tokens whose KV is valid: every token but the last one
@@ -61,6 +138,9 @@ class DraftPlanner:
         self.num_verify_steps += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
+        # drafts reached: up to and including the first rejected one
+        self._accepted = self._accepted * self.DECAY + accepted
+        self._reached = self._reached * self.DECAY + min(accepted + 1, num_drafts)
         req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
 
     def snapshot(self) -> SpecDecodeStats:

@@ -16,7 +16,7 @@ import msgspec
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
-from tokenforge.core.speculation import DraftPlanner
+from tokenforge.core.speculation import DraftPlanner, StepCost
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer, with_calibration_ids
@@ -62,14 +62,17 @@ def _seconds_since_process_start() -> float:
         return 0.0
 
 
-def make_draft_planner(config) -> DraftPlanner | None:
-    """The speculative method's proposer, chosen once (None without speculative decoding)."""
+def make_draft_planner(config, on_gpu: bool = False) -> DraftPlanner | None:
+    """The speculative method's proposer, chosen once (None without speculative decoding). The
+    adaptive rule's step cost: on a GPU a forward costs about the same up to ~a hundred rows (the
+    weights' read dominates) and a synchronous step loses the overlap of async scheduling."""
     if config.speculative_method is None:
         return None
     from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
 
     proposer = NgramProposer(config.ngram_min, config.ngram_max)
-    return DraftPlanner(proposer.propose_one, config.num_draft_tokens)
+    cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
+    return DraftPlanner(proposer.propose_one, config.num_draft_tokens, cost)
 
 
 class EngineCore:
@@ -88,16 +91,14 @@ class EngineCore:
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
         lora = self.config.lora
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks,
-                                   make_draft_planner(self.config.scheduler), lora.max_loras if lora.enable_lora else 0)
+                                   make_draft_planner(self.config.scheduler, self.executor.is_async_device),
+                                   lora.max_loras if lora.enable_lora else 0)
         self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read
         if self.scheduler.tiers is not None:
             self.executor.init_kv_tiers(self.config)
+        # With speculative decoding, steps that draft run synchronously (their drafts read the
+        # step before's tokens) and the others may still be scheduled ahead (DraftPlanner).
         mode = self.config.scheduler.async_scheduling
-        if self.scheduler.drafts is not None:
-            if mode:
-                raise ValueError("speculative decoding runs synchronous steps: it does not combine with "
-                                 "async_scheduling=True yet (leave it unset)")
-            mode = False    # drafts read the step before's tokens: no step is scheduled ahead
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
         self.async_scheduling = mode if mode is not None else self.executor.is_async_device
         model, load_format = self.config.model.model, self.config.load.load_format

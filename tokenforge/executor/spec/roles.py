@@ -3,9 +3,9 @@ the others sample one token as usual.
 
 A sequence scheduled with d drafts holds n tokens: ..., t (its last known token), d_1..d_d. The
 row of t predicts d_1, the row of d_j predicts d_{j+1}, and the last row (d_d's) predicts the bonus
-token. Every drafted sequence takes K + 1 rows of the LM head (K the configured drafts per step;
-rows past its d + 1 repeat its last row), so the head's shape depends on the number of drafted
-sequences only. Greedy rows compare the argmax with the drafts (`greedy_verify`); sampled rows go
+token. Every drafted sequence takes k + 1 rows of the LM head (k the step's most drafts; rows past
+its own d + 1 repeat its last row), so the head's shape depends on the number of drafted
+sequences and the step's k only. Greedy rows compare the argmax with the drafts (`greedy_verify`); sampled rows go
 through the rejection rule with the bonus token drawn from the last real row. The results (tokens
 [N, K+1] and accepted counts [N]) are copied back behind the step and read in `collect`: the step
 still syncs with the host once. Every first-stage rank runs the same LM-head calls in the same
@@ -33,15 +33,16 @@ class VerifyRows:
     """A step's drafted sequences and where their rows are (device tensors, one upload)."""
 
     seqs: list                      # the drafted sequences, in batch order
-    rows: torch.Tensor              # [N * (K + 1)] hidden rows: t, d_1..d_d, then the last repeated
-    drafts: torch.Tensor            # [N, K] (0 past num_drafts)
+    rows: torch.Tensor              # [N * (k + 1)] hidden rows: t, d_1..d_d, then the last repeated
+    drafts: torch.Tensor            # [N, k] (0 past num_drafts)
     num_drafts: torch.Tensor        # [N]
     greedy: torch.Tensor            # [N] bool
     k: int
 
 
-def verify_rows(step: StepInFlight, k: int, device: torch.device) -> VerifyRows | None:
+def verify_rows(step: StepInFlight, device: torch.device) -> VerifyRows | None:
     """None when no sequence of the step carries drafts."""
+    k = max((s.num_draft_tokens for s in step.sched.sequences if s.sample), default=0)
     seqs, rows, drafts, counts, greedy = [], [], [], [], []
     for i, s in enumerate(step.sched.sequences):
         d = s.num_draft_tokens
@@ -80,7 +81,7 @@ def _split_plain(role, step: StepInFlight) -> None:
 
 class SpeculativeFollower(TPFollower):
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
-        plan = verify_rows(step, self.config.scheduler.num_draft_tokens, self.device)
+        plan = verify_rows(step, self.device)
         if plan is None:
             return super().after_forward(step, defer_sampling)
         _split_plain(self, step)
@@ -94,7 +95,7 @@ class SpeculativeFollower(TPFollower):
 
 class SpeculativeDriver(Driver):
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
-        plan = verify_rows(step, self.config.scheduler.num_draft_tokens, self.device)
+        plan = verify_rows(step, self.device)
         if plan is None:
             return super().after_forward(step, defer_sampling)
         if defer_sampling:
@@ -103,7 +104,7 @@ class SpeculativeDriver(Driver):
         step.logits = plain_logits(self, step)
         self._finish_launch(step, step.sched)
         tokens, accepted = self.verify(plan, self.model.compute_logits(step.hidden[plan.rows]))
-        result = torch.cat([tokens, accepted[:, None]], dim=1)                     # [N, K + 2]
+        result = torch.cat([tokens, accepted[:, None]], dim=1)                     # [N, k + 2]
         event = None
         if self.device.type == "cuda":
             result = result.to("cpu", non_blocking=True)
@@ -112,14 +113,14 @@ class SpeculativeDriver(Driver):
         step.verify = (plan.seqs, result, event)
 
     def verify(self, plan: VerifyRows, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [N * (K + 1), V] -> (tokens [N, K + 1], accepted [N]), on the device."""
+        """logits [N * (k + 1), V] -> (tokens [N, k + 1], accepted [N]), on the device."""
         n, k = len(plan.seqs), plan.k
         if all(s.params.is_greedy for s in plan.seqs):
             return greedy_verify(logits.argmax(dim=-1).view(n, k + 1), plan.drafts, plan.num_drafts)
         params = [s.params for s in plan.seqs for _ in range(k + 1)]
         rows = len(params)
         batch = SamplingBatch.build(params, [[]] * rows, [[]] * rows, [None] * rows, self.vocab_size, self.device)
-        probs = target_probs(logits, batch).view(n, k + 1, -1)                     # [N, K + 1, V]
+        probs = target_probs(logits, batch).view(n, k + 1, -1)                     # [N, k + 1, V]
         last = probs[torch.arange(n, device=probs.device), plan.num_drafts]        # [N, V]
         bonus = torch.where(plan.greedy, last.argmax(dim=1), sample(last, None))
         return rejection_verify(probs[:, :k], plan.drafts, plan.num_drafts, plan.greedy, bonus)

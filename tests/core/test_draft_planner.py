@@ -1,0 +1,105 @@
+"""The adaptive rule of speculative decoding (core/speculation.py, no torch): k from acceptance and
+the step cost, probes while it says 0, and drafting steps kept synchronous while the others run
+ahead; output stays exactly the reference greedy chain under the async loop."""
+
+from __future__ import annotations
+
+from tokenforge.core.speculation import DraftPlanner, StepCost, tokens_per_step
+
+from tests.core.core_fakes import (FakeRunner, assert_pool_idle, make_request, make_scheduler, next_token,
+                                   reference_generate, run_async_to_completion)
+
+
+def _never(history, k):
+    return []
+
+
+def test_tokens_per_step_is_the_geometric_mean_length():
+    assert tokens_per_step(0.0, 4) == 1.0
+    assert tokens_per_step(1.0, 4) == 5.0
+    assert abs(tokens_per_step(0.8, 4) - 3.3616) < 1e-9
+
+
+def test_k_follows_acceptance_and_batch():
+    gpu = DraftPlanner(_never, 4, StepCost(flat_rows=128.0, sync_cost=1.1))
+    assert gpu.acceptance == 0.8 and gpu.choose_k(1) == 4          # batch 1: a verify costs a decode
+    assert gpu.choose_k(512) == 0                                   # a full batch: extra rows cost
+    gpu._accepted, gpu._reached = 0.0, 100.0                        # nothing is ever accepted
+    assert gpu.choose_k(1) == 0
+    cpu = DraftPlanner(_never, 4, StepCost(flat_rows=4.0, sync_cost=1.2))
+    assert cpu.choose_k(1) > 0 and cpu.choose_k(6) == 0
+
+
+def test_acceptance_decays_towards_what_is_seen():
+    planner = DraftPlanner(_never, 4)
+
+    class Req:
+        num_computed_tokens, num_tokens = 10, 10
+    for _ in range(300):
+        planner.after_verify(Req(), 4, 1)          # every first draft rejected
+    assert planner.acceptance < 0.05
+    for _ in range(300):
+        planner.after_verify(Req(), 4, 5)          # every draft accepted
+    assert planner.acceptance > 0.95
+
+
+def test_probes_keep_measuring_while_the_rule_says_no():
+    planner = DraftPlanner(_never, 4, StepCost(flat_rows=1.0, sync_cost=2.0), probe_every=8, probe_requests=2)
+    ks = []
+    for _ in range(16):
+        planner.begin_step(64)
+        ks.append(planner.step_k)
+    assert ks.count(4) == 2 and ks[7] == ks[15] == 4 and planner._quota == 2
+
+
+class VerifyingRunner(FakeRunner):
+    """Greedy verification against the fake model: accept drafts while they equal next_token."""
+
+    def execute(self, so):
+        out = super().execute(so)
+        bs = self.block_size
+        for seq in so.sequences:
+            d = seq.num_draft_tokens
+            if not (seq.sample and d):
+                continue
+            known_end = seq.start_position + len(seq.token_ids) - d
+            table = seq.block_table
+            context = [self.slots[table[p // bs] * bs + p % bs] for p in range(known_end)]
+            tokens = []
+            for draft in seq.token_ids[-d:]:
+                tokens.append(next_token(context))
+                if tokens[-1] != draft:
+                    break
+                context.append(draft)
+            else:
+                tokens.append(next_token(context))
+            out.sampled_token_ids[seq.request_id] = tokens
+        self.prev_sampled = {rid: tokens[-1] for rid, tokens in out.sampled_token_ids.items()}
+        return out
+
+
+def _oracle(history, k):
+    """The reference chain, with every third draft token wrong (its tail is then rejected)."""
+    context, draft = list(history), []
+    for j in range(k):
+        tok = next_token(context)
+        draft.append(tok if j % 3 != 2 else (tok + 1) % 97)
+        context.append(tok)
+    return draft
+
+
+def test_async_loop_drafts_small_batches_and_runs_large_ones_ahead():
+    sched = make_scheduler(num_blocks=128, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.drafts = DraftPlanner(_oracle, 4, StepCost(flat_rows=4.0, sync_cost=1.2))
+    prompts = {f"r{i}": [3 + i, 5, 7 + 2 * i] for i in range(6)}
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        sched.add_request(make_request(rid, prompt, max_tokens=6 + 8 * i))
+    runner = VerifyingRunner(sched.num_kv_blocks, sched.block_size, sched.kv.pool)
+    result = run_async_to_completion(sched, runner)
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        assert result.tokens[rid] == reference_generate(prompt, 6 + 8 * i), rid
+    drafted = [so for so in result.steps if any(s.num_draft_tokens for s in so.sequences)]
+    placeholders = [so for so in result.steps if any(s.token_ids[-1] < 0 for s in so.sequences)]
+    assert drafted and placeholders, "both modes should have run"
+    assert sched.drafts.num_accepted > 0
+    assert_pool_idle(sched)
