@@ -55,6 +55,30 @@ def test_drafts_were_accepted_and_blocks_freed(outputs):
     assert per_pos[0] <= spec.num_drafts
 
 
+def test_sampled_and_async_steps_with_drafts(outputs):
+    """Sampled requests beside greedy ones in drafted steps (the rejection rule on the device), and
+    an engine whose non-drafting steps are scheduled ahead: the greedy output is unchanged."""
+    llm = outputs["ngram"][1]
+    params = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * 2
+    before = llm.engine.scheduler.drafts.num_verify_steps
+    outs = llm.generate(PROMPTS[:4], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [24] * 4
+    assert outs[1].outputs[0].token_ids == outputs[None][0][1][:24]
+    assert llm.engine.scheduler.drafts.num_verify_steps > before
+    kv = llm.get_stats()
+    assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+    llm.engine.async_scheduling = True
+    try:
+        greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    finally:
+        llm.engine.async_scheduling = False
+    assert ids == outputs[None][0]
+    kv = llm.get_stats()
+    assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+
+
 def test_spec_decode_counters_in_metrics():
     from tokenforge.messages import EngineStats, SpecDecodeStats
     from tokenforge.server.metrics import ServerMetrics
