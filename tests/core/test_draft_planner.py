@@ -50,6 +50,13 @@ def test_probes_keep_measuring_while_the_rule_says_no():
         planner.begin_step(64)
         ks.append(planner.step_k)
     assert ks.count(4) == 2 and ks[7] == ks[15] == 4 and planner._quota == 2
+    # under async scheduling the steps run ahead until a probe is due, which then runs synchronously
+    seen = []
+    for _ in range(8):
+        seen.append(planner.allows_step_ahead(64))
+        planner.begin_step(64)                # the step is scheduled (ahead or not)
+        seen.append(planner.step_k)
+    assert seen == [True, 0] * 7 + [False, 4]
 
 
 class VerifyingRunner(FakeRunner):

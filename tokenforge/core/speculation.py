@@ -93,19 +93,22 @@ class DraftPlanner:
 
     def allows_step_ahead(self, batch: int) -> bool:
         """Whether the next step may be scheduled ahead of the one in flight (then it drafts nothing)."""
-        if self.drafted_in_flight or self.choose_k(batch) > 0:
+        if self.drafted_in_flight or self.choose_k(batch) > 0 or self._probe_due():
             return False
         self._ahead = True
         return True
 
+    def _probe_due(self) -> bool:
+        """Count a step the rule said 0 for; True once `probe_every` of them have passed."""
+        self._idle_steps += 1
+        return self._idle_steps >= self.probe_every
+
     def begin_step(self, batch: int) -> None:
         """Pick this step's k for `batch` running requests (called as the scheduler starts a step)."""
-        k, self._quota = (0 if self._ahead else self.choose_k(batch)), None
-        self._ahead = self.drafted_in_flight = False
-        if k == 0:
-            self._idle_steps += 1
-            if self._idle_steps >= self.probe_every:
-                self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
+        ahead, self._ahead, self.drafted_in_flight, self._quota = self._ahead, False, False, None
+        k = 0 if ahead else self.choose_k(batch)     # a step ahead drafts nothing, probes neither
+        if k == 0 and not ahead and (self._idle_steps >= self.probe_every or self._probe_due()):
+            self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
         self.step_k = k
 
     @staticmethod
