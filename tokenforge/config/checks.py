@@ -66,7 +66,7 @@ def validate_kv_tiers(c) -> None:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
-SPECULATIVE_METHODS_BUILT = ("ngram",)
+SPECULATIVE_METHODS_BUILT = ("ngram", "draft")
 
 
 def validate_speculative(c) -> None:
@@ -86,4 +86,7 @@ def validate_speculative(c) -> None:
                "speculative_model is for the draft and eagle methods: ngram looks drafts up in the request itself")
         check(1 <= c.ngram_min <= c.ngram_max,
                f"need 1 <= ngram_min <= ngram_max, got {c.ngram_min} and {c.ngram_max}")
+    else:
+        check(c.speculative_model is not None,
+              f"speculative_method={m!r} needs speculative_model (the path of the draft model)")
     check(c.pipeline_steps == 1, "speculative decoding does not combine with pipeline_steps > 1 yet")

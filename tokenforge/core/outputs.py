@@ -21,6 +21,9 @@ from tokenforge.messages import PositionLogprobs, WireSamplingParams
 # device from the previous step's sampled ids (async scheduling). Pipelined steps (pipeline
 # parallelism, several steps in flight) never carry one: a request is in one step in flight at most.
 PLACEHOLDER_TOKEN_ID = -1
+# A draft slot the runner's draft model fills in on the device before the verify forward
+# (speculative_method 'draft'); a drafted sequence's last num_draft_tokens ids are then these.
+DRAFT_TOKEN_ID = -2
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenforge.core.outputs import DRAFT_TOKEN_ID
 from tokenforge.core.request import Request
 from tokenforge.messages import SpecDecodeStats
 
@@ -43,6 +44,11 @@ class StepCost:
 
     def of(self, rows: int) -> float:
         return 1.0 + rows / self.flat_rows
+
+
+def device_drafts(history: list[int], k: int) -> list[int]:
+    """The proposer of methods that draft on the device (a draft model): k slots the runner fills."""
+    return [DRAFT_TOKEN_ID] * k
 
 
 def tokens_per_step(acceptance: float, k: int) -> float:

@@ -16,7 +16,7 @@ import msgspec
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
-from tokenforge.core.speculation import DraftPlanner, StepCost
+from tokenforge.core.speculation import DraftPlanner, StepCost, device_drafts
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer, with_calibration_ids
@@ -68,11 +68,30 @@ def make_draft_planner(config, on_gpu: bool = False) -> DraftPlanner | None:
     weights' read dominates) and a synchronous step loses the overlap of async scheduling."""
     if config.speculative_method is None:
         return None
+    cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
+    if config.speculative_method == "draft":        # the runner's draft model fills the slots
+        return DraftPlanner(device_drafts, config.num_draft_tokens, cost)
     from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
 
     proposer = NgramProposer(config.ngram_min, config.ngram_max)
-    cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
     return DraftPlanner(proposer.propose_one, config.num_draft_tokens, cost)
+
+
+def check_draft_tokenizer(config, tokenizer=None) -> None:
+    """A draft model whose tokenizer maps text to other ids than the target's is refused before any
+    model loads (one that ships no tokenizer is checked by its vocabulary size only, by the executor)."""
+    sched = config.scheduler
+    if sched.speculative_method != "draft":
+        return
+    try:
+        draft = load_engine_tokenizer(sched.speculative_model)
+    except (OSError, ValueError):
+        return
+    target = tokenizer or load_engine_tokenizer(config.model.model, config.load.load_format)
+    vocab = [getattr(getattr(t, "hf", None), "get_vocab", None) for t in (target, draft)]
+    if all(vocab) and vocab[0]() != vocab[1]():
+        raise ValueError(f"speculative_model {sched.speculative_model!r} has another tokenizer than the target: "
+                         "a draft model must use the target's tokenizer (the same token ids)")
 
 
 class EngineCore:
@@ -81,6 +100,7 @@ class EngineCore:
         WATCH.reset()
         WATCH.install_triton_hook()     # compiles from here on are start-up's; after Ready, warnings
         config = with_calibration_ids(config, tokenizer)      # a bad calibration text fails before loading
+        check_draft_tokenizer(config, tokenizer)
         self.executor = create_executor(config)
         t1 = time.perf_counter()
         arch = self.executor.arch

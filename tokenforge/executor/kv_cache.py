@@ -69,7 +69,7 @@ def _model_bytes(model: torch.nn.Module) -> int:
 
 def determine_kv_sizing(runner, config: EngineConfig, max_model_len: int) -> KVSizing:
     cache, sched = config.cache, config.scheduler
-    block_bytes = kv_bytes_per_block(runner.model.attention_layers(), cache.block_size, runner.kv_dtype)
+    block_bytes = kv_bytes_per_block(runner.kv_layers(), cache.block_size, runner.kv_dtype)
     offloader = getattr(runner, "offloader", None)
     weights = _model_bytes(runner.model) + (offloader.device_bytes if offloader is not None else 0)
     peak = 0

@@ -23,6 +23,7 @@ from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration
                                           rotate_keys, start_calibration)
 from tokenforge.executor.pipeline import PipelinedSteps, StageComm
 from tokenforge.executor.roles import StepInFlight, make_role
+from tokenforge.executor.spec.draft import make_drafter
 from tokenforge.executor.spec.roles import make_speculative_role
 from tokenforge.executor.warmup import warm_up
 from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
@@ -64,6 +65,7 @@ class ModelRunner:
         self.previous = PreviousSample()
         speculative = config.scheduler.speculative_method is not None and self.rank.is_first_stage
         self.role = make_speculative_role(self) if speculative else make_role(self)
+        self.drafter = make_drafter(self)        # a draft model that fills draft slots (method draft)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | None = None
 
@@ -159,6 +161,7 @@ class ModelRunner:
         for i, (layer, cache) in enumerate(zip(layers, self.kv_caches)):
             layer.kv_cache = cache
             layer.kv_scales = self.kv_scales[i] if self.kv_scales is not None else None
+        self.drafter.init_kv_cache(num_blocks)
         if (self.device.type == "cuda" and self.backend.name == "triton" and not self.config.device.enforce_eager
                 and self.rank.pp_size == 1 and self.offloader is None):   # offloaded weights move: no graphs
             self.graphs = CudaGraphRunner(self, num_blocks)
@@ -187,6 +190,7 @@ class ModelRunner:
                                    self.previous.rows, lora=self.loras is not None)
         if self.rank.is_first_stage:
             self.previous.fill(step.inputs)
+            self.drafter.before_forward(step)
         if self.pipeline is not None:
             # The sampling waits for the last stage (`finish_stages`), so the next step can start first.
             assert not defer_sampling, "pipelined steps carry no placeholders: nothing waits for masks"
@@ -231,6 +235,10 @@ class ModelRunner:
         self.role.collect(step, out)
         self._release_fragmented_memory()
         return out
+
+    def kv_layers(self) -> list:
+        """The attention layers whose KV the cache's blocks hold (a draft model's too)."""
+        return self.model.attention_layers() + self.drafter.attention_layers()
 
     def allocator_fragmentation(self) -> float:
         """Reserved-but-unallocated over reserved bytes of the device allocator (0 on the CPU)."""

@@ -22,6 +22,9 @@ def release_runner(runner) -> None:
     if graphs is not None:
         graphs.release()
         runner.graphs = None
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None:
+        drafter.release()
     model = getattr(runner, "model", None)
     if isinstance(model, nn.Module):
         for module in model.modules():

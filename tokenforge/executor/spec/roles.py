@@ -34,7 +34,7 @@ class VerifyRows:
 
     seqs: list                      # the drafted sequences, in batch order
     rows: torch.Tensor              # [N * (k + 1)] hidden rows: t, d_1..d_d, then the last repeated
-    drafts: torch.Tensor            # [N, k] (0 past num_drafts)
+    drafts: torch.Tensor            # [N, k] (past num_drafts: any id, ignored)
     num_drafts: torch.Tensor        # [N]
     greedy: torch.Tensor            # [N] bool
     k: int
@@ -51,8 +51,8 @@ def verify_rows(step: StepInFlight, device: torch.device) -> VerifyRows | None:
         end = step.inputs.query_start_loc[i + 1] - 1          # the last row: the bonus token's
         rows.extend(range(end - d, end + 1))
         rows.extend([end] * (k - d))
-        drafts.extend(s.token_ids[-d:])
-        drafts.extend([0] * (k - d))
+        drafts.extend(range(end - d + 1, end + 1))     # the drafts' rows: ids on the device (a draft
+        drafts.extend([end] * (k - d))                 # model fills them there), past d ignored
         counts.append(d)
         greedy.append(int(s.params.is_greedy))
         seqs.append(s)
@@ -61,8 +61,8 @@ def verify_rows(step: StepInFlight, device: torch.device) -> VerifyRows | None:
     n = len(seqs)
     packed = upload(torch.tensor(rows + drafts + counts + greedy, dtype=torch.long), device)
     r = n * (k + 1)
-    return VerifyRows(seqs, packed[:r], packed[r:r + n * k].view(n, k), packed[r + n * k:r + n * k + n],
-                      packed[r + n * k + n:].bool(), k)
+    draft_ids = step.inputs.input_ids[packed[r:r + n * k]].view(n, k)
+    return VerifyRows(seqs, packed[:r], draft_ids, packed[r + n * k:r + n * k + n], packed[r + n * k + n:].bool(), k)
 
 
 def plain_logits(role, step: StepInFlight) -> torch.Tensor | None:
