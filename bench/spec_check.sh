@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Speculative decoding on one H200 in about 9 minutes (BUDGET seconds, default 540; later steps shrink or skip):
-#   1. tests: tests/executor/test_gpu_speculative.py (graphed verify exact vs no speculation on the bundled model,
+#   1. tests: tests/executor/test_gpu_speculative.py (graphed verify exact vs no speculation on the bundled model, ngram and draft,
 #      sampled rows, KV freed) and tests/executor/spec/test_verify_rows.py (decode-row layout through Triton)
 #   2. W1 (8B shape, dummy bf16, batch 1, 128 in / 256 out): no speculation vs the replay drafter at acceptance 0.8
 #      and K = 4, in one run (target >= 2.6x)

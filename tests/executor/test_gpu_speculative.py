@@ -58,3 +58,22 @@ def test_graphed_verify_is_exact_and_frees_blocks(max_num_seqs):
         assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked after sampled verification"
     finally:
         _free(llm)
+
+
+def test_draft_model_on_the_gpu_is_exact():
+    """The bundled model drafting for itself (eager draft forwards, graphed verify): greedy output
+    unchanged, nearly every draft accepted, blocks back."""
+    from tokenforge.source import find_bundled_gguf
+
+    base, base_ids = _generate(max_num_seqs=4)
+    _free(base)
+    llm, ids = _generate(max_num_seqs=4, speculative_method="draft", speculative_model=str(find_bundled_gguf()),
+                         num_speculative_tokens=3)
+    try:
+        assert ids == base_ids
+        assert llm.engine.scheduler.drafts.stats()["acceptance_rate"] > 0.8
+        assert llm.engine.executor.runner.graphs.verify_replays > 0
+        kv = llm.get_stats()
+        assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+    finally:
+        _free(llm)
