@@ -68,16 +68,18 @@ class DraftPlanner:
         self.k = num_draft_tokens
         self.cost = cost or StepCost()
         self.probe_every, self.probe_requests = probe_every, probe_requests
-        self._accepted, self._reached = self.PRIOR
         self.step_k = num_draft_tokens       # this step's drafts per request (0: none)
         self._quota: int | None = None       # requests that may still draft this step (None: all)
         self._idle_steps = 0                 # steps the rule said 0 since the last probe
         self._ahead = False                  # the step being scheduled runs ahead of one in flight
         self.drafted_in_flight = False       # the last step scheduled drafted: none may go ahead of it
+        self.adaptive = True                 # False: every step drafts k = K (the bench's warm-up pass)
         self.reset_counters()
 
     def reset_counters(self) -> None:
-        """Totals, for metrics (vLLM's spec_decode counters); the bench resets them after a warm-up."""
+        """Totals, for metrics (vLLM's spec_decode counters), and the acceptance estimate back to
+        its prior; the bench resets them after a warm-up."""
+        self._accepted, self._reached = self.PRIOR
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_verify_steps = 0       # sequences verified with at least one draft
@@ -89,6 +91,8 @@ class DraftPlanner:
 
     def choose_k(self, batch: int) -> int:
         """The k with the most tokens per unit of cost for `batch` decoding requests (0: none)."""
+        if not self.adaptive:
+            return self.k
         batch = max(batch, 1)
         best_k, best = 0, batch / self.cost.of(batch)
         for k in range(1, self.k + 1):

@@ -72,13 +72,14 @@ def tokenforge_figures(timing: harness.Timing, num_prompts: int, input_len: int,
 
 def measure(args: argparse.Namespace, prompts: list[list[int]], proposer=None, **overrides) -> tuple[harness.Timing, list, dict | None]:
     """Timing, greedy outputs and (with speculation) the drafts' acceptance stats of one engine.
-    With the replay drafter, one untimed pass first teaches it the engine's own greedy path."""
+    With the replay drafter, one untimed pass (K drafts a step) first teaches it the engine's own greedy path."""
     llm = harness.build_llm(args, **overrides)
     drafts = llm.engine.scheduler.drafts
     if proposer is not None:
-        drafts.proposer = proposer
+        drafts.proposer, drafts.adaptive = proposer, False      # K drafts every step while it learns
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      harness.sampling_params(args.output_len, cache_salt="replay-calibration"), use_tqdm=False)
+        drafts.adaptive = True
         drafts.reset_counters()
     timing, outs = harness.run_checked(llm, prompts, args.output_len, args.repeats, "tokenforge")
     harness.profile_run(llm, prompts, args)
