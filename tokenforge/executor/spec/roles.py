@@ -40,8 +40,9 @@ class VerifyRows:
     k: int
 
 
-def verify_rows(step: StepInFlight, device: torch.device) -> VerifyRows | None:
-    """None when no sequence of the step carries drafts."""
+def verify_rows(step: StepInFlight, device: torch.device, driver: bool = True) -> VerifyRows | None:
+    """None when no sequence of the step carries drafts. `driver`: the sequences carry their
+    sampling params (a TP worker's do not; it needs the rows only)."""
     k = max((s.num_draft_tokens for s in step.sched.sequences if s.sample), default=0)
     seqs, rows, drafts, counts, greedy = [], [], [], [], []
     for i, s in enumerate(step.sched.sequences):
@@ -54,7 +55,7 @@ def verify_rows(step: StepInFlight, device: torch.device) -> VerifyRows | None:
         drafts.extend(range(end - d + 1, end + 1))     # the drafts' rows: ids on the device (a draft
         drafts.extend([end] * (k - d))                 # model fills them there), past d ignored
         counts.append(d)
-        greedy.append(int(s.params.is_greedy))
+        greedy.append(int(s.params.is_greedy) if driver else 0)
         seqs.append(s)
     if not seqs:
         return None
@@ -81,7 +82,7 @@ def _split_plain(role, step: StepInFlight) -> None:
 
 class SpeculativeFollower(TPFollower):
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
-        plan = verify_rows(step, self.device)
+        plan = verify_rows(step, self.device, driver=False)
         if plan is None:
             return super().after_forward(step, defer_sampling)
         _split_plain(self, step)
