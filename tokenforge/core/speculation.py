@@ -13,8 +13,8 @@ of a forward over r rows (`StepCost`: a fixed part, the weights' read, plus r / 
 device whose steps are scheduled ahead (CUDA) the cost of a synchronous step). It keeps the k with
 the most tokens per unit of cost; 0 means this step does not speculate. Speculating steps are
 synchronous (the drafts read the step before's tokens), others may be scheduled ahead as usual
-(`allows_step_ahead`). While the rule says 0, one step in `probe_every` still drafts for at most
-`probe_requests` requests, so the acceptance stays measured at little cost.
+(`allows_step_ahead`). While the rule says 0, one step in `probe_every` still asks the proposer for
+at most `probe_requests` requests, so the acceptance stays measured at little cost.
 
 Not drafted (they decode one token a step as before): requests whose sampling reads their own
 history within a step (penalties), that want logprobs or grammar masks, that are before
@@ -63,7 +63,7 @@ class DraftPlanner:
     PRIOR = (4.0, 5.0)              # (accepted, reached): 0.8 before any is seen, so a new engine tries
 
     def __init__(self, proposer: Proposer, num_draft_tokens: int, cost: StepCost | None = None,
-                 probe_every: int = 64, probe_requests: int = 4) -> None:
+                 probe_every: int = 64, probe_requests: int = 8) -> None:
         self.proposer = proposer
         self.k = num_draft_tokens
         self.cost = cost or StepCost()
@@ -135,11 +135,10 @@ class DraftPlanner:
                    max_len - req.num_tokens - 1)
         if room <= 0 or not self.eligible(req):
             return []
+        if self._quota is not None:
+            self._quota -= 1            # a probe asks this many proposals (found or not), no more
         drafts = self.proposer(req.all_token_ids, room)[:room]
-        if drafts:
-            self.drafted_in_flight = True
-            if self._quota is not None:
-                self._quota -= 1
+        self.drafted_in_flight |= bool(drafts)
         return drafts
 
     def after_verify(self, req: Request, num_drafts: int, num_new_tokens: int) -> None:
