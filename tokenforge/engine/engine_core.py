@@ -18,6 +18,7 @@ from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
 from tokenforge.core.speculation import DraftPlanner
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
+from tokenforge.engine.startup import resolve_engine_config
 from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer, with_calibration_ids
 from tokenforge.executor.compile_watch import WATCH
@@ -77,6 +78,7 @@ class EngineCore:
         t0 = time.perf_counter()
         WATCH.reset()
         WATCH.install_triton_hook()     # compiles from here on are start-up's; after Ready, warnings
+        config = resolve_engine_config(config)     # the device, its batch limits, the fit (StartupRefused)
         config = with_calibration_ids(config, tokenizer)      # a bad calibration text fails before loading
         self.executor = create_executor(config)
         t1 = time.perf_counter()
