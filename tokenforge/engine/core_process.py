@@ -131,9 +131,12 @@ class CoreLoop:
 
     def run(self) -> None:
         was_busy = False
+        # Start-up work left for idle time (EngineCore.idle_work: the deferred CUDA graphs), done
+        # one piece per pass, only when the input was just drained and no request is queued or running.
+        idle_work = getattr(self.core, "idle_work", None)
         while not self.stopping:
             busy = self.core.has_unfinished_requests()
-            self.drain(timeout_ms=0 if busy else _IDLE_POLL_MS)
+            self.drain(timeout_ms=0 if busy or idle_work is not None else _IDLE_POLL_MS)
             if self.stopping:
                 break
             if self.core.has_unfinished_requests():
@@ -144,6 +147,8 @@ class CoreLoop:
             elif was_busy:
                 self.send_stats()     # the idle snapshot: 0 running, blocks returned
                 was_busy = False
+            elif idle_work is not None and not idle_work():
+                idle_work = None      # all done: idle passes block on the input again
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: parent process %d is gone, exiting", self.parent_pid)
                 break

@@ -74,7 +74,9 @@ def make_draft_planner(config) -> DraftPlanner | None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, defer_graphs: bool = True) -> None:
+        """`defer_graphs`: capture the large CUDA-graph buckets after start-up, from `idle_work`
+        (the core process's idle loop); the offline LLM, which has no idle loop, captures all now."""
         t0 = time.perf_counter()
         WATCH.reset()
         WATCH.install_triton_hook()     # compiles from here on are start-up's; after Ready, warnings
@@ -85,7 +87,7 @@ class EngineCore:
         arch = self.executor.arch
         self.config = config.with_max_model_len(
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
-        self.num_kv_blocks = self.executor.init_kv_cache(self.config)
+        self.num_kv_blocks = self.executor.init_kv_cache(self.config, defer_graphs=defer_graphs)
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
         lora = self.config.lora
@@ -254,6 +256,12 @@ class EngineCore:
         self.grammars.fill(step.sched, self.executor.grammar_bitmask_buffer)
         self.executor.sample(step.handle, step.sched)
 
+    def idle_work(self) -> bool:
+        """Start-up work left for idle time (one deferred CUDA graph); whether more remains. The
+        core process calls it only when no request is queued or running."""
+        assert not self.in_flight, "idle work runs with no step in flight"
+        return self.executor.capture_deferred_graph()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.in_flight) or self.scheduler.has_unfinished_requests()
 
@@ -263,6 +271,7 @@ class EngineCore:
         stats.lora_swaps = self.scheduler.loras.num_swaps
         stats.kv_tiers = self.executor.kv_tier_stats()
         stats.jit_compiles_after_ready = WATCH.compiles_after_ready
+        stats.cuda_graphs_pending, stats.eager_decode_steps = self.executor.graph_counts()
         return stats
 
     def set_kv_tiers_enabled(self, enabled: bool) -> None:

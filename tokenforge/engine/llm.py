@@ -43,7 +43,7 @@ class LLM:
         start = time.perf_counter()
         self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
         loaded = time.perf_counter()
-        self.engine = EngineCore(self.config, self.tokenizer)
+        self.engine = EngineCore(self.config, self.tokenizer, defer_graphs=False)   # no idle loop: all graphs now
         self.config = self.engine.config        # resolved: the device, batch limits, context length
         logger.info("tokenizer loaded in %.2f s; ready in %.2f s", loaded - start, time.perf_counter() - start)
         self.runtime = RuntimeInfo(

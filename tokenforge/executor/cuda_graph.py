@@ -1,9 +1,11 @@
 """CUDA graphs for decode steps: one graph per batch-size bucket, replayed with persistent inputs.
 
 In: a decode-only InputBatch (one token per sequence). Out: the hidden states [B, H], computed by
-replaying the graph captured for the smallest bucket >= B. Buckets are captured largest first
-so the smaller graphs reuse the first one's memory pool. Padded rows carry slot -1 (the KV store
-writes nowhere) and a length-1 context, so they cost almost nothing and touch no real block.
+replaying the graph captured for the smallest bucket >= B. All graphs share one memory pool.
+Capture is staged (graph_stages.py): with `defer`, the small buckets before Ready and the rest
+one at a time while the engine is idle (`capture_next`); a decode batch whose bucket is not
+captured yet runs eagerly. Padded rows carry slot -1 (the KV store writes nowhere) and a
+length-1 context, so they cost almost nothing and touch no real block.
 
 The Triton backend's `DecodeMetadataBuffers` hold the persistent metadata (slot mapping, lengths,
 block tables): each replay refills them in place with one host-to-device copy, so replays see
@@ -13,10 +15,11 @@ the step's block tables and lengths without any allocation or host sync.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
+from tokenforge.executor.compile_watch import WATCH
+from tokenforge.executor.graph_stages import StagedCapture
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.attention.triton_backend import DecodeMetadataBuffers
 from tokenforge.model.forward_context import set_forward_context
@@ -31,11 +34,12 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner, num_kv_blocks: int) -> None:
+    def __init__(self, runner, num_kv_blocks: int, defer: bool = False) -> None:
         self.runner = runner
         cfg = runner.config
         self.sizes = capture_sizes(cfg.scheduler.max_num_seqs)
         self.max_batch = self.sizes[-1]
+        self.stages = StagedCapture(self.sizes, self._capture_one, defer)
         max_blocks = -(-cfg.scheduler.max_model_len // runner.block_size)
         device = runner.device
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
@@ -50,25 +54,21 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
 
     def can_run(self, inputs) -> bool:
-        return inputs.is_decode_only and inputs.num_seqs <= self.max_batch and bool(self.graphs)
-
-    def _bucket(self, n: int) -> int:
-        for size in self.sizes:
-            if size >= n:
-                return size
-        raise AssertionError(n)
+        """A decode-only batch whose bucket has a graph (otherwise it runs eagerly: counted)."""
+        return inputs.is_decode_only and self.stages.bucket(inputs.num_seqs) is not None
 
     def capture(self) -> None:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
-        start = time.perf_counter()
+        """Stage one (every bucket without `defer`), before the engine is Ready."""
         with torch.inference_mode():
-            for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", leave=False):
-                self._capture_one(size)
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], self.capture_seconds)
+            self.capture_seconds = self.stages.capture_initial()
+
+    def capture_next(self) -> bool:
+        """One deferred bucket (the engine is idle); whether any remain. Kernels it compiles are
+        start-up work off any request's path, not compiles on one (compile_watch.py)."""
+        if not self.stages.pending:
+            return False
+        with torch.inference_mode(), WATCH.off_request_path():
+            return self.stages.capture_next()
 
     def _capture_one(self, size: int) -> None:
         model = self.runner.model
@@ -85,6 +85,7 @@ class CudaGraphRunner:
             mode = "thread_local" if self.runner.rank.tp_size > 1 else "global"
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
                 out = model(self.input_ids[:size], self.positions[:size])
+        torch.cuda.synchronize()
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[size] = graph
@@ -101,7 +102,7 @@ class CudaGraphRunner:
 
     def run(self, inputs) -> torch.Tensor:
         n = inputs.num_seqs
-        size = self._bucket(n)
+        size = self.stages.bucket(n)
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
         self.buffers.fill(inputs.attn_batch, padded_batch_size=size)
