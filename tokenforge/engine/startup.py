@@ -11,6 +11,7 @@ The offline `LLM` runs the same function in-process (EngineCore does).
 
 from __future__ import annotations
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig
 
 
@@ -21,6 +22,9 @@ class StartupRefused(ValueError):
 def resolve_engine_config(config: EngineConfig) -> EngineConfig:
     """The device resolved and named, unset batch limits filled for it, and the fit of the weights
     checked (planning.fit.check_fit: the doctor's arithmetic). Idempotent."""
+    # The fit check reads the GPU's memory, which initialises CUDA, and with it the allocator,
+    # which reads its settings then: the executor's must be in place first.
+    envs.set_default("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     try:
         device = config.device.resolved_device()     # ValueError: cuda without CUDA
         resolved = config.for_device(device)
