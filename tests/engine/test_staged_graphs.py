@@ -122,3 +122,14 @@ def test_the_core_loop_captures_deferred_graphs_only_while_idle(monkeypatch):
     assert not busy_captures, f"captured while requests ran: {busy_captures}"
     captures = [e[1] for e in engine.executor.events if e[0] == "capture"]
     assert sorted(captures) == sorted(SIZES + (48, 64)) and captures[4:] == [16, 32, 48, 64]
+
+
+def test_the_graph_counts_reach_metrics():
+    from tokenforge.messages import EngineStats
+    from tokenforge.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.update_engine(EngineStats(cuda_graphs_pending=3, eager_decode_steps=41))
+    text = metrics.render().decode()
+    assert 'tokenforge:cuda_graphs_pending{model_name="m"} 3.0' in text
+    assert 'tokenforge:eager_decode_steps{model_name="m"} 41.0' in text
