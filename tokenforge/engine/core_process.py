@@ -232,7 +232,7 @@ def _resolve(config: EngineConfig, timing: str) -> EngineConfig:
     from tokenforge.engine.startup import resolve_engine_config  # noqa: PLC0415 - imports torch
 
     start = time.perf_counter()
-    resolved = resolve_engine_config(config) if config.needs_device else config
+    resolved = resolve_engine_config(config)
     s = resolved.scheduler
     logger.info("engine core: %s; config resolved in %.2f s (%s, max_num_seqs %d, max_num_batched_tokens %d)",
                 timing or "config received", time.perf_counter() - start, resolved.device.device,
