@@ -52,6 +52,7 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        self._serving = False       # True once deferred captures begin: other threads may use CUDA then
 
     def can_run(self, inputs) -> bool:
         """A decode-only batch whose bucket has a graph (otherwise it runs eagerly: counted)."""
@@ -67,6 +68,7 @@ class CudaGraphRunner:
         start-up work off any request's path, not compiles on one (compile_watch.py)."""
         if not self.stages.pending:
             return False
+        self._serving = True
         with torch.inference_mode(), WATCH.off_request_path():
             return self.stages.capture_next()
 
@@ -80,9 +82,10 @@ class CudaGraphRunner:
                 model(self.input_ids[:size], self.positions[:size])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            # With tensor parallelism the NCCL watchdog thread polls events while we capture:
-            # only this thread's calls may join (or break) the capture.
-            mode = "thread_local" if self.runner.rank.tp_size > 1 else "global"
+            # With tensor parallelism the NCCL watchdog thread polls events while we capture, and
+            # once serving the KV tiers' copy threads may run: only this thread's calls may join
+            # (or break) the capture.
+            mode = "thread_local" if self.runner.rank.tp_size > 1 or self._serving else "global"
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
                 out = model(self.input_ids[:size], self.positions[:size])
         torch.cuda.synchronize()
