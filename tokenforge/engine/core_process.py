@@ -278,12 +278,13 @@ def run_engine_core(config_bytes: bytes | None, input_address: str, output_addre
             exit_code = 1
             return
         logger.info("engine core ready in %.2f s", time.perf_counter() - start)
+        output_socket.send(encoder.encode(_ready_message(core)))
         # The model, its tensors' Python objects and the engine's tables live for the whole run:
         # move them out of the cyclic GC, so its full passes scan only what the steps allocate
-        # (a full pass over the start-up heap is a host stall the step loop cannot hide).
+        # (a full pass over the start-up heap is a host stall the step loop cannot hide). After
+        # Ready: the pass runs while the frontend builds its app, not before /health can answer.
         gc.collect()
         gc.freeze()
-        output_socket.send(encoder.encode(_ready_message(core)))
         CoreLoop(core, input_socket, output_socket, parent_pid).run()
     except Exception:   # noqa: BLE001 - a crashed step must reach the frontend as a message
         message = traceback.format_exc()
