@@ -63,3 +63,12 @@ def test_building_an_unresolved_config_imports_no_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60,
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_a_context_above_the_models_limit_is_still_refused_at_start_up():
+    from tokenforge.engine.engine_core import resolve_max_model_len
+
+    assert resolve_max_model_len(None, 2048) == 2048 and resolve_max_model_len(1024, 2048) == 1024
+    with pytest.raises(ValueError, match=r"max_model_len 4096 is larger than the model's context limit "
+                                         r"\(max_position_embeddings = 2048\)"):
+        resolve_max_model_len(4096, 2048)
