@@ -35,7 +35,7 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {"config", *SHARED},
     "executor": {"model", "kernels", "distributed", "core.outputs", "config", "messages",
                  "sampling_params", *SHARED},
-    "engine": {"core", "executor", "config", "messages", "sampling_params", "logs", *SHARED},
+    "engine": {"core", "executor", "config", "messages", "sampling_params", "logs", "planning.fit", *SHARED},
     "server": {"engine", "messages", "config", "sampling_params", "logs", "webui", *SHARED},
     "router": {"engine", "messages", "config", "sampling_params", "webui", *SHARED},
     "webui": set(),               # the browser UI's static files, served by server and router

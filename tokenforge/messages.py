@@ -138,6 +138,8 @@ class EngineStats(msgspec.Struct):
     kv_tiers: KVTierStats | None = None   # None when no KV tier is configured
     spec_decode: SpecDecodeStats | None = None   # None without speculative decoding
     jit_compiles_after_ready: int = 0     # kernels compiled after start-up (executor/compile_watch.py)
+    cuda_graphs_pending: int = 0          # decode buckets whose graph is still to be captured (while idle)
+    eager_decode_steps: int = 0           # decode steps run without a graph, their bucket not captured yet
 
 
 # ---- engine core (rank 0) -> workers (ranks 1..N-1), once per step ------------------------------

@@ -19,6 +19,7 @@ from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, SchedulerOutput
 from tokenforge.engine import engine_core
 from tokenforge.engine.engine_core import EngineCore
+from tokenforge.executor.graph_stages import StagedCapture
 
 
 @dataclass
@@ -38,6 +39,8 @@ class FakeExecutor:
     events: list[tuple] = field(default_factory=list)
     vocab_size: int = VOCAB
     arch: object = field(default_factory=lambda: SimpleNamespace(max_position_embeddings=4096))
+    graph_sizes: tuple[int, ...] = ()        # CUDA-graph buckets (graph_stages.StagedCapture, a fake capture)
+    capture_check: object = None             # called with each bucket as it is captured
 
     def __post_init__(self) -> None:
         self.runner = FakeRunner(self.num_blocks, self.block_size, tokens_per_step=self.tokens_per_step)
@@ -45,12 +48,31 @@ class FakeExecutor:
         self.in_flight: list[FakeHandle] = []
         self.max_in_flight = 0
         self.tiers = None
+        self.graphs = None
+        self.decode_buckets: list[int | None] = []
 
-    def init_kv_cache(self, config: EngineConfig) -> int:
+    def init_kv_cache(self, config: EngineConfig, defer_graphs: bool = False) -> int:
+        self.graphs = None
+        if self.graph_sizes:
+            self.graphs = StagedCapture(self.graph_sizes, self._capture_one, defer_graphs)
+            self.graphs.capture_initial()
         return self.num_blocks
+
+    def _capture_one(self, size: int) -> None:
+        if self.capture_check is not None:
+            self.capture_check(size)
+        self.events.append(("capture", size))
+
+    def capture_deferred_graph(self) -> bool:
+        return self.graphs is not None and self.graphs.capture_next()
+
+    def graph_counts(self) -> tuple[int, int]:
+        return (len(self.graphs.pending), self.graphs.eager_decode_steps) if self.graphs else (0, 0)
 
     def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> FakeHandle:
         assert not any(h.deferred for h in self.in_flight), "launched before the deferred step was sampled"
+        if self.graphs is not None and sched.sequences and all(len(q.token_ids) == 1 for q in sched.sequences):
+            self.decode_buckets.append(self.graphs.bucket(len(sched.sequences)))     # None: ran eagerly
         handle = FakeHandle(next(self._ids), sched, self.runner.execute(sched), defer_sampling)
         self.events.append(("launch", handle.step, defer_sampling))
         self.in_flight.append(handle)
@@ -124,16 +146,17 @@ class FakeGrammars:
 
 def make_engine(monkeypatch, *, is_async_device: bool = False, async_scheduling: bool | None = None,
                 pipeline_steps: int = 1, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 4,
-                max_num_batched_tokens: int = 32, tokens_per_step: int = 1) -> EngineCore:
-    """An EngineCore over a FakeExecutor (no model, no tokenizer)."""
+                max_num_batched_tokens: int = 32, tokens_per_step: int = 1, defer_graphs: bool = True,
+                **executor_fields) -> EngineCore:
+    """An EngineCore over a FakeExecutor (no model, no tokenizer); `executor_fields` go to it."""
     layout = {"pipeline_parallel_size": 2, "pipeline_steps": pipeline_steps} if pipeline_steps > 1 else {}
     config = EngineConfig.from_kwargs(
         model="tiny-llama", load_format="dummy", device="cpu", num_kv_blocks=num_blocks, block_size=block_size,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=256,
         async_scheduling=async_scheduling, **layout)
-    executor = FakeExecutor(num_blocks, block_size, is_async_device, tokens_per_step)
+    executor = FakeExecutor(num_blocks, block_size, is_async_device, tokens_per_step, **executor_fields)
     monkeypatch.setattr(engine_core, "create_executor", lambda cfg: executor)
-    engine = EngineCore(config, tokenizer=object())
+    engine = EngineCore(config, tokenizer=object(), defer_graphs=defer_graphs)
     executor.runner.pool = engine.scheduler.kv.pool      # writes must hit private blocks
     return engine
 

@@ -118,17 +118,13 @@ def workload_kv_blocks(prompts: list[str], params, chat: bool, block_size: int) 
 
 
 def check_engine_args(kwargs: dict) -> str:
-    """The device exists and the model fits it: checked before anything is allocated. Returns
-    the resolved device."""
-    from tokenforge.config import DeviceConfig  # noqa: PLC0415
-    from tokenforge.planning.fit import check_fit  # noqa: PLC0415
+    """The device exists and the model fits it: checked before anything is allocated, by the
+    engine core's own resolution (engine/startup.py), which LLM then finds done. Returns the
+    resolved device."""
+    from tokenforge.config import EngineConfig  # noqa: PLC0415
+    from tokenforge.engine.startup import resolve_engine_config  # noqa: PLC0415
 
-    device = DeviceConfig(device=kwargs.get("device") or "auto").resolved_device()
-    ranks = (kwargs.get("tensor_parallel_size") or 1) * (kwargs.get("pipeline_parallel_size") or 1)
-    check_fit(kwargs.get("model"), kwargs.get("load_format") or "auto", kwargs.get("dtype") or "auto", device,
-              kwargs.get("gpu_memory_utilization") or 1.0 if device == "cuda" else 1.0, ranks,
-              int((kwargs.get("cpu_offload_gb") or 0) * 1e9))
-    return device
+    return resolve_engine_config(EngineConfig.unresolved(**kwargs)).device.device
 
 
 def _print_outputs(prompts: list[str], outs, args: argparse.Namespace) -> None:

@@ -35,11 +35,14 @@ def add_serve_parser(subparsers, epilog: str | None = PLAYBOOK_NOTES,
 
 def run_serve(args: argparse.Namespace) -> int:
     """Every check that can fail (flags, port, model path, device, fit) runs before the engine
-    loads anything. The engine core process is started first, though: it imports torch and the
-    engine while this process imports the server and resolves the config, and it is stopped,
-    unseen, if a check fails."""
-    from tokenforge.cli.generate import check_engine_args  # noqa: PLC0415
+    loads anything. The engine core process is started first: it imports torch and the engine
+    while this process imports the server and checks the flags, and it is stopped, unseen, if a
+    check here fails. This process never imports torch: the device, the batch limits that depend
+    on it and the fit of the weights are settled in the core (engine/startup.py), which refuses
+    a config that cannot run there in the same one line, and sends the resolved config back with
+    Ready."""
     from tokenforge.engine.core_client import EngineCoreClient  # noqa: PLC0415 - keep `tokenforge --help` fast
+    from tokenforge.source import resolve_model_source  # noqa: PLC0415
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -52,9 +55,8 @@ def run_serve(args: argparse.Namespace) -> int:
         from tokenforge.server.app import bind_socket, run_server  # noqa: PLC0415
 
         sock = bind_socket(settings.host, settings.port)   # a port in use is one line, like any bad flag
-        kwargs = engine_kwargs(args)
-        config = EngineConfig.from_kwargs(**kwargs)
-        check_engine_args(kwargs)
+        config = EngineConfig.unresolved(**engine_kwargs(args))
+        resolve_model_source(config.model.model, config.load.load_format)    # a bad path: one line, here
         tokenizer = check_reasoning_parser(settings, config)
     except BaseException:
         core.shutdown()

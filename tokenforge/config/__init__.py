@@ -185,11 +185,12 @@ class SchedulerConfig:
         return 0 if self.speculative_method is None else (4 if self.num_speculative_tokens is None else self.num_speculative_tokens)
 
     def validate(self) -> None:
-        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        # None (the two batch limits): left for the engine core, which knows the device (for_device).
+        _check(self.max_num_seqs is None or self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         validate_speculative(self)
         _check(isinstance(self.pipeline_steps, int) and self.pipeline_steps >= 1,
                f"pipeline_steps must be an integer >= 1, got {self.pipeline_steps!r}")
-        _check(self.max_num_batched_tokens >= 1,
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.max_tokens_default is None or self.max_tokens_default >= 1,
                f"max_tokens_default must be >= 1, got {self.max_tokens_default}")
@@ -313,7 +314,29 @@ class EngineConfig:
 
     @staticmethod
     def from_kwargs(**kwargs) -> EngineConfig:
-        """Route flat keyword arguments (as `LLM(...)` and the CLI take them) to the sub-configs."""
+        """Route flat keyword arguments (as `LLM(...)` and the CLI take them) to the sub-configs;
+        unset batch limits take the device's defaults (probing torch if the device is auto)."""
+        config = EngineConfig.unresolved(**kwargs)
+        return config._with_batch_defaults(config.device.resolved_device()) if config.needs_device else config
+
+    @property
+    def needs_device(self) -> bool:
+        """Whether the unset batch limits still wait for the device (an `unresolved` config)."""
+        return self.scheduler.max_num_seqs is None or self.scheduler.max_num_batched_tokens is None
+
+    def for_device(self, device: str) -> EngineConfig:
+        """The config on a resolved device ('cpu' or 'cuda'), named, its unset batch limits filled."""
+        return dataclasses.replace(self._with_batch_defaults(device),
+                                   device=dataclasses.replace(self.device, device=device))
+
+    def _with_batch_defaults(self, device: str) -> EngineConfig:
+        filled = {k: v for k, v in DEVICE_BATCH_DEFAULTS[device].items() if getattr(self.scheduler, k) is None}
+        return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **filled)).validate()
+
+    @staticmethod
+    def unresolved(**kwargs) -> EngineConfig:
+        """As from_kwargs, but unset batch limits stay None and no device is probed: the engine core
+        resolves them (`for_device`), so serve's API process never imports torch."""
         groups: dict[str, dict] = {name: {} for name in _SUBCONFIGS}
         # max_model_len is asked for once (ModelConfig); the scheduler's copy is the resolved value
         # that EngineCore fills in with with_max_model_len() once the model's limit is known.
@@ -322,7 +345,7 @@ class EngineConfig:
             if key not in owners:
                 raise TypeError(f"unknown engine argument {key!r}")
             groups[owners[key]][key] = value
-        _fill_device_defaults(groups)
+        groups["scheduler"].update({k: None for k in DEVICE_BATCH_DEFAULTS["cpu"] if groups["scheduler"].get(k) is None})
         groups["parallel"] = {k: v for k, v in groups["parallel"].items() if v is not None}   # None: the default
         if groups["scheduler"].get("pipeline_steps") is None:     # one step per stage in flight
             groups["scheduler"]["pipeline_steps"] = groups["parallel"].get("pipeline_parallel_size") or 1
@@ -345,15 +368,6 @@ class EngineConfig:
 # it is wide (W2 on an H200: 14.6k tok/s at 256 x 2048, 16.0k at 512 x 8192); the CPU prefers smaller steps.
 DEVICE_BATCH_DEFAULTS = {"cpu": {"max_num_seqs": 256, "max_num_batched_tokens": 2048},
                          "cuda": {"max_num_seqs": 512, "max_num_batched_tokens": 8192}}
-
-
-def _fill_device_defaults(groups: dict[str, dict]) -> None:
-    sched = groups["scheduler"]
-    missing = [k for k in ("max_num_seqs", "max_num_batched_tokens") if sched.get(k) is None]
-    device = DeviceConfig(**groups["device"]).resolved_device() if missing else "cpu"
-    sched.update({key: DEVICE_BATCH_DEFAULTS.get(device, DEVICE_BATCH_DEFAULTS["cpu"])[key] for key in missing})
-
-
 _SUBCONFIGS = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig, "parallel": ParallelConfig,
                "load": LoadConfig, "device": DeviceConfig, "lora": LoRAConfig}
 

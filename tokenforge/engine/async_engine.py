@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from tokenforge.config import EngineConfig, RuntimeInfo
+from tokenforge.config import EngineConfig, RuntimeInfo, decode_config
 from tokenforge.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenforge.engine.core_process import (
     DEFAULT_CORE,
@@ -49,20 +49,21 @@ class RequestAbortedError(RuntimeError):
     """The server aborted the request (for example, its drain time ran out on shutdown)."""
 
 
+# Both run in daemon threads while the core starts, and return their seconds rather than log them:
+# the lines are logged once the core is Ready, so a config the core refuses leaves its one error
+# line alone on the terminal.
 def _load_tokenizer(config: EngineConfig):
     from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - slow import
 
     start = time.perf_counter()
     tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format)
-    logger.info("tokenizer loaded in %.2f s", time.perf_counter() - start)
-    return tokenizer
+    return tokenizer, time.perf_counter() - start
 
 
 def _verify_model(config: EngineConfig):
     start = time.perf_counter()
     identity = verify_model(config)
-    logger.info("weights checksum %s in %.2f s", identity.checksum[:16], time.perf_counter() - start)
-    return identity
+    return identity, time.perf_counter() - start
 
 
 def _in_daemon_thread(fn, *args) -> concurrent.futures.Future:
@@ -120,16 +121,20 @@ class AsyncEngine:
             # one that does not match raises ModelChecksumError before the model is waited for).
             checking = _in_daemon_thread(_verify_model, config)
             pending = None if tokenizer is not None else _in_daemon_thread(_load_tokenizer, config)
-            identity = await asyncio.wrap_future(checking)
+            identity, checked_s = await asyncio.wrap_future(checking)
             ready = await client.wait_ready(ready_timeout, also=pending)
+            logger.info("weights checksum %s in %.2f s", identity.checksum[:16], checked_s)
             if pending is not None:
-                tokenizer = await asyncio.wrap_future(pending)
+                tokenizer, loaded_s = await asyncio.wrap_future(pending)
+                logger.info("tokenizer loaded in %.2f s", loaded_s)
         except BaseException:
             client.shutdown()
             raise
         runtime = RuntimeInfo(num_kv_blocks=ready.num_kv_blocks, vocab_size=ready.vocab_size,
                               eos_token_ids=tuple(tokenizer.eos_token_ids), max_model_len=ready.max_model_len)
-        engine = cls(config.with_max_model_len(ready.max_model_len), runtime, tokenizer, client, stream_interval)
+        # The core's resolved config (device, batch limits): this process never resolved them itself.
+        resolved = decode_config(ready.config) if ready.config else config
+        engine = cls(resolved.with_max_model_len(ready.max_model_len), runtime, tokenizer, client, stream_interval)
         engine.identity = identity
         engine.startup_phases = dict(ready.startup_phases)
         engine._begin()

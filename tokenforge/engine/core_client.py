@@ -39,6 +39,7 @@ from tokenforge.engine.core_process import (
     encode_config,
     run_engine_core,
 )
+from tokenforge.engine.startup import StartupRefused
 from tokenforge.messages import EngineCoreRequest, LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -113,12 +114,15 @@ class EngineCoreClient:
         finally:
             self._config_pipe.close()
             self._config_pipe = None
-        logger.info("engine core process started (pid %d, pre-started)", self.process.pid)
+        # DEBUG: a config the core refuses must leave the one error line alone (the core logs
+        # "config resolved" once it accepts it).
+        logger.debug("engine core process started (pid %d, pre-started)", self.process.pid)
 
     async def wait_ready(self, timeout: float | None = None,
                          also: concurrent.futures.Future | None = None) -> Ready:
-        """Wait for the core's Ready; raise EngineDeadError if it failed or exited first, or the
-        exception of `also` (work done meanwhile in this process) as soon as that fails."""
+        """Wait for the core's Ready; raise EngineDeadError if it failed or exited first,
+        StartupRefused if it refused the config (engine/startup.py), or the exception of `also`
+        (work done meanwhile in this process) as soon as that fails."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -130,7 +134,7 @@ class EngineCoreClient:
                     self.ready = message
                     return message
                 if isinstance(message, Fatal):
-                    raise EngineDeadError(message.message)
+                    raise (StartupRefused if message.refused else EngineDeadError)(message.message)
                 continue
             if not self.process.is_alive():
                 raise EngineDeadError(f"engine core process exited with code {self.process.exitcode} during start-up")

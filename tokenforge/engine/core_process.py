@@ -76,6 +76,7 @@ class Ready(msgspec.Struct, tag="ready"):
     vocab_size: int
     max_model_len: int
     startup_phases: dict[str, float] = msgspec.field(default_factory=dict)   # seconds (EngineCore's)
+    config: bytes = b""          # the resolved EngineConfig (encode_config): device, batch limits, context
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -94,6 +95,7 @@ class Stats(msgspec.Struct, tag="stats"):
 
 class Fatal(msgspec.Struct, tag="fatal"):
     message: str
+    refused: bool = False        # the config cannot run here (engine/startup.py): a bad flag, not a crash
 
 
 class LoRAResult(msgspec.Struct, tag="lora_result"):
@@ -129,9 +131,12 @@ class CoreLoop:
 
     def run(self) -> None:
         was_busy = False
+        # Start-up work left for idle time (EngineCore.idle_work: the deferred CUDA graphs), done
+        # one piece per pass, only when the input was just drained and no request is queued or running.
+        idle_work = getattr(self.core, "idle_work", None)
         while not self.stopping:
             busy = self.core.has_unfinished_requests()
-            self.drain(timeout_ms=0 if busy else _IDLE_POLL_MS)
+            self.drain(timeout_ms=0 if busy or idle_work is not None else _IDLE_POLL_MS)
             if self.stopping:
                 break
             if self.core.has_unfinished_requests():
@@ -142,6 +147,8 @@ class CoreLoop:
             elif was_busy:
                 self.send_stats()     # the idle snapshot: 0 running, blocks returned
                 was_busy = False
+            elif idle_work is not None and not idle_work():
+                idle_work = None      # all done: idle passes block on the input again
             if os.getppid() != self.parent_pid:
                 logger.warning("engine core: parent process %d is gone, exiting", self.parent_pid)
                 break
@@ -192,14 +199,16 @@ class CoreLoop:
 def _ready_message(core) -> Ready:
     runtime = getattr(core, "runtime", None)
     phases = dict(getattr(core, "startup_phases", None) or {})
+    config = encode_config(core.config) if getattr(core, "config", None) is not None else b""
     if runtime is not None:
-        return Ready(os.getpid(), runtime.num_kv_blocks, runtime.vocab_size, runtime.max_model_len, phases)
-    return Ready(os.getpid(), core.num_kv_blocks, core.vocab_size, core.max_model_len, phases)
+        return Ready(os.getpid(), runtime.num_kv_blocks, runtime.vocab_size, runtime.max_model_len, phases, config)
+    return Ready(os.getpid(), core.num_kv_blocks, core.vocab_size, core.max_model_len, phases, config)
 
 
-def _await_config(core_path: str, pipe) -> bytes | None:
+def _await_config(core_path: str, pipe) -> tuple[bytes | None, str]:
     """A pre-started core: import the engine (torch, the model code, the driver's init) while the
-    frontend resolves the config, then wait for it. None: the frontend closed the pipe instead."""
+    frontend checks the flags, then wait for the config. None: the frontend closed the pipe
+    instead. Also returns the timing, for the log line once the config is resolved."""
     start = time.perf_counter()
     load_core_class(core_path)
     import torch  # noqa: PLC0415 - imported by the engine already; here for the driver's init
@@ -209,12 +218,26 @@ def _await_config(core_path: str, pipe) -> bytes | None:
     try:
         config_bytes = pipe.recv_bytes()
     except EOFError:
-        return None
+        return None, ""
     finally:
         pipe.close()
-    logger.info("engine core: imports done in %.2f s, then %.2f s waiting for the config", imported,
-                time.perf_counter() - start - imported)
-    return config_bytes
+    return config_bytes, f"imports done in {imported:.2f} s, then {time.perf_counter() - start - imported:.2f} s " \
+        "waiting for the config"
+
+
+def _resolve(config: EngineConfig, timing: str) -> EngineConfig:
+    """The device, the batch limits and the fit, settled here (engine/startup.py) for a config the
+    frontend left unresolved (serve's API process imports no torch); logged once accepted, so a
+    refused config leaves the frontend's one error line alone on the terminal."""
+    from tokenforge.engine.startup import resolve_engine_config  # noqa: PLC0415 - imports torch
+
+    start = time.perf_counter()
+    resolved = resolve_engine_config(config)
+    s = resolved.scheduler
+    logger.info("engine core: %s; config resolved in %.2f s (%s, max_num_seqs %d, max_num_batched_tokens %d)",
+                timing or "config received", time.perf_counter() - start, resolved.device.device,
+                s.max_num_seqs, s.max_num_batched_tokens)
+    return resolved
 
 
 def run_engine_core(config_bytes: bytes | None, input_address: str, output_address: str, parent_pid: int,
@@ -235,27 +258,33 @@ def run_engine_core(config_bytes: bytes | None, input_address: str, output_addre
     exit_code = 0
     core = None
     try:
+        timing = ""
         if config_bytes is None:
-            config_bytes = _await_config(core_path, config_pipe)
+            config_bytes, timing = _await_config(core_path, config_pipe)
             if config_bytes is None:
                 return          # the frontend stopped before configuring (a bad flag): nothing to report
         config = decode_config(config_bytes)
         try:
             start = time.perf_counter()
+            if config.needs_device or timing:
+                config = _resolve(config, timing)
             core = load_core_class(core_path)(config)
         except Exception as err:   # noqa: BLE001 - any load failure is reported, not raised
             # The frontend prints the one line; the traceback is for --log-level debug.
             logger.debug("engine core failed to start", exc_info=True)
-            output_socket.send(encoder.encode(Fatal(f"engine core failed to start: {_one_line(err)}")))
+            refused = _is_refusal(err)
+            output_socket.send(encoder.encode(
+                Fatal(str(err) if refused else f"engine core failed to start: {_one_line(err)}", refused)))
             exit_code = 1
             return
         logger.info("engine core ready in %.2f s", time.perf_counter() - start)
+        output_socket.send(encoder.encode(_ready_message(core)))
         # The model, its tensors' Python objects and the engine's tables live for the whole run:
         # move them out of the cyclic GC, so its full passes scan only what the steps allocate
-        # (a full pass over the start-up heap is a host stall the step loop cannot hide).
+        # (a full pass over the start-up heap is a host stall the step loop cannot hide). After
+        # Ready: the pass runs while the frontend builds its app, not before /health can answer.
         gc.collect()
         gc.freeze()
-        output_socket.send(encoder.encode(_ready_message(core)))
         CoreLoop(core, input_socket, output_socket, parent_pid).run()
     except Exception:   # noqa: BLE001 - a crashed step must reach the frontend as a message
         message = traceback.format_exc()
@@ -276,6 +305,12 @@ def run_engine_core(config_bytes: bytes | None, input_address: str, output_addre
             # core alive (the frontend would wait on it).
             logging.shutdown()
             os._exit(exit_code)
+
+
+def _is_refusal(err: BaseException) -> bool:
+    from tokenforge.engine.startup import StartupRefused  # noqa: PLC0415
+
+    return isinstance(err, StartupRefused)
 
 
 def _one_line(err: BaseException) -> str:

@@ -18,6 +18,7 @@ from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
 from tokenforge.core.speculation import DraftPlanner, StepCost, device_drafts
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
+from tokenforge.engine.startup import resolve_engine_config
 from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer, with_calibration_ids
 from tokenforge.executor.compile_watch import WATCH
@@ -95,10 +96,13 @@ def check_draft_tokenizer(config, tokenizer=None) -> None:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, tokenizer=None, defer_graphs: bool = True) -> None:
+        """`defer_graphs`: capture the large CUDA-graph buckets after start-up, from `idle_work`
+        (the core process's idle loop); the offline LLM, which has no idle loop, captures all now."""
         t0 = time.perf_counter()
         WATCH.reset()
         WATCH.install_triton_hook()     # compiles from here on are start-up's; after Ready, warnings
+        config = resolve_engine_config(config)     # the device, its batch limits, the fit (StartupRefused)
         config = with_calibration_ids(config, tokenizer)      # a bad calibration text fails before loading
         check_draft_tokenizer(config, tokenizer)
         self.executor = create_executor(config)
@@ -106,7 +110,7 @@ class EngineCore:
         arch = self.executor.arch
         self.config = config.with_max_model_len(
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
-        self.num_kv_blocks = self.executor.init_kv_cache(self.config)
+        self.num_kv_blocks = self.executor.init_kv_cache(self.config, defer_graphs=defer_graphs)
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
         lora = self.config.lora
@@ -273,6 +277,12 @@ class EngineCore:
         self.grammars.fill(step.sched, self.executor.grammar_bitmask_buffer)
         self.executor.sample(step.handle, step.sched)
 
+    def idle_work(self) -> bool:
+        """Start-up work left for idle time (one deferred CUDA graph); whether more remains. The
+        core process calls it only when no request is queued or running."""
+        assert not self.in_flight, "idle work runs with no step in flight"
+        return self.executor.capture_deferred_graph()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.in_flight) or self.scheduler.has_unfinished_requests()
 
@@ -282,6 +292,7 @@ class EngineCore:
         stats.lora_swaps = self.scheduler.loras.num_swaps
         stats.kv_tiers = self.executor.kv_tier_stats()
         stats.jit_compiles_after_ready = WATCH.compiles_after_ready
+        stats.cuda_graphs_pending, stats.eager_decode_steps = self.executor.graph_counts()
         return stats
 
     def set_kv_tiers_enabled(self, enabled: bool) -> None:

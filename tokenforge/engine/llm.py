@@ -34,7 +34,8 @@ class LLM:
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | str | None = None, seed: int = 0, load_format: str = "auto",
                  **kwargs) -> None:
-        self.config = EngineConfig.from_kwargs(
+        # The device and its batch limits are the engine core's to resolve (engine/startup.py).
+        self.config = EngineConfig.unresolved(
             model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
@@ -42,7 +43,8 @@ class LLM:
         start = time.perf_counter()
         self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
         loaded = time.perf_counter()
-        self.engine = EngineCore(self.config, self.tokenizer)
+        self.engine = EngineCore(self.config, self.tokenizer, defer_graphs=False)   # no idle loop: all graphs now
+        self.config = self.engine.config        # resolved: the device, batch limits, context length
         logger.info("tokenizer loaded in %.2f s; ready in %.2f s", loaded - start, time.perf_counter() - start)
         self.runtime = RuntimeInfo(
             num_kv_blocks=self.engine.num_kv_blocks, vocab_size=self.engine.vocab_size,

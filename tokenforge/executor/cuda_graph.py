@@ -7,9 +7,11 @@ replaying the graph captured for the smallest bucket >= T. A verify batch runs a
 p tokens before it, with the sequence's block table. Every row's KV is stored before attention
 reads it, so row j sees the drafts before it exactly as a causal prefill would, through the same
 decode kernel the 1-token steps use. With K drafts per step, buckets of (1 + K) x 1, 2, 4, 8 rows
-are captured besides the decode sizes. Buckets are captured largest first
-so the smaller graphs reuse the first one's memory pool. Padded rows carry slot -1 (the KV store
-writes nowhere) and a length-1 context, so they cost almost nothing and touch no real block.
+are captured besides the decode sizes. All graphs share one memory pool.
+Capture is staged (graph_stages.py): with `defer`, the small buckets before Ready and the rest
+one at a time while the engine is idle (`capture_next`); a decode batch whose bucket is not
+captured yet runs eagerly. Padded rows carry slot -1 (the KV store writes nowhere) and a
+length-1 context, so they cost almost nothing and touch no real block.
 
 The Triton backend's `DecodeMetadataBuffers` hold the persistent metadata (slot mapping, lengths,
 block tables): each replay refills them in place with one host-to-device copy, so replays see
@@ -19,10 +21,11 @@ the step's block tables and lengths without any allocation or host sync.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
+from tokenforge.executor.compile_watch import WATCH
+from tokenforge.executor.graph_stages import StagedCapture
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.attention.triton_backend import DecodeMetadataBuffers
 from tokenforge.model.forward_context import set_forward_context
@@ -50,11 +53,12 @@ def decode_rows(batch: AttentionBatch) -> AttentionBatch:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner, num_kv_blocks: int) -> None:
+    def __init__(self, runner, num_kv_blocks: int, defer: bool = False) -> None:
         self.runner = runner
         cfg = runner.config
         self.sizes = capture_sizes(cfg.scheduler.max_num_seqs, cfg.scheduler.num_draft_tokens)
         self.max_batch = self.sizes[-1]
+        self.stages = StagedCapture(self.sizes, self._capture_one, defer)
         max_blocks = -(-cfg.scheduler.max_model_len // runner.block_size)
         device = runner.device
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
@@ -67,28 +71,27 @@ class CudaGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
         self.capture_seconds = 0.0
+        self._serving = False       # True once deferred captures begin: other threads may use CUDA then
         self.verify_replays = 0          # verify steps replayed (tests read it)
 
     def can_run(self, inputs) -> bool:
-        return inputs.rows_are_decodes and inputs.num_tokens <= self.max_batch and bool(self.graphs)
-
-    def _bucket(self, n: int) -> int:
-        for size in self.sizes:
-            if size >= n:
-                return size
-        raise AssertionError(n)
+        """A batch of decode rows (a decode step, or a verify step as decode rows) whose bucket has a
+        graph (otherwise it runs eagerly: counted)."""
+        return inputs.rows_are_decodes and self.stages.bucket(inputs.num_tokens) is not None
 
     def capture(self) -> None:
-        from tqdm.auto import tqdm  # noqa: PLC0415
-
-        start = time.perf_counter()
+        """Stage one (every bucket without `defer`), before the engine is Ready."""
         with torch.inference_mode():
-            for size in tqdm(sorted(self.sizes, reverse=True), desc="Capturing CUDA graphs", leave=False):
-                self._capture_one(size)
-        torch.cuda.synchronize()
-        self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d CUDA graphs (batch %d..%d) in %.1f s", len(self.sizes), self.sizes[0],
-                    self.sizes[-1], self.capture_seconds)
+            self.capture_seconds = self.stages.capture_initial()
+
+    def capture_next(self) -> bool:
+        """One deferred bucket (the engine is idle); whether any remain. Kernels it compiles are
+        start-up work off any request's path, not compiles on one (compile_watch.py)."""
+        if not self.stages.pending:
+            return False
+        self._serving = True
+        with torch.inference_mode(), WATCH.off_request_path():
+            return self.stages.capture_next()
 
     def _capture_one(self, size: int) -> None:
         model = self.runner.model
@@ -100,11 +103,13 @@ class CudaGraphRunner:
                 model(self.input_ids[:size], self.positions[:size])
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
-            # With tensor parallelism the NCCL watchdog thread polls events while we capture:
-            # only this thread's calls may join (or break) the capture.
-            mode = "thread_local" if self.runner.rank.tp_size > 1 else "global"
+            # With tensor parallelism the NCCL watchdog thread polls events while we capture, and
+            # once serving the KV tiers' copy threads may run: only this thread's calls may join
+            # (or break) the capture.
+            mode = "thread_local" if self.runner.rank.tp_size > 1 or self._serving else "global"
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
                 out = model(self.input_ids[:size], self.positions[:size])
+        torch.cuda.synchronize()
         if self.pool is None:
             self.pool = graph.pool()
         self.graphs[size] = graph
@@ -121,7 +126,7 @@ class CudaGraphRunner:
 
     def run(self, inputs) -> torch.Tensor:
         n = inputs.num_tokens
-        size = self._bucket(n)
+        size = self.stages.bucket(n)
         self.input_ids[:n].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:n].copy_(inputs.positions, non_blocking=True)
         batch = inputs.attn_batch

@@ -45,16 +45,29 @@ class Executor:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
-    def init_kv_cache(self, config: EngineConfig) -> int:
+    def init_kv_cache(self, config: EngineConfig, defer_graphs: bool = False) -> int:
+        """`defer_graphs`: CUDA graphs of the small decode buckets now, the rest through
+        `capture_deferred_graph` once the engine is Ready and idle (executor/graph_stages.py)."""
         from tokenforge.executor.kv_cache import determine_kv_sizing  # noqa: PLC0415
 
         start = time.perf_counter()
         sizing = determine_kv_sizing(self.runner, config, config.scheduler.max_model_len)
         self.sizing = sizing
-        self.runner.init_kv_cache(sizing.num_blocks, config.scheduler.max_model_len)   # allocates (and on CUDA captures graphs)
+        # allocates (and on CUDA captures graphs)
+        self.runner.init_kv_cache(sizing.num_blocks, config.scheduler.max_model_len, defer_graphs=defer_graphs)
         logger.info("KV cache ready in %.2f s: %s", time.perf_counter() - start,
                     sizing.summary(config.cache.block_size, config.scheduler.max_model_len))
         return sizing.num_blocks
+
+    def capture_deferred_graph(self) -> bool:
+        """Capture one deferred CUDA graph (only while no step is in flight); whether more remain."""
+        graphs = self.runner.graphs
+        return graphs is not None and graphs.capture_next()
+
+    def graph_counts(self) -> tuple[int, int]:
+        """(deferred CUDA-graph buckets not captured yet, decode steps run eagerly for want of one)."""
+        graphs = self.runner.graphs
+        return (len(graphs.stages.pending), graphs.stages.eager_decode_steps) if graphs is not None else (0, 0)
 
     def init_kv_tiers(self, config: EngineConfig) -> None:
         """The CPU/disk/Redis tiers over the allocated KV cache (only when some tier is set)."""

@@ -142,10 +142,11 @@ class ModelRunner:
                              f"Blackwell); {torch.cuda.get_device_name(self.device)} is sm_{major}{minor}. "
                              "Use kv_cache_dtype='auto'")
 
-    def init_kv_cache(self, num_blocks: int, max_model_len: int | None = None) -> None:
+    def init_kv_cache(self, num_blocks: int, max_model_len: int | None = None, defer_graphs: bool = False) -> None:
         """Allocate the KV cache; `max_model_len` is the resolved context length (the config
         the runner was built with may still carry the scheduler's unresolved default), which sizes
-        every preallocated buffer from here on (the CUDA graphs' block tables among them)."""
+        every preallocated buffer from here on (the CUDA graphs' block tables among them).
+        `defer_graphs`: capture the small decode buckets now and the rest later (graph_stages.py)."""
         if max_model_len is not None and max_model_len != self.config.scheduler.max_model_len:
             self.config = self.config.with_max_model_len(max_model_len)
         if self.kv_dtype == FP8_DTYPE and self.kv_scales is None:
@@ -164,7 +165,7 @@ class ModelRunner:
         self.drafter.init_kv_cache(num_blocks)
         if (self.device.type == "cuda" and self.backend.name == "triton" and not self.config.device.enforce_eager
                 and self.rank.pp_size == 1 and self.offloader is None):   # offloaded weights move: no graphs
-            self.graphs = CudaGraphRunner(self, num_blocks)
+            self.graphs = CudaGraphRunner(self, num_blocks, defer=defer_graphs and self.rank.tp_size == 1)
             self.graphs.capture()
         if self.device.type == "cuda" and self.rank.pp_size == 1:
             self.warmup_seconds = warm_up(self, num_blocks)     # prefill/mixed shapes compile now

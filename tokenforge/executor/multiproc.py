@@ -133,7 +133,8 @@ class MultiprocExecutor(Executor):
             self.ring = None
 
     # ---- the Executor interface -----------------------------------------------------------------------
-    def init_kv_cache(self, config: EngineConfig) -> int:
+    def init_kv_cache(self, config: EngineConfig, defer_graphs: bool = False) -> int:
+        # Every rank captures every bucket at start-up (ranks capture in step): nothing is deferred.
         max_len = config.scheduler.max_model_len
         self._send(WorkerInitKVCache(max_len))
         num_blocks = self.handlers.init_kv_cache(max_len)

@@ -290,11 +290,15 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
     the engine is ready is one logged line and exit code 1. `engine_options` go to
     AsyncEngine.start (tests pass a fake core_path and tokenizer)."""
     from tokenforge.engine.async_engine import AsyncEngine, EngineDeadError  # noqa: PLC0415
+    from tokenforge.engine.startup import StartupRefused  # noqa: PLC0415
 
     sock = sock or bind_socket(settings.host, settings.port)
     start = time.perf_counter()
     try:
         engine = await AsyncEngine.start(config, stream_interval=settings.stream_interval, **engine_options)
+    except StartupRefused:      # the core refused the config (device, fit): the CLI's one-line error, exit 2
+        sock.close()
+        raise
     except (EngineDeadError, ValueError, OSError) as err:
         logger.error("%s", err)
         sock.close()

@@ -68,6 +68,10 @@ class ServerMetrics:
         self.spec = SpecDecodeCounters(counter)
         self.late_compiles = gauge("jit_compiles_after_ready", "Kernels compiled after start-up (each one a request "
                                    "waited for; the core logs what it was). 0 is the goal.")
+        self.graphs_pending = gauge("cuda_graphs_pending", "Decode batch buckets whose CUDA graph is still to be "
+                                    "captured (the engine captures them while idle after start-up)")
+        self.eager_decodes = gauge("eager_decode_steps", "Decode steps run without a CUDA graph because their "
+                                   "bucket was not captured yet (since start-up)")
         self.kv_tiers = KVTierCollector(model_name)
         self.registry.register(self.kv_tiers)
         for metric in (self.prefix_queries, self.prefix_hits, self.preemptions, self.prompt_tokens,
@@ -92,6 +96,8 @@ class ServerMetrics:
         if stats.spec_decode is not None:
             self.spec.update(m, stats.spec_decode)
         self.late_compiles.labels(m).set(stats.jit_compiles_after_ready)
+        self.graphs_pending.labels(m).set(stats.cuda_graphs_pending)
+        self.eager_decodes.labels(m).set(stats.eager_decode_steps)
         # The core reports running totals; Prometheus counters only increase, so add the growth.
         now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
         for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now,

@@ -28,8 +28,8 @@ from tokenforge.bench.lib.checkpoint import write_random_checkpoint
 
 _PHASES = re.compile(r"start-up: (.*)$")
 # the log lines that place the phases on the clock (both processes), kept in the result
-_EVENTS = re.compile(r"engine core process started|imports done|loaded .* in|KV cache ready|start-up:|"
-                     r"tokenizer loaded|checksum|ready in|serving|Uvicorn running|WARNING|ERROR")
+_EVENTS = re.compile(r"engine core process started|imports done|config resolved|loaded .* in|KV cache ready|start-up:|"
+                     r"CUDA graphs|warm-up:|tokenizer loaded|checksum|ready in|serving|Uvicorn running|WARNING|ERROR")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

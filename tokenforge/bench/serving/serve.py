@@ -138,6 +138,27 @@ async def _prefix_counters(client: httpx.AsyncClient) -> tuple[float, float] | N
     return totals["queries"], totals["hits"]
 
 
+async def _metric_sum(client: httpx.AsyncClient, name: str) -> float | None:
+    """The sum of `tokenforge:<name>` over its label sets in /metrics; None if it has none."""
+    try:
+        text = (await client.get("/metrics")).text
+    except httpx.HTTPError:
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(f"tokenforge:{name}{{")]
+    return sum(values) if values else None
+
+
+async def _await_graphs(client: httpx.AsyncClient, timeout: float = 60.0) -> None:
+    """Wait until the server has captured its deferred CUDA graphs (it does so while idle after
+    start-up), so the timed run replays graphs as a server that has been up a while does."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pending = await _metric_sum(client, "cuda_graphs_pending")
+        if not pending:
+            return
+        await asyncio.sleep(0.2)
+
+
 def _hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
     if before is None or after is None or after[0] <= before[0]:
         return None
@@ -181,12 +202,17 @@ async def run_load(url: str, model: str, load: Load, warm_up: bool = True) -> di
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=load.timeout) as client:
         if warm_up:
             await _warm_up(ep, model, load, rng)
+            await _await_graphs(client)
         prompts = _prompts(rng, load, load.num_prompts)
         before = await _prefix_counters(client)
+        eager_before = await _metric_sum(client, "eager_decode_steps")
         results, duration = await _timed(ep, model, load, prompts, rng)
         after = await _prefix_counters(client)
+        eager_after = await _metric_sum(client, "eager_decode_steps")
+    eager = None if eager_before is None or eager_after is None else eager_after - eager_before
     return {"num_prompts": load.num_prompts, "request_rate": load.rate, "input_len": load.input_len,
             "output_len": load.output_len, "seed": load.seed, "prefix_hit_rate": _hit_rate(before, after),
+            "eager_decode_steps": eager,
             **summarize(results, duration, load.input_len)}
 
 

@@ -116,7 +116,9 @@ class WeightCache:
 
 
 _STAGING_BYTES = 64 << 20
-_COPY_THREADS = 4
+# Four threads read ~9 GB/s from the page cache on the H200 host (16 cores): the copy is bound by
+# the reads, which hold no GIL, so up to eight run where there are the cores (unmeasured above four).
+_COPY_THREADS = max(1, min(8, (os.cpu_count() or 4) // 2))
 
 
 @torch.no_grad()
