@@ -3,9 +3,10 @@
 Activations are quantized per block of 32 to int8 (scale amax / 127, round half to even), then
 gguf_cpu.cpp takes integer dot products per block (AVX2, VNNI where present) and applies the
 weight's scale and min in float, as llama.cpp does. The C++ is compiled once per machine with the
-system g++ (`-O3 -march=native -fopenmp`, about 2 s) into the tokenforge cache and called with
-ctypes: no pybind, no torch headers. Its OpenMP runtime is torch's own libgomp.so.1 (already
-loaded), so the two share one thread pool. Without a compiler (or when the build fails) the
+system g++ (`-O3 -march=native -fopenmp`, a few seconds) into the tokenforge cache and called
+with ctypes: no pybind, no torch headers. The same library holds gguf_decode.cpp (a whole decode
+step in one call, kernels/gguf_decode.py); the loops both share are in gguf_kernels.h. Its OpenMP
+runtime is torch's own libgomp.so.1 (already loaded), so the two share one thread pool. Without a compiler (or when the build fails) the
 torch reference below computes the same numbers, slowly.
 
 `gguf_matmul_ref` is the reference every kernel path is tested against; `rms_norm_ref` and
@@ -31,7 +32,9 @@ from tokenforge.kernels.gguf_repack import PackedWeight, dequantize_packed
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
+# One library from both sources: per-projection kernels and the whole decode step (gguf_decode.py).
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_cpu.cpp", "gguf_decode.cpp"))
+_HEADER = Path(__file__).with_name("gguf_kernels.h")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -47,7 +50,7 @@ def native_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C++ compiler found: GGUF weights run through the slow torch reference")
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     with open("/proc/cpuinfo", "rb") if Path("/proc/cpuinfo").exists() else open(os.devnull, "rb") as f:
         cpu = next((line for line in f if line.startswith(b"flags")), b"")
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + cpu).hexdigest()[:16]
@@ -56,7 +59,7 @@ def native_library() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
             if result.returncode:
                 logger.warning("building the GGUF CPU kernel failed (%s): using the torch reference",
                                result.stderr.strip().splitlines()[-1:] or result.returncode)
@@ -67,7 +70,8 @@ def native_library() -> ctypes.CDLL | None:
     signatures = {"tf_quantize_activations": [ptr, i64, i64, ptr, ptr, ptr],
                   "tf_rms_norm_quantize": [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ptr],
                   "tf_silu_mul_quantize": [ptr, i64, i64, ptr, ptr, ptr],
-                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]}
+                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr],
+                  "tf_decode_step": [ptr, ptr, ptr]}
     for name, argtypes in signatures.items():      # declared once: each call converts plain ints
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
