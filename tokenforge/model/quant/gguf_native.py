@@ -112,12 +112,14 @@ def packed_weights(tensors: list) -> list[PackedWeight]:
     return [cat_rows(g) if len(g) > 1 else g[0] for g in groups]
 
 
-def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> int:
+def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> set[str]:
     """Give every linear (module name -> its StoredTensors) whose tensors all have a native type
-    the GGUF method, freeing its float weight. Returns the number of layers converted."""
+    the GGUF method, freeing its float weight. Returns the GGUF names of the tensors whose float
+    copy is no longer needed (a loader that runs this first skips dequantizing them; a tied LM
+    head's blocks are the embedding's table, which stays)."""
     modules = dict(model.named_modules())
     skipped: dict[int, list[str]] = defaultdict(list)
-    converted, freed = 0, 0
+    converted, freed, taken = 0, 0, set()
     for name, tensors in stored.items():
         other = [t for t in tensors if t.ggml_type not in NATIVE_TYPES]
         if other:
@@ -129,8 +131,9 @@ def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> int:
         weights = packed_weights(tensors)
         weight = layer._parameters.get("weight")
         tied = layer is getattr(model, "lm_head", None) and model.config.tie_word_embeddings
-        if weight is not None and not tied:          # a tied head's weight is the embedding's table
-            freed += weight.numel() * weight.element_size()
+        if not tied:                                 # a tied head's weight is the embedding's table
+            freed += 0 if weight is None else weight.numel() * weight.element_size()
+            taken.update(t.name for t in tensors)
         drop_weights(layer)
         layer.weight = None
         layer.gguf_weight = weights
@@ -140,9 +143,9 @@ def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> int:
         logger.warning("GGUF type %s (%d tensors, e.g. %s) has no native CPU kernel (native: %s): those linears "
                        "run dequantized to float32", type_label(ggml_type), len(names), names[0],
                        ", ".join(NATIVE_TYPES.values()))
-    logger.info("GGUF blocks computed as stored on the CPU: %d linears (%.0f MB of float weights freed)",
+    logger.info("GGUF blocks computed as stored on the CPU: %d linears (%.0f MB of float weights not kept)",
                 converted, freed / 1e6)
-    return converted
+    return taken
 
 
 def type_label(ggml_type: int) -> str:
