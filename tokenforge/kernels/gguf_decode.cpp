@@ -5,8 +5,10 @@
 // per-op forward on the gguf-native method (gguf_cpu.cpp's kernels on the same quantized
 // activations), with attention computed here in float32 instead of by SDPA. Why one call: at
 // batch 1 the per-op path spends more time dispatching about 300 small torch ops and ctypes calls
-// per token than in the matmuls. Everything runs in one OpenMP parallel region, the phases
-// separated by barriers (work is split over weight rows, or over (row, head) for attention).
+// per token than in the matmuls. Everything runs in one OpenMP parallel region: projections are
+// split over weight rows and attention over (row, head), with a barrier after each (five a
+// layer); each thread keeps its own residual stream and quantized activations, which it computes
+// itself between them (cheap, and a barrier fewer each time).
 // Called by kernels/gguf_decode.py, whose ctypes structures mirror the ones below.
 #include <algorithm>
 #include <cmath>
@@ -69,24 +71,37 @@ struct Acts {               // activations quantized for one projection (gguf_cp
     float* fx32;            // per 32 (u4 mins)
 };
 
-struct Scratch {
-    std::vector<float> residual, qkv, attn, out, gate_up, act, dx, fx16, fx32;
-    std::vector<int8_t> xq;
+struct Shared {             // what the threads write for each other: projection and attention outputs
+    std::vector<float> qkv, attn, out, gate_up;
 
-    Acts fit(const TfModel& md, int64_t M) {
+    void fit(const TfModel& md, int64_t M) {
         const int64_t q_size = md.num_heads * md.head_dim, kv_size = md.num_kv_heads * md.head_dim;
-        const int64_t widest = std::max({md.hidden, md.intermediate, q_size});
-        residual.resize(M * md.hidden);
-        out.resize(M * md.hidden);
         qkv.resize(M * (q_size + 2 * kv_size));
         attn.resize(M * q_size);
+        out.resize(M * md.hidden);
         gate_up.resize(M * 2 * md.intermediate);
-        act.resize(M * md.intermediate);
+    }
+};
+
+// Each thread's own copy of the residual stream and of the quantized activations: every thread
+// computes them (the same numbers) from the shared outputs, so a projection needs no barrier
+// before it, only after.
+struct Private {
+    std::vector<float> residual, row, dx, fx16, fx32, scores, q, k;
+    std::vector<int8_t> xq;
+    Acts acts{};
+
+    void fit(const TfModel& md, int64_t M) {
+        const int64_t widest = std::max({md.hidden, md.intermediate, md.num_heads * md.head_dim});
+        residual.resize(M * md.hidden);
+        row.resize(widest);
         xq.resize(M * widest);
         dx.resize(M * widest / 32);
         fx16.resize(M * widest / 16);
         fx32.resize(M * widest / 32);
-        return {xq.data(), dx.data(), fx16.data(), fx32.data()};
+        q.resize(md.head_dim);
+        k.resize(md.head_dim);
+        acts = {xq.data(), dx.data(), fx16.data(), fx32.data()};
     }
 };
 
@@ -107,21 +122,17 @@ void rms_norm_row(const float* h, const float* weight, float eps, int64_t K, flo
 }
 
 // residual += x (first layer: residual = x), then its norm quantized for the next projection.
-// `row` is scratch of width K. Work-shared over rows: call from every thread of the region.
-void add_norm_quantize(const float* x, float* residual, bool first, const float* weight, float eps, int64_t M,
-                       int64_t K, const Acts& a, float* row_scratch) {
-#pragma omp for schedule(static)
+void add_norm_quantize(const float* x, bool first, const float* weight, float eps, int64_t M, int64_t K, Private& p) {
     for (int64_t m = 0; m < M; ++m) {
-        float* r = residual + m * K;
+        float* r = p.residual.data() + m * K;
         const float* xm = x + m * K;
         for (int64_t j = 0; j < K; ++j) r[j] = first ? xm[j] : xm[j] + r[j];
-        float* row = row_scratch + m * K;
-        rms_norm_row(r, weight, eps, K, row);
-        quantize_row(row, K, m, a);
+        rms_norm_row(r, weight, eps, K, p.row.data());
+        quantize_row(p.row.data(), K, m, p.acts);
     }
 }
 
-// out [M, out_features] = acts . W^T (+ bias), rows split over the threads.
+// out [M, out_features] = acts . W^T (+ bias), rows split over the threads; a barrier after.
 void linear(const TfLinear& L, const Acts& a, int64_t M, float* out) {
     const int64_t K = L.in_features, blocks = K / 32, stride = L.out_features;
     int64_t col = 0;
@@ -142,98 +153,96 @@ void linear(const TfLinear& L, const Acts& a, int64_t M, float* out) {
 #pragma omp barrier
 }
 
-// Rotate-half rotary on one head vector in place: [x1 * cos - x2 * sin, x2 * cos + x1 * sin].
-void rotate(float* x, const float* cos, const float* sin, int64_t half) {
+// Rotate-half rotary of one head vector: [x1 * cos - x2 * sin, x2 * cos + x1 * sin].
+void rotate(const float* x, const float* cos, const float* sin, int64_t half, float* out) {
     for (int64_t i = 0; i < half; ++i) {
         const float x1 = x[i], x2 = x[i + half];
-        x[i] = x1 * cos[i] - x2 * sin[i];
-        x[i + half] = x2 * cos[i] + x1 * sin[i];
+        out[i] = x1 * cos[i] - x2 * sin[i];
+        out[i + half] = x2 * cos[i] + x1 * sin[i];
     }
 }
 
-// q and k of every row rotated in place; k and v stored at the row's cache slot.
-void rotary_store(const TfModel& md, const TfLayer& L, const TfStep& st, float* qkv) {
-    const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads, width = (Hq + 2 * Hkv) * D;
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < st.rows; ++m) {
-        float* row = qkv + m * width;
-        const float* cs = md.cos_sin + st.positions[m] * D;
-        for (int64_t h = 0; h < Hq + Hkv; ++h) rotate(row + h * D, cs, cs + D / 2, D / 2);
-        float* k_dst = L.kv_cache + st.slots[m] * Hkv * D;
-        float* v_dst = L.kv_cache + (L.num_slots + st.slots[m]) * Hkv * D;
-        std::copy(row + Hq * D, row + (Hq + Hkv) * D, k_dst);
-        std::copy(row + (Hq + Hkv) * D, row + width, v_dst);
-    }
-}
-
-// Softmax attention of one query head over its sequence's cached keys (read through the block
-// table; only the last `window` with a sliding window) -> out [D].
-void attend_head(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, int64_t h, const float* q,
-                 float* out, std::vector<float>& scores) {
-    const int64_t D = md.head_dim, Hkv = md.num_kv_heads, bs = md.block_size;
-    const int64_t kvh = h / (md.num_heads / Hkv), len = st.seq_lens[m];
+// One query head of row m: q and the new k rotated, the new k/v stored at the row's slot (by the
+// group's first head), then softmax attention over the sequence's keys, read in place through
+// the block table (the new token's from the registers, so no task waits for the store), only the
+// last `window` with a sliding window -> out [D].
+void attend_head(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, int64_t h, const float* row,
+                 float* out, Private& p) {
+    const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads, bs = md.block_size;
+    const int64_t group = Hq / Hkv, kvh = h / group, len = st.seq_lens[m];
     const int64_t start = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0;
+    const float* cs = md.cos_sin + st.positions[m] * D;
+    float *q = p.q.data(), *k_new = p.k.data();
+    rotate(row + h * D, cs, cs + D / 2, D / 2, q);
+    rotate(row + (Hq + kvh) * D, cs, cs + D / 2, D / 2, k_new);
+    const float* v_new = row + (Hq + Hkv + kvh) * D;
+    if (h % group == 0) {
+        std::copy(k_new, k_new + D, L.kv_cache + (st.slots[m] * Hkv + kvh) * D);
+        std::copy(v_new, v_new + D, L.kv_cache + ((L.num_slots + st.slots[m]) * Hkv + kvh) * D);
+    }
     const int32_t* table = st.block_tables + m * st.max_blocks;
-    scores.resize(len - start);
+    auto slot = [&](int64_t pos) { return static_cast<int64_t>(table[pos / bs]) * bs + pos % bs; };
+    p.scores.resize(len - start);
+    float* scores = p.scores.data();
     float top = -INFINITY;
-    for (int64_t p = start; p < len; ++p) {
-        const float* k = L.kv_cache + (static_cast<int64_t>(table[p / bs]) * bs + p % bs) * Hkv * D + kvh * D;
+    for (int64_t pos = start; pos < len; ++pos) {
+        const float* k = pos == len - 1 ? k_new : L.kv_cache + (slot(pos) * Hkv + kvh) * D;
         const float s = dot_f32(q, k, D) * md.scale;
-        scores[p - start] = s;
+        scores[pos - start] = s;
         top = std::max(top, s);
     }
     float total = 0.f;
-    for (float& s : scores) total += (s = std::exp(s - top));
+    for (int64_t i = 0; i < len - start; ++i) total += (scores[i] = std::exp(scores[i] - top));
     std::fill(out, out + D, 0.f);
-    for (int64_t p = start; p < len; ++p) {
-        const float* v = L.kv_cache + (L.num_slots + static_cast<int64_t>(table[p / bs]) * bs + p % bs) * Hkv * D + kvh * D;
-        const float w = scores[p - start];
+    for (int64_t pos = start; pos < len; ++pos) {
+        const float* v = pos == len - 1 ? v_new : L.kv_cache + ((L.num_slots + slot(pos)) * Hkv + kvh) * D;
+        const float w = scores[pos - start];
         for (int64_t d = 0; d < D; ++d) out[d] += w * v[d];
     }
     const float inv = 1.f / total;
     for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
-void attention(const TfModel& md, const TfLayer& L, const TfStep& st, const float* qkv, float* attn) {
+// Every (row, query head) of the step, split over the threads; a barrier after.
+void attention(const TfModel& md, const TfLayer& L, const TfStep& st, const float* qkv, float* attn, Private& p) {
     const int64_t D = md.head_dim, Hq = md.num_heads, width = (Hq + 2 * md.num_kv_heads) * D;
-    thread_local std::vector<float> scores;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < st.rows * Hq; ++i) {
         const int64_t m = i / Hq, h = i % Hq;
-        attend_head(md, L, st, m, h, qkv + m * width + h * D, attn + m * Hq * D + h * D, scores);
+        attend_head(md, L, st, m, h, qkv + m * width, attn + m * Hq * D + h * D, p);
     }
 }
 
-void quantize_rows(const float* x, int64_t M, int64_t K, const Acts& a) {
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) quantize_row(x + m * K, K, m, a);
-}
-
-void silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, const Acts& a, float* row_scratch) {
-#pragma omp for schedule(static)
+void silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, Private& p) {
     for (int64_t m = 0; m < M; ++m) {
         const float* g = gate_up + m * 2 * K;
         const float* u = g + K;
-        float* row = row_scratch + m * K;
+        float* row = p.row.data();
         for (int64_t j = 0; j < K; ++j) row[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-        quantize_row(row, K, m, a);
+        quantize_row(row, K, m, p.acts);
     }
 }
 
-// One layer; every thread of the region runs it (the phases are work-shared, barriers between).
-void decode_layer(const TfModel& md, const TfLayer& L, const TfStep& st, float* hidden, bool first, Scratch& s,
-                  const Acts& a) {
+// One layer, run by every thread of the region: five barriers (after each projection and after
+// attention); the norms, SwiGLU and quantization between them each thread computes for itself.
+void decode_layer(const TfModel& md, const TfLayer& L, const TfStep& st, float* hidden, bool first, Shared& s,
+                  Private& p) {
     const int64_t M = st.rows, H = md.hidden, I = md.intermediate, q_size = md.num_heads * md.head_dim;
-    add_norm_quantize(hidden, s.residual.data(), first, L.attn_norm, md.eps, M, H, a, s.out.data());
-    linear(L.qkv, a, M, s.qkv.data());
-    rotary_store(md, L, st, s.qkv.data());
-    attention(md, L, st, s.qkv.data(), s.attn.data());
-    quantize_rows(s.attn.data(), M, q_size, a);
-    linear(L.o, a, M, s.out.data());
-    add_norm_quantize(s.out.data(), s.residual.data(), false, L.ffn_norm, md.eps, M, H, a, hidden);
-    linear(L.gate_up, a, M, s.gate_up.data());
-    silu_mul_quantize(s.gate_up.data(), M, I, a, s.act.data());
-    linear(L.down, a, M, hidden);
+    add_norm_quantize(hidden, first, L.attn_norm, md.eps, M, H, p);
+    linear(L.qkv, p.acts, M, s.qkv.data());
+    attention(md, L, st, s.qkv.data(), s.attn.data(), p);
+    for (int64_t m = 0; m < M; ++m) quantize_row(s.attn.data() + m * q_size, q_size, m, p.acts);
+    linear(L.o, p.acts, M, s.out.data());
+    add_norm_quantize(s.out.data(), false, L.ffn_norm, md.eps, M, H, p);
+    linear(L.gate_up, p.acts, M, s.gate_up.data());
+    silu_mul_quantize(s.gate_up.data(), M, I, p);
+    linear(L.down, p.acts, M, hidden);
+}
+
+Private& private_scratch(const TfModel& md, int64_t M) {
+    thread_local Private p;      // called inside the region: each thread's own
+    p.fit(md, M);
+    return p;
 }
 
 }  // namespace
@@ -244,15 +253,16 @@ extern "C" {
 void tf_decode_step(const TfModel* model, const TfStep* step, float* hidden) {
     const TfModel& md = *model;
     const int64_t M = step->rows, H = md.hidden;
-    thread_local Scratch per_caller;
-    Scratch& scratch = per_caller;      // the calling thread's, shared by the team (a thread_local
-    const Acts acts = scratch.fit(md, M);   // named inside the region would be each thread's own)
+    thread_local Shared per_caller;
+    Shared& shared = per_caller;        // the calling thread's, shared by the team (a thread_local
+    shared.fit(md, M);                  // named inside the region would be each thread's own)
 #pragma omp parallel
     {
-        for (int64_t l = 0; l < md.num_layers; ++l) decode_layer(md, md.layers[l], *step, hidden, l == 0, scratch, acts);
+        Private& p = private_scratch(md, M);
+        for (int64_t l = 0; l < md.num_layers; ++l) decode_layer(md, md.layers[l], *step, hidden, l == 0, shared, p);
 #pragma omp for schedule(static)
         for (int64_t m = 0; m < M; ++m) {
-            float* r = scratch.residual.data() + m * H;
+            float* r = p.residual.data() + m * H;
             for (int64_t j = 0; j < H; ++j) r[j] += hidden[m * H + j];
             rms_norm_row(r, md.final_norm, md.eps, H, hidden + m * H);
         }
