@@ -77,4 +77,47 @@ void tf_gguf_matmul(int kind, const void* q, const float* scale, const float* mi
                    minv == nullptr ? nullptr : minv + n * mins, K, xq, dx, fmin, M, out + n, N);
 }
 
+// IEEE half -> float, exactly (subnormals, inf and NaN included): what torch's .float() gives.
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0 && mant == 0) {
+        bits = sign;
+    } else if (exp == 0) {                       // subnormal: normalise the mantissa
+        uint32_t m = mant, e = 0;
+        while ((m & 0x400u) == 0) { m <<= 1; ++e; }
+        bits = sign | ((113u - e) << 23) | ((m & 0x3FFu) << 13);
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+// Q4_0 / Q4_1 / Q8_0 blocks -> gguf_repack.py's layouts in one pass (what its torch code gives,
+// bit for bit): u4 codes as stored with a scale and min per 32 (Q4_0's min is -8 d), or Q8_0's
+// codes with its scale twice (one per 16) and no min.
+void tf_repack_legacy(int type, const uint8_t* raw, int64_t nblocks, uint8_t* q, float* scale, float* minv) {
+    const int64_t block = type == 2 ? 18 : type == 3 ? 20 : 34, codes = type == 8 ? 32 : 16;
+#pragma omp parallel for schedule(static) if (nblocks >= 16384)
+    for (int64_t b = 0; b < nblocks; ++b) {
+        const uint8_t* src = raw + b * block;
+        uint16_t h[2];
+        std::memcpy(h, src, sizeof h);
+        const float d = half_to_float(h[0]);
+        const int64_t head = type == 3 ? 4 : 2;
+        std::memcpy(q + b * codes, src + head, codes);
+        if (type == 8) {
+            scale[2 * b] = scale[2 * b + 1] = d;
+            minv[2 * b] = minv[2 * b + 1] = 0.f;
+        } else {
+            scale[b] = d;
+            minv[b] = type == 2 ? d * -8.0f : half_to_float(h[1]);
+        }
+    }
+}
+
 }  // extern "C"

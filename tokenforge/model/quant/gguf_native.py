@@ -25,13 +25,14 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, gguf_matmul, matmul_quantized, native_library,
-                                         rms_norm_quantize, silu_mul_quantize)
-from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed, repack
+                                         repack_fast, rms_norm_quantize, silu_mul_quantize)
+from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed
 from tokenforge.model.quant.base import QuantMethod, drop_weights
 
 logger = logging.getLogger(__name__)
@@ -102,16 +103,19 @@ def packed_weights(tensors: list) -> list[PackedWeight]:
     """A layer's stored tensors -> its PackedWeights, neighbours of one layout concatenated. Rows
     are permuted and neighbours of one GGUF type joined on the raw blocks (the repack is row by
     row), so each run is repacked once: a third of the start-up the per-tensor way cost."""
-    runs: list[tuple[int, int, list[torch.Tensor]]] = []        # (ggml type, in_features, raw row blocks)
+    runs: list[tuple[int, int, list[np.ndarray]]] = []          # (ggml type, in_features, raw row blocks)
     for t in tensors:
-        raw = t.blocks if not t.rotary_heads else t.blocks[_rotary_rows(t.blocks.shape[0], t.rotary_heads)]
+        raw = t.blocks.numpy()      # numpy: its copies of the file's rows run ~10x torch's uint8 ones here
+        if t.rotary_heads:
+            raw = raw[_rotary_rows(raw.shape[0], t.rotary_heads).numpy()]
         if runs and runs[-1][:2] == (t.ggml_type, t.in_features):
             runs[-1][2].append(raw)
         else:
             runs.append((t.ggml_type, t.in_features, [raw]))
     groups: list[list[PackedWeight]] = []
     for ggml_type, in_features, raws in runs:
-        w = repack(torch.cat(raws) if len(raws) > 1 else raws[0], ggml_type, in_features)
+        joined = torch.from_numpy(np.concatenate(raws) if len(raws) > 1 else np.ascontiguousarray(raws[0]))
+        w = repack_fast(joined, ggml_type, in_features)
         if groups and groups[-1][0].kind == w.kind:
             groups[-1].append(w)
         else:
