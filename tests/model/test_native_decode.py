@@ -15,6 +15,7 @@ from tests.model.gguf_builder import K_QUANTS, K_SHAPE, TinyLlama, write_tiny_gg
 from tokenforge.model.attention.spec import AttentionSpec
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.loader import load_model
+from tokenforge.kernels.gguf_decode import ThreadChoice
 from tokenforge.model.native_decode import NativeDecoder
 
 CASES = {"Q4_0": ("Q4_0", None), "Q4_1": ("Q4_1", None), "Q5_1": ("Q5_1", None), "Q8_0": ("Q8_0", None),
@@ -106,3 +107,40 @@ def test_bad_block_tables_and_positions_are_refused(tmp_path, paged_driver):
     batch.context_lens[0] = model.model.layers[0].self_attn.rotary_emb.cos_sin_cache.shape[0]
     with pytest.raises(ValueError, match="past the model's rotary table"):
         decoder.forward(ids, batch)
+
+
+def test_the_team_size_changes_no_number(tmp_path, paged_driver):
+    """Each output of the step has one owner whatever the thread count, so 1 and 2 threads (the
+    counts ThreadChoice picks between) give bit-identical hidden states and caches."""
+    model = _native_model(tmp_path, "Q4_K_M-like")
+    driver = paged_driver(model, block_size=4)
+    decoder, _ = NativeDecoder.of(model)
+    with torch.inference_mode():
+        driver.step(list(PROMPTS.items()))
+        ids, _, batch = driver.prepare([(s, [7]) for s in PROMPTS])
+        caches = [layer.kv_cache for layer in model.attention_layers()]
+        before = [c.clone() for c in caches]
+        results = []
+        for threads in (1, 2):
+            for c, saved in zip(caches, before):
+                c.copy_(saved)
+            decoder.step.choice.threads = lambda available, n=threads: n
+            results.append((decoder.forward(ids, batch).clone(), [c.clone() for c in caches]))
+    (h1, kv1), (h2, kv2) = results
+    assert torch.equal(h1, h2) and all(torch.equal(a, b) for a, b in zip(kv1, kv2))
+
+
+def test_thread_choice_keeps_the_faster_count():
+    choice = ThreadChoice()
+    picked = []
+    for _ in range(2 * ThreadChoice.PROBE_EVERY):          # one thread twice as fast: it takes over
+        n = choice.threads(2)
+        picked.append(n)
+        choice.record(n, 0.01 if n == 1 else 0.02)
+    assert picked[:ThreadChoice.PROBE_STEPS] == [2] * ThreadChoice.PROBE_STEPS and choice.current == 1
+    assert picked[-10:] == [1] * 10
+    steady = ThreadChoice()
+    for _ in range(2 * ThreadChoice.PROBE_EVERY):          # both alike: the full team stays
+        n = steady.threads(2)
+        steady.record(n, 0.01)
+    assert steady.current == 2 and ThreadChoice().threads(1) == 1

@@ -58,6 +58,7 @@ struct TfStep {
     const int32_t* block_tables;    // [M, max_blocks]
     const int32_t* seq_lens;        // [M] context + 1
     int64_t rows, max_blocks;
+    int64_t threads;                // the team's size (gguf_decode.py picks it; results do not depend on it)
 };
 
 }  // extern "C"
@@ -256,7 +257,7 @@ void tf_decode_step(const TfModel* model, const TfStep* step, float* hidden) {
     thread_local Shared per_caller;
     Shared& shared = per_caller;        // the calling thread's, shared by the team (a thread_local
     shared.fit(md, M);                  // named inside the region would be each thread's own)
-#pragma omp parallel
+#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, step->threads)))
     {
         Private& p = private_scratch(md, M);
         for (int64_t l = 0; l < md.num_layers; ++l) decode_layer(md, md.layers[l], *step, hidden, l == 0, shared, p);

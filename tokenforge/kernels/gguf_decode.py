@@ -16,6 +16,7 @@ cache), which tests/kernels/test_gguf_decode.py holds this to.
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,43 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("positions", _ptr), ("slots", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr), ("rows", _i64),
-                ("max_blocks", _i64)]
+                ("max_blocks", _i64), ("threads", _i64)]
+
+
+class ThreadChoice:
+    """How many threads a step runs on: all of torch's, unless one has been faster lately.
+
+    Why: a step has five barriers a layer, and on a machine busier than its cores (other
+    processes, other engines) every barrier waits for a descheduled thread: two threads then ran
+    the bundled model at 2 tok/s where one ran it at 40. In every `PROBE_EVERY` steps, after
+    `PROBE_STEPS` steps on the current count, the other count runs `PROBE_STEPS` steps; the faster
+    (by its quickest step, so one stall does not decide) stays. A step's numbers do not depend on its team size (each output has one owner)."""
+
+    PROBE_EVERY, PROBE_STEPS = 64, 3
+
+    def __init__(self) -> None:
+        self.current, self.steps = 0, 0
+        self.recent: list[float] = []
+        self.probe: list[float] = []
+
+    def threads(self, available: int) -> int:
+        if available <= 1:
+            return 1
+        if self.current not in (1, available):
+            self.current = available
+        probing = self.PROBE_STEPS <= self.steps % self.PROBE_EVERY < 2 * self.PROBE_STEPS
+        return (1 if self.current == available else available) if probing else self.current
+
+    def record(self, threads: int, seconds: float) -> None:
+        self.steps += 1
+        if threads != self.current:
+            self.probe.append(seconds)
+            if len(self.probe) == self.PROBE_STEPS:
+                if self.recent and min(self.probe) < 0.9 * min(self.recent):
+                    self.current = threads
+                self.probe, self.recent = [], []
+        else:
+            self.recent = (self.recent + [seconds])[-self.PROBE_STEPS:]
 
 
 @dataclass(slots=True)
@@ -104,6 +141,7 @@ class DecodeStep:
         if self.lib is None:
             raise RuntimeError("the native decode step needs the compiled GGUF CPU kernel (no C++ compiler found)")
         self.shape = shape
+        self.choice = ThreadChoice()
         self.max_positions = cos_sin.shape[0]
         self._keep = (layers, final_norm, cos_sin)          # the structures point into these tensors
         self._layers = (_Layer * len(layers))(*[self._layer(w) for w in layers])
@@ -122,10 +160,13 @@ class DecodeStep:
                  seq_lens: torch.Tensor) -> torch.Tensor:
         """hidden [M, H] float32 (overwritten: embeddings in, final-normed out); positions, slots int64 [M];
         block_tables int32 [M, max_blocks]; seq_lens int32 [M]."""
+        threads = self.choice.threads(torch.get_num_threads())
         step = _Step(positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-                     hidden.shape[0], block_tables.shape[1])
+                     hidden.shape[0], block_tables.shape[1], threads)
+        start = time.perf_counter()
         self.lib.tf_decode_step(ctypes.addressof(self._model), ctypes.addressof(step), hidden.data_ptr())
+        self.choice.record(threads, time.perf_counter() - start)
         return hidden
 
 
-__all__ = ["DecodeShape", "DecodeStep", "LayerWeights", "Projection"]
+__all__ = ["DecodeShape", "DecodeStep", "LayerWeights", "Projection", "ThreadChoice"]
