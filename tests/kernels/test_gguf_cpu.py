@@ -122,3 +122,13 @@ def test_native_repack_is_the_torch_repack_bit_for_bit(kind):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.view(torch.int32) if a.is_floating_point()
                            else a, b.view(torch.uint8) if b.dtype == torch.int8 else b.view(torch.int32)
                            if b.is_floating_point() else b)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_native_dequantize_is_the_reference_bit_for_bit(kind):
+    """A long prefill chunk's weight, dequantized in one native pass (no FMA contraction), is
+    dequantize_packed's, so that chunk's GEMM is exactly the float32 path's."""
+    raw = _raw(kind, 24, 512, seed=6)
+    packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
+    got = gguf_cpu.dequantize_into(packed, torch.full((24, 512), float("nan")))
+    assert torch.equal(got, dequantize_packed(packed))

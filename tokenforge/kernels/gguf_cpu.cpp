@@ -120,4 +120,30 @@ void tf_repack_legacy(int type, const uint8_t* raw, int64_t nblocks, uint8_t* q,
     }
 }
 
+// out [N, K] = scale * q + min: the dequantized weight for a long prefill chunk's float GEMM, in
+// one pass (no contraction into an FMA: the same two roundings as dequantize_packed).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+void tf_dequantize(int kind, const void* q, const float* scale, const float* minv, int64_t N, int64_t K, float* out) {
+    const int64_t groups = kind == 0 ? K / 32 : K / 16, width = K / groups;
+#pragma omp parallel for schedule(static) if (N * K >= 262144)
+    for (int64_t n = 0; n < N; ++n) {
+        for (int64_t g = 0; g < groups; ++g) {
+            const float s = scale[n * groups + g], mn = minv == nullptr ? 0.f : minv[n * groups + g];
+            float* o = out + n * K + g * width;
+            if (kind == 0) {
+                const uint8_t* c = static_cast<const uint8_t*>(q) + n * (K / 2) + g * 16;
+                for (int j = 0; j < 16; ++j) {
+                    o[j] = s * static_cast<float>(c[j] & 0x0F) + mn;
+                    o[j + 16] = s * static_cast<float>(c[j] >> 4) + mn;
+                }
+            } else {
+                const int8_t* c = static_cast<const int8_t*>(q) + n * K + g * 16;
+                for (int j = 0; j < 16; ++j) o[j] = s * static_cast<float>(c[j]) + mn;
+            }
+        }
+    }
+}
+#pragma GCC pop_options
+
 }  // extern "C"

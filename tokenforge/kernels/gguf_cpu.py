@@ -73,7 +73,8 @@ def native_library() -> ctypes.CDLL | None:
                   "tf_silu_mul_quantize": [ptr, i64, i64, ptr, ptr, ptr],
                   "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr],
                   "tf_decode_step": [ptr, ptr, ptr],
-                  "tf_repack_legacy": [ctypes.c_int, ptr, i64, ptr, ptr, ptr]}
+                  "tf_repack_legacy": [ctypes.c_int, ptr, i64, ptr, ptr, ptr],
+                  "tf_dequantize": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr]}
     for name, argtypes in signatures.items():      # declared once: each call converts plain ints
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
@@ -177,6 +178,17 @@ def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return matmul_quantized(lib, quantize_activations(lib, x2), w).reshape(*lead, w.out_features)
 
 
+def dequantize_into(w: PackedWeight, out: torch.Tensor) -> torch.Tensor:
+    """dequantize_packed(w) written into `out` (float32 [N, K], contiguous), natively when the
+    kernel is built (the torch version cost twice the prefill GEMM it feeds)."""
+    lib = native_library()
+    if lib is None:
+        return out.copy_(dequantize_packed(w))
+    lib.tf_dequantize(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
+                      w.out_features, w.in_features, out.data_ptr())
+    return out
+
+
 def repack_fast(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
     """gguf_repack.repack, with Q4_0 / Q4_1 / Q8_0 repacked in one native pass (start-up: the
     torch version's strided copies took seconds for the bundled model)."""
@@ -193,6 +205,6 @@ def repack_fast(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWe
     return PackedWeight(U4 if u4 else I8, q, scale, minv, in_features, ggml_type != Q8_0)
 
 
-__all__ = ["MAX_FUSED_ROW", "Activations", "gguf_matmul", "gguf_matmul_ref", "matmul_quantized", "native_library",
+__all__ = ["MAX_FUSED_ROW", "Activations", "dequantize_into", "gguf_matmul", "gguf_matmul_ref", "matmul_quantized", "native_library",
            "quantize_activations", "quantize_activations_ref", "repack_fast", "rms_norm_quantize", "rms_norm_ref", "silu_mul_quantize",
            "silu_mul_ref"]

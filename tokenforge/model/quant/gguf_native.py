@@ -23,6 +23,7 @@ q|k|v and gate|up and the SwiGLU before down are fused into the activation quant
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 
 import numpy as np
@@ -30,14 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, gguf_matmul, matmul_quantized, native_library,
-                                         repack_fast, rms_norm_quantize, silu_mul_quantize)
+from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, dequantize_into, gguf_matmul, matmul_quantized,
+                                         native_library, repack_fast, rms_norm_quantize, silu_mul_quantize)
 from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed
 from tokenforge.model.quant.base import QuantMethod, drop_weights
 
 logger = logging.getLogger(__name__)
 
 DEQUANTIZE_ROWS = 64
+_SCRATCH = threading.local()        # each engine thread's buffer for a layer's dequantized weight
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}     # float already: the dense path is the stored format
 
 
@@ -50,10 +52,22 @@ class GgufNativeMethod(QuantMethod):
         """float32 [out, in]: the blocks as the float path holds them."""
         return torch.cat([dequantize_packed(w) for w in layer.gguf_weight])
 
+    def _dequantized_scratch(self, layer: nn.Module) -> torch.Tensor:
+        """`dequantized` written into this thread's reused buffer (prefill chunks, layer after layer)."""
+        rows, cols = sum(w.out_features for w in layer.gguf_weight), layer.gguf_weight[0].in_features
+        buf = getattr(_SCRATCH, "buf", None)
+        if buf is None or buf.numel() < rows * cols:
+            buf = _SCRATCH.buf = torch.empty(rows * cols)
+        out, row = buf[: rows * cols].view(rows, cols), 0
+        for w in layer.gguf_weight:
+            dequantize_into(w, out[row:row + w.out_features])
+            row += w.out_features
+        return out
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])                                         # [T, in]
         if x2.shape[0] > DEQUANTIZE_ROWS:
-            out = F.linear(x2.float(), self.dequantized(layer), None if bias is None else bias.float())
+            out = F.linear(x2.float(), self._dequantized_scratch(layer), None if bias is None else bias.float())
         else:
             parts = [gguf_matmul(x2, w) for w in layer.gguf_weight]
             out = self._finish(parts, bias)
