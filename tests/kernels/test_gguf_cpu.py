@@ -97,3 +97,38 @@ def test_an_odd_block_count_takes_the_tail_path(kind):
     x = torch.randn(5, 288, generator=torch.Generator().manual_seed(8))
     got, expected = gguf_matmul(x, packed), gguf_matmul_ref(x, packed)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_native_repack_is_the_torch_repack_bit_for_bit(kind):
+    """The start-up's one-pass repack (C++) against gguf_repack.repack, with the block scales'
+    float16 bits drawn at random (zeros, subnormals and negatives among them; no inf/NaN)."""
+    assert gguf_cpu.native_library() is not None
+    qtype = gguf.GGMLQuantizationType[kind]
+    raw = _raw(kind, 40, 256, seed=3).copy()
+    block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    halves = np.random.default_rng(4).integers(0, 0x7C00, (raw.size // block, 2), dtype=np.uint16)
+    halves[:, :] |= np.random.default_rng(5).integers(0, 2, halves.shape, dtype=np.uint16) << 15   # signs
+    halves[:8] = [[0, 0], [1, 0x8001], [0x3FF, 0x83FF], [0x400, 0x7BFF], [0x8000, 3], [2, 0x200], [5, 9], [7, 0x3C00]]
+    blocks = raw.reshape(-1, block)
+    blocks[:, :2] = halves[:, :1].view(np.uint8)
+    if kind == "Q4_1":
+        blocks[:, 2:4] = halves[:, 1:].view(np.uint8)
+    tensor = torch.from_numpy(raw)
+    got, expected = gguf_cpu.repack_fast(tensor, int(qtype), 256), repack(tensor, int(qtype), 256)
+    assert (got.kind, got.has_min, got.in_features) == (expected.kind, expected.has_min, expected.in_features)
+    for a, b in ((got.q, expected.q), (got.scale, expected.scale), (got.minv, expected.minv)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.int8 else a.view(torch.int32) if a.is_floating_point()
+                           else a, b.view(torch.uint8) if b.dtype == torch.int8 else b.view(torch.int32)
+                           if b.is_floating_point() else b)
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_native_dequantize_is_the_reference_bit_for_bit(kind):
+    """A long prefill chunk's weight, dequantized in one native pass (no FMA contraction), is
+    dequantize_packed's, so that chunk's GEMM is exactly the float32 path's."""
+    raw = _raw(kind, 24, 512, seed=6)
+    packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
+    got = gguf_cpu.dequantize_into(packed, torch.full((24, 512), float("nan")))
+    assert torch.equal(got, dequantize_packed(packed))

@@ -39,6 +39,15 @@ class PagedDriver:
     @torch.inference_mode()
     def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
         """chunks: (seq_id, new token ids). Returns per chunk its logits [len, V] (fp32)."""
+        ids, positions, batch = self.prepare(chunks)
+        metadata = self.backend.build_metadata(batch)
+        with set_forward_context(metadata):
+            hidden = self.model(ids, positions)
+        logits = self.model.compute_logits(hidden).float()
+        return list(logits.split(batch.query_lens))
+
+    def prepare(self, chunks: list[tuple[str, list[int]]]) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
+        """The step's (input_ids [T], positions [T], AttentionBatch), blocks allocated as needed."""
         ids, positions, q_lens, ctx_lens, tables = [], [], [], [], []
         for seq_id, tokens in chunks:
             ctx = self.lens.get(seq_id, 0)
@@ -52,11 +61,7 @@ class PagedDriver:
             tables.append(list(table))
             self.lens[seq_id] = ctx + len(tokens)
         batch = AttentionBatch(q_lens, ctx_lens, tables, self.block_size, self.device)
-        metadata = self.backend.build_metadata(batch)
-        with set_forward_context(metadata):
-            hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device))
-        logits = self.model.compute_logits(hidden).float()
-        return list(logits.split(q_lens))
+        return torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device), batch
 
 
 @pytest.fixture

@@ -254,7 +254,7 @@ class DeviceConfig:
     device: str = flag("auto", "auto: cuda if there is one", choices=("auto", "cpu", "cuda"))
     attention_backend: str = flag("auto", "auto: triton on CUDA, torch on the CPU", choices=("auto", "torch", "triton"),
                                   switches={"--use-flash-attention": "triton", "--use_flash_attention": "triton"})
-    enforce_eager: bool = flag(False, "disable CUDA graphs", switches={"--cuda-graphs": (False, "CUDA graphs on (the default)")})
+    enforce_eager: bool = flag(False, "disable CUDA graphs (on the CPU: the native GGUF decode step)", switches={"--cuda-graphs": (False, "CUDA graphs on (the default)")})
     num_threads: int | None = flag(None, "CPU threads")     # None = torch's default
     profile_dir: str | None = flag(None, "write torch.profiler traces here")
 

@@ -17,6 +17,7 @@ import torch
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import ModelRunnerOutput, SchedulerOutput
 from tokenforge.distributed import parallel_state
+from tokenforge.executor.cpu_decode import CpuDecodeRunner
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.executor.input_batch import InputBatch, PreviousSample, build_inputs
 from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration, kv_scales_for,
@@ -67,7 +68,7 @@ class ModelRunner:
         self.role = make_speculative_role(self) if speculative else make_role(self)
         self.drafter = make_drafter(self)        # a draft model that fills draft slots (method draft)
         self.kv_caches: list[torch.Tensor] = []
-        self.graphs: CudaGraphRunner | None = None
+        self.graphs: CudaGraphRunner | CpuDecodeRunner | None = None
 
     # ---- init steps -----------------------------------------------------------------------------
     def _init_threads(self) -> None:
@@ -167,6 +168,8 @@ class ModelRunner:
                 and self.rank.pp_size == 1 and self.offloader is None):   # offloaded weights move: no graphs
             self.graphs = CudaGraphRunner(self, num_blocks, defer=defer_graphs and self.rank.tp_size == 1)
             self.graphs.capture()
+        elif self.device.type == "cpu":
+            self.graphs = CpuDecodeRunner.for_runner(self)     # GGUF blocks: a decode step per native call
         if self.device.type == "cuda" and self.rank.pp_size == 1:
             self.warmup_seconds = warm_up(self, num_blocks)     # prefill/mixed shapes compile now
 

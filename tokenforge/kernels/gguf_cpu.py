@@ -3,9 +3,10 @@
 Activations are quantized per block of 32 to int8 (scale amax / 127, round half to even), then
 gguf_cpu.cpp takes integer dot products per block (AVX2, VNNI where present) and applies the
 weight's scale and min in float, as llama.cpp does. The C++ is compiled once per machine with the
-system g++ (`-O3 -march=native -fopenmp`, about 2 s) into the tokenforge cache and called with
-ctypes: no pybind, no torch headers. Its OpenMP runtime is torch's own libgomp.so.1 (already
-loaded), so the two share one thread pool. Without a compiler (or when the build fails) the
+system g++ (`-O3 -march=native -fopenmp`, a few seconds) into the tokenforge cache and called
+with ctypes: no pybind, no torch headers. The same library holds gguf_decode.cpp (a whole decode
+step in one call, kernels/gguf_decode.py); the loops both share are in gguf_kernels.h. Its OpenMP
+runtime is torch's own libgomp.so.1 (already loaded), so the two share one thread pool. Without a compiler (or when the build fails) the
 torch reference below computes the same numbers, slowly.
 
 `gguf_matmul_ref` is the reference every kernel path is tested against; `rms_norm_ref` and
@@ -25,13 +26,16 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from tokenforge.kernels.gguf_repack import PackedWeight, dequantize_packed
+from tokenforge.kernels.gguf_repack import I8, Q4_0, Q4_1, Q8_0, U4, PackedWeight, dequantize_packed, repack
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("gguf_cpu.cpp")
+# One library from both sources: per-projection kernels and the whole decode step (gguf_decode.py).
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("gguf_cpu.cpp", "gguf_decode.cpp"))
+_HEADER = Path(__file__).with_name("gguf_kernels.h")
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 
 
@@ -47,7 +51,7 @@ def native_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C++ compiler found: GGUF weights run through the slow torch reference")
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     with open("/proc/cpuinfo", "rb") if Path("/proc/cpuinfo").exists() else open(os.devnull, "rb") as f:
         cpu = next((line for line in f if line.startswith(b"flags")), b"")
     digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + cpu).hexdigest()[:16]
@@ -56,7 +60,7 @@ def native_library() -> ctypes.CDLL | None:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
             if result.returncode:
                 logger.warning("building the GGUF CPU kernel failed (%s): using the torch reference",
                                result.stderr.strip().splitlines()[-1:] or result.returncode)
@@ -67,7 +71,10 @@ def native_library() -> ctypes.CDLL | None:
     signatures = {"tf_quantize_activations": [ptr, i64, i64, ptr, ptr, ptr],
                   "tf_rms_norm_quantize": [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ptr],
                   "tf_silu_mul_quantize": [ptr, i64, i64, ptr, ptr, ptr],
-                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr]}
+                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr],
+                  "tf_decode_step": [ptr, ptr, ptr],
+                  "tf_repack_legacy": [ctypes.c_int, ptr, i64, ptr, ptr, ptr],
+                  "tf_dequantize": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr]}
     for name, argtypes in signatures.items():      # declared once: each call converts plain ints
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
@@ -171,6 +178,33 @@ def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     return matmul_quantized(lib, quantize_activations(lib, x2), w).reshape(*lead, w.out_features)
 
 
-__all__ = ["MAX_FUSED_ROW", "Activations", "gguf_matmul", "gguf_matmul_ref", "matmul_quantized", "native_library",
-           "quantize_activations", "quantize_activations_ref", "rms_norm_quantize", "rms_norm_ref", "silu_mul_quantize",
+def dequantize_into(w: PackedWeight, out: torch.Tensor) -> torch.Tensor:
+    """dequantize_packed(w) written into `out` (float32 [N, K], contiguous), natively when the
+    kernel is built (the torch version cost twice the prefill GEMM it feeds)."""
+    lib = native_library()
+    if lib is None:
+        return out.copy_(dequantize_packed(w))
+    lib.tf_dequantize(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
+                      w.out_features, w.in_features, out.data_ptr())
+    return out
+
+
+def repack_fast(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
+    """gguf_repack.repack, with Q4_0 / Q4_1 / Q8_0 repacked in one native pass (start-up: the
+    torch version's strided copies took seconds for the bundled model)."""
+    lib = native_library()
+    if lib is None or ggml_type not in (Q4_0, Q4_1, Q8_0) or not raw.is_contiguous():
+        return repack(raw, ggml_type, in_features)
+    n, blocks = raw.shape[0], in_features // 32
+    u4 = ggml_type != Q8_0
+    # numpy's buffers: first touch of fresh torch.empty pages cost several times more on the dev VM
+    q = torch.from_numpy(np.empty((n, in_features // 2 if u4 else in_features), dtype=np.uint8 if u4 else np.int8))
+    scale = torch.from_numpy(np.empty((n, blocks if u4 else 2 * blocks), dtype=np.float32))
+    minv = torch.from_numpy(np.empty((n, blocks if u4 else 2 * blocks), dtype=np.float32))
+    lib.tf_repack_legacy(ggml_type, raw.data_ptr(), n * blocks, q.data_ptr(), scale.data_ptr(), minv.data_ptr())
+    return PackedWeight(U4 if u4 else I8, q, scale, minv, in_features, ggml_type != Q8_0)
+
+
+__all__ = ["MAX_FUSED_ROW", "Activations", "dequantize_into", "gguf_matmul", "gguf_matmul_ref", "matmul_quantized", "native_library",
+           "quantize_activations", "quantize_activations_ref", "repack_fast", "rms_norm_quantize", "rms_norm_ref", "silu_mul_quantize",
            "silu_mul_ref"]

@@ -35,6 +35,12 @@ def load_library():
         import llama_cpp  # noqa: PLC0415 - optional
     except ImportError as exc:
         raise ImportError(_MISSING) from exc
+    try:        # llama.cpp logs every tensor and graph node it loads: keep its errors only
+        from llama_cpp import _logger  # noqa: PLC0415
+
+        _logger.set_verbose(False)
+    except (ImportError, AttributeError):
+        pass
     return llama_cpp
 
 

@@ -49,6 +49,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sequential", action="store_true", help="skip HF's sequential batch-1 run")
     p.add_argument("--no-gguf", action="store_true",
                    help="skip the GGUF section (tokenforge native blocks and llama.cpp, batch 1 and parallel)")
+    p.add_argument("--gguf-only", action="store_true",
+                   help="only the GGUF section (tokenforge native vs llama.cpp): no float32, HF, int8 or bf16 runs")
+    p.add_argument("--gguf-shapes", default="batch1,parallel",
+                   help="the GGUF section's shapes, comma-separated: batch1 (one prompt after another), parallel")
     p.add_argument("--llama-cpp-extra-bufts", action="store_true",
                    help="let llama.cpp use its repacked / AMX weight buffers (off: its AMX matmul crashes on "
                         "some VMs that report AMX)")
@@ -122,6 +126,8 @@ def main(args: argparse.Namespace) -> dict:
     result = report.new_result("W6", args.model, args.dtype)
     result["ceilings"] = ceilings.measure_ceilings("cpu", args.quick_ceilings)
     result["threads"] = torch.get_num_threads()
+    if args.gguf_only:
+        return gguf_only(args, result)
     tf32 = measure_tokenforge(args, "float32", None)
     result["threads"] = torch.get_num_threads()      # as the engine set it (--num-threads)
     harness.release_memory()
@@ -172,25 +178,50 @@ def run_int8(args: argparse.Namespace, prompts: list[list[int]], model, tf32: di
     return out
 
 
-def run_gguf(args: argparse.Namespace, prompts: list[list[int]], tf32: dict) -> dict:
+def gguf_only(args: argparse.Namespace, result: dict) -> dict:
+    """`--gguf-only`: the GGUF section alone, on prompts made for the file's vocabulary."""
+    from tokenforge.model.loader import read_arch_config  # noqa: PLC0415
+
+    vocab = read_arch_config(args.model, "auto").vocab_size
+    prompts = workloads.random_prompts(args.num_prompts, (args.min_input, args.max_input), vocab, args.seed)
+    result["workload_args"] = {"num_prompts": len(prompts), "input_len": [args.min_input, args.max_input],
+                               "mean_input_len": sum(map(len, prompts)) / len(prompts), "output_len": args.output_len}
+    result["gguf"] = run_gguf(args, prompts, None)
+    result["threads"] = result["gguf"]["threads"]
+    report.save(result, args)
+    print_gguf(result)
+    return result
+
+
+_GGUF_SHAPES = {"batch1": ({"max_num_seqs": 1}, False), "parallel": ({}, True)}
+
+
+def run_gguf(args: argparse.Namespace, prompts: list[list[int]], tf32: dict | None) -> dict:
     """tokenforge on the stored blocks (dtype auto) and llama.cpp on the same file, batch 1 and parallel."""
     from tokenforge.source import resolve_model_source  # noqa: PLC0415
 
+    shapes = [s.strip() for s in args.gguf_shapes.split(",") if s.strip()]
+    if not shapes or set(shapes) - set(_GGUF_SHAPES):
+        raise SystemExit(f"--gguf-shapes: expected a comma-separated subset of {', '.join(_GGUF_SHAPES)}, "
+                         f"got {args.gguf_shapes!r}")
     path = str(resolve_model_source(args.model, "auto").path)
-    threads = torch.get_num_threads()
-    out: dict = {"file": path, "threads": threads}
-    for shape, overrides in (("batch1", {"max_num_seqs": 1}), ("parallel", {})):
-        run = measure_tokenforge(args, "auto", prompts, **overrides)
+    out: dict = {"file": path}
+    for shape in shapes:
+        run = measure_tokenforge(args, "auto", prompts, **_GGUF_SHAPES[shape][0])
         harness.release_memory()
-        out[shape] = {"tokenforge": run["figures"],
-                      "greedy_match_vs_fp32": sum(a == b for a, b in zip(run["ids"], tf32["ids"]))}
+        out[shape] = {"tokenforge": run["figures"]}
+        if tf32 is not None:
+            out[shape]["greedy_match_vs_fp32"] = sum(a == b for a, b in zip(run["ids"], tf32["ids"]))
+    threads = out["threads"] = torch.get_num_threads()          # as the engine set it (--num-threads)
     try:
-        for shape, parallel in (("batch1", False), ("parallel", True)):
-            peer = llama_cpp_peer.run(path, prompts, args.output_len, threads, parallel, args.llama_cpp_extra_bufts)
+        for shape in shapes:
+            peer = llama_cpp_peer.run(path, prompts, args.output_len, threads, _GGUF_SHAPES[shape][1],
+                                      args.llama_cpp_extra_bufts)
             peer_ids = peer.pop("_ids")
             tf = out[shape]["tokenforge"]
-            out[shape].update(llama_cpp=peer, ratio=tf["output_tok_s"] / peer["output_tok_s"],
-                              greedy_match_vs_fp32_llama_cpp=sum(a == b for a, b in zip(peer_ids, tf32["ids"])))
+            out[shape].update(llama_cpp=peer, ratio=tf["output_tok_s"] / peer["output_tok_s"])
+            if tf32 is not None:
+                out[shape]["greedy_match_vs_fp32_llama_cpp"] = sum(a == b for a, b in zip(peer_ids, tf32["ids"]))
     except (ImportError, RuntimeError) as exc:
         out["llama_cpp_error"] = str(exc)
         print(exc)
@@ -226,13 +257,7 @@ def print_summary(r: dict) -> None:
         rows.append([name, v["output_tok_s"], v["seconds"], None])
     for key in ("int8", "bf16"):
         _add_variant_rows(rows, key, r.get(key))
-    for shape in ("batch1", "parallel"):
-        g = (r.get("gguf") or {}).get(shape)
-        if g:
-            rows.append([f"tokenforge gguf-native {shape}", g["tokenforge"]["output_tok_s"], g["tokenforge"]["median_s"],
-                         None if "ratio" not in g else f"{g['ratio']:.2f}x vs llama.cpp"])
-            if "llama_cpp" in g:
-                rows.append([g["llama_cpp"]["name"], g["llama_cpp"]["output_tok_s"], g["llama_cpp"]["seconds"], None])
+    _add_gguf_rows(rows, r)
     report.print_table(f"W6 cpu  {r['model']}  {r['device']}  threads={r['threads']}",
                        ["variant", "output tok/s", "seconds", "vs HF best"], rows)
     if "parity" in r:
@@ -243,6 +268,23 @@ def print_summary(r: dict) -> None:
         if p:
             print(f"perplexity on {p['text_tokens']} tokens: fp32 {p['fp32']:.3f}, {key} {p[key]:.3f} "
                   f"({p['change_pct']:+.2f}%)")
+
+
+def print_gguf(r: dict) -> None:
+    rows: list = []
+    _add_gguf_rows(rows, r)
+    report.print_table(f"W6 cpu (GGUF only)  {r['gguf']['file']}  threads={r['threads']}",
+                       ["variant", "output tok/s", "seconds", "ratio"], rows)
+
+
+def _add_gguf_rows(rows: list, r: dict) -> None:
+    for shape in _GGUF_SHAPES:
+        g = (r.get("gguf") or {}).get(shape)
+        if g:
+            rows.append([f"tokenforge gguf-native {shape}", g["tokenforge"]["output_tok_s"], g["tokenforge"]["median_s"],
+                         None if "ratio" not in g else f"{g['ratio']:.2f}x vs llama.cpp"])
+            if "llama_cpp" in g:
+                rows.append([g["llama_cpp"]["name"], g["llama_cpp"]["output_tok_s"], g["llama_cpp"]["seconds"], None])
 
 
 def _add_variant_rows(rows: list, key: str, b16: dict | None) -> None:

@@ -95,18 +95,21 @@ def load_model(model: str | Path | None, load_format: str, dtype: torch.dtype, d
             tp_key = f"{tp_size}-ep" if expert_parallel else tp_size
             entry = WeightCache(cache.root, cache_key(checksum, dtype, cache.quantization, tp_rank, tp_key, pp_rank,
                                                       pp_size, cache.model_version))
+    native = gguf is not None and gguf_native and quant.is_empty and tp_size == 1 and torch.device(device).type == "cpu"
+    # Without an engine cache (which holds the float weights) the linears computed as stored take
+    # their blocks first, so the load never dequantizes them (most of a GGUF's bytes).
+    taken = _attach_native(net, gguf, config) if native and entry is None else set()
     from_cache = entry is not None and entry.load_into(net, map_on_cpu=load_format == "lazy")
     if from_cache:
         kv_scales = entry.kv_scales()
     else:
-        kv_scales = _fill_from_source(net, source, gguf, config, seed + 1000 * (pp_rank * tp_size + tp_rank))
+        kv_scales = _fill_from_source(net, source, gguf, config, seed + 1000 * (pp_rank * tp_size + tp_rank), taken)
         if entry is not None:
             entry.store(net, {"source": str(source.path), "checksum": checksum, "dtype": str(dtype),
                               "tp": [tp_rank, tp_size], "pp": [pp_rank, pp_size], "kv_scales": kv_scales})
     after_loading(net, prepared, quant, cpu_int8_dynamic)
-    if gguf is not None and gguf_native and quant.is_empty and tp_size == 1 and torch.device(device).type == "cpu":
-        layers = linear_layers(net, include_lm_head=True)
-        attach_gguf_native(net, stored_linear_tensors(gguf, config, layers, net.packed_modules))
+    if native and entry is not None:
+        _attach_native(net, gguf, config)
     net.eval()
     seconds = time.perf_counter() - start
     logger.info("loaded %s (%s, %s) in %.2f s%s", source.path, source.kind, config.architecture, seconds,
@@ -123,14 +126,19 @@ def with_expert_parallel(config: ArchConfig, expert_parallel: bool) -> ArchConfi
     return config.replace(moe=dataclasses.replace(config.moe, expert_parallel=True))
 
 
+def _attach_native(net: nn.Module, gguf: GGUFFile, config: ArchConfig) -> set[str]:
+    layers = linear_layers(net, include_lm_head=True)
+    return attach_gguf_native(net, stored_linear_tensors(gguf, config, layers, net.packed_modules))
+
+
 def _fill_from_source(net: nn.Module, source: ModelSource, gguf: GGUFFile | None, config: ArchConfig,
-                      seed: int) -> list[tuple[float, float]] | None:
-    """Fill `net` from the checkpoint; returns the checkpoint's per-layer fp8 KV scales (all
-    layers, whichever stage this rank is), or None."""
+                      seed: int, computed_as_stored: set[str]) -> list[tuple[float, float]] | None:
+    """Fill `net` from the checkpoint (but the GGUF tensors `computed_as_stored`); returns the
+    checkpoint's per-layer fp8 KV scales (all layers, whichever stage this rank is), or None."""
     if source.kind == "dummy":
         initialize_dummy_weights(net, seed)
     elif gguf is not None:
-        net.load_weights(gguf_weights(gguf, config, net.wants_weight))
+        net.load_weights(gguf_weights(gguf, config, net.wants_weight, computed_as_stored))
     else:
         collector = KVScaleCollector()
         # KV scales of every layer pass the stage filter: the collector wants them all.

@@ -144,14 +144,14 @@ def _check_tensor_table(gguf: GGUFFile, config: ArchConfig) -> None:
                 raise GGUFFormatError(gguf.path, f"tensor {name!r}", "is missing")
 
 
-def gguf_weights(gguf: GGUFFile, config: ArchConfig, wanted: Callable[[str], bool] = lambda name: True
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(gguf: GGUFFile, config: ArchConfig, wanted: Callable[[str], bool] = lambda name: True,
+                 skip: frozenset[str] | set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, float32 tensor) for every tensor in the file that `wanted` accepts (this pipeline
-    stage's), q/k rows back in HF order."""
+    stage's) and `skip` (GGUF names: computed as stored) does not name, q/k rows back in HF order."""
     permuted = gguf.metadata["general.architecture"] in ("llama", "mistral")
     for name in gguf.tensors:
         hf_name = _hf_name(name)
-        if not wanted(hf_name):
+        if name in skip or not wanted(hf_name):
             continue
         tensor = gguf.load(name)
         if permuted and (".q_proj." in hf_name or ".k_proj." in hf_name):

@@ -23,20 +23,23 @@ q|k|v and gate|up and the SwiGLU before down are fused into the activation quant
 from __future__ import annotations
 
 import logging
+import threading
 from collections import defaultdict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, gguf_matmul, matmul_quantized, native_library,
-                                         rms_norm_quantize, silu_mul_quantize)
-from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed, repack
+from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, dequantize_into, gguf_matmul, matmul_quantized,
+                                         native_library, repack_fast, rms_norm_quantize, silu_mul_quantize)
+from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed
 from tokenforge.model.quant.base import QuantMethod, drop_weights
 
 logger = logging.getLogger(__name__)
 
 DEQUANTIZE_ROWS = 64
+_SCRATCH = threading.local()        # each engine thread's buffer for a layer's dequantized weight
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}     # float already: the dense path is the stored format
 
 
@@ -49,10 +52,22 @@ class GgufNativeMethod(QuantMethod):
         """float32 [out, in]: the blocks as the float path holds them."""
         return torch.cat([dequantize_packed(w) for w in layer.gguf_weight])
 
+    def _dequantized_scratch(self, layer: nn.Module) -> torch.Tensor:
+        """`dequantized` written into this thread's reused buffer (prefill chunks, layer after layer)."""
+        rows, cols = sum(w.out_features for w in layer.gguf_weight), layer.gguf_weight[0].in_features
+        buf = getattr(_SCRATCH, "buf", None)
+        if buf is None or buf.numel() < rows * cols:
+            buf = _SCRATCH.buf = torch.empty(rows * cols)
+        out, row = buf[: rows * cols].view(rows, cols), 0
+        for w in layer.gguf_weight:
+            dequantize_into(w, out[row:row + w.out_features])
+            row += w.out_features
+        return out
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])                                         # [T, in]
         if x2.shape[0] > DEQUANTIZE_ROWS:
-            out = F.linear(x2.float(), self.dequantized(layer), None if bias is None else bias.float())
+            out = F.linear(x2.float(), self._dequantized_scratch(layer), None if bias is None else bias.float())
         else:
             parts = [gguf_matmul(x2, w) for w in layer.gguf_weight]
             out = self._finish(parts, bias)
@@ -99,12 +114,22 @@ def _rotary_rows(rows: int, num_heads: int) -> torch.Tensor:
 
 
 def packed_weights(tensors: list) -> list[PackedWeight]:
-    """A layer's stored tensors -> its PackedWeights, neighbours of one layout concatenated."""
-    groups: list[list[PackedWeight]] = []
+    """A layer's stored tensors -> its PackedWeights, neighbours of one layout concatenated. Rows
+    are permuted and neighbours of one GGUF type joined on the raw blocks (the repack is row by
+    row), so each run is repacked once: a third of the start-up the per-tensor way cost."""
+    runs: list[tuple[int, int, list[np.ndarray]]] = []          # (ggml type, in_features, raw row blocks)
     for t in tensors:
-        w = repack(t.blocks, t.ggml_type, t.in_features)
+        raw = t.blocks.numpy()      # numpy: its copies of the file's rows run ~10x torch's uint8 ones here
         if t.rotary_heads:
-            w = w.rows(_rotary_rows(w.out_features, t.rotary_heads))
+            raw = raw[_rotary_rows(raw.shape[0], t.rotary_heads).numpy()]
+        if runs and runs[-1][:2] == (t.ggml_type, t.in_features):
+            runs[-1][2].append(raw)
+        else:
+            runs.append((t.ggml_type, t.in_features, [raw]))
+    groups: list[list[PackedWeight]] = []
+    for ggml_type, in_features, raws in runs:
+        joined = torch.from_numpy(np.concatenate(raws) if len(raws) > 1 else np.ascontiguousarray(raws[0]))
+        w = repack_fast(joined, ggml_type, in_features)
         if groups and groups[-1][0].kind == w.kind:
             groups[-1].append(w)
         else:
@@ -112,12 +137,14 @@ def packed_weights(tensors: list) -> list[PackedWeight]:
     return [cat_rows(g) if len(g) > 1 else g[0] for g in groups]
 
 
-def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> int:
+def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> set[str]:
     """Give every linear (module name -> its StoredTensors) whose tensors all have a native type
-    the GGUF method, freeing its float weight. Returns the number of layers converted."""
+    the GGUF method, freeing its float weight. Returns the GGUF names of the tensors whose float
+    copy is no longer needed (a loader that runs this first skips dequantizing them; a tied LM
+    head's blocks are the embedding's table, which stays)."""
     modules = dict(model.named_modules())
     skipped: dict[int, list[str]] = defaultdict(list)
-    converted, freed = 0, 0
+    converted, freed, taken = 0, 0, set()
     for name, tensors in stored.items():
         other = [t for t in tensors if t.ggml_type not in NATIVE_TYPES]
         if other:
@@ -129,8 +156,9 @@ def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> int:
         weights = packed_weights(tensors)
         weight = layer._parameters.get("weight")
         tied = layer is getattr(model, "lm_head", None) and model.config.tie_word_embeddings
-        if weight is not None and not tied:          # a tied head's weight is the embedding's table
-            freed += weight.numel() * weight.element_size()
+        if not tied:                                 # a tied head's weight is the embedding's table
+            freed += 0 if weight is None else weight.numel() * weight.element_size()
+            taken.update(t.name for t in tensors)
         drop_weights(layer)
         layer.weight = None
         layer.gguf_weight = weights
@@ -140,9 +168,9 @@ def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> int:
         logger.warning("GGUF type %s (%d tensors, e.g. %s) has no native CPU kernel (native: %s): those linears "
                        "run dequantized to float32", type_label(ggml_type), len(names), names[0],
                        ", ".join(NATIVE_TYPES.values()))
-    logger.info("GGUF blocks computed as stored on the CPU: %d linears (%.0f MB of float weights freed)",
+    logger.info("GGUF blocks computed as stored on the CPU: %d linears (%.0f MB of float weights not kept)",
                 converted, freed / 1e6)
-    return converted
+    return taken
 
 
 def type_label(ggml_type: int) -> str:

@@ -1,0 +1,42 @@
+"""The CPU runner's native decode step (executor/cpu_decode.py) in the engine, on the bundled Q4_1
+GGUF: chosen at start-up for `--dtype auto`, it runs every decode-only step (prefill and mixed
+steps keep the per-op forward), and its greedy tokens are the per-op path's (`enforce_eager`),
+one sequence at a time and several together with different lengths."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenforge import LLM, SamplingParams
+from tokenforge.executor.cpu_decode import CpuDecodeRunner
+
+PROMPTS = ["The capital of France is", "1, 2, 3, 4, 5,", "Once upon a time, in a small village by the sea,"]
+
+
+def _runner(llm: LLM):
+    return llm.engine.executor.runner
+
+
+@pytest.mark.slow
+def test_native_decode_steps_give_the_per_op_tokens(monkeypatch):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eager = LLM(max_model_len=256, enforce_eager=True)
+    assert _runner(eager).graphs is None
+    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    eager.shutdown()
+    calls = []
+    run = CpuDecodeRunner.run
+    monkeypatch.setattr(CpuDecodeRunner, "run", lambda self, inputs: calls.append(inputs.num_seqs) or run(self, inputs))
+    llm = LLM(max_model_len=256)
+    assert isinstance(_runner(llm).graphs, CpuDecodeRunner)
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
+    assert together == expected and alone == expected
+    assert 3 in calls and calls.count(1) >= 3 * (12 - 2)     # the batched steps and the one-row steps ran natively
+    llm.shutdown()
+
+
+def test_the_float32_path_keeps_the_per_op_forward():
+    llm = LLM("tiny-llama", load_format="dummy", device="cpu", max_model_len=128)
+    assert _runner(llm).graphs is None
+    llm.shutdown()

@@ -1,0 +1,49 @@
+"""The CPU's captured decode step: a GGUF-native model's decode steps as one native call each.
+
+What CUDA graphs are to the GPU runner (cuda_graph.py: `can_run` / `run` / `release`, chosen once
+at start-up): decode-only steps of up to `MAX_ROWS` sequences skip the per-op forward, whose ~300
+small torch ops and ctypes calls a token cost more than its matmuls at batch 1, and run
+model/native_decode.py's step instead. Prefill and mixed steps, and larger decode batches (the
+per-op path multiplies dequantized weights there), keep the model's forward; so does every step
+under `--enforce-eager`, which keeps the per-op path as on the GPU it keeps eager steps.
+
+In: a decode-only InputBatch. Out: the final-normed hidden states [B, H], as the forward gives.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenforge.model.native_decode import MAX_ROWS, NativeDecoder
+
+logger = logging.getLogger(__name__)
+
+
+class CpuDecodeRunner:
+    def __init__(self, decoder: NativeDecoder) -> None:
+        self.decoder = decoder
+
+    @classmethod
+    def for_runner(cls, runner) -> CpuDecodeRunner | None:
+        """The native decode step when the runner's model qualifies (after its KV cache exists)."""
+        if (runner.device.type != "cpu" or runner.config.device.enforce_eager or runner.loras is not None
+                or runner.offloader is not None or runner.rank.tp_size > 1 or runner.rank.pp_size > 1):
+            return None
+        decoder, why = NativeDecoder.of(runner.model)
+        if decoder is None:
+            if any(hasattr(m, "gguf_weight") for m in runner.model.modules()):
+                logger.info("GGUF decode steps run per op (%s)", why)
+            return None
+        logger.info("GGUF decode steps of up to %d sequences run as one native call", MAX_ROWS)
+        return cls(decoder)
+
+    def can_run(self, inputs) -> bool:
+        return inputs.is_decode_only and inputs.num_seqs <= MAX_ROWS
+
+    def run(self, inputs) -> torch.Tensor:
+        return self.decoder.forward(inputs.input_ids, inputs.attn_batch)
+
+    def release(self) -> None:
+        self.decoder = None

@@ -1,0 +1,273 @@
+// A whole decode step of a Llama-family decoder whose linears are GGUF blocks, in one call: for
+// each layer, add + RMSNorm and 8-bit quantization, q|k|v, rotary, the new k/v stored into the
+// paged KV cache, attention over the cache (read in place through the block tables), o, add +
+// RMSNorm, gate|up, SwiGLU, down; then the final norm. It is the same computation as the model's
+// per-op forward on the gguf-native method (gguf_cpu.cpp's kernels on the same quantized
+// activations), with attention computed here in float32 instead of by SDPA. Why one call: at
+// batch 1 the per-op path spends more time dispatching about 300 small torch ops and ctypes calls
+// per token than in the matmuls. Everything runs in one OpenMP parallel region: projections are
+// split over weight rows and attention over (row, head), with a barrier after each (five a
+// layer); each thread keeps its own residual stream and quantized activations, which it computes
+// itself between them (cheap, and a barrier fewer each time).
+// Called by kernels/gguf_decode.py, whose ctypes structures mirror the ones below.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "gguf_kernels.h"
+
+using namespace tf;
+
+extern "C" {
+
+struct TfPart {             // one packed weight: `rows` consecutive output features
+    const void* q;
+    const float* scale;
+    const float* minv;      // null: no min term (Q8_0, Q5_0, Q6_K)
+    int64_t rows;
+    int64_t kind;           // 0: u4, 1: i8
+};
+
+struct TfLinear {
+    TfPart parts[4];        // a Q4_K_M layer mixes types: one part per run of a layout
+    const float* bias;      // null: none
+    int64_t num_parts, in_features, out_features;
+};
+
+struct TfLayer {
+    const float* attn_norm;
+    const float* ffn_norm;
+    TfLinear qkv, o, gate_up, down;
+    float* kv_cache;        // [2, num_slots, Hkv, D]
+    int64_t num_slots;      // num_blocks * block_size
+    int64_t window;         // sliding window; 0: full attention
+};
+
+struct TfModel {
+    const TfLayer* layers;
+    const float* final_norm;
+    const float* cos_sin;   // [max_positions, D]: cos | sin (rotate-half layout)
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+};
+
+struct TfStep {
+    const int64_t* positions;       // [M] the new token's position (its context length)
+    const int64_t* slots;           // [M] its flat cache slot
+    const int32_t* block_tables;    // [M, max_blocks]
+    const int32_t* seq_lens;        // [M] context + 1
+    int64_t rows, max_blocks;
+    int64_t threads;                // the team's size (gguf_decode.py picks it; results do not depend on it)
+};
+
+}  // extern "C"
+
+namespace {
+
+struct Acts {               // activations quantized for one projection (gguf_cpu.cpp's layout)
+    int8_t* xq;
+    float* dx;
+    float* fx16;            // dx * sum of codes per 16 (i8 mins)
+    float* fx32;            // per 32 (u4 mins)
+};
+
+struct Shared {             // what the threads write for each other: projection and attention outputs
+    std::vector<float> qkv, attn, out, gate_up;
+
+    void fit(const TfModel& md, int64_t M) {
+        const int64_t q_size = md.num_heads * md.head_dim, kv_size = md.num_kv_heads * md.head_dim;
+        qkv.resize(M * (q_size + 2 * kv_size));
+        attn.resize(M * q_size);
+        out.resize(M * md.hidden);
+        gate_up.resize(M * 2 * md.intermediate);
+    }
+};
+
+// Each thread's own copy of the residual stream and of the quantized activations: every thread
+// computes them (the same numbers) from the shared outputs, so a projection needs no barrier
+// before it, only after.
+struct Private {
+    std::vector<float> residual, row, dx, fx16, fx32, scores, q, k;
+    std::vector<int8_t> xq;
+    Acts acts{};
+
+    void fit(const TfModel& md, int64_t M) {
+        const int64_t widest = std::max({md.hidden, md.intermediate, md.num_heads * md.head_dim});
+        residual.resize(M * md.hidden);
+        row.resize(widest);
+        xq.resize(M * widest);
+        dx.resize(M * widest / 32);
+        fx16.resize(M * widest / 16);
+        fx32.resize(M * widest / 32);
+        q.resize(md.head_dim);
+        k.resize(md.head_dim);
+        acts = {xq.data(), dx.data(), fx16.data(), fx32.data()};
+    }
+};
+
+// Row m of an activation of width K, quantized into acts (row-major [M, K]).
+void quantize_row(const float* v, int64_t K, int64_t m, const Acts& a) {
+    const int64_t blocks = K / 32;
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t i = m * blocks + b;
+        quantize_block(v + 32 * b, a.xq + m * K + 32 * b, a.dx + i, a.fx16 + 2 * i);
+        a.fx32[i] = a.fx16[2 * i] + a.fx16[2 * i + 1];
+    }
+}
+
+// weight * RMSNorm(h) for one row, into `row` (what tf_rms_norm_quantize computes).
+void rms_norm_row(const float* h, const float* weight, float eps, int64_t K, float* row) {
+    const float inv = 1.f / std::sqrt(dot_f32(h, h, K) / static_cast<float>(K) + eps);
+    for (int64_t j = 0; j < K; ++j) row[j] = weight[j] * (h[j] * inv);
+}
+
+// residual += x (first layer: residual = x), then its norm quantized for the next projection.
+void add_norm_quantize(const float* x, bool first, const float* weight, float eps, int64_t M, int64_t K, Private& p) {
+    for (int64_t m = 0; m < M; ++m) {
+        float* r = p.residual.data() + m * K;
+        const float* xm = x + m * K;
+        for (int64_t j = 0; j < K; ++j) r[j] = first ? xm[j] : xm[j] + r[j];
+        rms_norm_row(r, weight, eps, K, p.row.data());
+        quantize_row(p.row.data(), K, m, p.acts);
+    }
+}
+
+// out [M, out_features] = acts . W^T (+ bias), rows split over the threads; a barrier after.
+void linear(const TfLinear& L, const Acts& a, int64_t M, float* out) {
+    const int64_t K = L.in_features, blocks = K / 32, stride = L.out_features;
+    int64_t col = 0;
+    for (int64_t p = 0; p < L.num_parts; ++p) {
+        const TfPart& w = L.parts[p];
+        const int64_t row_bytes = w.kind == 0 ? K / 2 : K, scales = w.kind == 0 ? blocks : 2 * blocks;
+        const float* fmin = w.kind == 0 ? a.fx32 : a.fx16;
+#pragma omp for schedule(static) nowait
+        for (int64_t n = 0; n < w.rows; ++n) {
+            float* o = out + col + n;
+            matmul_row(static_cast<int>(w.kind), static_cast<const uint8_t*>(w.q) + n * row_bytes, w.scale + n * scales,
+                       w.minv == nullptr ? nullptr : w.minv + n * scales, K, a.xq, a.dx, fmin, M, o, stride);
+            if (L.bias != nullptr)
+                for (int64_t m = 0; m < M; ++m) o[m * stride] += L.bias[col + n];
+        }
+        col += w.rows;
+    }
+#pragma omp barrier
+}
+
+// Rotate-half rotary of one head vector: [x1 * cos - x2 * sin, x2 * cos + x1 * sin].
+void rotate(const float* x, const float* cos, const float* sin, int64_t half, float* out) {
+    for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        out[i] = x1 * cos[i] - x2 * sin[i];
+        out[i + half] = x2 * cos[i] + x1 * sin[i];
+    }
+}
+
+// One query head of row m: q and the new k rotated, the new k/v stored at the row's slot (by the
+// group's first head), then softmax attention over the sequence's keys, read in place through
+// the block table (the new token's from the registers, so no task waits for the store), only the
+// last `window` with a sliding window -> out [D].
+void attend_head(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, int64_t h, const float* row,
+                 float* out, Private& p) {
+    const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads, bs = md.block_size;
+    const int64_t group = Hq / Hkv, kvh = h / group, len = st.seq_lens[m];
+    const int64_t start = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0;
+    const float* cs = md.cos_sin + st.positions[m] * D;
+    float *q = p.q.data(), *k_new = p.k.data();
+    rotate(row + h * D, cs, cs + D / 2, D / 2, q);
+    rotate(row + (Hq + kvh) * D, cs, cs + D / 2, D / 2, k_new);
+    const float* v_new = row + (Hq + Hkv + kvh) * D;
+    if (h % group == 0) {
+        std::copy(k_new, k_new + D, L.kv_cache + (st.slots[m] * Hkv + kvh) * D);
+        std::copy(v_new, v_new + D, L.kv_cache + ((L.num_slots + st.slots[m]) * Hkv + kvh) * D);
+    }
+    const int32_t* table = st.block_tables + m * st.max_blocks;
+    auto slot = [&](int64_t pos) { return static_cast<int64_t>(table[pos / bs]) * bs + pos % bs; };
+    p.scores.resize(len - start);
+    float* scores = p.scores.data();
+    float top = -INFINITY;
+    for (int64_t pos = start; pos < len; ++pos) {
+        const float* k = pos == len - 1 ? k_new : L.kv_cache + (slot(pos) * Hkv + kvh) * D;
+        const float s = dot_f32(q, k, D) * md.scale;
+        scores[pos - start] = s;
+        top = std::max(top, s);
+    }
+    float total = 0.f;
+    for (int64_t i = 0; i < len - start; ++i) total += (scores[i] = std::exp(scores[i] - top));
+    std::fill(out, out + D, 0.f);
+    for (int64_t pos = start; pos < len; ++pos) {
+        const float* v = pos == len - 1 ? v_new : L.kv_cache + ((L.num_slots + slot(pos)) * Hkv + kvh) * D;
+        const float w = scores[pos - start];
+        for (int64_t d = 0; d < D; ++d) out[d] += w * v[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+}
+
+// Every (row, query head) of the step, split over the threads; a barrier after.
+void attention(const TfModel& md, const TfLayer& L, const TfStep& st, const float* qkv, float* attn, Private& p) {
+    const int64_t D = md.head_dim, Hq = md.num_heads, width = (Hq + 2 * md.num_kv_heads) * D;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < st.rows * Hq; ++i) {
+        const int64_t m = i / Hq, h = i % Hq;
+        attend_head(md, L, st, m, h, qkv + m * width, attn + m * Hq * D + h * D, p);
+    }
+}
+
+void silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, Private& p) {
+    for (int64_t m = 0; m < M; ++m) {
+        const float* g = gate_up + m * 2 * K;
+        const float* u = g + K;
+        float* row = p.row.data();
+        for (int64_t j = 0; j < K; ++j) row[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+        quantize_row(row, K, m, p.acts);
+    }
+}
+
+// One layer, run by every thread of the region: five barriers (after each projection and after
+// attention); the norms, SwiGLU and quantization between them each thread computes for itself.
+void decode_layer(const TfModel& md, const TfLayer& L, const TfStep& st, float* hidden, bool first, Shared& s,
+                  Private& p) {
+    const int64_t M = st.rows, H = md.hidden, I = md.intermediate, q_size = md.num_heads * md.head_dim;
+    add_norm_quantize(hidden, first, L.attn_norm, md.eps, M, H, p);
+    linear(L.qkv, p.acts, M, s.qkv.data());
+    attention(md, L, st, s.qkv.data(), s.attn.data(), p);
+    for (int64_t m = 0; m < M; ++m) quantize_row(s.attn.data() + m * q_size, q_size, m, p.acts);
+    linear(L.o, p.acts, M, s.out.data());
+    add_norm_quantize(s.out.data(), false, L.ffn_norm, md.eps, M, H, p);
+    linear(L.gate_up, p.acts, M, s.gate_up.data());
+    silu_mul_quantize(s.gate_up.data(), M, I, p);
+    linear(L.down, p.acts, M, hidden);
+}
+
+Private& private_scratch(const TfModel& md, int64_t M) {
+    thread_local Private p;      // called inside the region: each thread's own
+    p.fit(md, M);
+    return p;
+}
+
+}  // namespace
+
+extern "C" {
+
+// hidden [M, H]: in, the embeddings of the step's tokens; out, the final-normed hidden states.
+void tf_decode_step(const TfModel* model, const TfStep* step, float* hidden) {
+    const TfModel& md = *model;
+    const int64_t M = step->rows, H = md.hidden;
+    thread_local Shared per_caller;
+    Shared& shared = per_caller;        // the calling thread's, shared by the team (a thread_local
+    shared.fit(md, M);                  // named inside the region would be each thread's own)
+#pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, step->threads)))
+    {
+        Private& p = private_scratch(md, M);
+        for (int64_t l = 0; l < md.num_layers; ++l) decode_layer(md, md.layers[l], *step, hidden, l == 0, shared, p);
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; ++m) {
+            float* r = p.residual.data() + m * H;
+            for (int64_t j = 0; j < H; ++j) r[j] += hidden[m * H + j];
+            rms_norm_row(r, md.final_norm, md.eps, H, hidden + m * H);
+        }
+    }
+}
+
+}  // extern "C"
