@@ -33,6 +33,9 @@ def test_native_decode_steps_give_the_per_op_tokens(monkeypatch):
     alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
     assert together == expected and alone == expected
     assert 3 in calls and calls.count(1) >= 3 * (12 - 2)     # the batched steps and the one-row steps ran natively
+    stats = llm.get_stats()                                  # the graph counters read the native step too
+    assert (stats.cuda_graphs_pending, stats.eager_decode_steps) == (0, 0)
+    assert llm.engine.idle_work() is False                   # nothing deferred to capture when idle
     llm.shutdown()
 
 

@@ -42,6 +42,14 @@ class CpuDecodeRunner:
     def can_run(self, inputs) -> bool:
         return inputs.is_decode_only and inputs.num_seqs <= MAX_ROWS
 
+    def capture_next(self) -> bool:
+        """Nothing to capture later (the CUDA graph runner's deferred buckets): the native step is
+        ready once built."""
+        return False
+
+    def counts(self) -> tuple[int, int]:
+        return 0, 0
+
     def run(self, inputs) -> torch.Tensor:
         return self.decoder.forward(inputs.input_ids, inputs.attn_batch)
 

@@ -84,6 +84,10 @@ class CudaGraphRunner:
         with torch.inference_mode():
             self.capture_seconds = self.stages.capture_initial()
 
+    def counts(self) -> tuple[int, int]:
+        """(deferred buckets not captured yet, decode steps run eagerly for want of a graph)."""
+        return len(self.stages.pending), self.stages.eager_decode_steps
+
     def capture_next(self) -> bool:
         """One deferred bucket (the engine is idle); whether any remain. Kernels it compiles are
         start-up work off any request's path, not compiles on one (compile_watch.py)."""

@@ -67,7 +67,7 @@ class Executor:
     def graph_counts(self) -> tuple[int, int]:
         """(deferred CUDA-graph buckets not captured yet, decode steps run eagerly for want of one)."""
         graphs = self.runner.graphs
-        return (len(graphs.stages.pending), graphs.stages.eager_decode_steps) if graphs is not None else (0, 0)
+        return graphs.counts() if graphs is not None else (0, 0)
 
     def init_kv_tiers(self, config: EngineConfig) -> None:
         """The CPU/disk/Redis tiers over the allocated KV cache (only when some tier is set)."""
