@@ -41,3 +41,15 @@ def hf_gguf_model():
     gguf = find_bundled_gguf()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer():
+    """HF transformers' own tokenizer of the bundled GGUF (the reference the engine's tokenizer is
+    held to). Converting the GGUF vocabulary takes ~7 s, so the engine tests share this copy."""
+    from transformers import AutoTokenizer
+
+    from tokenforge.model.loader import find_bundled_gguf
+
+    gguf = find_bundled_gguf()
+    return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
