@@ -35,8 +35,10 @@ def test_serve_tp2_answers_openai_then_dies_cleanly_with_a_worker(widened_model,
 
         (worker,) = child_pids(server.engine_pid())
         os.kill(worker, signal.SIGKILL)
+        # A bound on a hang, not a speed target: an idle host sees the 503 within a second; both
+        # cores busy with another process stretched every step of the way here.
         killed, status = time.monotonic(), 200
-        while status == 200 and time.monotonic() - killed < 10:
+        while status == 200 and time.monotonic() - killed < 30:
             try:
                 status = httpx.get(server.url + "/health", timeout=1).status_code
             except httpx.HTTPError:
@@ -44,7 +46,7 @@ def test_serve_tp2_answers_openai_then_dies_cleanly_with_a_worker(widened_model,
             time.sleep(0.05)
         assert status in (503, "gone")
         assert server.proc.wait(30) != 0
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while processes_with_env(marker) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert processes_with_env(marker) == []

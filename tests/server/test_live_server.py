@@ -234,7 +234,7 @@ def test_engine_death_is_503_and_nonzero_exit():
         os.kill(server.engine_pid(), signal.SIGKILL)
         killed = time.monotonic()
         status = 200
-        while status == 200 and time.monotonic() - killed < 5:
+        while status == 200 and time.monotonic() - killed < 30:       # a bound on a hang, not a speed target
             try:
                 status = httpx.get(server.url + "/health", timeout=1).status_code
             except httpx.HTTPError:

@@ -1,7 +1,9 @@
-"""tokenforge train on the CPU with the bundled SmolLM2 in float32: the loss falls, a resumed run
-reproduces the uninterrupted one bit for bit, two DDP processes (gloo) match one process on the
-same global batch, the export loads in HF with the same logits and `tokenforge serve` answers it,
-SIGTERM saves and returns, and bad inputs fail before any compute."""
+"""tokenforge train on the CPU in float32. End to end on the bundled SmolLM2: the loss falls, the
+export loads in HF with the same logits and `tokenforge serve` answers it. The machinery on
+tiny-llama (random init, conftest.TINY), where the bundled model's size only made each step and
+each ~1.6 GB checkpoint slower: a resumed run reproduces the uninterrupted one bit for bit, two
+DDP processes (gloo, under torchrun) match one process on the same global batch, SIGTERM saves and
+returns, LoRA trains the adapters only and exports both ways. Bad inputs fail before any compute."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from tests.server.servers import REPO, ServerProcess
+from tests.train.conftest import TINY
 from tokenforge.train.config import TrainConfig
 from tokenforge.train.data import DataError
 from tokenforge.train.trainer import train
@@ -36,6 +39,15 @@ def _cfg(data_dir, out, **kw) -> TrainConfig:
 def run_a(module_run_root, data_dir, tokenizer, bundled_model):
     out = module_run_root / "a"
     result = train(_cfg(data_dir, out), tokenizer, model=copy.deepcopy(bundled_model))
+    return out, result
+
+
+@pytest.fixture(scope="module")
+def run_tiny(module_run_root, tiny_data_dir, tiny_tokenizer):
+    """The same run as `run_a` on tiny-llama: the reference of the resume and DDP tests."""
+    out = module_run_root / "tiny"
+    result = train(_cfg(tiny_data_dir, out, **TINY), tiny_tokenizer)
+    assert result.steps == 6 and (out / "checkpoints" / "step_00000003").is_dir()
     return out, result
 
 
@@ -58,21 +70,22 @@ def test_loss_falls_and_logs(run_a):
     assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_00000003", "step_00000006"]
 
 
-def test_resume_reproduces_losses_bit_for_bit(run_a, run_root, data_dir, tokenizer, bundled_model):
-    out_a, result_a = run_a
+def test_resume_reproduces_losses_bit_for_bit(run_tiny, run_root, tiny_data_dir, tiny_tokenizer):
+    out_a, result_a = run_tiny
     out_b = run_root / "b"
     shutil.copytree(out_a / "checkpoints" / "step_00000003", out_b / "checkpoints" / "step_00000003")
-    result = train(_cfg(data_dir, out_b, resume=True), tokenizer, model=copy.deepcopy(bundled_model))
+    result = train(_cfg(tiny_data_dir, out_b, resume=True, **TINY), tiny_tokenizer)
     assert result.steps == 6
     assert result.losses == result_a.losses[3:]          # exact float equality
 
 
-def test_ddp_two_gloo_processes_match_one_process(run_a, run_root, data_dir):
-    _, result_a = run_a
+def test_ddp_two_gloo_processes_match_one_process(run_tiny, run_root, tiny_data_dir):
+    _, result_a = run_tiny
     out = run_root / "ddp"
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-           "tokenforge.cli", "train", "--data", str(data_dir), "--output", str(out), "--strategy", "ddp",
+           "tokenforge.cli", "train", "--model", TINY["model"], "--load-format", TINY["load_format"],
+           "--data", str(tiny_data_dir), "--output", str(out), "--strategy", "ddp",
            "--device", "cpu", "--seq-len", "16", "--micro-batch-size", "1", "--global-batch-tokens", "32",
            "--lr", "3e-4", "--warmup-steps", "3", "--max-steps", "3", "--no-tensorboard", "--eval-samples", "2"]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -106,26 +119,29 @@ def test_export_loads_in_hf_with_identical_logits_and_serves(run_a):
         server.stop()
 
 
-def test_sigterm_saves_a_resumable_checkpoint_and_returns(run_root, data_dir, tokenizer, bundled_model):
-    result = train(_cfg(data_dir, run_root / "s", max_steps=50), tokenizer, model=copy.deepcopy(bundled_model),
+def test_sigterm_saves_a_resumable_checkpoint_and_returns(run_root, tiny_data_dir, tiny_tokenizer):
+    result = train(_cfg(tiny_data_dir, run_root / "s", max_steps=50, **TINY), tiny_tokenizer,
                    on_step=lambda step: os.kill(os.getpid(), signal.SIGTERM))
     assert result.interrupted and result.steps == 1 and result.final_dir is None
     assert (result.checkpoint / "trainer.json").is_file()
     assert json.loads((result.checkpoint / "trainer.json").read_text())["position"] == 2
 
 
-def test_lora_trains_adapters_only_and_exports_both_ways(run_root, data_dir, tokenizer, bundled_model):
+def test_lora_trains_adapters_only_and_exports_both_ways(run_root, tiny_data_dir, tiny_tokenizer):
     from safetensors.torch import load_file
 
-    base = copy.deepcopy(bundled_model)
-    result = train(_cfg(data_dir, run_root / "l", max_steps=2, lora_rank=4, lora_export="adapter", lr=1e-2),
-                   tokenizer, model=base)
+    from tokenforge.model.loader import load_model
+
+    original_model = load_model(TINY["model"], TINY["load_format"], torch.float32, "cpu", seed=0).model
+    result = train(_cfg(tiny_data_dir, run_root / "l", max_steps=2, lora_rank=4, lora_export="adapter", lr=1e-2,
+                        **TINY), tiny_tokenizer, model=copy.deepcopy(original_model))
     final = result.final_dir
     assert (final / "adapter_config.json").is_file()
     adapter = load_file(str(final / "adapter_model.safetensors"))
     assert any(k.endswith("q_proj.lora_B.weight") and v.abs().sum() > 0 for k, v in adapter.items())
     weights = load_file(str(final / "model.safetensors"))
-    original = bundled_model.model.layers[0].self_attn.qkv_proj.weight[:576]
+    cfg = original_model.config
+    original = original_model.model.layers[0].self_attn.qkv_proj.weight[:cfg.num_attention_heads * cfg.head_dim]
     assert torch.equal(weights["model.layers.0.self_attn.q_proj.weight"], original)    # base frozen
 
 

@@ -1,10 +1,14 @@
 """Pieces of the trainer: the training path of the model against the serving path, the chunked
-cross-entropy against the plain one, the learning-rate schedule, the sample order, and a smoke
-run of `tokenforge bench train`."""
+cross-entropy against the plain one, the learning-rate schedule, the sample order, a smoke
+run of `tokenforge bench train`, and the clean-up of run folders that killed test runs left in RAM."""
 
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -92,3 +96,23 @@ def test_eval_batches_give_every_rank_the_same_number_of_forwards():
     (_, real), (_, pad) = per_rank[1]
     assert real.tolist() == [[11, 12, 13, 14]] and (pad == IGNORE_INDEX).all()
     assert all((labels != IGNORE_INDEX).all() for _, labels in per_rank[0])
+
+
+def test_run_folders_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
+    from tests.train.conftest import remove_stale_ram_dirs
+
+    gone = subprocess.Popen([sys.executable, "-c", ""])
+    gone.wait()
+    dirs = {name: tmp_path / f"tokenforge-train-{name}" for name in
+            (f"{gone.pid}-dead", f"{os.getpid()}-mine", "oldform-fresh", "oldform-stale")}
+    for d in dirs.values():
+        (d / "ckpt").mkdir(parents=True)
+        (d / "ckpt" / "weights").write_bytes(b"x")
+    hours_ago = time.time() - 2 * 3600
+    for path in (dirs["oldform-stale"] / "ckpt" / "weights", dirs["oldform-stale"] / "ckpt", dirs["oldform-stale"]):
+        os.utime(path, (hours_ago, hours_ago))
+    (tmp_path / "unrelated").mkdir()
+    removed = remove_stale_ram_dirs(tmp_path)
+    assert sorted(removed) == sorted([dirs[f"{gone.pid}-dead"], dirs["oldform-stale"]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["unrelated", f"tokenforge-train-{os.getpid()}-mine", "tokenforge-train-oldform-fresh"])
