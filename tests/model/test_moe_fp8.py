@@ -128,6 +128,7 @@ def test_modes_that_leave_the_experts_say_so_in_one_line(tmp_path, caplog, optio
 def test_mxfp4_experts_stay_4bit_under_fp8(tmp_path, caplog):
     _, path = moe_checkpoints.gpt_oss_mxfp4(tmp_path / "gpt_oss_mxfp4")
     model = load_model(str(path), "auto", torch.float32, "cpu").model
+    caplog.clear()         # the load's own lines (captured when an earlier test left INFO on) are not this call's
     with caplog.at_level(logging.INFO, logger="tokenforge.model.quant"):
         assert quantize_experts(model, "fp8") == 0
     assert [r.getMessage() for r in caplog.records] == ["fp8: the experts of 4 MoE layers are MXFP4 already and stay "
