@@ -81,6 +81,8 @@ def test_linear_layers_leave_out_the_lm_head_unless_asked():
 @torch.no_grad()
 def test_prepacked_dense_weight_gives_the_float_product():
     layer, norm = _layer(), RMSNorm(64, 1e-6, torch.float32)
+    with torch.no_grad():           # a norm's weight is uninitialised until a loader writes it
+        norm.weight.copy_(torch.rand(64) + 0.5)
     x = torch.randn(32, 64)
     plain = F.linear(x, layer.weight)
     assert prepack_linears(layer) == 1 and layer.mkl_weight is not None
