@@ -69,6 +69,7 @@ def test_fp8_many_rows_fuse_the_activation_quantization_into_norm_and_silu(monke
         gate_up = MergedColumnParallelLinear(768, [1024, 1024], params_dtype=torch.bfloat16)
         norm = RMSNorm(768, 1e-6, torch.bfloat16)
     torch.nn.init.normal_(gate_up.weight, std=0.03)
+    torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)     # uninitialised until a loader writes it
     gate_up.quant_method = method
     method.create_weights(gate_up)
     method.process_weights_after_loading(gate_up)
