@@ -66,14 +66,15 @@ def test_reference_matches_the_dense_computation():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("tokens,hidden,inter,experts,k", [
     (1, 256, 512, 8, 2), (4, 512, 384, 8, 2), (16, 256, 192, 128, 8), (300, 512, 256, 32, 4)])
-def test_fused_moe_matches_reference(tokens, hidden, inter, experts, k):
+@pytest.mark.parametrize("gemv", [None, True])        # the table's path; the per-pair GEMVs forced
+def test_fused_moe_matches_reference(tokens, hidden, inter, experts, k, gemv):
     torch.manual_seed(tokens)
     dev = "cuda"
     x = torch.randn(tokens, hidden, device=dev, dtype=torch.bfloat16)
     w13 = (torch.randn(experts, 2 * inter, hidden, device=dev) / hidden ** 0.5).bfloat16()
     w2 = (torch.randn(experts, hidden, inter, device=dev) / inter ** 0.5).bfloat16()
     weights, ids = route(torch.randn(tokens, experts, device=dev), k)
-    out = fused_moe(x, w13, w2, weights, ids)
+    out = fused_moe(x, w13, w2, weights, ids, gemv=gemv)
     ref = moe_reference(x, w13, w2, weights, ids)
     err = (out.float() - ref.float()).norm() / ref.float().norm()
     assert err < 2e-2, err
@@ -100,7 +101,8 @@ def _on(w, device, dtype):
 
 @pytest.mark.parametrize("variant", ["bias", "swiglu_oai", "mxfp4", "mxfp4_oai_bias", "other_rank"])
 @pytest.mark.parametrize("tokens", [3, 70])
-def test_fused_moe_epilogues_match_reference(device, variant, tokens):
+@pytest.mark.parametrize("gemv", [False, True])       # the grouped GEMMs; the per-pair GEMVs
+def test_fused_moe_epilogues_match_reference(device, variant, tokens, gemv):
     """Biases, gpt-oss's clamped SwiGLU, MXFP4 experts decoded in the kernel, and ids of another
     rank's experts (expert parallelism), against the torch reference."""
     import functools
@@ -124,6 +126,6 @@ def test_fused_moe_epilogues_match_reference(device, variant, tokens):
     x, w13, w2 = x.to(device, dtype), _on(w13, device, dtype), _on(w2, device, dtype)
     b13, b2 = (None, None) if b13 is None else (b13.to(device, dtype), b2.to(device, dtype))
     out = fused_moe(x, w13, w2, weights.to(device), ids.to(device), b13, b2,
-                    "swiglu_oai" if oai else "silu", 1.702, 0.4)
+                    "swiglu_oai" if oai else "silu", 1.702, 0.4, gemv=gemv)
     err = (out.float().cpu() - ref).norm() / ref.norm()
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err

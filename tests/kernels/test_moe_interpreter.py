@@ -39,7 +39,9 @@ CASES = [
     ("mxfp4-partial-k", 3, 96, 160, 4, 2, (), "mxfp4_oai_bias_other_rank"),   # K tiles of 64: 96 ends half full
     ("fp8-decode", 1, 96, 96, 6, 2, (), "fp8"),                      # e4m3 experts, per-row scales; K half full
     ("fp8-top4", 37, 64, 48, 8, 4, (2,), "fp8_bias_other_rank"),     # the scales before the biases
+    ("fp8-bias-decode", 2, 64, 48, 6, 2, (), "fp8_bias_other_rank"),
 ]
+GEMV_MAX_CASE_PAIRS = 64      # the cases also run as per-pair GEMVs (kernels/moe_gemv.py) up to here
 # route_align (kernels/moe_routing.py): (tokens, experts, top_k, order, renormalize, first, num_local)
 ROUTING_CASES = [
     (1, 8, 2, "softmax_topk", True, 0, None),          # Mixtral at batch 1
@@ -69,7 +71,8 @@ def test_fused_moe_under_the_interpreter_with_tf32_rounding_matches_reference():
     proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_moe_interpreter"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok ") == len(CASES) + 2 * len(ROUTING_CASES), proc.stdout
+    gemv_cases = sum(c[1] * c[5] <= GEMV_MAX_CASE_PAIRS for c in CASES)
+    assert proc.stdout.count(" ok ") == len(CASES) + gemv_cases + 2 * len(ROUTING_CASES), proc.stdout
 
 
 def test_route_align_declines_batches_past_its_tile():
@@ -162,12 +165,14 @@ def _main() -> int:
         args, ref_kwargs, fused_kwargs = _case(tokens, hidden, inter, experts, k, starved, variant, gen)
         assert not set(starved) & set(args[4].flatten().tolist())
         ref = moe.moe_reference(*args, **ref_kwargs)
-        out = moe.fused_moe(*args, **fused_kwargs)
-        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-        good = err < 1e-5 and not out.isnan().any()
-        failed += not good
-        verdict = " ok " if good else " FAILED "
-        print(f"{name:14s} T={tokens:<4d} k={k} pairs={tokens * k:<5d} {verdict} rel err {err:.1e}")
+        for gemv in (False, True) if tokens * k <= GEMV_MAX_CASE_PAIRS else (False,):
+            out = moe.fused_moe(*args, **fused_kwargs, gemv=gemv)
+            err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+            good = err < 1e-5 and not out.isnan().any()
+            failed += not good
+            verdict = " ok " if good else " FAILED "
+            path = "gemv" if gemv else "grouped"
+            print(f"{name:14s} {path:7s} T={tokens:<4d} k={k} pairs={tokens * k:<5d} {verdict} rel err {err:.1e}")
     for case in ROUTING_CASES:
         failed += _routing_case(*case)
     return 1 if failed else 0

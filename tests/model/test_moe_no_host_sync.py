@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenforge.kernels import moe as kernels_moe
-from tokenforge.kernels import moe_routing
+from tokenforge.kernels import moe_gemv, moe_routing
 from tokenforge.model.arch_config import MoeConfig
 from tokenforge.model.layers import moe as moe_layer
 
@@ -31,13 +31,14 @@ class _Launches:
 
 @pytest.fixture
 def stubbed(monkeypatch):
-    routing, gemm = _Launches(), _Launches()
+    routing, gemm, gemv = _Launches(), _Launches(), _Launches()
     monkeypatch.setattr(moe_routing, "_route_align_kernel", routing)
     monkeypatch.setattr(kernels_moe, "_moe_gemm_kernel", gemm)
+    monkeypatch.setattr(moe_gemv, "_moe_gemv_kernel", gemv)                 # decode batches of MXFP4 experts
     monkeypatch.setattr(kernels_moe, "_topk_sum_kernel", _Launches())      # the sum over k (one launch)
     monkeypatch.setattr(moe_routing, "require_triton", lambda *t: None)
     monkeypatch.setattr(kernels_moe, "require_triton", lambda *t: None)
-    return routing, gemm
+    return routing, gemm, gemv
 
 
 def _block(style: str, expert_parallel: bool = False) -> moe_layer.SparseMoeBlock:
@@ -59,12 +60,14 @@ def _block(style: str, expert_parallel: bool = False) -> moe_layer.SparseMoeBloc
 @pytest.mark.parametrize("expert_parallel", [False, True])
 @pytest.mark.parametrize("tokens,one_launch", [(1, True), (16, True), (300, False)])
 def test_fused_moe_layer_needs_no_host_sync(stubbed, style, expert_parallel, tokens, one_launch):
-    routing, gemm = stubbed
+    routing, gemm, gemv = stubbed
     block = _block(style, expert_parallel)
     with torch.inference_mode():
         out = block.routed(torch.empty(tokens, 64, dtype=torch.bfloat16, device="meta"))
     assert out.shape == (tokens, 64) and out.dtype == torch.bfloat16 and out.is_meta
-    assert routing.calls == (1 if one_launch else 0) and gemm.calls == 2
+    per_pair = style == "gpt-oss" and tokens * 4 <= moe_gemv.gemv_pairs("mxfp4")    # the GEMV path
+    assert routing.calls == (1 if one_launch else 0)
+    assert (gemv.calls, gemm.calls) == ((2, 0) if per_pair else (0, 2))
 
 
 def test_the_check_catches_a_host_sync(stubbed):

@@ -33,7 +33,8 @@ import torch.nn.functional as F
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .moe_fp8 import Fp8Stack
-from .mxfp4 import Mxfp4Stack
+from .moe_gemv import gemv_pairs, launch_gemv
+from .mxfp4 import Mxfp4Stack, fp4_weight_tiles
 
 ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
 
@@ -118,32 +119,6 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tens
 
 
 @triton.jit
-def _fp4_weight_tiles(w_ptrs, s_ptrs, mask):
-    """An MXFP4 tile as two [BLOCK_K / 2, BLOCK_N] fp32 tiles, the even k (low nibbles) and the odd
-    k (high nibbles) of the bytes at `w_ptrs`, each value decoded from e2m1 times its group's e8m0
-    scale. The bytes are loaded once, contiguous along K (16-byte loads down each weight row); a
-    tile of one byte per k would read each byte twice with no contiguity for the loads to
-    coalesce on. A code (sign s, exponent e, mantissa m) placed in an fp16 bit pattern as sign bit
-    15, exponent bits 11-10 and mantissa bit 9 is 2^(e-15) * (1 + m/2) for e > 0 and m * 2^-15 for
-    e = 0 (a subnormal the conversion keeps): e2m1's value times 2^-14, which the scale takes
-    back. So a value costs a few integer ops and one conversion. e8m0 s is 2^(s-127): with the
-    2^14, the fp32 exponent field s + 14 (s = 0, a subnormal 2^-127, is spelled out; an s that
-    would overflow, >= 241, saturates to infinity, as 2^114 * a value > 2^127 does anyway)."""
-    byte = tl.load(w_ptrs, mask=mask, other=0).to(tl.int32)
-    s = tl.load(s_ptrs, mask=mask, other=127).to(tl.int32)
-    scale = tl.where(s == 0, 5.877471754111438e-39 * 16384.0,
-                     (tl.minimum(s + 14, 255) << 23).to(tl.float32, bitcast=True))
-    lo = ((byte << 12) & 0x8000) | ((byte << 9) & 0x0E00)
-    hi = ((byte << 8) & 0x8000) | ((byte << 5) & 0x0E00)
-    return (_f16_bits(lo) * scale), (_f16_bits(hi) * scale)
-
-
-@triton.jit
-def _f16_bits(bits):
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, experts_ptr, valid_ptr, weights_ptr,
                      N, K, num_pairs, rows_per_a, alpha, limit,
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
@@ -182,11 +157,11 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
             mask_w = mask_j[:, None] & mask_n[None, :]
             a_even = tl.load(a_ptrs, mask=mask_a, other=0.0)
             a_odd = tl.load(a_ptrs + 1, mask=mask_a, other=0.0)
-            lo, hi = _fp4_weight_tiles(w_ptrs + k0 // 2, s_ptrs + k0 // 32, mask_w)
+            lo, hi = fp4_weight_tiles(w_ptrs + k0 // 2, s_ptrs + k0 // 32, mask_w)
             acc += tl.dot(a_even, lo.to(a_even.dtype), input_precision=DOT_PRECISION)
             acc += tl.dot(a_odd, hi.to(a_odd.dtype), input_precision=DOT_PRECISION)
             if SWIGLU:   # the up rows sit N rows below the gate rows
-                lo, hi = _fp4_weight_tiles(w_ptrs + N * stride_wn + k0 // 2, s_ptrs + N * stride_sn + k0 // 32,
+                lo, hi = fp4_weight_tiles(w_ptrs + N * stride_wn + k0 // 2, s_ptrs + N * stride_sn + k0 // 32,
                                            mask_w)
                 acc_up += tl.dot(a_even, lo.to(a_even.dtype), input_precision=DOT_PRECISION)
                 acc_up += tl.dot(a_odd, hi.to(a_odd.dtype), input_precision=DOT_PRECISION)
@@ -306,7 +281,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
               alignment: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              all_local: bool = False, tile: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+              all_local: bool = False, tile: tuple[int, int, int, int] | None = None,
+              gemv: bool | None = None) -> torch.Tensor:
     """The Triton path of `moe_reference` (same result up to rounding): w13/w2 are float stacks in
     x's dtype, `Mxfp4Stack`s (decoded inside the GEMMs, so the experts stay 4-bit in memory) or
     `Fp8Stack`s (e4m3 widened inside the GEMMs, the row scales in their epilogues);
@@ -316,7 +292,9 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     has it already (kernels/moe_routing.py computes it with the routing, in one launch). `all_local`: no id is
     another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing.
     `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the table's (the tile sweep of
-    `tokenforge bench kernels --part moe_tiles`)."""
+    `tokenforge bench kernels --part moe_tiles`; the GEMV's own tile when it runs). `gemv`: run the
+    two GEMMs as per-pair GEMVs (kernels/moe_gemv.py); None decides by the weight format and the
+    pair count (`gemv_pairs`)."""
     require_triton(x)
     tokens, hidden = x.shape
     num_experts, two_inter = w13.shape[0], w13.shape[1]
@@ -324,10 +302,13 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     pairs = tokens * top_k
     block_m = alignment_block(pairs, x.element_size())
     precision = "ieee" if x.dtype == torch.float32 else "tf32"      # tf32 is ignored for 16-bit inputs
-    sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     x = x.contiguous()
     oai = activation == "swiglu_oai"
-    w, s, swe, swn, sse, ssn, fmt = _weight_args(w13)
+    w13_args, w2_args = _weight_args(w13), _weight_args(w2)
+    if gemv if gemv is not None else pairs <= gemv_pairs(w13_args[-1]):
+        return _fused_gemv(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local, tile)
+    sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
+    w, s, swe, swn, sse, ssn, fmt = w13_args
     sms = _sm_count(x.device)
     block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), fmt == "mxfp4", inter, num_experts, sms)
     bias = w13_bias.contiguous() if w13_bias is not None else x
@@ -342,7 +323,7 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     # zeros: pairs of another rank's experts are never written, and the sum over k reads them
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
-    w, s, swe, swn, sse, ssn, fmt = _weight_args(w2)
+    w, s, swe, swn, sse, ssn, fmt = w2_args
     block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), fmt == "mxfp4", hidden, num_experts, sms)
     bias = w2_bias.contiguous() if w2_bias is not None else x
     grid = (sorted_ids.numel() // block_m, triton.cdiv(hidden, block_n))
@@ -352,6 +333,22 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
                            HAS_BIAS=w2_bias is not None, MXFP4=fmt == "mxfp4", FP8=fmt == "fp8", MUL_WEIGHTS=True,
                            DOT_PRECISION=precision,
                            num_warps=warps, num_stages=stages)
+    return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
+
+
+def _fused_gemv(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai: bool, alpha: float, limit: float,
+                all_local: bool, tile) -> torch.Tensor:
+    """`fused_moe` with both GEMMs as per-pair GEMVs (no alignment: each pair reads its expert id)."""
+    tokens, hidden = x.shape
+    top_k = ids.shape[1]
+    pairs, inter = tokens * top_k, w13_args[0].shape[1] // 2
+    flat_ids = ids.reshape(-1).contiguous()
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    launch_gemv(x, w13_args, w13_bias, act, flat_ids, weights, inter, hidden, top_k, swiglu=True, oai=oai,
+                mul_weights=False, alpha=alpha, limit=limit, tile=tile)
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
+    launch_gemv(act, w2_args, w2_bias, out, flat_ids, weights.reshape(-1).float().contiguous(), hidden, inter, 1,
+                swiglu=False, oai=False, mul_weights=True, alpha=alpha, limit=limit, tile=tile)
     return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
 
 

@@ -6,12 +6,15 @@ the matrix is its G groups of 32 values. Out: the float matrix [..., R, G * 32].
 
 `Mxfp4Stack` is a stack of such matrices (one per expert) that `[e]` dequantizes one at a time,
 so the torch reference MoE (kernels/moe.py) keeps the experts 4-bit in memory and expands only
-the ones a batch selects.
+the ones a batch selects. `fp4_weight_tiles`, `fp4_pair` and `fp4_scale` are the Triton decode
+the fused MoE kernels (kernels/moe.py, kernels/moe_gemv.py) share.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ._triton import tl, triton
 
 GROUP = 32
 E8M0_BIAS = 127
@@ -53,3 +56,43 @@ class Mxfp4Stack:
 
     def __getitem__(self, expert: int) -> torch.Tensor:
         return dequantize_mxfp4(self.blocks[expert], self.scales[expert])
+
+
+@triton.jit
+def fp4_weight_tiles(w_ptrs, s_ptrs, mask):
+    """An MXFP4 tile as two [BLOCK_K / 2, BLOCK_N] fp32 tiles, the even k (low nibbles) and the odd
+    k (high nibbles) of the bytes at `w_ptrs`, each value decoded from e2m1 times its group's e8m0
+    scale. The bytes are loaded once, contiguous along K (16-byte loads down each weight row); a
+    tile of one byte per k would read each byte twice with no contiguity for the loads to
+    coalesce on. A code (sign s, exponent e, mantissa m) placed in an fp16 bit pattern as sign bit
+    15, exponent bits 11-10 and mantissa bit 9 is 2^(e-15) * (1 + m/2) for e > 0 and m * 2^-15 for
+    e = 0 (a subnormal the conversion keeps): e2m1's value times 2^-14, which the scale takes
+    back. So a value costs a few integer ops and one conversion. e8m0 s is 2^(s-127): with the
+    2^14, the fp32 exponent field s + 14 (s = 0, a subnormal 2^-127, is spelled out; an s that
+    would overflow, >= 241, saturates to infinity, as 2^114 * a value > 2^127 does anyway)."""
+    scale = fp4_scale(tl.load(s_ptrs, mask=mask, other=127))
+    lo, hi = fp4_pair(tl.load(w_ptrs, mask=mask, other=0))
+    return lo * scale, hi * scale
+
+
+@triton.jit
+def fp4_scale(s):
+    """e8m0 scale bytes -> fp32 2^(s - 127) times the 2^14 that `fp4_pair`'s values lack."""
+    s = s.to(tl.int32)
+    return tl.where(s == 0, 5.877471754111438e-39 * 16384.0,
+                    (tl.minimum(s + 14, 255) << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def fp4_pair(byte):
+    """MXFP4 bytes -> (low-nibble values, high-nibble values) in fp32, each e2m1 value times 2^-14
+    (`fp4_weight_tiles` says how)."""
+    byte = byte.to(tl.int32)
+    lo = ((byte << 12) & 0x8000) | ((byte << 9) & 0x0E00)
+    hi = ((byte << 8) & 0x8000) | ((byte << 5) & 0x0E00)
+    return f16_bits(lo), f16_bits(hi)
+
+
+@triton.jit
+def f16_bits(bits):
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)

@@ -3,8 +3,9 @@ decode batch fastest on each real expert shape, so `kernels/moe.py`'s table can 
 
 In: an output folder (`tokenforge bench kernels --part moe_tiles --out OUT`). Out: per shape
 (bf16 experts; the gpt-oss shapes in MXFP4, as shipped) and batch (1 and 16), the engine's MoE step
-(`moe.engine_step`) timed as a CUDA graph for each candidate tile, with the table's own tiles
-first (chosen per GEMM), its fraction of the read rate, and the best, in `kernels_moe_tiles.json`. Candidates
+(`moe.engine_step`) timed as a CUDA graph for each candidate tile of the grouped GEMMs and of the
+per-pair GEMVs (kernels/moe_gemv.py; the MXFP4 shapes also at T = 4), with the table's own path
+and tiles first (chosen per GEMM), its fraction of the read rate, and the best, in `kernels_moe_tiles.json`. Candidates
 that do not fit in shared memory fail to launch and are recorded as errors.
 """
 
@@ -22,6 +23,10 @@ TILES = ((64, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 256, 4, 2), (12
          (32, 128, 2, 4))
 MXFP4_TILES = ((64, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3),
                (64, 128, 4, 3))
+# the per-pair GEMV path's candidates (kernels/moe_gemv.py; BLOCK_K in values)
+GEMV_TILES = ((16, 256, 4, 3), (32, 128, 4, 3), (8, 512, 4, 3), (16, 512, 8, 3))
+MXFP4_GEMV_TILES = ((16, 512, 4, 3), (32, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 1024, 8, 3),
+                    (32, 512, 8, 3))
 CASES = (("mixtral-8x7b", False), ("qwen3-30b-a3b", False), ("gpt-oss-20b", True), ("gpt-oss-120b", True))
 
 
@@ -32,22 +37,26 @@ def _rows(name: str, mxfp4: bool, smoke: bool, device, bw: float) -> list[dict]:
     make, value_bytes = (_mxfp4_experts, 17 / 32) if mxfp4 else (_float_experts, 2)
     experts = [make(e, h, i, device) for _ in range(2 if smoke else 3)]
     rows = []
-    for t in (1,) if smoke else (1, 16):
+    for t in (1,) if smoke else (1, 4, 16) if mxfp4 else (1, 16):
         x = torch.randn(t, h, device=device, dtype=torch.bfloat16)
         logits = torch.randn(t, e, device=device)
         used = logits.topk(k, -1).indices.unique().numel()
         nbytes = used * 3 * h * i * value_bytes
-        candidates = list(MXFP4_TILES if mxfp4 else TILES)[:1 if smoke else None]
-        for tile in (None, *candidates):           # None: the table's own tiles (per GEMM)
-            label = f"{name}{'-mxfp4' if mxfp4 else ''} T={t} tile={tile or 'table'}"
+        grouped = [(False, tile) for tile in (MXFP4_TILES if mxfp4 else TILES)]
+        gemv = [(True, tile) for tile in (MXFP4_GEMV_TILES if mxfp4 else GEMV_TILES)]
+        candidates = (grouped[:1] + gemv[:1]) if smoke else grouped + gemv
+        for path, tile in ((None, None), *candidates):     # None: the table's own path and tiles
+            kind = "table" if path is None else "gemv" if path else "grouped"
+            label = f"{name}{'-mxfp4' if mxfp4 else ''} T={t} {kind} tile={tile or 'table'}"
             try:
-                seconds = _graph_time([lambda s=s: engine_step(x, logits, *experts[s], k, all_local=True, tile=tile)
+                seconds = _graph_time([lambda s=s: engine_step(x, logits, *experts[s], k, all_local=True, tile=tile,
+                                                               gemv=path)
                                        for s in range(len(experts))], repeats=30)
             except Exception as exc:  # noqa: BLE001 - a tile that cannot launch is a result too
                 rows.append({"case": label, "tile": list(tile or ()), "error": repr(exc)[:200]})
                 print(f"{label:56s} error {exc!r:.80}", flush=True)
                 continue
-            rows.append({"case": label, "shape": name, "mxfp4": mxfp4, "tokens": t, "tile": list(tile or ()),
+            rows.append({"case": label, "shape": name, "mxfp4": mxfp4, "tokens": t, "path": kind, "tile": list(tile or ()),
                          "table": tile is None, "us": seconds * 1e6, "frac_of_read": nbytes / seconds / bw})
             print(f"{label:56s} {seconds * 1e6:8.1f} us {nbytes / seconds / bw:6.1%} of read", flush=True)
     return rows
@@ -64,10 +73,11 @@ def run(out_dir: str, smoke: bool = False) -> dict:
         if "us" in r:
             key = f"{r['shape']}{'-mxfp4' if r['mxfp4'] else ''} T={r['tokens']}"
             if key not in best or r["us"] < best[key]["us"]:
-                best[key] = {"tile": r["tile"] or "table", "us": r["us"], "frac_of_read": r["frac_of_read"]}
+                best[key] = {"path": r["path"], "tile": r["tile"] or "table", "us": r["us"],
+                             "frac_of_read": r["frac_of_read"]}
     result["tiles"], result["best"] = rows, best
     for key, b in best.items():
-        print(f"best {key:28s} tile={b['tile']} {b['us']:8.1f} us {b['frac_of_read']:6.1%} of read")
+        print(f"best {key:28s} {b['path']:7s} tile={b['tile']} {b['us']:8.1f} us {b['frac_of_read']:6.1%} of read")
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     (Path(out_dir) / "kernels_moe_tiles.json").write_text(json.dumps(result, indent=1))
     return result
