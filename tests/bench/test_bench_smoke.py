@@ -126,6 +126,24 @@ def test_cpu_smoke(tmp_path):
              "--output-len", "4", *COMMON)
     assert r["workload"] == "W6" and r["ratio"] > 0
     assert r["bf16"]["tokenforge"]["output_tok_s"] > 0 and "perplexity" in r["bf16"]
+    # Not a GGUF model: the default path is float32, against the fastest HF configuration of the run.
+    assert r["default_path"] == {"name": "float32", "output_tok_s": r["tokenforge"]["output_tok_s"]}
+    hf = [r["baseline"], r["int8"]["baseline"], r["bf16"]["baseline"]]
+    assert r["hf_best"]["output_tok_s"] == max(v["output_tok_s"] for v in hf)
+    assert r["ratio"] == pytest.approx(r["tokenforge"]["output_tok_s"] / r["hf_best"]["output_tok_s"])
+    assert r["ratio_float32"] == pytest.approx(r["tokenforge"]["output_tok_s"] / r["baseline"]["output_tok_s"])
+
+
+def test_cpu_headline_is_the_gguf_default_path():
+    from tokenforge.bench.offline.cpu import set_headline  # noqa: PLC0415
+
+    r = {"tokenforge": {"output_tok_s": 100.0}, "baseline": {"name": "hf-padded", "output_tok_s": 80.0},
+         "int8": {"baseline": {"name": "hf-padded-int8", "output_tok_s": 90.0}},
+         "bf16": {"baseline": {"name": "hf-padded-bf16", "output_tok_s": 50.0}},
+         "gguf": {"batch1": {"tokenforge": {"output_tok_s": 60.0}}, "parallel": {"tokenforge": {"output_tok_s": 180.0}}}}
+    set_headline(r)
+    assert r["default_path"]["output_tok_s"] == 180.0 and r["default_path"]["name"].startswith("gguf-native")
+    assert r["hf_best"] == {"name": "hf-padded-int8", "output_tok_s": 90.0} and r["ratio"] == 2.0
 
 
 def test_tiers_smoke(tmp_path):

@@ -79,6 +79,45 @@ def test_long_prefill_chunks_run_the_dequantized_weight(loaded):
     assert not torch.allclose(short, reference(x[:DEQUANTIZE_ROWS]), rtol=1e-5, atol=1e-5)   # 8-bit activations
 
 
+LOGIT_STD = 2.0   # the random tiny models' logits are nearly flat: scaled to this spread, scores depend on the weights
+
+
+def _sampled_text(model, paged_driver, length: int = 32, seed: int = 0) -> tuple[list[int], float]:
+    """A text the model itself finds likely (tokens sampled one by one from its sharpened
+    distribution, seeded) and the sharpening: LOGIT_STD over its first logits' spread."""
+    driver, gen = paged_driver(model, block_size=4), torch.Generator().manual_seed(seed)
+    ids, sharpen = [1], None
+    while len(ids) < length:
+        logits = driver.step([("text", ids[-1:])])[0][-1]
+        sharpen = sharpen or LOGIT_STD / float(logits.std())
+        ids.append(int(torch.multinomial((sharpen * logits).softmax(-1), 1, generator=gen)))
+    return ids, sharpen
+
+
+def _perplexity(model, paged_driver, ids: list[int], sharpen: float) -> float:
+    """exp(mean NLL of ids[1:]): the text as one prefill chunk (at most DEQUANTIZE_ROWS rows: the
+    native model computes it with 8-bit activations and the integer kernels)."""
+    assert len(ids) <= DEQUANTIZE_ROWS
+    logits = paged_driver(model, block_size=4).step([("ppl", ids)])[0]
+    nll = -(sharpen * logits[:-1]).log_softmax(-1).gather(1, torch.tensor(ids[1:])[:, None]).mean()
+    return float(nll.exp())
+
+
+def test_perplexity_within_one_percent_of_the_dequantized_weights(loaded, paged_driver):
+    """The quality target per GGUF type: native perplexity within +1% of the same weights
+    dequantized to float32, on a text sampled from the float model. The logits are sharpened by
+    the same factor on both sides (which scales their differences too), so the perplexity sits well below
+    the vocabulary's uniform one and depends on the weights."""
+    kind, native, dequantized = loaded
+    ids, sharpen = _sampled_text(dequantized, paged_driver)
+    ppl_native = _perplexity(native, paged_driver, ids, sharpen)
+    ppl_float = _perplexity(dequantized, paged_driver, ids, sharpen)
+    print(f"\n[tokenforge] {kind}: perplexity native {ppl_native:.4f}, float32 {ppl_float:.4f} "
+          f"({(ppl_native / ppl_float - 1) * 100:+.3f}%)")
+    assert ppl_float < 0.75 * native.config.vocab_size, f"{kind}: the sampled text is not informative"
+    assert abs(ppl_native / ppl_float - 1) < 0.01, f"{kind}: {ppl_native:.4f} vs {ppl_float:.4f}"
+
+
 def test_an_unsupported_type_says_so_in_one_line_and_runs_dequantized(tmp_path, paged_driver, caplog):
     """TQ2_0 (ternary) has no native kernel: its layers keep the float path (one warning line names
     the type, the native ones and the fallback); the others still run natively."""

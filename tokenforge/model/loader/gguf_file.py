@@ -32,6 +32,7 @@ _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?
 _NUMPY_TYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
                 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 _MAX_DIMS = 4                   # GGML_MAX_DIMS
 _MAX_ELEMENTS = 1 << 62         # any tensor this large is past every file's end anyway
 
@@ -168,6 +169,10 @@ class GGUFFile:
         if etype != _STRING:
             raise GGUFFormatError(self.path, field, f"an array of value type {etype} is not supported")
         self._need(pos, count * 8, f"{field} (an array of {count} strings)")
+        if not keep_strings:
+            end = self._skip_strings(pos, count)
+            if end is not None:
+                return None, end
         values: list[str] | None = [] if keep_strings else None
         for index in range(count):
             (length,) = self._unpack("<Q", pos, f"{field}[{index}] (string length)")
@@ -176,6 +181,18 @@ class GGUFFile:
                 values.append(self._buf[pos + 8: pos + 8 + length].decode("utf-8", errors="replace"))
             pos += 8 + length
         return values, pos
+
+    def _skip_strings(self, pos: int, count: int) -> int | None:
+        """The end of `count` strings from pos (a vocabulary: ~100k of them) without the per-string
+        checks; None when one runs past the file's end (the checked loop then names the string)."""
+        unpack, buf, size = _U64.unpack_from, self._buf, self._size
+        for _ in range(count):
+            if pos + 8 > size:
+                return None
+            pos += 8 + unpack(buf, pos)[0]
+            if pos > size:
+                return None
+        return pos
 
     def _alignment(self) -> int:
         alignment = self.metadata.get("general.alignment", 32)
