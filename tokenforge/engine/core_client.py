@@ -83,7 +83,7 @@ class EngineCoreClient:
         early = core_boot.take_early()
         if early is not None:
             client.process = early
-            logger.debug("engine core process started (pid %d, at the command's first instant)", early.pid)
+            logger.debug("engine core process started (pid %d) at the command's first instant", early.pid)
         else:
             client.spawn()
         return client
