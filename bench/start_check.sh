@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# Start-up on one H200 (issue 26 item 3) in about 6 minutes (BUDGET seconds, default 370):
+# Start-up on one H200 (issue 26 item 3) in about 7 minutes (BUDGET seconds, default 400):
 #   1. tests: tests/executor/test_staged_graphs_gpu.py (deferred buckets eager, then graphs, same tokens, no
-#      compile on a request's path) and tests/executor/test_compile_watch_gpu.py
+#      compile on a request's path), tests/executor/test_compile_watch_gpu.py and tests/executor/test_release.py
+#      (three engines built and shut down in one process give their memory back)
 #   2. W10: `tokenforge bench coldstart` (a real 8B safetensors checkpoint written on the device, cold once,
 #      then warm twice with the engine cache the cold start filled), with each start's log lines
 #   3. W1 (128 in / 256 out, batch 1, dummy bf16 Llama-3.1-8B): CUDA graphs still serve batch 1
 #   bash bench/start_check.sh "$OUT"
 # Out: $OUT/start_check.log (every step's tail and the W10 summary), $OUT/start_check.tgz (logs and JSONs).
-NAME=start_check; BUDGET=${BUDGET:-370}
+NAME=start_check; BUDGET=${BUDGET:-400}
 source "$(dirname "$0")/device_steps.sh" "$@"
-step tests 80 python3 -m pytest -q --timeout 70 -p no:cacheprovider tests/executor/test_staged_graphs_gpu.py \
-  tests/executor/test_compile_watch_gpu.py
+step tests 110 python3 -m pytest -q --timeout 70 -p no:cacheprovider tests/executor/test_staged_graphs_gpu.py \
+  tests/executor/test_compile_watch_gpu.py tests/executor/test_release.py
 step w10 200 python3 -m tokenforge.bench coldstart --model llama-3.1-8b --checkpoint-dir /tmp/w10-ckpt \
   --cache-dir /tmp/w10-cache --serve-args "--max-model-len 4096" --warm-runs 2 --results-dir "$W/w10"
 step w1 75 python3 -m tokenforge.bench latency --model llama-3.1-8b --load-format dummy --dtype bfloat16 \

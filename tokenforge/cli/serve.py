@@ -8,6 +8,7 @@ namespace ServerSettings.from_args reads.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 from tokenforge import envs
@@ -34,16 +35,20 @@ def add_serve_parser(subparsers, epilog: str | None = PLAYBOOK_NOTES,
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Every check that can fail (flags, port, model path, device, fit) runs before the engine
-    loads anything. The engine core process is started first: it imports torch and the engine
-    while this process imports the server and checks the flags, and it is stopped, unseen, if a
-    check here fails. This process never imports torch: the device, the batch limits that depend
-    on it and the fit of the weights are settled in the core (engine/startup.py), which refuses
-    a config that cannot run there in the same one line, and sends the resolved config back with
-    Ready."""
-    from tokenforge.engine.core_client import EngineCoreClient  # noqa: PLC0415 - keep `tokenforge --help` fast
+    """Every check that can fail (flags, port, model path, --reasoning-parser) runs before the
+    engine gets its config. The engine core process was started first (core_boot: by the
+    command's first statement, or here): it imports torch and the engine meanwhile, gets the
+    config as soon as the checks pass, and is stopped, unseen, if one fails; this process then
+    imports the HTTP server while the core loads. This process never imports torch: the device,
+    the batch limits that depend on it and the fit of the weights are settled in the core
+    (engine/startup.py), which refuses a config that cannot run there in the same one line, and
+    sends the resolved config back with Ready."""
+    from tokenforge.engine import core_boot  # noqa: PLC0415 - keep `tokenforge --help` fast
+    from tokenforge.engine.core_client import EngineCoreClient, EngineDeadError  # noqa: PLC0415
+    from tokenforge.server.listen import bind_socket  # noqa: PLC0415
     from tokenforge.source import resolve_model_source  # noqa: PLC0415
 
+    core_boot.mark("api_parsed")
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice ({args.model_tag!r} and --model {args.model!r}): give one")
@@ -52,12 +57,19 @@ def run_serve(args: argparse.Namespace) -> int:
     core = EngineCoreClient.prestart()
     sock = None
     try:
-        from tokenforge.server.app import bind_socket, run_server  # noqa: PLC0415
-
         sock = bind_socket(settings.host, settings.port)   # a port in use is one line, like any bad flag
         config = EngineConfig.unresolved(**engine_kwargs(args))
         resolve_model_source(config.model.model, config.load.load_format)    # a bad path: one line, here
         tokenizer = check_reasoning_parser(settings, config)
+        core.configure(config)       # the core loads from here on, while this process imports the server
+        from tokenforge.server.app import run_server  # noqa: PLC0415
+
+        core_boot.mark("server_imported")
+    except EngineDeadError as err:   # the core died before it got its config (while importing)
+        core.shutdown()
+        sock.close()
+        logging.getLogger(__name__).error("%s", err)
+        return 1
     except BaseException:
         core.shutdown()
         if sock is not None:

@@ -22,9 +22,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from tokenforge.config import EngineConfig, RuntimeInfo, decode_config
+from tokenforge.engine import core_boot
+from tokenforge.engine.core_boot import DEFAULT_CORE
 from tokenforge.engine.core_client import EngineCoreClient, EngineDeadError
 from tokenforge.engine.core_process import (
-    DEFAULT_CORE,
     Fatal,
     LoRAResult,
     Rejected,
@@ -56,7 +57,9 @@ def _load_tokenizer(config: EngineConfig):
     from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - slow import
 
     start = time.perf_counter()
+    core_boot.mark("tokenizer_start")
     tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format)
+    core_boot.mark("tokenizer_end")
     return tokenizer, time.perf_counter() - start
 
 
@@ -102,6 +105,7 @@ class AsyncEngine:
         self.dead_reason: str | None = None
         self.identity = ModelIdentity(config.model.model_version, "")    # start() verifies the weights
         self.startup_phases: dict[str, float] = {}      # the core's, seconds (from its Ready message)
+        self.startup_marks: dict[str, float] = {}       # the core's start-up events, time.time() (Ready.marks)
 
     @classmethod
     async def start(cls, config: EngineConfig, *, core_path: str = DEFAULT_CORE, tokenizer=None,
@@ -123,6 +127,7 @@ class AsyncEngine:
             pending = None if tokenizer is not None else _in_daemon_thread(_load_tokenizer, config)
             identity, checked_s = await asyncio.wrap_future(checking)
             ready = await client.wait_ready(ready_timeout, also=pending)
+            core_boot.mark("ready_received")
             logger.info("weights checksum %s in %.2f s", identity.checksum[:16], checked_s)
             if pending is not None:
                 tokenizer, loaded_s = await asyncio.wrap_future(pending)
@@ -137,6 +142,7 @@ class AsyncEngine:
         engine = cls(resolved.with_max_model_len(ready.max_model_len), runtime, tokenizer, client, stream_interval)
         engine.identity = identity
         engine.startup_phases = dict(ready.startup_phases)
+        engine.startup_marks = dict(ready.marks)
         engine._begin()
         return engine
 

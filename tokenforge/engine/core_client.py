@@ -1,9 +1,11 @@
 """EngineCoreClient: the frontend's handle on the engine-core process.
 
-It spawns the process (multiprocessing "spawn": no forked CUDA or thread state), binds two ipc
-sockets in a private temp dir, sends InputMessages and receives OutputMessages (core_process.py).
-A watcher thread waits on the process sentinel, so a dead core is noticed at once rather than at
-the next request. The config crosses as msgpack bytes; nothing here is pickled onto a socket.
+It starts the process (core_boot.CoreProcess: a fresh interpreter, no forked CUDA or thread
+state; or adopts the one the CLI entry started before its own imports), binds two ipc sockets in a
+private temp dir, hands the core its config and the addresses through the start pipe, sends
+InputMessages and receives OutputMessages (core_process.py). A watcher thread waits on the
+process sentinel, so a dead core is noticed at once rather than at the next request. The config
+crosses as msgpack bytes; nothing here is pickled onto a socket.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
 import shutil
@@ -24,8 +25,9 @@ import zmq
 import zmq.asyncio
 
 from tokenforge.config import EngineConfig
+from tokenforge.engine import core_boot
+from tokenforge.engine.core_boot import DEFAULT_CORE, CoreProcess
 from tokenforge.engine.core_process import (
-    DEFAULT_CORE,
     AbortRequests,
     AddLoRA,
     AddRequests,
@@ -37,7 +39,6 @@ from tokenforge.engine.core_process import (
     ShutdownRequest,
     StatsRequest,
     encode_config,
-    run_engine_core,
 )
 from tokenforge.engine.startup import StartupRefused
 from tokenforge.messages import EngineCoreRequest, LoRARequest
@@ -52,7 +53,6 @@ class EngineDeadError(RuntimeError):
 class EngineCoreClient:
     def __init__(self, config: EngineConfig | None, *, core_path: str = DEFAULT_CORE) -> None:
         self.config = config                    # None: prestart(), then configure()
-        self._config_pipe: multiprocessing.connection.Connection | None = None
         self.core_path = core_path
         self._dir = tempfile.mkdtemp(prefix="tokenforge-")
         self.input_address = f"ipc://{os.path.join(self._dir, 'input.sock')}"
@@ -68,7 +68,7 @@ class EngineCoreClient:
         self._output.bind(self.output_address)
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
-        self.process: multiprocessing.process.BaseProcess | None = None
+        self.process: CoreProcess | None = None
         self.ready: Ready | None = None
         self.dead_reason: str | None = None
         self._closing = False
@@ -76,47 +76,46 @@ class EngineCoreClient:
     # ---- lifecycle --------------------------------------------------------------------------------
     @classmethod
     def prestart(cls, core_path: str = DEFAULT_CORE) -> EngineCoreClient:
-        """Start a core before the config is known: it imports torch and the engine while this
-        process resolves and checks the config (which imports torch here too), then waits for
-        `configure`. On an 8B start that overlap is seconds of the time to /health."""
+        """A core started before the config is known: the one the CLI entry started as its first
+        statement (core_boot.launch_early), or one started now. It imports torch and the engine
+        while this process checks the flags, then waits for `configure`."""
         client = cls(None, core_path=core_path)
-        client.spawn()
+        early = core_boot.take_early()
+        if early is not None:
+            client.process = early
+            logger.debug("engine core process started (pid %d) at the command's first instant", early.pid)
+        else:
+            client.spawn()
         return client
 
     def spawn(self) -> None:
-        # Not a daemon: the core may start its own workers (one per GPU rank).
-        context = multiprocessing.get_context("spawn")
-        config_bytes, reader = None, None
+        """Start the core; with a config it is handed over at once (else `configure` does)."""
+        self.process = CoreProcess(self.core_path)
+        core_boot.mark("core_spawned", self.process.spawned_at)
         if self.config is not None:
-            config_bytes = encode_config(self.config)
-        else:     # the config follows through a pipe, as msgpack bytes (configure)
-            reader, self._config_pipe = context.Pipe(duplex=False)
-        self.process = context.Process(
-            target=run_engine_core, name="tokenforge-engine-core",
-            args=(config_bytes, self.input_address, self.output_address, os.getpid(), self.core_path,
-                  logging.getLogger().getEffectiveLevel(), reader))
-        self.process.start()
-        if reader is not None:
-            reader.close()      # the child has its own copy
+            self._start(self.config)
         logger.log(logging.INFO if self.config is not None else logging.DEBUG,
                    "engine core process started (pid %d)", self.process.pid)
 
-    def configure(self, config: EngineConfig) -> None:
-        """Hand a pre-started core its config; it starts loading the model."""
-        if self._config_pipe is None:
-            raise RuntimeError("configure() is for a core started with prestart()")
-        self.config = config
+    def _start(self, config: EngineConfig) -> None:
         try:
-            self._config_pipe.send_bytes(encode_config(config))
+            self.process.start(encode_config(config), self.input_address, self.output_address,
+                               logging.getLogger().getEffectiveLevel(), self.core_path)
         except OSError as err:      # the core died while importing
+            self.process.join(1.0)
             raise EngineDeadError(f"engine core process exited with code {self.process.exitcode} "
                                   f"during start-up ({err})") from err
-        finally:
-            self._config_pipe.close()
-            self._config_pipe = None
+        core_boot.mark("config_sent")
+
+    def configure(self, config: EngineConfig) -> None:
+        """Hand a pre-started core its config; it starts loading the model."""
+        if self.process is None or self.process.started or self.config is not None:
+            raise RuntimeError("configure() is for a core started with prestart()")
+        self.config = config
+        self._start(config)
         # DEBUG: a config the core refuses must leave the one error line alone (the core logs
         # "config resolved" once it accepts it).
-        logger.debug("engine core process started (pid %d, pre-started)", self.process.pid)
+        logger.debug("engine core process configured (pid %d, pre-started)", self.process.pid)
 
     async def wait_ready(self, timeout: float | None = None,
                          also: concurrent.futures.Future | None = None) -> Ready:
@@ -143,10 +142,13 @@ class EngineCoreClient:
 
     def watch(self, on_death: Callable[[str], None], loop: asyncio.AbstractEventLoop) -> None:
         """Call `on_death(reason)` on `loop` as soon as the process exits unexpectedly."""
+        process = self.process
+
         def wait() -> None:
-            multiprocessing.connection.wait([self.process.sentinel])
+            multiprocessing.connection.wait([process.sentinel])
+            process.join(2.0)       # the life pipe closes a moment before the exit status is there
             if not self._closing:
-                reason = f"engine core process died (exit code {self.process.exitcode})"
+                reason = f"engine core process died (exit code {process.exitcode})"
                 loop.call_soon_threadsafe(on_death, reason)
 
         threading.Thread(target=wait, name="engine-core-watcher", daemon=True).start()
@@ -156,23 +158,24 @@ class EngineCoreClient:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._closing = True
-        if self._config_pipe is not None:       # never configured (a bad flag): nothing to drain
-            self._config_pipe.close()
-            self._config_pipe = None
-            if self.process is not None:
-                self.process.kill()
-                self.process.join(2.0)
-        if self.process is not None and self.process.is_alive():
+        process = self.process
+        if process is not None and not process.started:    # never configured (a bad flag): nothing to drain
+            process.kill()
+            process.join(2.0)
+        if process is not None and process.is_alive():
             try:
                 self.send(ShutdownRequest())
             except (zmq.ZMQError, EngineDeadError):
                 pass
             # A core that never became ready reads no messages: do not wait on it.
-            self.process.join(timeout if self.ready is not None else 0.2)
-            if self.process.is_alive():
-                logger.warning("engine core did not stop within %.0f s; killing it", timeout)
-                self.process.kill()
-                self.process.join(2.0)
+            process.join(timeout if self.ready is not None else 0.2)
+            if process.is_alive():
+                if self.ready is not None:
+                    logger.warning("engine core did not stop within %.0f s; killing it", timeout)
+                process.kill()
+                process.join(2.0)
+        if process is not None:
+            process.close()
         self._input.close(linger=0)
         self._output.close(linger=0)
         self._sync_context.term()

@@ -20,6 +20,7 @@ import gc
 import logging
 import os
 import signal
+import sys
 import time
 import traceback
 
@@ -32,7 +33,6 @@ from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CORE = "tokenforge.engine.engine_core:EngineCore"
 _IDLE_POLL_MS = 100          # how long an idle core blocks on its input before re-checking its parent
 _STATS_INTERVAL_S = 0.5      # how often a busy core volunteers a stats snapshot
 
@@ -77,6 +77,7 @@ class Ready(msgspec.Struct, tag="ready"):
     max_model_len: int
     startup_phases: dict[str, float] = msgspec.field(default_factory=dict)   # seconds (EngineCore's)
     config: bytes = b""          # the resolved EngineConfig (encode_config): device, batch limits, context
+    marks: dict[str, float] = msgspec.field(default_factory=dict)   # start-up events, time.time() (core_boot)
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -196,33 +197,21 @@ class CoreLoop:
         self.send(Stats(self.core.get_stats()))
 
 
-def _ready_message(core) -> Ready:
+def _ready_message(core, marks: dict[str, float]) -> Ready:
     runtime = getattr(core, "runtime", None)
     phases = dict(getattr(core, "startup_phases", None) or {})
     config = encode_config(core.config) if getattr(core, "config", None) is not None else b""
-    if runtime is not None:
-        return Ready(os.getpid(), runtime.num_kv_blocks, runtime.vocab_size, runtime.max_model_len, phases, config)
-    return Ready(os.getpid(), core.num_kv_blocks, core.vocab_size, core.max_model_len, phases, config)
+    facts = runtime if runtime is not None else core
+    return Ready(os.getpid(), facts.num_kv_blocks, facts.vocab_size, facts.max_model_len, phases, config, marks)
 
 
-def _await_config(core_path: str, pipe) -> tuple[bytes | None, str]:
-    """A pre-started core: import the engine (torch, the model code, the driver's init) while the
-    frontend checks the flags, then wait for the config. None: the frontend closed the pipe
-    instead. Also returns the timing, for the log line once the config is resolved."""
-    start = time.perf_counter()
-    load_core_class(core_path)
-    import torch  # noqa: PLC0415 - imported by the engine already; here for the driver's init
-
-    torch.cuda.is_available()
-    imported = time.perf_counter() - start
-    try:
-        config_bytes = pipe.recv_bytes()
-    except EOFError:
-        return None, ""
-    finally:
-        pipe.close()
-    return config_bytes, f"imports done in {imported:.2f} s, then {time.perf_counter() - start - imported:.2f} s " \
-        "waiting for the config"
+def _timing(marks: dict[str, float]) -> str:
+    """What the core did before its config was resolved, for the log line once it is accepted."""
+    if "engine_code" not in marks:
+        return "config received"
+    imported = marks["engine_code"] - marks["core_boot"]
+    waited = max(0.0, marks.get("config", 0.0) - marks["engine_code"])
+    return f"imports done in {imported:.2f} s, then {waited:.2f} s waiting for the config"
 
 
 def _resolve(config: EngineConfig, timing: str) -> EngineConfig:
@@ -235,20 +224,23 @@ def _resolve(config: EngineConfig, timing: str) -> EngineConfig:
     resolved = resolve_engine_config(config)
     s = resolved.scheduler
     logger.info("engine core: %s; config resolved in %.2f s (%s, max_num_seqs %d, max_num_batched_tokens %d)",
-                timing or "config received", time.perf_counter() - start, resolved.device.device,
-                s.max_num_seqs, s.max_num_batched_tokens)
+                timing, time.perf_counter() - start, resolved.device.device, s.max_num_seqs,
+                s.max_num_batched_tokens)
     return resolved
 
 
-def run_engine_core(config_bytes: bytes | None, input_address: str, output_address: str, parent_pid: int,
-                    core_path: str = DEFAULT_CORE, log_level: int = logging.INFO, config_pipe=None) -> None:
-    """The child process's entry point. The config arrives as msgpack bytes, not a pickle: in the
-    arguments, or (config_bytes None, a pre-started core) later through `config_pipe`."""
+def run_engine_core(config_bytes: bytes, input_address: str, output_address: str, parent_pid: int,
+                    core_path: str, log_level: int = logging.INFO, prestarted: bool = False,
+                    marks: dict[str, float] | None = None) -> None:
+    """The core loop, once core_boot.main has the config (msgpack bytes, never a pickle).
+    `prestarted`: the core was started before its config (it imported meanwhile), which it
+    resolves whatever it says; `marks`: its start-up so far (core_boot), sent back with Ready."""
     # The frontend owns shutdown: Ctrl-C on the terminal or a SIGTERM to the process group must
     # not kill the core while the server is still draining in-flight requests.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(log_level, "engine-core")
+    marks = dict(marks or {})
     context = zmq.Context()
     input_socket = context.socket(zmq.PULL)
     input_socket.connect(input_address)
@@ -258,16 +250,13 @@ def run_engine_core(config_bytes: bytes | None, input_address: str, output_addre
     exit_code = 0
     core = None
     try:
-        timing = ""
-        if config_bytes is None:
-            config_bytes, timing = _await_config(core_path, config_pipe)
-            if config_bytes is None:
-                return          # the frontend stopped before configuring (a bad flag): nothing to report
         config = decode_config(config_bytes)
         try:
             start = time.perf_counter()
-            if config.needs_device or timing:
-                config = _resolve(config, timing)
+            if config.needs_device or prestarted:
+                marks["resolve_start"] = time.time()
+                config = _resolve(config, _timing(marks))
+                marks["resolve_end"] = time.time()
             core = load_core_class(core_path)(config)
         except Exception as err:   # noqa: BLE001 - any load failure is reported, not raised
             # The frontend prints the one line; the traceback is for --log-level debug.
@@ -278,7 +267,9 @@ def run_engine_core(config_bytes: bytes | None, input_address: str, output_addre
             exit_code = 1
             return
         logger.info("engine core ready in %.2f s", time.perf_counter() - start)
-        output_socket.send(encoder.encode(_ready_message(core)))
+        marks.update(getattr(core, "startup_marks", None) or {})
+        marks["ready"] = time.time()
+        output_socket.send(encoder.encode(_ready_message(core, marks)))
         # The model, its tensors' Python objects and the engine's tables live for the whole run:
         # move them out of the cyclic GC, so its full passes scan only what the steps allocate
         # (a full pass over the start-up heap is a host stall the step loop cannot hide). After
@@ -300,11 +291,15 @@ def run_engine_core(config_bytes: bytes | None, input_address: str, output_addre
         output_socket.close(linger=1000)   # let the last message (Fatal or stats) reach the frontend
         input_socket.close(linger=0)
         context.term()
-        if exit_code:
-            # os._exit, not sys.exit: a thread some library left running must not keep a failed
-            # core alive (the frontend would wait on it).
-            logging.shutdown()
-            os._exit(exit_code)
+        # os._exit, not sys.exit: a thread some library left running must not keep a failed core
+        # alive (the frontend would wait on it), and the start pipe's reader thread must not either.
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(exit_code)
 
 
 def _is_refusal(err: BaseException) -> bool:

@@ -8,7 +8,6 @@ in-process for the offline `LLM`, and in its own process behind the server.
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 import msgspec
@@ -17,6 +16,7 @@ from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
 from tokenforge.core.speculation import DraftPlanner, StepCost, device_drafts
+from tokenforge.engine.core_boot import process_start_time
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.startup import resolve_engine_config
 from tokenforge.engine.structured_output import GrammarMatchers
@@ -52,15 +52,7 @@ def startup_phases(executor_s: float, kv_s: float, executor) -> dict[str, float]
 
 
 def _seconds_since_process_start() -> float:
-    """Linux: this process's age from /proc (start time in clock ticks after boot); else 0."""
-    try:
-        with open("/proc/self/stat", encoding="ascii") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime", encoding="ascii") as f:
-            uptime = float(f.read().split()[0])
-        return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
-    except (OSError, ValueError, IndexError):
-        return 0.0
+    return max(0.0, time.time() - process_start_time())
 
 
 def make_draft_planner(config, on_gpu: bool = False) -> DraftPlanner | None:
@@ -99,19 +91,20 @@ class EngineCore:
     def __init__(self, config: EngineConfig, tokenizer=None, defer_graphs: bool = True) -> None:
         """`defer_graphs`: capture the large CUDA-graph buckets after start-up, from `idle_work`
         (the core process's idle loop); the offline LLM, which has no idle loop, captures all now."""
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         WATCH.reset()
         WATCH.install_triton_hook()     # compiles from here on are start-up's; after Ready, warnings
         config = resolve_engine_config(config)     # the device, its batch limits, the fit (StartupRefused)
         config = with_calibration_ids(config, tokenizer)      # a bad calibration text fails before loading
         check_draft_tokenizer(config, tokenizer)
         self.executor = create_executor(config)
-        t1 = time.perf_counter()
+        t1, wall1 = time.perf_counter(), time.time()
         arch = self.executor.arch
         self.config = config.with_max_model_len(
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
         self.num_kv_blocks = self.executor.init_kv_cache(self.config, defer_graphs=defer_graphs)
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
+        self.startup_marks = {"engine_start": wall0, "loaded": wall1, "kv_ready": time.time()}   # the timeline's
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
         lora = self.config.lora
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks,

@@ -48,3 +48,42 @@ def check_config_fits(config: EngineConfig, device: str) -> None:
     if args not in _FITTED:
         check_fit(*args)
         _FITTED.add(args)
+
+
+# ---- the one-line start-up timeline of `serve` ------------------------------------------------------
+
+def startup_timeline(api: dict[str, float], core: dict[str, float], phases: dict[str, float]) -> str:
+    """Both processes' start-up on one clock, in seconds from the API process's start: what ran
+    in parallel and what was serial. `api`, `core`: wall-clock marks (core_boot.MARKS in the API
+    process, Ready.marks from the core); `phases`: the core's durations (EngineCore.startup_phases)."""
+    origin = api.get("api_exec") or min([*api.values(), *core.values()], default=0.0)
+
+    def at(name: str, marks: dict[str, float]) -> str | None:
+        return f"{marks[name] - origin:.2f}" if name in marks else None
+
+    def span(label: str, begin: str, end: str, marks: dict[str, float]) -> str | None:
+        a, b = at(begin, marks), at(end, marks)
+        return f"{label} {a}-{b}" if a is not None and b is not None else None
+
+    def point(label: str, name: str, marks: dict[str, float]) -> str | None:
+        value = at(name, marks)
+        return f"{label} {value}" if value is not None else None
+
+    api_parts = [span("imports", "api_exec", "api_parsed", api), point("config sent", "config_sent", api),
+                 span("server imports", "config_sent", "server_imported", api),
+                 span("tokenizer", "tokenizer_start", "tokenizer_end", api), point("ready", "ready_received", api),
+                 span("app", "ready_received", "app_built", api), point("listening", "listening", api)]
+    torch_end = "torch" if "torch" in core else "core_boot"
+    core_parts = [point("spawned", "core_spawned", api), span("python", "core_exec", "core_boot", core),
+                  span("torch", "core_boot", "torch", core), span("engine code", torch_end, "engine_code", core),
+                  span("cuda", "cuda_start", "cuda_end", core), point("config", "config", core),
+                  span("resolve", "resolve_start", "resolve_end", core),
+                  span("load", "engine_start", "loaded", core), span("kv_cache", "loaded", "kv_ready", core)]
+    inner = [f"{name} {phases[name]:.2f} s" for name in ("cuda_graphs", "warm_up") if phases.get(name)]
+    if inner and core_parts[-1] is not None:
+        core_parts[-1] += f" ({', '.join(inner)})"
+    core_parts.append(point("ready", "ready", core))
+    end = api.get("listening", api.get("ready_received"))
+    head = f"start-up timeline: {end - origin:.2f} s to listening" if end is not None else "start-up timeline"
+    return (f"{head} (s from process start) | api: {', '.join(p for p in api_parts if p)} | "
+            f"core: {', '.join(p for p in core_parts if p)}")

@@ -26,10 +26,13 @@ from fastapi.responses import JSONResponse, Response
 
 from tokenforge import __version__
 from tokenforge.config import EngineConfig
+from tokenforge.engine import core_boot
+from tokenforge.engine.startup import startup_timeline
 from tokenforge.logs import configure_logging
 from tokenforge.server.auth import APIKeyMiddleware
 from tokenforge.server.chat_template import ChatTemplateRenderer
 from tokenforge.server.docs import add_offline_docs
+from tokenforge.server.listen import bind_socket  # noqa: F401 - re-exported (the CLI binds first)
 from tokenforge.server.lora import LoRARegistry, adapter_cards, add_lora_routes, load_startup_adapters
 from tokenforge.server.errors import (
     bad_request,
@@ -228,9 +231,15 @@ class _Server(uvicorn.Server):
     """uvicorn, with signals that drain (503 + finish in flight) and no re-raised signal, so a
     graceful stop exits 0 rather than dying of the SIGTERM it handled."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, on_listening=None) -> None:
         super().__init__(config)
         self.state = state
+        self.on_listening = on_listening
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if self.on_listening is not None and self.started:
+            self.on_listening()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -256,6 +265,25 @@ class _Server(uvicorn.Server):
         self.should_exit = True
 
 
+async def _no_app(scope, receive, send) -> None:   # what the uvicorn config below is loaded around
+    raise RuntimeError("not served")
+
+
+def _prepare_while_loading(settings: ServerSettings) -> None:
+    """Start-up work of this process that needs no engine, done while the core loads instead of
+    after its Ready: uvicorn's protocol and lifespan modules imported (a throwaway config loaded),
+    and the full collection of the import-time garbage."""
+    uvicorn.Config(_no_app, log_level=settings.log_level, log_config=None, access_log=False, lifespan="off").load()
+    gc.collect()
+
+
+def _log_timeline(engine) -> None:
+    """The one-line start-up timeline of both processes, once /health can answer."""
+    core_boot.mark("listening")
+    logger.info("%s", startup_timeline(core_boot.MARKS, getattr(engine, "startup_marks", {}) or {},
+                                       getattr(engine, "startup_phases", {}) or {}))
+
+
 def _on_engine_death(server: _Server, state: ServerState, reason: str) -> None:
     logger.error("engine core died (%s): answering 503 and exiting with code 1", reason)
     state.exit_code = 1
@@ -264,24 +292,6 @@ def _on_engine_death(server: _Server, state: ServerState, reason: str) -> None:
         server.should_exit = True
 
     asyncio.get_running_loop().call_later(_DEATH_GRACE_S, stop)
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """Bind the listening address first, so a port in use is an error before anything loads.
-
-    The protocol is IPPROTO_TCP, not 0: accepted sockets inherit it, and asyncio turns Nagle off
-    (TCP_NODELAY) only on sockets whose proto says TCP. With proto 0 every response after the
-    first on a kept-alive connection sent its body ~40 ms late (Nagle waiting for the client's
-    delayed ACK of the headers), and SSE chunks queued the same way."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as err:
-        sock.close()
-        raise OSError(err.errno, f"cannot listen on {host}:{port}: {err.strerror}") from None
-    return sock
 
 
 async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.socket | None = None,
@@ -294,8 +304,12 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
 
     sock = sock or bind_socket(settings.host, settings.port)
     start = time.perf_counter()
+    starting = asyncio.ensure_future(AsyncEngine.start(config, stream_interval=settings.stream_interval,
+                                                       **engine_options))
     try:
-        engine = await AsyncEngine.start(config, stream_interval=settings.stream_interval, **engine_options)
+        await asyncio.sleep(0)          # the start hands the config over and waits for the core
+        _prepare_while_loading(settings)
+        engine = await starting
     except StartupRefused:      # the core refused the config (device, fit): the CLI's one-line error, exit 2
         sock.close()
         raise
@@ -325,16 +339,18 @@ async def serve(config: EngineConfig, settings: ServerSettings, *, sock: socket.
     uv_config = uvicorn.Config(app, log_level=settings.log_level, log_config=None, access_log=False,
                                lifespan="off", timeout_keep_alive=settings.keep_alive_timeout,
                                timeout_graceful_shutdown=settings.shutdown_timeout + _DRAIN_SLACK_S)
-    server = _Server(uv_config, state)
+    core_boot.mark("app_built")
+    server = _Server(uv_config, state, lambda: _log_timeline(engine))
     if app.state.ui is not None:
         app.state.ui.start(engine)       # the dashboard's history begins at start-up, not at its first view
     engine.on_death(lambda reason: _on_engine_death(server, state, reason))
     host, port = sock.getsockname()[:2]
     logger.info("serving %s (engine core pid %s) on http://%s:%d; ready in %.2f s", app.state.ctx.model_name,
                 engine.engine_pid, host, port, time.perf_counter() - start)
-    # Everything allocated so far (the tokenizer, torch, transformers) lives for the whole run:
+    # Everything allocated so far (the tokenizer, the app, the imports) lives for the whole run:
     # keep it out of the cyclic GC, whose full passes otherwise stall the event loop under load.
-    gc.collect()
+    # The full collection ran while the core loaded (_prepare_while_loading); a young one here.
+    gc.collect(1)
     gc.freeze()
     # Streaming allocates a few small containers per token; at the default gen-0 threshold (700)
     # the collector ran ~30 times a second at 256 streams and cost ~5-10% of this process's CPU

@@ -28,7 +28,7 @@ from tokenforge.bench.lib.checkpoint import write_random_checkpoint
 
 _PHASES = re.compile(r"start-up: (.*)$")
 # the log lines that place the phases on the clock (both processes), kept in the result
-_EVENTS = re.compile(r"engine core process started|imports done|config resolved|loaded .* in|KV cache ready|start-up:|"
+_EVENTS = re.compile(r"start-up timeline|engine core process started|imports done|config resolved|loaded .* in|KV cache ready|start-up:|"
                      r"CUDA graphs|warm-up:|tokenizer loaded|checksum|ready in|serving|Uvicorn running|WARNING|ERROR")
 
 
@@ -87,7 +87,7 @@ def time_start(checkpoint: Path, env: dict, serve_args: list[str], timeout: floa
     if seconds is None:
         print(text[-4000:], flush=True)
     started = time.strftime("%H:%M:%S", time.localtime(time.time() - (time.perf_counter() - t0)))
-    events = [line[:200] for line in text.splitlines() if _EVENTS.search(line)]
+    events = [line[:700 if "timeline" in line else 200] for line in text.splitlines() if _EVENTS.search(line)]
     return {"seconds": seconds, "phases": phases[-1] if phases else None, "exit_code": proc.returncode,
             "started_at": started, "log": events}
 
