@@ -69,7 +69,7 @@ def _add_train_args(tr: argparse.ArgumentParser) -> None:
     from tokenforge.train.config import TrainConfig  # noqa: PLC0415
 
     d = TrainConfig(data="", output="")
-    tr.add_argument("--data", required=True, metavar="DIR")
+    tr.add_argument("--data", default=None, metavar="DIR", help="preprocessed data (required without --draft-head)")
     tr.add_argument("--output", required=True, metavar="DIR")
     tr.add_argument("--model", default=None, help="GGUF, HF dir, an earlier run's dir, or a shipped config name "
                     "with --load-format dummy (random init); default: the bundled SmolLM2")
@@ -108,6 +108,9 @@ def _add_train_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     tr.add_argument("--no-verify-data", dest="verify_data", action="store_false", help="skip the checksum check")
     tr.add_argument("--no-tensorboard", dest="tensorboard", action="store_false")
+    from tokenforge.cli.train_eagle import add_draft_head_args  # noqa: PLC0415
+
+    add_draft_head_args(tr)
 
 
 def _load_tokenizer(model: str | None, load_format: str = "auto"):
@@ -163,6 +166,12 @@ def run_train(args: argparse.Namespace) -> int:
     from tokenforge.train.config import TrainConfig  # noqa: PLC0415
     from tokenforge.train.trainer import train  # noqa: PLC0415
 
+    if args.draft_head is not None:
+        from tokenforge.cli.train_eagle import run_draft_head_train  # noqa: PLC0415
+
+        return run_draft_head_train(args)
+    if args.data is None:
+        raise ValueError("--data is required (a `tokenforge preprocess` output directory)")
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}).validated()
     if envs.rank() == 0:       # progress lines from rank 0 only

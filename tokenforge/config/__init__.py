@@ -175,7 +175,7 @@ class SchedulerConfig:
                                           "output; greedy output unchanged, sampling exact by rejection sampling)",
                                           choices=("ngram", "draft", "eagle"))
     num_speculative_tokens: int | None = flag(None, "drafts per request and step, 1-16 (default 4)", metavar="K")
-    speculative_model: str | None = flag(None, "the draft model (draft: a smaller model with the target's tokenizer) or EAGLE head (eagle; not built yet)")
+    speculative_model: str | None = flag(None, "the draft model (draft: a smaller model with the target's tokenizer) or EAGLE / EAGLE-3 head directory (eagle)")
     ngram_min: int = flag(2, "shortest n-gram the ngram method matches", metavar="N")
     ngram_max: int = flag(4, "longest n-gram the ngram method matches", metavar="N")
 

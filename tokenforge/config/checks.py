@@ -66,7 +66,7 @@ def validate_kv_tiers(c) -> None:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft", "eagle")
-SPECULATIVE_METHODS_BUILT = ("ngram", "draft")
+SPECULATIVE_METHODS_BUILT = ("ngram", "draft", "eagle")
 
 
 def validate_speculative(c) -> None:
@@ -88,5 +88,6 @@ def validate_speculative(c) -> None:
                f"need 1 <= ngram_min <= ngram_max, got {c.ngram_min} and {c.ngram_max}")
     else:
         check(c.speculative_model is not None,
-              f"speculative_method={m!r} needs speculative_model (the path of the draft model)")
+              f"speculative_method={m!r} needs speculative_model (the path of the "
+              f"{'EAGLE head' if m == 'eagle' else 'draft model'})")
     check(c.pipeline_steps == 1, "speculative decoding does not combine with pipeline_steps > 1 yet")

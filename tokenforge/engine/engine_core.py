@@ -62,7 +62,7 @@ def make_draft_planner(config, on_gpu: bool = False) -> DraftPlanner | None:
     if config.speculative_method is None:
         return None
     cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
-    if config.speculative_method == "draft":        # the runner's draft model fills the slots
+    if config.speculative_method in ("draft", "eagle"):     # the runner's draft model / head fills the slots
         return DraftPlanner(device_drafts, config.num_draft_tokens, cost)
     from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
 

@@ -29,7 +29,8 @@ class CpuDecodeRunner:
     def for_runner(cls, runner) -> CpuDecodeRunner | None:
         """The native decode step when the runner's model qualifies (after its KV cache exists)."""
         if (runner.device.type != "cpu" or runner.config.device.enforce_eager or runner.loras is not None
-                or runner.offloader is not None or runner.rank.tp_size > 1 or runner.rank.pp_size > 1):
+                or runner.offloader is not None or runner.rank.tp_size > 1 or runner.rank.pp_size > 1
+                or runner.drafter.reads_layer_states):     # EAGLE-3 reads inner layers' states
             return None
         decoder, why = NativeDecoder.of(runner.model)
         if decoder is None:

@@ -10,6 +10,7 @@ from tokenforge.distributed.parallel_state import ParallelRank
 from tokenforge.executor.executor import Executor
 from tokenforge.executor.parallel_check import check_parallel_layout
 from tokenforge.executor.spec.draft import check_draft_model
+from tokenforge.executor.spec.eagle import check_eagle_config
 
 
 def torchrun_rank(config: EngineConfig) -> ParallelRank | None:
@@ -29,6 +30,7 @@ def create_executor(config: EngineConfig):
     from tokenforge.model.loader import read_arch_config  # noqa: PLC0415
 
     check_draft_model(config)
+    check_eagle_config(config)
     rank = torchrun_rank(config)
     if config.parallel.world_size == 1 and rank is None:
         return Executor(config)

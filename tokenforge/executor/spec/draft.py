@@ -32,6 +32,8 @@ from tokenforge.model.loader import load_model, read_arch_config
 
 
 class NoDrafter:
+    reads_layer_states = False
+
     def attention_layers(self) -> list:
         return []
 
@@ -46,7 +48,12 @@ class NoDrafter:
 
 
 def make_drafter(runner):
-    if runner.config.scheduler.speculative_method != "draft":
+    method = runner.config.scheduler.speculative_method
+    if method == "eagle":
+        from tokenforge.executor.spec.eagle import EagleDrafter  # noqa: PLC0415
+
+        return EagleDrafter(runner)
+    if method != "draft":
         return NoDrafter()
     return DraftModel(runner)
 
@@ -72,6 +79,8 @@ def check_draft_model(config) -> None:
 
 
 class DraftModel:
+    reads_layer_states = False
+
     def __init__(self, runner) -> None:
         self.device, self.block_size, self.backend = runner.device, runner.block_size, runner.backend
         loaded = load_model(runner.config.scheduler.speculative_model, "auto", runner.dtype, runner.device,

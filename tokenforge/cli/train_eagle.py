@@ -1,0 +1,100 @@
+"""`tokenforge train --draft-head eagle --target MODEL --output RUN`: self-distillation of an
+EAGLE head. The target answers the built-in chat prompts (train/chat_prompts.py, or --prompts
+FILE: one user message per line) with the engine, greedily or sampled (--gen-temperature); the
+token lists (prompt + answer) go to RUN/distill/sequences.jsonl, which a resumed run reuses.
+Then train/eagle.py trains the head on the target's features of those sequences and exports
+RUN/final (load it with --speculative-method eagle --speculative-model RUN/final).
+
+Under torchrun rank 0 generates and the other ranks wait for its file; all of them train (DDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from tokenforge import envs
+
+DRAFT_HEADS = ("eagle",)
+
+
+def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
+    tr.add_argument("--draft-head", choices=DRAFT_HEADS, default=None,
+                    help="train a speculative-decoding head for --target on its own generations (no --data)")
+    tr.add_argument("--target", default=None, help="with --draft-head: the model the head drafts for (default: bundled)")
+    tr.add_argument("--prompts", default=None, metavar="FILE", help="with --draft-head: user messages, one per line "
+                    "(default: the built-in chat prompts)")
+    tr.add_argument("--num-prompts", type=int, default=256, help="with --draft-head: prompts to generate from")
+    tr.add_argument("--gen-tokens", type=int, default=256, help="with --draft-head: tokens generated per prompt")
+    tr.add_argument("--gen-temperature", type=float, default=0.0, help="with --draft-head: 0 greedy, else sampled")
+    tr.add_argument("--token-loss-weight", type=float, default=0.5, help="with --draft-head: weight of the token "
+                    "loss beside the feature loss (weight 1)")
+
+
+def _prompts(args) -> list[str]:
+    from tokenforge.train.chat_prompts import chat_prompts  # noqa: PLC0415
+
+    if args.prompts is None:
+        return chat_prompts(args.num_prompts, args.seed)
+    lines = [line.strip() for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"--prompts {args.prompts!r} holds no prompt")
+    return lines[:args.num_prompts]
+
+
+def generate_sequences(args, out: Path) -> int:
+    """The target's answers to the prompts as token lists (prompt + answer), one JSON list a line."""
+    from tokenforge import LLM, SamplingParams  # noqa: PLC0415
+
+    prompts = _prompts(args)
+    llm = LLM(args.target, dtype=args.dtype if args.dtype != "auto" else "auto", max_model_len=args.seq_len + 64,
+              distributed_executor_backend="uni")
+    try:
+        params = SamplingParams(temperature=args.gen_temperature, max_tokens=args.gen_tokens, seed=args.seed)
+        tic = time.perf_counter()
+        results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        for r in results:
+            f.write(json.dumps(list(r.prompt_token_ids) + list(r.outputs[0].token_ids)) + "\n")
+    tmp.replace(out)
+    tokens = sum(len(r.outputs[0].token_ids) for r in results)
+    print(f"generated {tokens} tokens for {len(results)} prompts in {time.perf_counter() - tic:.1f} s -> {out}")
+    return len(results)
+
+
+def run_draft_head_train(args: argparse.Namespace) -> int:
+    from tokenforge.train.config import TrainConfig  # noqa: PLC0415
+    from tokenforge.train.eagle import SEQUENCES, EagleLoss, train_eagle_head  # noqa: PLC0415
+
+    if args.data is not None:
+        raise ValueError("--draft-head trains on the target's own generations: it takes no --data")
+    if args.lora_rank:
+        raise ValueError("--draft-head trains a new head: it does not combine with --lora-rank")
+    if args.num_prompts < 1 or args.gen_tokens < 1:
+        raise ValueError("--num-prompts and --gen-tokens must be positive")
+    target = args.target if args.target is not None else args.model
+    args.target = target
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    cfg = TrainConfig(**{**values, "data": str(Path(args.output) / "distill"), "model": target}).validated()
+    sequences = Path(args.output) / SEQUENCES
+    if envs.rank() == 0:
+        logging.getLogger("tokenforge.train").setLevel(logging.INFO)
+        if not (args.resume and sequences.is_file()):
+            generate_sequences(args, sequences)
+    else:
+        while not sequences.is_file():      # rank 0 is generating
+            time.sleep(2)
+    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight))
+    if final is not None:
+        print(f"trained {cfg.max_steps} steps; EAGLE head in {final} (--speculative-method eagle "
+              f"--speculative-model {final})")
+    return 0

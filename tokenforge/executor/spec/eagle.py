@@ -1,0 +1,184 @@
+"""The `eagle` method: an EAGLE or EAGLE-3 head (model/models/eagle.py) drafts K tokens per request
+on the device from the target's own hidden features, right before the target's verify forward.
+
+The head's input at position p is (token p+1, the target's feature at p), so a position can be
+fed only once the token after it is known. Each step therefore starts with a *catch-up*: for
+every sequence that was in the previous step, the head runs over the previous step's rows whose
+features are valid (its start position S to this step's start S' - 1: all rows of a prefill chunk
+or a decode, the accepted rows of a verify), with the tokens after them (the previous step's
+input ids, then this step's first input id, which the previous step sampled). The catch-up's last
+row predicts the feature at S', whose argmax is d_1; d_2..d_k follow by decodes of the head alone
+on its own predicted features (positions S'..S'+k-2). Those positions' head KV is rewritten by
+the next catch-up with the target's features, so rejected drafts leave nothing stale behind.
+
+The target's features: EAGLE reads the previous step's final hidden states (the runner's output,
+no extra work); EAGLE-3 reads three layers' residual streams, which an `AuxCapture` made at
+start-up copies into one buffer during the target's forward (pre-hooks on those layers only, so
+the non-speculative path runs no hook). The previous step's tensors are read before this step's
+forward overwrites them, in stream order: nothing waits for the host.
+
+The head's paged KV shares the target's block tables and block count, as a draft model's does
+(draft.py): a slot holds the head's KV of the same position. Its forwards run eager. Drafts are
+the head's argmax (q one-hot), so the verify stays exact under greedy and rejection sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenforge.core.outputs import DRAFT_TOKEN_ID
+from tokenforge.executor.kv_cache import allocate_kv_caches
+from tokenforge.model.attention.backend import AttentionBatch
+from tokenforge.model.forward_context import set_forward_context
+from tokenforge.model.loader import read_arch_config
+from tokenforge.model.loader.eagle import check_eagle_head, load_eagle_head
+from tokenforge.model.models.eagle import AuxCapture
+
+
+def check_eagle_config(config) -> None:
+    """One clear error before any model loads: the head must fit the target and run on one rank."""
+    sched = config.scheduler
+    if sched.speculative_method != "eagle":
+        return
+    if config.parallel.world_size > 1:
+        raise ValueError("speculative_method='eagle' runs on one rank: it does not combine with tensor or "
+                         "pipeline parallelism yet")
+    target = read_arch_config(config.model.model, config.load.load_format)
+    check_eagle_head(sched.speculative_model, target)
+
+
+class EagleDrafter:
+    def __init__(self, runner) -> None:
+        self.device, self.block_size, self.backend = runner.device, runner.block_size, runner.backend
+        self.head = load_eagle_head(runner.config.scheduler.speculative_model, runner.model, runner.dtype,
+                                    runner.device)
+        for layer in self.attention_layers():
+            layer.backend = runner.backend
+        spec = self.head.spec
+        rows = runner.config.scheduler.max_num_batched_tokens + (1 + runner.config.scheduler.num_draft_tokens) * 8
+        self.capture = (AuxCapture(runner.model, spec.aux_layer_ids, rows, runner.dtype, runner.device)
+                        if spec.version == 3 else None)
+        self.kv_caches: list[torch.Tensor] = []
+        self._last = None          # (the previous step, {request_id: (first row, rows, start position)})
+
+    @property
+    def reads_layer_states(self) -> bool:
+        """EAGLE-3 reads inner layers' states: the target's forward must run its layers per op."""
+        return self.capture is not None
+
+    def attention_layers(self) -> list:
+        return [layer.self_attn.attn for layer in self.head.layers]
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        layers = self.attention_layers()
+        dtype = self.head.fc.weight.dtype
+        self.kv_caches = allocate_kv_caches(self.backend, layers, num_blocks, self.block_size, dtype, self.device)
+        for layer, cache in zip(layers, self.kv_caches):
+            layer.kv_cache = cache
+
+    def release(self) -> None:
+        if self.capture is not None:
+            self.capture.remove()
+        for module in self.head.modules():
+            module._parameters.clear()
+            module._buffers.clear()
+        for layer in self.attention_layers():
+            layer.kv_cache = None
+        self.kv_caches, self._last = [], None
+
+    # ---- one step ----
+
+    def before_forward(self, step) -> None:
+        """Catch the head up on the previous step's rows, then fill this step's draft slots."""
+        seqs, inputs = step.sched.sequences, step.inputs
+        caught = self._catch_up(step)          # {index in batch: its last row in self._out}
+        drafted = []                           # (index in batch, row of d_1, d)
+        for i, s in enumerate(seqs):
+            d = s.num_draft_tokens if s.sample else 0
+            if d and s.token_ids[-1] == DRAFT_TOKEN_ID:
+                drafted.append((i, inputs.query_start_loc[i] + len(s.token_ids) - d, d))
+        self._last = (step, {s.request_id: (inputs.query_start_loc[i], len(s.token_ids), s.start_position)
+                             for i, s in enumerate(seqs)})
+        if drafted:
+            self._draft(step, drafted, caught)
+
+    def _features(self, prev_step) -> torch.Tensor | None:
+        rows = prev_step.inputs.query_start_loc[-1]
+        if self.capture is None:
+            return prev_step.hidden
+        return self.capture.features(rows)
+
+    def _catch_up(self, step) -> dict[int, int]:
+        """The head over the previous step's valid rows; returns {index in batch: its last row}
+        and keeps the outputs (logit rows, next hidden) in self._out."""
+        self._out = None
+        if self._last is None:
+            return {}
+        prev, records = self._last
+        feats = self._features(prev) if prev.hidden is not None else None
+        if feats is None:
+            return {}
+        seqs, inputs = step.sched.sequences, step.inputs
+        n_prev = prev.inputs.query_start_loc[-1]
+        feat_rows, tok_rows, positions, qlens, ctx, tables, last = [], [], [], [], [], [], {}
+        for i, s in enumerate(seqs):
+            rec = records.get(s.request_id)
+            if rec is None:
+                continue
+            row0, n, start = rec
+            m = s.start_position - start                  # rows of the previous step now valid
+            if not 0 < m <= n:
+                continue
+            feat_rows.extend(range(row0, row0 + m))
+            tok_rows.extend(range(row0 + 1, row0 + m))    # the tokens after them: the previous step's ...
+            tok_rows.append(n_prev + inputs.query_start_loc[i])   # ... then this step's first
+            positions.extend(range(start, start + m))
+            qlens.append(m)
+            ctx.append(start)
+            tables.append(inputs.attn_batch.block_tables[i])
+            last[i] = len(feat_rows) - 1
+        if not qlens:
+            return {}
+        index = torch.tensor(feat_rows + tok_rows + positions, device=self.device)
+        t = len(feat_rows)
+        ids = torch.cat([prev.inputs.input_ids[:n_prev], inputs.input_ids])[index[t:2 * t]]
+        hidden = self.head.combine(feats[index[:t]])
+        batch = AttentionBatch(qlens, ctx, tables, self.block_size, self.device)
+        self._out = self._forward(batch, ids, index[2 * t:], hidden)
+        return last
+
+    def _draft(self, step, drafted: list[tuple[int, int, int]], caught: dict[int, int]) -> None:
+        """d_1 from the catch-up's last rows, d_2..d_k by decodes of the head; each written into
+        the step's draft rows of the input ids. A sequence with no catch-up (none possible: its
+        previous step is unknown) gets its last token repeated: drafts the verify will reject."""
+        inputs, seqs = step.inputs, step.sched.sequences
+        fallback = [(i, row, d) for i, row, d in drafted if i not in caught]
+        for _, row, d in fallback:
+            inputs.input_ids[row:row + d] = inputs.input_ids[row - 1]
+        live = [(i, row, d) for i, row, d in drafted if i in caught]
+        if not live:
+            return
+        out_rows, next_hidden = self._out
+        pick = torch.tensor([caught[i] for i, _, _ in live], device=self.device)
+        tokens, hidden = self.head.draft_tokens(out_rows[pick]), next_hidden[pick]
+        start = [seqs[i].start_position for i, _, _ in live]       # S': the position of the known token
+        tables = [inputs.attn_batch.block_tables[i] for i, _, _ in live]
+        k = max(d for _, _, d in live)
+        current = list(range(len(live)))                           # indices into live, still drafting
+        for j in range(k):
+            index = torch.tensor([live[m][1] + j for m in current], device=self.device)
+            inputs.input_ids.index_copy_(0, index, tokens)
+            nxt = [n for n, m in enumerate(current) if live[m][2] > j + 1]
+            if not nxt:
+                return
+            keep = torch.tensor(nxt, device=self.device)
+            current = [current[n] for n in nxt]
+            ctx = [start[m] + j for m in current]
+            batch = AttentionBatch([1] * len(current), ctx, [tables[m] for m in current], self.block_size, self.device)
+            rows, hidden = self._forward(batch, tokens[keep], torch.tensor(ctx, device=self.device), hidden[keep])
+            tokens = self.head.draft_tokens(rows)
+
+    def _forward(self, batch: AttentionBatch, ids: torch.Tensor, positions: torch.Tensor,
+                 hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with set_forward_context(self.backend.build_metadata(batch), None):
+            return self.head(ids, positions, hidden)

@@ -1,0 +1,231 @@
+"""`tokenforge train --draft-head eagle`: train an EAGLE head on the target's own features.
+
+In: the target model (frozen) and its own generations for a prompt set (self-distillation: the
+CLI generates them with the engine and writes RUN/distill/sequences.jsonl, one token list per
+line, prompt + output). Out: RUN/checkpoints/step_*/ (resumable, as `tokenforge train`'s),
+RUN/metrics.jsonl and RUN/final/, the head in the layout the server loads
+(model/loader/eagle.py: config.json + model.safetensors, EAGLE (v1) tensor names).
+
+The head (one decoder layer, model/models/eagle.py) sees at position p the next token and the
+target's final-normed feature f_p, and is trained to predict f_{p+1}: a smooth-L1 loss on the
+feature plus a cross-entropy loss of the target's LM head over the prediction against token
+p+2 (the target's own next token). The features come from the frozen target's forward over each
+batch (kept on the device for the whole run when they fit in `feature_cache_bytes`, else
+recomputed per step). One process, or DDP under torchrun (the head's gradients all-reduced;
+each rank takes its slice of every global batch); optimizer, schedule and checkpoints are the
+training mode's own (optim.py, checkpoint.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.forward_context import TrainingMetadata, set_forward_context
+from tokenforge.model.loader import load_model
+from tokenforge.model.loader.eagle import save_eagle_head
+from tokenforge.model.models.eagle import EagleHead, EagleSpec
+from tokenforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from tokenforge.train.config import TrainConfig
+from tokenforge.train.data import SampleOrder
+from tokenforge.train.loss import IGNORE_INDEX, linear_cross_entropy
+from tokenforge.train.metrics import MetricsLogger
+from tokenforge.train.optim import build_optimizer, build_scheduler
+from tokenforge.train.parallel import Dist, destroy_distributed, init_distributed, unwrap, wrap_model
+from tokenforge.train.setup import compute_dtype, resolve_strategy
+
+logger = logging.getLogger(__name__)
+SEQUENCES = "distill/sequences.jsonl"
+
+
+@dataclass(frozen=True, slots=True)
+class EagleLoss:
+    feature_weight: float = 1.0
+    token_weight: float = 0.5
+    feature_cache_bytes: int = 2 << 30
+
+
+def head_spec(target: ArchConfig) -> EagleSpec:
+    """An EAGLE (v1) head of one layer shaped like the target's layers."""
+    arch = target.replace(num_hidden_layers=1, tie_word_embeddings=False, moe=None, layer_types=(),
+                          sliding_window=None)
+    return EagleSpec(version=1, arch=arch, target_hidden_size=target.hidden_size,
+                     draft_vocab_size=target.vocab_size, fc_bias=True)
+
+
+def init_head(head: EagleHead, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in head.named_parameters():
+        if p.dim() >= 2:
+            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            p.data.fill_(1.0)
+
+
+def read_sequences(path: Path) -> list[list[int]]:
+    with open(path) as f:
+        seqs = [json.loads(line) for line in f if line.strip()]
+    seqs = [s for s in seqs if len(s) >= 3]
+    if not seqs:
+        raise ValueError(f"{path} holds no sequence of 3 or more tokens to train a draft head on")
+    return seqs
+
+
+class EagleTrainer:
+    def __init__(self, cfg: TrainConfig, d: Dist, loss: EagleLoss, sequences: list[list[int]]) -> None:
+        self.cfg, self.d, self.loss_cfg = cfg, d, loss
+        self.run_dir = Path(cfg.output)
+        self.dtype = compute_dtype(cfg, d.device)
+        torch.manual_seed(cfg.seed)
+        loaded = load_model(cfg.model, cfg.load_format, self.dtype, d.device, cfg.seed)
+        self.target = loaded.model.eval().requires_grad_(False)
+        self.arch = loaded.arch_config
+        with torch.device(d.device):
+            self.head = EagleHead(head_spec(self.arch), torch.float32)
+        init_head(self.head, cfg.seed)
+        self.head.share(self.target)
+        self.wrapped = wrap_model(self.head, resolve_strategy(cfg, d.world_size), d, self.dtype)
+        self.optimizer = build_optimizer(self.wrapped, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), d.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.scheduler, cfg.min_lr_ratio)
+        self.seqs = [s[:cfg.seq_len] for s in sequences]
+        self.order = SampleOrder(len(self.seqs), cfg.seed)
+        self.metrics = MetricsLogger(self.run_dir, d.is_main, cfg.tensorboard)
+        self.step = self.position = 0
+        self._features: dict[int, torch.Tensor] = {}
+        tokens = sum(len(s) for s in self.seqs)
+        self._cache = tokens * self.arch.hidden_size * self.dtype.itemsize <= loss.feature_cache_bytes
+
+    # ---- data ----
+
+    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [B, S], lengths [B], target features [B, S, H]) of the listed sequences."""
+        seqs = [self.seqs[i] for i in indices]
+        width = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        for row, s in enumerate(seqs):
+            ids[row, :len(s)] = torch.tensor(s)
+        ids = ids.to(self.d.device)
+        lengths = torch.tensor([len(s) for s in seqs], device=self.d.device)
+        missing = [i for i in indices if i not in self._features]
+        if missing or not self._cache:
+            fresh = self._target_features(ids)
+            if not self._cache:
+                return ids, lengths, fresh
+            for row, i in enumerate(indices):
+                self._features.setdefault(i, fresh[row, :len(self.seqs[i])].clone())
+        feats = torch.zeros(len(seqs), width, self.arch.hidden_size, dtype=self.dtype, device=self.d.device)
+        for row, i in enumerate(indices):
+            feats[row, :len(self.seqs[i])] = self._features[i]
+        return ids, lengths, feats
+
+    @torch.no_grad()
+    def _target_features(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.target(ids, None)                                     # [B, S, H], final-normed
+
+    # ---- the step ----
+
+    def losses(self, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The head at p reads (token p+1, f_p) and predicts f_{p+1} (and so token p+2)."""
+        b, s = ids.shape
+        pos = torch.arange(s - 1, device=ids.device)
+        with set_forward_context(TrainingMetadata.of(b, s - 1)):
+            pred, _ = self.wrapped(ids[:, 1:].reshape(-1), pos.repeat(b), feats[:, :-1].reshape(b * (s - 1), -1).float())
+        pred = pred.view(b, s - 1, -1)
+        valid = (pos[None, :] + 1) < lengths[:, None]                     # f_{p+1} exists
+        feat_err = F.smooth_l1_loss(pred, feats[:, 1:].float(), reduction="none").mean(-1)
+        feat_loss = (feat_err * valid).sum() / valid.sum().clamp(min=1)
+        labels = torch.full((b, s - 1), IGNORE_INDEX, dtype=torch.long, device=ids.device)
+        labels[:, :-1] = ids[:, 2:]
+        labels[~((pos[None, :] + 2) < lengths[:, None])] = IGNORE_INDEX
+        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
+        weight = self.target.lm_head.weight
+        token_loss = linear_cross_entropy(pred, weight.detach(), labels) / count
+        with torch.no_grad():
+            top = self.target.compute_logits(pred.detach().to(weight.dtype)).argmax(-1)
+            acc = ((top == labels) & (labels != IGNORE_INDEX)).sum() / count
+        total = self.loss_cfg.feature_weight * feat_loss + self.loss_cfg.token_weight * token_loss
+        return {"loss": total, "feature_loss": feat_loss.detach(), "token_loss": token_loss.detach(), "accuracy": acc}
+
+    def one_step(self) -> dict[str, float]:
+        mb, world = self.cfg.micro_batch_size, self.d.world_size
+        indices = self.order.indices(self.position + self.d.rank * mb, mb)
+        out = self.losses(*self._batch(indices))
+        out["loss"].backward()
+        clip = self.cfg.grad_clip if self.cfg.grad_clip > 0 else math.inf
+        norm = torch.nn.utils.clip_grad_norm_([p for p in self.wrapped.parameters() if p.requires_grad], clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.position += mb * world
+        return {"step": self.step, **{k: float(v.detach()) for k, v in out.items()}, "lr": lr, "grad_norm": float(norm)}
+
+    # ---- the run ----
+
+    def fit(self) -> Path | None:
+        self._maybe_resume()
+        tic = time.perf_counter()
+        while self.step < self.cfg.max_steps:
+            record = self.one_step()
+            if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
+                record["seconds"] = time.perf_counter() - tic
+                self.metrics.log(record)
+                if self.d.is_main:
+                    logger.info("step %d loss %.4f feature %.4f token %.4f accuracy %.3f", self.step, record["loss"],
+                                record["feature_loss"], record["token_loss"], record["accuracy"])
+            if self.cfg.save_every and self.step % self.cfg.save_every == 0 and self.step < self.cfg.max_steps:
+                self._save()
+        self._save()
+        self.metrics.close()
+        return self._export()
+
+    def _state(self) -> dict:
+        return {"step": self.step, "position": self.position, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len,
+                "num_sequences": len(self.seqs), "draft_head": "eagle"}
+
+    def _save(self) -> Path:
+        return save_checkpoint(self.run_dir, self.wrapped, self.optimizer, self.scheduler, self._state(), self.d,
+                               self.cfg.keep_last)
+
+    def _maybe_resume(self) -> None:
+        path = latest_checkpoint(self.run_dir) if self.cfg.resume else None
+        if path is None:
+            return
+        meta = load_checkpoint(path, self.wrapped, self.optimizer, self.scheduler, self.d)
+        if meta.get("num_sequences") != len(self.seqs):
+            raise ValueError(f"cannot resume from {path}: it was trained on {meta.get('num_sequences')} sequences, "
+                             f"{self.run_dir / SEQUENCES} now holds {len(self.seqs)}")
+        self.step, self.position = meta["step"], meta["position"]
+        logger.warning("resumed from %s (step %d)", path, self.step)
+
+    def _export(self) -> Path | None:
+        if not self.d.is_main:
+            self.d.barrier()
+            return None
+        dtype = self.dtype if self.cfg.export_dtype == "auto" else getattr(torch, self.cfg.export_dtype)
+        out = save_eagle_head(unwrap(self.wrapped), self.run_dir / "final", dtype,
+                              {"tokenforge_draft_head": {"target": str(self.cfg.model), "steps": self.step}})
+        self.d.barrier()
+        return out
+
+
+def train_eagle_head(cfg: TrainConfig, loss: EagleLoss | None = None) -> Path | None:
+    """Train on RUN/distill/sequences.jsonl (written by the CLI); returns RUN/final (rank 0)."""
+    cfg = cfg.validated()
+    sequences = read_sequences(Path(cfg.output) / SEQUENCES)
+    d = init_distributed(cfg.device)
+    try:
+        return EagleTrainer(cfg, d, loss or EagleLoss(), sequences).fit()
+    finally:
+        destroy_distributed()
