@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .moe_fp8 import Fp8Stack
-from .moe_gemv import gemv_pairs, launch_gemv
+from .moe_gemv import gemv_pairs, launch_gemv, swiglu
 from .mxfp4 import Mxfp4Stack, fp4_weight_tiles
 
 ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
@@ -191,12 +191,7 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
         if SWIGLU:
             acc_up += tl.load(b_ptrs + N, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if SWIGLU:
-        if OAI:
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-            acc = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-        else:
-            acc = acc * tl.sigmoid(acc) * acc_up
+        acc = swiglu(acc, acc_up, alpha, limit, OAI)
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + pair, mask=mask_m, other=0.0)[:, None]
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + offs_n[None, :]

@@ -37,6 +37,17 @@ def gemv_pairs(fmt: str) -> int:
 
 
 @triton.jit
+def swiglu(gate, up, alpha, limit, OAI: tl.constexpr):
+    """silu(gate) * up, or (OAI) gpt-oss's form: gate clamped above at `limit`, up to +-limit,
+    gate * sigmoid(alpha * gate) * (up + 1). The epilogue of both MoE GEMM kernels."""
+    if OAI:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        return gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    return gate * tl.sigmoid(gate) * up
+
+
+@triton.jit
 def _row_dot(a_ptr, w_ptr, s_ptr, rows, mask_n, a_row, K, stride_am, stride_wn, stride_sn,
              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FORMAT: tl.constexpr):
     """sum_k a[a_row, k] * W[row, k] for the BLOCK_N rows at `rows` ([BLOCK_N] int64 offsets of
@@ -104,12 +115,7 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ids_ptr, weights_pt
             up *= tl.load(s_base + (offs_n + N) * stride_sn, mask=mask_n, other=0.0)
         if HAS_BIAS:
             up += tl.load(bias_ptr + expert * stride_be + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-        if OAI:
-            gate = tl.minimum(acc, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
-            acc = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-        else:
-            acc = acc * tl.sigmoid(acc) * up
+        acc = swiglu(acc, up, alpha, limit, OAI)
     if MUL_WEIGHTS:
         acc = acc * tl.load(weights_ptr + pair)
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
