@@ -77,3 +77,14 @@ def child_pids(pid: int) -> list[int]:
         with open(f"/proc/{pid}/task/{task}/children") as f:
             out += [int(p) for p in f.read().split()]
     return out
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The children of a process that multiprocessing spawned as workers (not its resource
+    tracker: the engine core is a fresh interpreter, so its first spawn starts one)."""
+    out = []
+    for child in child_pids(pid):
+        with open(f"/proc/{child}/cmdline", "rb") as c:
+            if b"spawn_main" in c.read():
+                out.append(child)
+    return out

@@ -12,7 +12,7 @@ import uuid
 import httpx
 import openai
 
-from tests.distributed.conftest import MAX_TOKENS, PROMPTS, child_pids, processes_with_env
+from tests.distributed.conftest import MAX_TOKENS, PROMPTS, processes_with_env, worker_pids
 from tests.server.servers import ServerProcess
 
 
@@ -33,7 +33,7 @@ def test_serve_tp2_answers_openai_then_dies_cleanly_with_a_worker(widened_model,
                                               max_tokens=4, temperature=0)
         assert chat.choices[0].message.content
 
-        (worker,) = child_pids(server.engine_pid())
+        (worker,) = worker_pids(server.engine_pid())
         os.kill(worker, signal.SIGKILL)
         # A bound on a hang, not a speed target: an idle host sees the 503 within a second; both
         # cores busy with another process stretched every step of the way here.

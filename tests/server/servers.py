@@ -57,12 +57,12 @@ class ServerProcess:
             return f.read()[-6000:]
 
     def engine_pid(self) -> int:
-        """The engine-core child (multiprocessing spawn), found through /proc."""
+        """The engine-core child (engine/core_boot.py's interpreter), found through /proc."""
         for task in os.listdir(f"/proc/{self.proc.pid}/task"):
             with open(f"/proc/{self.proc.pid}/task/{task}/children") as f:
                 for pid in f.read().split():
                     with open(f"/proc/{pid}/cmdline", "rb") as c:
-                        if b"spawn_main" in c.read():
+                        if b"tokenforge.engine.core_boot" in c.read():
                             return int(pid)
         raise RuntimeError("no engine-core child process found")
 

@@ -91,10 +91,12 @@ class CoreProcess:
         self.started = False
 
     def start(self, config_bytes: bytes, input_address: str, output_address: str, log_level: int,
-              core_path: str | None = None) -> None:
-        """Send the config: the core starts loading. OSError if it is gone (or never read it)."""
+              core_path: str | None = None, prestarted: bool = False) -> None:
+        """Send the config: the core starts loading. OSError if it is gone (or never read it).
+        `prestarted`: the config is an API process's unresolved one (serve), which the core resolves
+        whatever it says; a config handed over at spawn is resolved only if it asks to be."""
         header = json.dumps({"input": input_address, "output": output_address, "log_level": log_level,
-                             "core_path": core_path or self.core_path}).encode()
+                             "core_path": core_path or self.core_path, "prestarted": prestarted}).encode()
         payload = struct.pack("<II", len(header), len(config_bytes)) + header + config_bytes
         view = memoryview(payload)
         while view:
@@ -283,4 +285,5 @@ def main() -> None:
 
     header = inbox.header
     run_engine_core(inbox.config_bytes, header["input"], header["output"], spec["parent_pid"],
-                    header["core_path"], header["log_level"], prestarted=True, marks=marks)
+                    header["core_path"], header["log_level"],
+                    prestarted=header.get("prestarted", False), marks=marks)

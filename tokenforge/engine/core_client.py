@@ -97,10 +97,10 @@ class EngineCoreClient:
         logger.log(logging.INFO if self.config is not None else logging.DEBUG,
                    "engine core process started (pid %d)", self.process.pid)
 
-    def _start(self, config: EngineConfig) -> None:
+    def _start(self, config: EngineConfig, prestarted: bool = False) -> None:
         try:
             self.process.start(encode_config(config), self.input_address, self.output_address,
-                               logging.getLogger().getEffectiveLevel(), self.core_path)
+                               logging.getLogger().getEffectiveLevel(), self.core_path, prestarted)
         except OSError as err:      # the core died while importing
             self.process.join(1.0)
             raise EngineDeadError(f"engine core process exited with code {self.process.exitcode} "
@@ -112,7 +112,7 @@ class EngineCoreClient:
         if self.process is None or self.process.started or self.config is not None:
             raise RuntimeError("configure() is for a core started with prestart()")
         self.config = config
-        self._start(config)
+        self._start(config, prestarted=True)
         # DEBUG: a config the core refuses must leave the one error line alone (the core logs
         # "config resolved" once it accepts it).
         logger.debug("engine core process configured (pid %d, pre-started)", self.process.pid)
