@@ -130,13 +130,13 @@ def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: 
 
 
 def check_shared_prefix_ttft(a: ServerProcess, b: ServerProcess, seed: int, prefix_len: int = 1500,
-                             trials: int = 3) -> dict:
-    """The issue's target: A serves a ~1,500-token prompt it never saw (the unseen TTFT); B then
-    serves the same prompt from A's blocks in Redis >= 3x faster, with A's output.
+                             trials: int = 3, min_ratio: float = 3.0) -> dict:
+    """The issue's target: A serves a prompt it never saw (the unseen TTFT); B then serves the same
+    prompt from A's blocks in Redis `min_ratio` times faster (the target: 3x), with A's output.
 
     The mechanism is asserted each trial (A put every full block, B restored them rather than
     computing them); the TTFT ratio is best-of-`trials` against best-of-`trials`, so a loaded
-    machine, which slows both sides, cannot flip it (idle: ~20x)."""
+    machine, which slows both sides, cannot flip it (idle, 640 tokens: ~6-7x; 1,500: ~20x)."""
     rng = random.Random(seed)
     complete(a, random_ids(rng, 40), 2)        # warm both replicas' first-request paths
     complete(b, random_ids(rng, 40), 2)
@@ -156,7 +156,7 @@ def check_shared_prefix_ttft(a: ServerProcess, b: ServerProcess, seed: int, pref
         assert restored >= (full - 1) * 16, (restored, r)          # B restored A's blocks from Redis
         assert text_hit == text_cold, (text_hit, text_cold)        # token-identical to the cold run
     r["remote_hits"] = metric_sum(b, "tokenforge:kv_tier_hits_total", tier="remote")
-    assert min(r["ttft_unseen"]) >= 3 * min(r["ttft_hit"]), r   # the target: >= 3x lower TTFT
+    assert min(r["ttft_unseen"]) >= min_ratio * min(r["ttft_hit"]), r
     return r
 
 
