@@ -10,7 +10,7 @@ import pytest
 
 from tokenforge import LLM, SamplingParams
 from tokenforge.executor.compile_watch import WATCH, CompileWatch
-from tokenforge.executor.warmup import warm_up, warm_up_batches
+from tokenforge.executor.warmup import deferred_decode_batches, warm_up, warm_up_batches
 
 
 def test_watch_counts_start_up_and_warns_after_ready(caplog):
@@ -39,6 +39,24 @@ def test_warm_up_batches_fit_the_limits(max_tokens, max_len, max_seqs, num_block
         kinds = {(len(q) > 1, any(x > 0 for x in c), 1 in q) for q, c in batches}
         assert (False, True, False) in kinds          # a chunk over a cached prefix
         assert (True, True, True) in kinds            # decodes beside a chunk
+
+
+def test_deferred_buckets_get_one_eager_decode_per_kernel_variant():
+    """The split-KV decode compiles one reduce kernel per split count: for an H200's 132 SMs and
+    8 KV heads, buckets 16..512 need 8, 4, 2 and 1 splits, so four batches, the smallest of each."""
+    from tokenforge.kernels.paged_decode import next_power_of_2
+
+    def splits(batch):          # choose_num_splits on 132 SMs
+        return max(1, min(64, next_power_of_2(-(-4 * 132 // (batch * 8)))))
+
+    pending = [16, 24, 32, 40, 48, 56, 64, 128, 256, 512]
+    batches = deferred_decode_batches(pending, splits, max_seqs=512, num_blocks=4096, context=15)
+    assert [len(q) for q, _ in batches] == [16, 24, 40, 128]
+    assert {splits(len(q)) for q, _ in batches} == {splits(b) for b in pending}
+    assert all(q == [1] * len(q) and c == [15] * len(q) for q, c in batches)
+    # capped by the sequence limit and by the blocks there are (one per sequence)
+    assert [len(q) for q, _ in deferred_decode_batches(pending, splits, 64, 100, 15)] == [16, 24, 40]
+    assert deferred_decode_batches(pending, splits, 512, 8, 15) == []
 
 
 def test_warm_up_runs_on_a_real_runner_and_the_engine_still_answers():

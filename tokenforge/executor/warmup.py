@@ -8,7 +8,10 @@ decodes and a prefill chunk runs both attention kernels in one forward, and unca
 batches run eagerly. `warm_up_batches` lists one batch of each kind that fits the engine's
 limits; `warm_up` runs them over the real KV cache's first blocks (free at start-up; whatever
 they hold is overwritten when a sequence is given them) and the LM head over their last rows.
-The CUDA graphs (captured just before) already cover every decode bucket.
+The CUDA graphs captured just before cover their decode buckets; the buckets deferred to idle
+time (graph_stages.py) run eagerly until then, so one eager decode batch per kernel variant the
+attention backend names for them (`decode_variant`: the split-KV decode's split count) runs too:
+a batch of 12 before bucket 16 is captured then compiles nothing.
 """
 
 from __future__ import annotations
@@ -45,6 +48,21 @@ def warm_up_batches(block_size: int, max_tokens: int, max_len: int, max_seqs: in
     return out
 
 
+def deferred_decode_batches(pending: list[int], variant, max_seqs: int, num_blocks: int,
+                            context: int) -> list[tuple[list[int], list[int]]]:
+    """One decode batch (`context` cached tokens per sequence, one block each) per distinct
+    `variant(batch size)` among the deferred buckets `pending`, the smallest size of each."""
+    seen, out = set(), []
+    for size in sorted(pending):
+        size = min(size, max_seqs)
+        key = variant(size)
+        if key in seen or size > num_blocks:
+            continue
+        seen.add(key)
+        out.append(([1] * size, [context] * size))
+    return out
+
+
 @torch.inference_mode()
 def warm_up(runner, num_blocks: int) -> float:
     """Run the warm-up batches; returns the seconds it took."""
@@ -52,6 +70,12 @@ def warm_up(runner, num_blocks: int) -> float:
     sched = runner.config.scheduler
     batches = warm_up_batches(runner.block_size, sched.max_num_batched_tokens, sched.max_model_len,
                               sched.max_num_seqs, num_blocks)
+    stages = getattr(getattr(runner, "graphs", None), "stages", None)
+    variant = getattr(runner.backend, "decode_variant", None)
+    if stages is not None and stages.pending and variant is not None:
+        num_kv_heads = runner.kv_caches[0].shape[3]
+        batches += deferred_decode_batches(stages.pending, lambda b: variant(b, num_kv_heads, runner.device),
+                                           sched.max_num_seqs, num_blocks, runner.block_size - 1)
     for query_lens, context_lens in batches:
         tables, next_block = [], 0
         for q, c in zip(query_lens, context_lens):

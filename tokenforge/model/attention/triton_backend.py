@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from tokenforge.kernels.kv_store import store_kv
-from tokenforge.kernels.paged_attention import decode_attention, prefill_attention
+from tokenforge.kernels.paged_attention import choose_num_splits, decode_attention, prefill_attention
 from tokenforge.model.attention.backend import AttentionBatch
 
 
@@ -122,6 +122,12 @@ class TritonAttentionBackend:
 
     def kv_cache_shape(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
         return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    @staticmethod
+    def decode_variant(batch_size: int, num_kv_heads: int, device: torch.device) -> int:
+        """What compiles a separate decode kernel for a batch size: its split count (a constexpr
+        of the reduce kernel). The warm-up runs one eager decode per value (executor/warmup.py)."""
+        return choose_num_splits(batch_size, num_kv_heads, device)
 
     def build_metadata(self, batch: AttentionBatch, out: DecodeMetadataBuffers | None = None,
                        padded_batch_size: int | None = None) -> TritonAttentionMetadata:
