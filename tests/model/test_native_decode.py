@@ -58,7 +58,9 @@ def _compare(model, paged_driver, steps: int = STEPS) -> None:
         assert _rel(got, expected) < 1e-4
         assert max(_rel(c, e) for c, e in zip(caches, expected_kv)) < 1e-4      # the new k/v stored in place
         logits, expected_logits = model.compute_logits(got), model.compute_logits(expected)
-        assert _rel(logits, expected_logits) < 1e-4
+        # The head quantizes its input to 8 bits too: hidden states 1e-5 apart can round one element
+        # differently there (seen: 1.4e-3 with one torch thread), still far below a wrong head's O(1).
+        assert _rel(logits, expected_logits) < 1e-2
         assert torch.equal(logits.argmax(-1), expected_logits.argmax(-1))
         tokens = dict(zip(tokens, logits.argmax(-1).tolist()))
 
