@@ -21,6 +21,7 @@ PACED_VOCAB = "TOKENFORGE_PACED_VOCAB"          # bench frontend_cpu: the paced 
 PACED_STEP_MS = "TOKENFORGE_PACED_STEP_MS"      # bench frontend_cpu: its step time
 QUANT_KERNEL = "TOKENFORGE_QUANT_KERNEL"        # quantized linears: force one decode kernel (model/quant/kernel_plan.py)
 QUANT_TABLE = "TOKENFORGE_QUANT_TABLE"          # quantized linears: a kernel table JSON instead of the bundled one
+BYTECODE_CACHE = "TOKENFORGE_BYTECODE_CACHE"    # serve's core: "0" keeps Python's own bytecode rules (core_boot.py)
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -97,6 +98,10 @@ def triton_interpret() -> bool:
 def cache_home() -> Path:
     """$XDG_CACHE_HOME, else ~/.cache."""
     return Path(_get("XDG_CACHE_HOME") or Path.home() / ".cache")
+
+
+def bytecode_cache_enabled() -> bool:
+    return _get(BYTECODE_CACHE, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def hf_token() -> str | None:
