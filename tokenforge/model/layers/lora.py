@@ -3,9 +3,10 @@
 Every parallel linear has a `lora` slot (linear.py). A hook there is called as `hook(x, y)` with
 the projection's input x [..., in] and output y [..., out] and returns the new output. It runs on
 this rank's shard before the row-parallel all-reduce: a row-parallel adapter's A is split by input
-columns like the weight, so its partial deltas sum with the partial products. A linear with a hook
-skips its fused norm / SwiGLU kernels (the hook needs the projection's input), and the hook works
-with any quant method, since it only sees x and y.
+columns like the weight, so its partial deltas sum with the partial products. The hook works with
+any quant method, since it only sees x and y; a method with a kernel that adds the delta itself
+(the dense batch-1 GEMV, kernels/gemv_lora.py, which also keeps the fused norm / SwiGLU prologue)
+gets the slot tensors from `fused_operand()` instead, and the hook is not called.
 
 - `LoRA`: one adapter for every token, what `tokenforge train` attaches (train/lora.py):
   lora_A [r, in] (Kaiming), lora_B [out, r] (zero, so training starts at the base model) and the
@@ -16,7 +17,8 @@ with any quant method, since it only sees x and y.
   the rows grouped by slot, a plan the step's first LoRA linear makes and keeps in the context;
   the torch reference elsewhere). Packed linears (qkv, gate_up) keep one A per packed projection, so
   a PEFT adapter's separate q/k/v (gate/up) adapters map onto the fused linear without merging.
-  Outside a forward context, or with no indices, it adds nothing.
+  Outside a forward context, or with no indices, it adds nothing. `sync` (the fused GEMV's two
+  counters for this linear, kernels/gemv_lora.py) is not in the state dict.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenforge.kernels.gemv_lora import GemvLoRA, new_sync
 from tokenforge.kernels.lora import add_lora, lora_plan
 from tokenforge.model.forward_context import current_forward_context
 
@@ -46,6 +49,10 @@ class LoRA(nn.Module):
     def delta_of(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> scale * (x A^T) B^T [..., out], in x's dtype."""
         return F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale.to(x.dtype)
+
+    def fused_operand(self) -> None:
+        """Training's adapter is never fused into a kernel (the kernels have no backward)."""
+        return None
 
     def delta(self) -> torch.Tensor:
         """[out, in] = scale * B @ A, in float32 (what merging adds to the weight)."""
@@ -70,6 +77,7 @@ class LoRASlots(nn.Module):
         self.register_buffer("lora_A", torch.zeros(num_slots, n * self.rank, in_features, dtype=dtype))
         self.register_buffer("lora_B", torch.zeros(num_slots, out_features, self.rank, dtype=dtype))
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32))
+        self.register_buffer("sync", new_sync(), persistent=False)
 
     @torch.no_grad()
     def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
@@ -98,6 +106,14 @@ class LoRASlots(nn.Module):
         self.lora_A[slot].zero_()
         self.lora_B[slot].zero_()
         self.scale[slot] = scale
+
+    def fused_operand(self) -> GemvLoRA | None:
+        """The slot tensors and this step's row indices for a kernel that adds the delta itself;
+        None where there is nothing to add (no forward context or no indices)."""
+        ctx = current_forward_context()
+        indices = None if ctx is None else ctx.lora_indices
+        return None if indices is None else GemvLoRA(self.lora_A, self.lora_B, self.scale, indices, self.slices,
+                                                     self.sync)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx = current_forward_context()
