@@ -3,7 +3,7 @@ the engine, decode inside CUDA graphs with the per-row slot index as a graph inp
 
 - a mixed batch of four adapters and the base gives each request its tokens alone (float32), with
   CUDA graphs on, and the same tokens as with graphs off (eager: the same kernels, outside graphs);
-  a request alone decodes through the batch-1 GEMV that adds the delta itself (bf16).
+  a request alone decodes through the batch-1 GEMV that shrinks in its own launch (bf16).
 - the linears at one bf16 row take that GEMV (the hook is not called), keeping the fused norm
   prologue, and agree with the hook after cuBLAS (the GEMVs turned off).
 The kernels' numerics against the torch reference: tests/kernels/test_lora_kernels.py.

@@ -19,8 +19,8 @@ so pre-quantized checkpoints shard like dense ones.
 
 Each linear also has a `lora` slot (model/layers/lora.py): a hook whose delta is added to the
 output, before the row-parallel all-reduce. With a hook the layer first offers the method the
-hook's slot tensors (`apply_lora`: one kernel for the product, its prologue and the delta, the
-batch-1 GEMV on CUDA); where the method has none, the prologue runs unfused and the hook adds the
+hook's slot tensors (`apply_lora`: its own kernels for the product, its prologue and the delta,
+the batch-1 GEMV on CUDA); where the method has none, the prologue runs unfused and the hook adds the
 delta of the projection's input.
 """
 
@@ -119,7 +119,7 @@ class LinearBase(nn.Module):
 
     def _apply_lora(self, x: torch.Tensor, bias: torch.Tensor | None, norm: nn.Module | None = None,
                     residual: torch.Tensor | None = None, silu_mul: bool = False):
-        """The method's one kernel for the (prologue +) product + the hook's delta, or None."""
+        """The method's own kernels for the (prologue +) product + the hook's delta, or None."""
         lora = self.lora.fused_operand()
         return None if lora is None else self.quant_method.apply_lora(self, x, bias, lora, norm, residual, silu_mul)
 

@@ -4,8 +4,8 @@ Every parallel linear has a `lora` slot (linear.py). A hook there is called as `
 the projection's input x [..., in] and output y [..., out] and returns the new output. It runs on
 this rank's shard before the row-parallel all-reduce: a row-parallel adapter's A is split by input
 columns like the weight, so its partial deltas sum with the partial products. The hook works with
-any quant method, since it only sees x and y; a method with a kernel that adds the delta itself
-(the dense batch-1 GEMV, kernels/gemv_lora.py, which also keeps the fused norm / SwiGLU prologue)
+any quant method, since it only sees x and y; a method whose kernels add the delta themselves
+(the dense batch-1 GEMV, kernels/gemv_lora.py, which keeps the fused norm / SwiGLU prologue)
 gets the slot tensors from `fused_operand()` instead, and the hook is not called.
 
 - `LoRA`: one adapter for every token, what `tokenforge train` attaches (train/lora.py):
@@ -17,8 +17,7 @@ gets the slot tensors from `fused_operand()` instead, and the hook is not called
   the rows grouped by slot, a plan the step's first LoRA linear makes and keeps in the context;
   the torch reference elsewhere). Packed linears (qkv, gate_up) keep one A per packed projection, so
   a PEFT adapter's separate q/k/v (gate/up) adapters map onto the fused linear without merging.
-  Outside a forward context, or with no indices, it adds nothing. `sync` (the fused GEMV's two
-  counters for this linear, kernels/gemv_lora.py) is not in the state dict.
+  Outside a forward context, or with no indices, it adds nothing.
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenforge.kernels.gemv_lora import GemvLoRA, new_sync
+from tokenforge.kernels.gemv_lora import GemvLoRA
 from tokenforge.kernels.lora import add_lora, lora_plan
 from tokenforge.model.forward_context import current_forward_context
 
@@ -77,7 +76,6 @@ class LoRASlots(nn.Module):
         self.register_buffer("lora_A", torch.zeros(num_slots, n * self.rank, in_features, dtype=dtype))
         self.register_buffer("lora_B", torch.zeros(num_slots, out_features, self.rank, dtype=dtype))
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32))
-        self.register_buffer("sync", new_sync(), persistent=False)
 
     @torch.no_grad()
     def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
@@ -108,12 +106,11 @@ class LoRASlots(nn.Module):
         self.scale[slot] = scale
 
     def fused_operand(self) -> GemvLoRA | None:
-        """The slot tensors and this step's row indices for a kernel that adds the delta itself;
+        """The slot tensors and this step's row indices for kernels that add the delta themselves;
         None where there is nothing to add (no forward context or no indices)."""
         ctx = current_forward_context()
         indices = None if ctx is None else ctx.lora_indices
-        return None if indices is None else GemvLoRA(self.lora_A, self.lora_B, self.scale, indices, self.slices,
-                                                     self.sync)
+        return None if indices is None else GemvLoRA(self.lora_A, self.lora_B, self.scale, indices, self.slices)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx = current_forward_context()
