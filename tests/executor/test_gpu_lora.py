@@ -2,7 +2,10 @@
 the engine, decode inside CUDA graphs with the per-row slot index as a graph input.
 
 - a mixed batch of four adapters and the base gives each request its tokens alone (float32), with
-  CUDA graphs on, and the same tokens as with graphs off (eager: the same kernels, outside graphs).
+  CUDA graphs on, and the same tokens as with graphs off (eager: the same kernels, outside graphs);
+  a request alone decodes through the batch-1 GEMV that shrinks in its own launch (bf16).
+- the linears at one bf16 row take that GEMV (the hook is not called), keeping the fused norm
+  prologue, and agree with the hook after cuBLAS (the GEMVs turned off).
 The kernels' numerics against the torch reference: tests/kernels/test_lora_kernels.py.
 """
 
@@ -14,6 +17,11 @@ import pytest
 import torch
 
 from tokenforge import LLM, LoRARequest, SamplingParams
+from tokenforge.model.forward_context import set_forward_context
+from tokenforge.model.layers import RMSNorm, SiluAndMul
+from tokenforge.model.layers.kernel_dispatch import use_gemv_kernels
+from tokenforge.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tokenforge.model.layers.lora import LoRASlots
 from tokenforge.model.loader import read_arch_config
 from tokenforge.model.loader.peft import write_random_adapter
 
@@ -55,5 +63,48 @@ def test_mixed_batch_in_cuda_graphs_equals_alone_and_eager(adapters, dtype):
         assert mixed == alone
     eager_alone, eager_mixed, _ = _tokens("cuda", adapters, dtype, enforce_eager=True)
     assert eager_mixed == mixed
+    assert eager_alone == alone
     assert len({tuple(t) for t in mixed}) == 5
 
+
+
+def _slotted(layer, slots: int = 3, rank: int = 16):
+    torch.nn.init.normal_(layer.weight, std=layer.in_features ** -0.5)
+    if layer.bias is not None:
+        torch.nn.init.normal_(layer.bias, std=0.1)
+    layer.lora = LoRASlots(slots, layer.in_features, layer.out_features, rank, torch.bfloat16,
+                           tuple(layer.shard_sizes())).cuda()
+    for s in range(slots):
+        layer.lora.set_slot(s, torch.randn(rank, layer.in_features, device="cuda") * layer.in_features ** -0.5,
+                            torch.randn(layer.out_features, rank, device="cuda") * 0.3, 0.5 + s)
+    return layer
+
+
+@torch.no_grad()
+def test_one_row_takes_the_fused_gemv_and_agrees_with_the_hook():
+    with torch.device("cuda"):
+        qkv = _slotted(QKVParallelLinear(512, 64, 8, 2, params_dtype=torch.bfloat16))
+        gate_up = _slotted(MergedColumnParallelLinear(512, [768, 768], params_dtype=torch.bfloat16))
+        down = _slotted(RowParallelLinear(768, 512, bias=True, params_dtype=torch.bfloat16))
+        norm = RMSNorm(512, 1e-6, torch.bfloat16)
+        torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
+        x, residual = torch.randn(1, 512, dtype=torch.bfloat16), torch.randn(1, 512, dtype=torch.bfloat16)
+
+    def run():
+        with set_forward_context(None, lora_indices=torch.tensor([2], device="cuda")):
+            (q, r1), (g, r2) = qkv.forward_normed(norm, x, residual), gate_up.forward_normed(norm, x, None)
+            return q, r1, g, r2, down.forward_silu_mul(SiluAndMul(), g), down(g[:, :768])
+
+    hooks = [m.lora.forward for m in (qkv, gate_up, down)]
+    for m in (qkv, gate_up, down):
+        m.lora.forward = None                      # calling the hook would fail: the GEMV adds the delta
+    fused = run()
+    for m, hook in zip((qkv, gate_up, down), hooks):
+        m.lora.forward = hook
+    use_gemv_kernels(False)
+    try:
+        unfused = run()
+    finally:
+        use_gemv_kernels(True)
+    for a, b in zip(fused, unfused):       # bf16, rounded at different points (the hook rounds y first)
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 3e-2

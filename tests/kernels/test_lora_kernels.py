@@ -111,3 +111,14 @@ def test_one_plan_serves_every_linear_of_a_step(device):
     own = lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices)
     assert torch.equal(shared, own)
     assert _rel_err(shared, lora_reference(x, y, a, b, scale, idx, slices)) < 1e-2
+
+
+def test_split_sums_reuse_the_plans_counters(device):
+    """A shrink split over the input dim (8 splits here): its last split sums the partials and
+    resets the plan's counters, so the step's next linear starts from zero with the same plan."""
+    x, y, a, b, scale, idx, slices = _problem(3, 2048, (32, 16, 16), 2, 16, torch.float32, device)
+    plan = lora_plan(idx, a.shape[0])
+    ref = lora_reference(x, y, a, b, scale, idx, slices)
+    for _ in range(2):
+        assert _rel_err(lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices, plan), ref) < 1e-2
+        assert not plan.counters.any()

@@ -13,8 +13,11 @@ multiplies by exactly one adapter and never loops over the slots; rows without a
 no tile. The table has a fixed length for a given T (cdiv(T, BLOCK_M) + min(S, T) tiles, the
 unused ones marked slot -1), so nothing syncs with the host and the kernels replay in CUDA
 graphs. The shrink splits the input dim when the tiles alone would not fill the GPU (a decode
-batch); the expand adds the split partial sums in a fixed order, so results do not depend on
-timing.
+batch); the last split of a (tile, rank block) to finish (a counter in the plan, reset by that
+program) adds the partial sums in a fixed order, so results do not depend on timing and every
+expand program reads one sum, not each split's (at 256 decode rows and 16 splits, re-reading the
+splits was 16x the shrunk tensor's bytes per output column block, ~380 MB of L2 reads per layer).
+A batch-1 decode through the dense GEMV does not come here: kernels/gemv_lora.py adds its delta.
 
 `lora_reference` is the torch computation (the CPU path and the kernels' test): both GEMMs over
 every slot at once, each row masked to its own, so no host sync and no per-row gather either.
@@ -63,6 +66,10 @@ class LoRAPlan(NamedTuple):
     tile_start: torch.Tensor
     tile_count: torch.Tensor
     block_m: int
+    counters: torch.Tensor      # [tiles * MAX_RANK_BLOCKS] int32, zero between the shrink's launches
+
+
+MAX_RANK_BLOCKS = 16            # rank blocks of 64 a linear's packed rank may take (3 slices of R = 256)
 
 
 def lora_block_m(num_tokens: int) -> int:
@@ -88,15 +95,17 @@ def lora_plan(indices: torch.Tensor, num_slots: int) -> LoRAPlan:
     start = seg_end[s] - counts[s] + local * block_m
     count = torch.clamp(counts[s] - local * block_m, max=block_m)
     return LoRAPlan(rows, torch.where(valid, slot, -1), start.to(torch.int32),
-                    torch.where(valid, count, 0).to(torch.int32), block_m)
+                    torch.where(valid, count, 0).to(torch.int32), block_m,
+                    torch.zeros(max_tiles * MAX_RANK_BLOCKS, dtype=torch.int32, device=idx.device))
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, out_ptr, in_features,
-                   stride_x, stride_as, stride_ar, stride_split, stride_o, SPLIT_SIZE: tl.constexpr,
-                   PACKED_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr):
-    """One (tile, rank block, K split): out[split, positions, ranks] = x[rows, K split] A[slot]^T."""
+def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, out_ptr, counter_ptr, in_features,
+                   stride_x, stride_as, stride_ar, stride_split, stride_o, SPLITS: tl.constexpr,
+                   SPLIT_SIZE: tl.constexpr, PACKED_RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                   BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """One (tile, rank block, K split): out[split, positions, ranks] = x[rows, K split] A[slot]^T;
+    the split that finishes last sums them all into out[0]."""
     if USE_PDL:      # launched while the previous kernel drains; everything read here comes after it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -118,8 +127,18 @@ def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, ou
             xt = tl.load(x_ptr + rows[:, None] * stride_x + k[None, :], mask=ok[:, None] & k_ok[None, :], other=0.0)
             at = tl.load(a_rows + k[None, :], mask=rank_ok[:, None] & k_ok[None, :], other=0.0)
             acc += tl.dot(xt, tl.trans(at))
-        out = out_ptr + tl.program_id(2) * stride_split
-        tl.store(out + pos[:, None].to(tl.int64) * stride_o + ranks[None, :], acc, mask=ok[:, None] & rank_ok[None, :])
+        offs = pos[:, None].to(tl.int64) * stride_o + ranks[None, :]
+        mask = ok[:, None] & rank_ok[None, :]
+        tl.store(out_ptr + tl.program_id(2) * stride_split + offs, acc, mask=mask)
+        if SPLITS > 1:
+            tl.debug_barrier()                    # every thread's stores before the release below
+            counter = counter_ptr + tile * tl.num_programs(1) + tl.program_id(1)
+            if tl.atomic_add(counter, 1, sem="acq_rel") == SPLITS - 1:
+                total = tl.load(out_ptr + offs, mask=mask, other=0.0, volatile=True)
+                for sp in range(1, SPLITS):       # in split order, whoever came last
+                    total += tl.load(out_ptr + sp * stride_split + offs, mask=mask, other=0.0, volatile=True)
+                tl.store(out_ptr + offs, total, mask=mask)
+                tl.atomic_xchg(counter, 0)        # ready for the step's next linear
 
 
 @triton.jit
@@ -184,6 +203,7 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     num_tiles, block_m = plan.tile_slot.shape[0], plan.block_m
     block_r = min(64, next_power_of_2(packed_rank))
     rank_blocks = triton.cdiv(packed_rank, block_r)
+    assert rank_blocks <= MAX_RANK_BLOCKS, f"a packed LoRA rank of {packed_rank} takes over {MAX_RANK_BLOCKS} blocks"
     # Split K (a power of two of splits, so few kernel variants) until the shrink has about two
     # programs per SM (a decode batch has a tile or two), each split at least 256 inputs.
     want = triton.cdiv(2 * _num_sms(x.device), num_tiles * rank_blocks)
@@ -195,13 +215,14 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     partial = torch.empty(splits, num_tokens, packed_rank, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
     _shrink_kernel[(num_tiles, rank_blocks, splits)](
-        x, lora_a, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, partial, in_features,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), SPLIT_SIZE=split_size,
-        PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, USE_PDL=pdl, launch_pdl=pdl)
+        x, lora_a, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, partial, plan.counters, in_features,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), SPLITS=splits,
+        SPLIT_SIZE=split_size, PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, USE_PDL=pdl,
+        launch_pdl=pdl)
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [out_features] * 2
     _expand_kernel[(num_tiles, triton.cdiv(out_features, 64))](
         partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features,
-        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), SPLITS=splits,
+        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), SPLITS=1,
         RANK=rank, NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m, BLOCK_N=64,
         USE_PDL=pdl, launch_pdl=pdl)
     return y

@@ -44,7 +44,7 @@ def use_gemv_kernels(enabled: bool) -> None:
 @functools.cache
 def _load_triton_ops() -> SimpleNamespace | None:
     try:
-        from tokenforge.kernels import activation, gemv, rms_norm, rotary  # noqa: PLC0415 - optional
+        from tokenforge.kernels import activation, gemv, gemv_lora, rms_norm, rotary  # noqa: PLC0415 - optional
         from tokenforge.kernels._triton import HAS_TRITON  # noqa: PLC0415
     except ImportError as exc:  # kernels are optional: the torch path always works
         logger.info("Triton kernels unavailable (%s); using torch layers", exc)
@@ -60,6 +60,9 @@ def _load_triton_ops() -> SimpleNamespace | None:
         add_rms_norm_gemv=gemv.add_rms_norm_gemv,
         silu_mul_gemv=gemv.silu_mul_gemv,
         fuses_prologue=gemv.fuses_prologue,
+        gemv_lora=gemv_lora.gemv_lora,
+        add_rms_norm_gemv_lora=gemv_lora.add_rms_norm_gemv_lora,
+        silu_mul_gemv_lora=gemv_lora.silu_mul_gemv_lora,
     )
 
 

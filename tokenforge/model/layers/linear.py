@@ -18,8 +18,10 @@ results agree up to bf16 rounding. Loaders slice any parameter by the dims it de
 so pre-quantized checkpoints shard like dense ones.
 
 Each linear also has a `lora` slot (model/layers/lora.py): a hook whose delta is added to the
-output, before the row-parallel all-reduce. With a hook the fused prologues are skipped, since the
-hook reads the projection's input.
+output, before the row-parallel all-reduce. With a hook the layer first offers the method the
+hook's slot tensors (`apply_lora`: its own kernels for the product, its prologue and the delta,
+the batch-1 GEMV on CUDA); where the method has none, the prologue runs unfused and the hook adds the
+delta of the projection's input.
 """
 
 from __future__ import annotations
@@ -110,8 +112,16 @@ class LinearBase(nn.Module):
         return [self.out_features]
 
     def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = self.quant_method.apply(self, x, bias)
-        return y if self.lora is None else self.lora(x, y)
+        if self.lora is None:
+            return self.quant_method.apply(self, x, bias)
+        fused = self._apply_lora(x, bias)
+        return fused[0] if fused is not None else self.lora(x, self.quant_method.apply(self, x, bias))
+
+    def _apply_lora(self, x: torch.Tensor, bias: torch.Tensor | None, norm: nn.Module | None = None,
+                    residual: torch.Tensor | None = None, silu_mul: bool = False):
+        """The method's own kernels for the (prologue +) product + the hook's delta, or None."""
+        lora = self.lora.fused_operand()
+        return None if lora is None else self.quant_method.apply_lora(self, x, bias, lora, norm, residual, silu_mul)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -144,10 +154,10 @@ class ColumnParallelLinear(LinearBase):
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """self(norm(x, residual)) -> (y [T, out_per_rank], new residual [T, in]); `norm` is an
         RMSNorm. With residual None, x is the residual. One fused kernel where the method has one."""
-        if self.lora is None:
-            fused = self.quant_method.apply_normed(self, x, residual, norm, self.bias)
-            if fused is not None:
-                return fused
+        fused = (self.quant_method.apply_normed(self, x, residual, norm, self.bias) if self.lora is None
+                 else self._apply_lora(x, self.bias, norm, residual))
+        if fused is not None:
+            return fused
         if residual is None:
             return self(norm(x)), x
         h, residual = norm(x, residual)
@@ -245,9 +255,12 @@ class RowParallelLinear(LinearBase):
     def forward_silu_mul(self, act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
         """self(act_fn(gate_up)) for gate_up [T, 2 * in_per_rank] = [gate | up] and act_fn a
         SiluAndMul; one fused kernel where the method has one."""
-        y = None
+        bias = self.bias if self.tp_rank == 0 else None
         if self.lora is None:
-            y = self.quant_method.apply_silu_mul(self, gate_up, self.bias if self.tp_rank == 0 else None)
+            y = self.quant_method.apply_silu_mul(self, gate_up, bias)
+        else:
+            fused = self._apply_lora(gate_up, bias, silu_mul=True)
+            y = fused[0] if fused is not None else None
         if y is None:
             return self(act_fn(gate_up))
         return all_reduce(y) if self.tp_size > 1 else y

@@ -3,9 +3,10 @@
 Every parallel linear has a `lora` slot (linear.py). A hook there is called as `hook(x, y)` with
 the projection's input x [..., in] and output y [..., out] and returns the new output. It runs on
 this rank's shard before the row-parallel all-reduce: a row-parallel adapter's A is split by input
-columns like the weight, so its partial deltas sum with the partial products. A linear with a hook
-skips its fused norm / SwiGLU kernels (the hook needs the projection's input), and the hook works
-with any quant method, since it only sees x and y.
+columns like the weight, so its partial deltas sum with the partial products. The hook works with
+any quant method, since it only sees x and y; a method whose kernels add the delta themselves
+(the dense batch-1 GEMV, kernels/gemv_lora.py, which keeps the fused norm / SwiGLU prologue)
+gets the slot tensors from `fused_operand()` instead, and the hook is not called.
 
 - `LoRA`: one adapter for every token, what `tokenforge train` attaches (train/lora.py):
   lora_A [r, in] (Kaiming), lora_B [out, r] (zero, so training starts at the base model) and the
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenforge.kernels.gemv_lora import GemvLoRA
 from tokenforge.kernels.lora import add_lora, lora_plan
 from tokenforge.model.forward_context import current_forward_context
 
@@ -46,6 +48,10 @@ class LoRA(nn.Module):
     def delta_of(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> scale * (x A^T) B^T [..., out], in x's dtype."""
         return F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scale.to(x.dtype)
+
+    def fused_operand(self) -> None:
+        """Training's adapter is never fused into a kernel (the kernels have no backward)."""
+        return None
 
     def delta(self) -> torch.Tensor:
         """[out, in] = scale * B @ A, in float32 (what merging adds to the weight)."""
@@ -98,6 +104,13 @@ class LoRASlots(nn.Module):
         self.lora_A[slot].zero_()
         self.lora_B[slot].zero_()
         self.scale[slot] = scale
+
+    def fused_operand(self) -> GemvLoRA | None:
+        """The slot tensors and this step's row indices for kernels that add the delta themselves;
+        None where there is nothing to add (no forward context or no indices)."""
+        ctx = current_forward_context()
+        indices = None if ctx is None else ctx.lora_indices
+        return None if indices is None else GemvLoRA(self.lora_A, self.lora_B, self.scale, indices, self.slices)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx = current_forward_context()

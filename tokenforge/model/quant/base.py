@@ -14,6 +14,9 @@ owns its weight representation through the steps vLLM's linear methods use:
 - `apply_normed` / `apply_silu_mul`, optional: the same product with the RMSNorm (plus residual
   add) or the SwiGLU before it fused into one kernel. They return None wherever the method has no
   such kernel for this call; the layer then runs the prologue module and `apply`.
+- `apply_lora`, optional: `apply` (with either prologue) plus the delta of a linear's LoRA slots
+  (kernels/gemv_lora.GemvLoRA) in the method's own kernels (the prologue stays fused), or None;
+  the layer then adds it through its hook.
 
 What a method may read from its layer: `in_features`, `out_features` (this rank's: the weight is
 [out, in]), `params_dtype` (the model dtype), `weight_loader`, `shard_sizes()` (the output rows of
@@ -58,6 +61,14 @@ class QuantMethod:
     def apply_silu_mul(self, layer: nn.Module, gate_up: torch.Tensor, bias: torch.Tensor | None
                        ) -> torch.Tensor | None:
         """self.apply(silu(gate) * up) for gate_up [T, 2 * in] = [gate | up] in one kernel, or None."""
+        return None
+
+    def apply_lora(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, lora,
+                   norm: nn.Module | None = None, residual: torch.Tensor | None = None, silu_mul: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(y, new residual) from the method's own kernels, or None: y = apply(prologue(x)) + the LoRA delta of
+        prologue(x), where the prologue is norm (as apply_normed: the new residual is returned,
+        else None), SiLU-and-mul (silu_mul) or nothing; `lora` a GemvLoRA."""
         return None
 
 

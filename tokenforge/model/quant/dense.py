@@ -2,7 +2,7 @@
 
 - CUDA at decode sizes (<= GEMV_MAX_TOKENS rows, 16-bit, no autograd): the Triton GEMV
   (kernel_dispatch.gemv_ops), which also fuses the add + RMSNorm or SwiGLU before it where
-  gemv.fuses_prologue says so.
+  gemv.fuses_prologue says so, and with a LoRA hook the row's adapter delta (kernels/gemv_lora.py).
 - The CPU in float32, when the runner asks for it (`prepack_linears`): an MKL-prepacked copy.
   MKL's sgemm repacks the weight on every call; at decode's small row counts that costs about
   as much as the multiply itself, and packing once made a 32-row SmolLM2 matmul 1.8x faster here
@@ -63,6 +63,17 @@ class DenseMethod(QuantMethod):
         if ops is None or not ops.fuses_prologue(*layer.weight.shape):
             return None
         return ops.silu_mul_gemv(gate_up, layer.weight, bias)
+
+    def apply_lora(self, layer, x, bias, lora, norm=None, residual=None, silu_mul=False):
+        ops = gemv_ops(x, layer.weight) if layer.mkl_weight is None else None
+        if ops is None or x.shape[0] != 1 or lora.indices.shape[0] != 1:
+            return None
+        if (norm is not None or silu_mul) and not ops.fuses_prologue(*layer.weight.shape):
+            return None           # as apply_normed / apply_silu_mul: the layer runs the prologue first
+        if norm is not None:
+            return ops.add_rms_norm_gemv_lora(x, residual, norm.weight, norm.eps, layer.weight, bias, lora)
+        fn = ops.silu_mul_gemv_lora if silu_mul else ops.gemv_lora
+        return fn(x, layer.weight, bias, lora), None
 
 
 DENSE = DenseMethod()

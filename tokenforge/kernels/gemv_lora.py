@@ -1,0 +1,200 @@
+"""One-row GEMV with the multi-LoRA shrink in the same launch, then a one-row expand:
+y = p(x) W^T + scale[s] B[s] (A[s] p(x)).
+
+In: x [1, K] (or [1, 2K] = [gate | up] for the SiLU-and-mul prologue), W [N, K], optional bias
+[N], and a `GemvLoRA` (one linear's slots, model/layers/lora.py): lora_A [S, n*R, K], lora_B
+[S, N, R], scale [S] fp32, indices [1] (the row's slot, -1: none) and the packed slices' sizes.
+p is one of gemv.py's prologues (none, add + RMSNorm, SiLU-and-mul), so a linear with an adapter
+keeps its fused prologue. Out: y [1, N] (and the new residual for the norm prologue), as gemv.py
+and then kernels/lora.py would give.
+
+Why: at batch 1 the hook path costs each adapted linear a shrink and an expand launch (and the
+fused prologue: a separate norm / SwiGLU launch), each about as dear as a small GEMV, for LoRA
+weights under 1% of the step's bytes (BENCHMARKS.md, wave 3 round 4). Here the shrink is more
+rows of the same GEMV: cdiv(n*R, BLOCK_N) extra programs, after the W programs, multiply p(x) by
+A[s]'s rows instead of W's, with the same prologue, into an fp32 vector; one expand launch then
+adds B[s] . shrunk to y, its B rows issued before griddepcontrol.wait. Two launches per linear,
+the prologue kept, no synchronisation inside a launch.
+
+Measured and dropped (BENCHMARKS.md, wave 3 round 7): the expand inside the GEMV, each W program
+spinning until the shrink programs had published (programs took tickets from an atomic counter so
+the spin could not deadlock). W1 fell from 59.5% to 51.8% of bare: every program's weight loads
+waited for its ticket's round trip, and the memory-bound GEMV lost its loads in flight.
+
+`gemv_lora_ref` is the torch computation (gemv.py's reference, then kernels/lora.py's).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
+from .activation import silu_and_mul_ref
+from .gemv import NORM, PLAIN, SILU_MUL, _fma, _row_rstd, _x_chunk, gemv_config
+from .lora import lora_reference
+from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref
+
+
+class GemvLoRA(NamedTuple):
+    """One linear's adapter slots as the fused GEMV reads them (see the module note)."""
+    lora_a: torch.Tensor      # [S, n*R, K]
+    lora_b: torch.Tensor      # [S, N, R]
+    scale: torch.Tensor       # [S] fp32
+    indices: torch.Tensor     # [1] int: the row's slot, -1 for none
+    slices: tuple[int, ...]   # the packed outputs' sizes (sum N)
+
+
+def gemv_lora_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA,
+                  residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                  prologue: int = PLAIN) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The prologue's output h, y = h W^T + b rounded to x's dtype, then the delta of h added."""
+    new_residual = None
+    if prologue == NORM and residual is None:
+        h = rms_norm_ref(x, norm_weight, eps)
+    elif prologue == NORM:
+        h, new_residual = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
+    else:
+        h = silu_and_mul_ref(x) if prologue == SILU_MUL else x
+    y = (h.float() @ weight.float().t() + (bias.float() if bias is not None else 0.0)).to(x.dtype).float()
+    out = lora_reference(h.float(), y, lora.lora_a.float(), lora.lora_b.float(), lora.scale, lora.indices, lora.slices)
+    return out.to(x.dtype), new_residual
+
+
+@triton.jit
+def _gemv_shrink_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, a_ptr, idx_ptr, shrunk_ptr,
+    N, K, stride_wn, stride_as, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Programs below cdiv(N, BLOCK_N): gemv.py's, y[rows] = p(x) W[rows]^T (+ b); the rest:
+    shrunk[rows] = p(x) A[slot][rows]^T in fp32 (slot -1 reads slot 0's rows; nobody adds them)."""
+    pid = tl.program_id(0)
+    w_programs = tl.cdiv(N, BLOCK_N)
+    is_shrink = pid >= w_programs
+    ks = tl.arange(0, BLOCK_K)
+    if is_shrink:
+        slot = tl.load(idx_ptr)                   # written before the step, not by the last kernels
+        rows = (pid - w_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ptrs = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + tl.minimum(rows, PACKED_RANK - 1) * K
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
+    w_ptrs = row_ptrs[:, None] + ks[None, :]
+    # the weights never depend on the previous kernel: start streaming them before the wait
+    if EVEN_K:
+        w = tl.load(w_ptrs, eviction_policy="evict_first")
+    else:
+        w = tl.load(w_ptrs, mask=(ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    ms = tl.zeros([1], dtype=tl.int64)
+    m_mask = ms < 1
+    rstd = tl.zeros([1], dtype=tl.float32)
+    if PROLOGUE == 1:
+        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, ms, m_mask, K, 0, 0, 0, eps, pid == 0, HAS_RESIDUAL, 1, NORM_BLOCK)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        if EVEN_K:
+            w_next = tl.load(w_ptrs + k0, eviction_policy="evict_first")
+        else:
+            w_next = tl.load(w_ptrs + k0, mask=(k0 + ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+        xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0 - BLOCK_K + ks, K, 0, 0, rstd, PROLOGUE, HAS_RESIDUAL)
+        acc = _fma(acc, w, xk, 1)
+        w = w_next
+    last = (K - 1) // BLOCK_K * BLOCK_K
+    xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, last + ks, K, 0, 0, rstd, PROLOGUE, HAS_RESIDUAL)
+    acc = _fma(acc, w, xk, 1)
+    y = tl.sum(acc, axis=1)                                          # [BLOCK_N] fp32
+    if is_shrink:
+        tl.store(shrunk_ptr + rows, y, mask=rows < PACKED_RANK)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _expand_row_kernel(shrunk_ptr, lb_ptr, scale_ptr, idx_ptr, y_ptr, N, stride_bs, RANK: tl.constexpr,
+                       SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    """y[rows] += scale[slot] * B[slot][rows] . shrunk[the rows' slice's ranks], in place."""
+    slot = tl.load(idx_ptr)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rows_in = tl.minimum(rows, N - 1)
+    rs = tl.arange(0, RANK)
+    # B does not depend on the GEMV before: issue it before the wait
+    b = tl.load(lb_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + rows_in.to(tl.int64)[:, None] * RANK
+                + rs[None, :])                                       # [BLOCK, R]
+    if USE_PDL:      # every program waits, so this grid ends only after the GEMV's
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if slot >= 0:
+        slice_of_row = (rows_in >= SLICE1).to(tl.int32) + (rows_in >= SLICE2).to(tl.int32)
+        sh = tl.load(shrunk_ptr + slice_of_row[:, None] * RANK + rs[None, :])
+        y = tl.load(y_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        y += tl.sum(b.to(tl.float32) * sh, axis=1) * tl.load(scale_ptr + slot)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA,
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    require_triton(x, weight, lora.lora_a, lora.lora_b)
+    assert x.dim() == 2 and x.shape[0] == 1 and weight.stride(1) == 1
+    x = x if x.stride(1) == 1 else x.contiguous()
+    n, k = weight.shape
+    num_slots, packed_rank, in_features = lora.lora_a.shape
+    rank = lora.lora_b.shape[2]
+    assert in_features == k and lora.lora_b.shape[1] == n and sum(lora.slices) == n and len(lora.slices) <= 3
+    assert lora.lora_a.dtype == weight.dtype and rank == next_power_of_2(rank)
+    assert lora.lora_a.is_contiguous() and lora.lora_b.is_contiguous()
+    assert x.shape[1] == (2 * k if prologue == SILU_MUL else k), (tuple(x.shape), tuple(weight.shape))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    new_residual = torch.empty_like(x) if residual is not None else None
+    if residual is not None:
+        residual = residual if residual.stride(1) == 1 else residual.contiguous()
+    cfg = gemv_config(1, n, k)
+    shrink_programs = triton.cdiv(packed_rank, cfg.block_n)
+    shrunk = torch.empty(packed_rank, dtype=torch.float32, device=x.device)
+    pdl = use_pdl(x)
+    _gemv_shrink_kernel[(triton.cdiv(n, cfg.block_n) + shrink_programs,)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
+        bias if bias is not None else weight, y, new_residual if new_residual is not None else x,
+        lora.lora_a, lora.indices, shrunk, n, k, weight.stride(0), lora.lora_a.stride(0), eps,
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, PACKED_RANK=packed_rank,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=min(next_power_of_2(k), max(cfg.block_k, 8192)),
+        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        launch_pdl=pdl,
+    )
+    bounds = [sum(lora.slices[:i + 1]) for i in range(len(lora.slices))] + [n] * 2
+    block = max(32, 2048 // rank)
+    _expand_row_kernel[(triton.cdiv(n, block),)](
+        shrunk, lora.lora_b, lora.scale, lora.indices, y, n, lora.lora_b.stride(0), RANK=rank, SLICE1=bounds[0],
+        SLICE2=bounds[1], BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return y, new_residual
+
+
+def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA) -> torch.Tensor:
+    """x [1, K] @ weight[N, K]^T (+ bias) + the row's LoRA delta -> [1, N] (two launches)."""
+    return _launch(PLAIN, x, weight, bias, lora)[0]
+
+
+def add_rms_norm_gemv_lora(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                           weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """gemv.add_rms_norm_gemv with the delta of the normed input added: (y [1, N], new residual)."""
+    y, new_residual = _launch(NORM, x, weight, bias, lora, residual, norm_weight, eps)
+    return y, (new_residual if new_residual is not None else x)
+
+
+def silu_mul_gemv_lora(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       lora: GemvLoRA) -> torch.Tensor:
+    """gemv.silu_mul_gemv with the delta of silu(gate) * up added."""
+    return _launch(SILU_MUL, gate_up, weight, bias, lora)[0]
+
+
+__all__ = ["GemvLoRA", "add_rms_norm_gemv_lora", "gemv_lora", "gemv_lora_ref", "silu_mul_gemv_lora"]
