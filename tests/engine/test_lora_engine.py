@@ -111,3 +111,16 @@ def test_adapters_on_a_quantized_base(adapters, quantization):
     assert _tokens(llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=loras)) == alone
     same = _tokens(llm.generate([PROMPTS[0]] * 3, GREEDY, use_tqdm=False, lora_request=loras))
     assert len({tuple(t) for t in same}) == 3 and _all_blocks_free(llm)
+
+
+def test_warm_up_through_the_lora_slots_changes_no_answer(adapters):
+    """The start-up warm-up runs its batches through LoRA slot 0 (so the LoRA kernels compile
+    before Ready on CUDA) with an adapter in that slot, and leaves it as it was. (No prefix cache:
+    at start-up the blocks it writes hold nothing; here the first pass would have cached some.)"""
+    from tokenforge.executor.warmup import warm_up
+
+    llm = _llm(max_loras=2, enable_prefix_caching=False)
+    before = _tokens(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[adapters[0], None]))
+    assert warm_up(llm.engine.executor.runner, llm.engine.num_kv_blocks) >= 0
+    after = _tokens(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[adapters[0], None]))
+    assert after == before and _all_blocks_free(llm)

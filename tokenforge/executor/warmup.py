@@ -85,7 +85,9 @@ def warm_up(runner, num_blocks: int) -> float:
         batch = AttentionBatch(query_lens, context_lens, tables, runner.block_size, runner.device)
         ids = torch.zeros(sum(query_lens), dtype=torch.long, device=runner.device)
         pos = torch.cat([torch.arange(c, c + q) for q, c in zip(query_lens, context_lens)]).to(runner.device)
-        lora = torch.full_like(ids, -1) if runner.loras is not None else None
+        # slot 0 (as the memory profile does): the LoRA kernels' variants compile here too, not on
+        # the first adapted request (W2 over 8 adapters logged 8 _shrink_kernel compiles after Ready)
+        lora = torch.zeros_like(ids) if runner.loras is not None else None
         with set_forward_context(runner.backend.build_metadata(batch), lora):
             hidden = runner.stages.forward(runner.model, ids, pos)
         if hidden is not None:
