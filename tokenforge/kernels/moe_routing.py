@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .moe import ROUTING_ORDERS, alignment_block, fused_moe, padded_length
 
 MAX_TILE = 16384
@@ -31,7 +31,10 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert
                         T, E, first, num_local, cap, stride_lt,
                         K: tl.constexpr, T_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                         P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
-                        SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
+                        SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:                           # launched while the router's GEMV drains: wait for its logits
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.arange(0, T_PAD)
     cols = tl.arange(0, E_PAD)
     live = (rows < T)[:, None] & (cols < E)[None, :]
@@ -131,7 +134,8 @@ def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool,
         logits, weights, ids, sorted_ids, experts, valid, tokens, num_experts, first, num_local, cap,
         logits.stride(0), K=top_k, T_PAD=t_pad, E_PAD=e_pad, K_PAD=k_pad, P_PAD=p_pad, BLOCK_M=block_m, CHUNK=256,
         BLOCKS_CHUNK=max(1, min(64, MAX_TILE // e_pad)),
-        SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize, num_warps=8)
+        SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize, USE_PDL=use_pdl(logits),
+        num_warps=8, launch_pdl=use_pdl(logits))
     return weights, ids, sorted_ids, experts, valid
 
 
