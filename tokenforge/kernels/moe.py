@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .moe_fp8 import Fp8Stack
+from . import moe_gemv
 from .moe_gemv import gemv_pairs, launch_gemv, swiglu
 from .mxfp4 import Mxfp4Stack, fp4_weight_tiles
 
@@ -368,7 +369,7 @@ def topk_sum(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     dst = torch.empty(tokens, hidden, dtype=dtype, device=src.device)
     if tokens:
         block_h = 1024
-        pdl = use_pdl(src)
+        pdl = moe_gemv.MOE_PDL and use_pdl(src)
         _topk_sum_kernel[(tokens, triton.cdiv(hidden, block_h))](src, dst, hidden, K=top_k,
                                                                   K_PAD=next_power_of_2(top_k), BLOCK_H=block_h,
                                                                   USE_PDL=pdl, launch_pdl=pdl)

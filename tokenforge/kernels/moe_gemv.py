@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import HAS_TRITON, _interpreting, tl, triton, use_pdl
+from ._triton import HAS_TRITON, _interpreting, next_power_of_2, tl, triton, use_pdl
+from .moe_topk import route_rows
 from .mxfp4 import GROUP, fp4_scale
 
 # format -> the most (token, slot) pairs the GEMV takes: each pair reads its expert's rows itself,
 # so when several pairs share an expert the grouped GEMM's one read of it wins
-GEMV_PAIRS = {"mxfp4": 16, "fp8": 0, "float": 0}
+GEMV_PAIRS = {"mxfp4": 64, "fp8": 0, "float": 0}
 # format -> (BLOCK_N, BLOCK_K, num_warps, num_stages); mxfp4: a [16 groups, 8 rows] thread grid, 4 rows
 # a thread, 360 programs of 4 warps a gpt-oss GEMM at T = 1 (one wave at 12 warps an SM; round 7)
 GEMV_TILES = {"mxfp4": (32, 512, 4, 1), "fp8": (16, 256, 4, 3), "float": (16, 256, 4, 3)}
 FORMATS = {"float": 0, "mxfp4": 1, "fp8": 2}
 # the MXFP4 codes decoded by inline PTX (`_decode_ptx`) on the GPU; the interpreter runs the Triton ops
 DECODE_ASM = True
+# programmatic dependent launch for the MoE GEMVs and the sum over k (the dense kernels' setting, `use_pdl`, applies)
+MOE_PDL = True
 
 
 def gemv_pairs(fmt: str) -> int:
@@ -51,8 +54,8 @@ def swiglu(gate, up, alpha, limit, OAI: tl.constexpr):
 
 
 # fp16 bit fields of a code's exponent-and-mantissa (bits 11-9) and sign (bit 15), in both halves of a word
-_EM = tl.constexpr(0x0E000E00)
-_SIGN = tl.constexpr(0x80008000 - (1 << 32))    # as an int32 literal
+_EM = tl.constexpr(0x0E000E00) if HAS_TRITON else None
+_SIGN = tl.constexpr(0x80008000 - (1 << 32)) if HAS_TRITON else None    # as an int32 literal
 
 
 def _decode_ptx() -> str:
@@ -183,16 +186,33 @@ def _row_dot(a_ptr, w_ptr, s_ptr, rows, mask_n, a_row, K, stride_am, stride_wn, 
 def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ids_ptr, weights_ptr,
                      N, K, num_experts, rows_per_a, alpha, limit,
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
+                     E, first, stride_lt,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWIGLU: tl.constexpr, OAI: tl.constexpr,
                      HAS_BIAS: tl.constexpr, FORMAT: tl.constexpr, MUL_WEIGHTS: tl.constexpr,
-                     A_WORDS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr):
+                     A_WORDS: tl.constexpr, ASM: tl.constexpr, USE_PDL: tl.constexpr, ROUTE: tl.constexpr,
+                     TOP_K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+                     SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
     """out[pair, n] = a[pair // rows_per_a] . W[ids[pair], n] (+ bias), the epilogues of
-    `_moe_gemm_kernel` (same arguments, with the flat expert ids in place of the alignment)."""
+    `_moe_gemm_kernel` (same arguments, with the flat expert ids in place of the alignment).
+    ROUTE: `ids_ptr` is the router logits [T, E] instead (row stride `stride_lt`): the program
+    routes its pair's token itself (`route_rows`; slot pair % TOP_K, this rank's experts from
+    `first`) and takes its routing weight from there, so no routing launch precedes the GEMVs."""
     if USE_PDL:                                 # launched while the routing drains: wait for its ids
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if ROUTE:
+        token = pair // TOP_K
+        w_row, sel, _ = route_rows(ids_ptr, token + tl.arange(0, 1), token + 1, E, stride_lt, TOP_K, E_PAD, K_PAD,
+                                   SOFTMAX_FIRST, RENORMALIZE)
+        pick = tl.arange(0, K_PAD)[None, :] == pair % TOP_K
+        expert = (tl.sum(tl.where(pick, sel, 0)) - first).to(tl.int64)
+        route_weight = tl.sum(tl.where(pick, w_row, 0.0))
+        if expert < 0:                          # before this rank's first expert
+            return
+    else:
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        route_weight = 0.0
     if expert >= num_experts:                   # another rank's expert: its row stays as it is
         return
     a_row = (pair // rows_per_a).to(tl.int64)
@@ -216,16 +236,18 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ids_ptr, weights_pt
             up += tl.load(bias_ptr + expert * stride_be + N + offs_n, mask=mask_n, other=0.0).to(tl.float32)
         acc = swiglu(acc, up, alpha, limit, OAI)
     if MUL_WEIGHTS:
-        acc = acc * tl.load(weights_ptr + pair)
+        acc = acc * (route_weight if ROUTE else tl.load(weights_ptr + pair))
     tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
 def launch_gemv(a: torch.Tensor, weight_args: tuple, bias: torch.Tensor | None, out: torch.Tensor,
                 ids: torch.Tensor, weights: torch.Tensor, n: int, k: int, rows_per_a: int, *, swiglu: bool,
-                oai: bool, mul_weights: bool, alpha: float, limit: float, tile=None) -> None:
+                oai: bool, mul_weights: bool, alpha: float, limit: float, tile=None, route=None) -> None:
     """One GEMM of `fused_moe` as GEMVs over the flat ids [pairs] (int64). `weight_args`: what
     kernels/moe.py's `_weight_args` returns for the projection; `tile`: (BLOCK_N, BLOCK_K, warps,
-    stages) in place of GEMV_TILES' (the sweep of `bench kernels --part moe_tiles`)."""
+    stages) in place of GEMV_TILES' (the sweep of `bench kernels --part moe_tiles`). `route`:
+    (top_k, order, renormalize, first) with `ids` the router logits [T, E] (each program routes
+    its own pair; `weights` unused)."""
     w, s, swe, swn, sse, ssn, fmt = weight_args
     block_n, block_k, warps, stages = tile or GEMV_TILES[fmt]
     a_arg, stride_am, a_words = a, a.stride(0), False
@@ -238,11 +260,17 @@ def launch_gemv(a: torch.Tensor, weight_args: tuple, bias: torch.Tensor | None, 
         if a_words:
             a_arg, stride_am = a.view(torch.int32), a.stride(0) // 2
     bias_t = bias.contiguous() if bias is not None else a
-    grid = (ids.numel(), triton.cdiv(n, block_n))
-    pdl = use_pdl(a)
+    top_k, order, renormalize, first = route or (1, "softmax_topk", False, 0)
+    pairs = ids.shape[0] * top_k if route else ids.numel()
+    num_logits = ids.shape[1] if route else 1
+    grid = (pairs, triton.cdiv(n, block_n))
+    pdl = MOE_PDL and use_pdl(a)
     _moe_gemv_kernel[grid](a_arg, w, s, bias_t, out, ids, weights, n, k, w.shape[0], rows_per_a, alpha, limit,
                            stride_am, swe, swn, sse, ssn, bias_t.stride(0), out.stride(0),
+                           num_logits, first, ids.stride(0) if route else 0,
                            BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=swiglu, OAI=oai, HAS_BIAS=bias is not None,
                            FORMAT=FORMATS[fmt], MUL_WEIGHTS=mul_weights, A_WORDS=a_words,
-                           ASM=DECODE_ASM and not _interpreting(), USE_PDL=pdl,
+                           ASM=DECODE_ASM and not _interpreting(), USE_PDL=pdl, ROUTE=route is not None,
+                           TOP_K=top_k, E_PAD=next_power_of_2(num_logits), K_PAD=next_power_of_2(top_k),
+                           SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize,
                            num_warps=warps, num_stages=stages, launch_pdl=pdl)
