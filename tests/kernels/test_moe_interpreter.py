@@ -212,7 +212,9 @@ def _routing_case(tokens, experts, k, order, renormalize, first, num_local) -> i
     if tokens * k <= GEMV_MAX_CASE_PAIRS:       # the per-pair GEMVs routing their own tokens from the logits
         from tokenforge.kernels.moe_routing import fused_moe_from_logits
 
-        out = fused_moe_from_logits(x, logits, w13, w2, k, order, renormalize, first, num_local, gemv=True)
+        from tokenforge.kernels.moe_routing import _routed_gemv
+
+        out = _routed_gemv(x, logits, w13, w2, k, order, renormalize, first)
         err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
         routed_good = err < 1e-5
         print(f"{'  routed GEMVs from the logits':60s} {' ok ' if routed_good else ' FAILED '} rel err {err:.1e}")

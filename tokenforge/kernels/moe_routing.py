@@ -26,6 +26,11 @@ from .moe_topk import route_rows
 
 MAX_TILE = 16384
 MAX_TOKENS = 16       # the decode CUDA-graph buckets 1, 2, 4, 8, 16 compile every variant at start-up
+# batches up to this many tokens route inside the GEMVs (`_routed_gemv`); larger GEMV batches take
+# route_align first: on the H200 routed 42.0 vs 46.1 us at T = 1 (gpt-oss-20b), 45.6 vs 46.5 (120b),
+# but 119.5 vs 116.3 at T = 4 and 399.6 vs 380.1 at T = 16, where every program re-routing its
+# token costs more than the launch it saves (BENCHMARKS.md, round 7b)
+ROUTED_GEMV_TOKENS = 1
 
 
 @triton.jit
@@ -122,11 +127,12 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k:
                           renormalize: bool, first: int = 0, num_local: int | None = None, **kwargs):
     """`fused_moe` from the router's logits, routed and aligned in one launch: [T, H], or None
     when the batch does not `fits` (the caller routes with torch). kwargs go to `fused_moe`.
-    A batch that takes the per-pair GEMVs (`gemv_pairs`, or `gemv=True`) needs no alignment: each
-    GEMV program routes its own token (`_routed_gemv`), so no routing launch precedes them."""
+    A batch of at most ROUTED_GEMV_TOKENS that takes the per-pair GEMVs (`gemv_pairs`, or
+    `gemv=True`) needs no alignment: each GEMV program routes its own token (`_routed_gemv`), so
+    no routing launch precedes them."""
     pairs = x.shape[0] * top_k
     gemv = kwargs.get("gemv")
-    if x.shape[0] <= MAX_TOKENS and (gemv or (gemv is None and pairs <= gemv_pairs(_weight_args(w13)[-1]))):
+    if x.shape[0] <= ROUTED_GEMV_TOKENS and (gemv or (gemv is None and pairs <= gemv_pairs(_weight_args(w13)[-1]))):
         if order not in ROUTING_ORDERS:
             raise ValueError(f"unknown routing order {order!r}; supported: {', '.join(ROUTING_ORDERS)}")
         if not 1 <= top_k <= logits.shape[1]:
