@@ -72,7 +72,8 @@ def test_fused_moe_under_the_interpreter_with_tf32_rounding_matches_reference():
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     gemv_cases = sum(c[1] * c[5] <= GEMV_MAX_CASE_PAIRS for c in CASES)
-    assert proc.stdout.count(" ok ") == len(CASES) + gemv_cases + 2 * len(ROUTING_CASES), proc.stdout
+    routed = sum(c[0] * c[2] <= GEMV_MAX_CASE_PAIRS for c in ROUTING_CASES)
+    assert proc.stdout.count(" ok ") == len(CASES) + gemv_cases + 2 * len(ROUTING_CASES) + routed, proc.stdout
 
 
 def test_route_align_declines_batches_past_its_tile():
@@ -207,7 +208,17 @@ def _routing_case(tokens, experts, k, order, renormalize, first, num_local) -> i
     err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
     good = err < 1e-5
     print(f"{'  fused on its layout':60s} {' ok ' if good else ' FAILED '} rel err {err:.1e}")
-    return (not same) + (not good)
+    routed_good = True
+    if tokens * k <= GEMV_MAX_CASE_PAIRS:       # the per-pair GEMVs routing their own tokens from the logits
+        from tokenforge.kernels.moe_routing import fused_moe_from_logits
+
+        from tokenforge.kernels.moe_routing import _routed_gemv
+
+        out = _routed_gemv(x, logits, w13, w2, k, order, renormalize, first)
+        err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+        routed_good = err < 1e-5
+        print(f"{'  routed GEMVs from the logits':60s} {' ok ' if routed_good else ' FAILED '} rel err {err:.1e}")
+    return (not same) + (not good) + (not routed_good)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import next_power_of_2, require_triton, tl, triton
+from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .moe_fp8 import Fp8Stack
+from . import moe_gemv
 from .moe_gemv import gemv_pairs, launch_gemv, swiglu
 from .mxfp4 import Mxfp4Stack, fp4_weight_tiles
 
@@ -348,7 +349,11 @@ def _fused_gemv(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai: bool
 
 
 @triton.jit
-def _topk_sum_kernel(src_ptr, dst_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr):
+def _topk_sum_kernel(src_ptr, dst_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+                     USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     kk = tl.arange(0, K_PAD)
@@ -364,6 +369,8 @@ def topk_sum(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     dst = torch.empty(tokens, hidden, dtype=dtype, device=src.device)
     if tokens:
         block_h = 1024
+        pdl = moe_gemv.MOE_PDL and use_pdl(src)
         _topk_sum_kernel[(tokens, triton.cdiv(hidden, block_h))](src, dst, hidden, K=top_k,
-                                                                  K_PAD=next_power_of_2(top_k), BLOCK_H=block_h)
+                                                                  K_PAD=next_power_of_2(top_k), BLOCK_H=block_h,
+                                                                  USE_PDL=pdl, launch_pdl=pdl)
     return dst

@@ -19,11 +19,18 @@ from __future__ import annotations
 
 import torch
 
-from ._triton import next_power_of_2, require_triton, tl, triton
-from .moe import ROUTING_ORDERS, alignment_block, fused_moe, padded_length
+from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
+from .moe import ROUTING_ORDERS, _weight_args, alignment_block, fused_moe, padded_length, topk_sum
+from .moe_gemv import gemv_pairs, launch_gemv
+from .moe_topk import route_rows
 
 MAX_TILE = 16384
 MAX_TOKENS = 16       # the decode CUDA-graph buckets 1, 2, 4, 8, 16 compile every variant at start-up
+# batches up to this many tokens route inside the GEMVs (`_routed_gemv`); larger GEMV batches take
+# route_align first: on the H200 routed 42.0 vs 46.1 us at T = 1 (gpt-oss-20b), 45.6 vs 46.5 (120b),
+# but 119.5 vs 116.3 at T = 4 and 399.6 vs 380.1 at T = 16, where every program re-routing its
+# token costs more than the launch it saves (BENCHMARKS.md, round 7b)
+ROUTED_GEMV_TOKENS = 1
 
 
 @triton.jit
@@ -31,34 +38,14 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert
                         T, E, first, num_local, cap, stride_lt,
                         K: tl.constexpr, T_PAD: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                         P_PAD: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, BLOCKS_CHUNK: tl.constexpr,
-                        SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
+                        SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:                           # launched while the router's GEMV drains: wait for its logits
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     rows = tl.arange(0, T_PAD)
     cols = tl.arange(0, E_PAD)
-    live = (rows < T)[:, None] & (cols < E)[None, :]
-    s = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :], mask=live, other=float("-inf"))
-    s = s.to(tl.float32)
-    if SOFTMAX_FIRST:                     # select on the probabilities, as torch does
-        row_max = tl.max(s, 1)
-        p = tl.where(live, tl.exp(s - tl.where(rows < T, row_max, 0.0)[:, None]), 0.0)
-        s = tl.where(live, p / tl.maximum(tl.sum(p, 1), 1e-30)[:, None], -1.0)
     kk = tl.arange(0, K_PAD)
-    top = tl.zeros((T_PAD, K_PAD), dtype=tl.float32)
-    sel = tl.zeros((T_PAD, K_PAD), dtype=tl.int32)
-    for j in tl.static_range(K):          # the k largest, the lowest index first on a tie
-        best = tl.max(s, 1)
-        idx = tl.min(tl.where(s == best[:, None], cols[None, :], E_PAD), 1)
-        top = tl.where(kk[None, :] == j, best[:, None], top)
-        sel = tl.where(kk[None, :] == j, idx[:, None], sel)
-        s = tl.where(cols[None, :] == idx[:, None], float("-inf"), s)
-    chosen = kk[None, :] < K
-    if SOFTMAX_FIRST:
-        w = tl.where(chosen, top, 0.0)
-        if RENORMALIZE:
-            w = w / tl.maximum(tl.sum(w, 1), 1e-30)[:, None]
-    else:                                 # a softmax over the k chosen logits
-        top_max = tl.where(rows < T, tl.max(tl.where(chosen, top, float("-inf")), 1), 0.0)
-        e = tl.where(chosen, tl.exp(top - top_max[:, None]), 0.0)
-        w = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
+    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
     out = (rows < T)[:, None] & chosen
     offs = rows[:, None] * K + kk[None, :]
     tl.store(weights_ptr + offs, w, mask=out)
@@ -131,17 +118,49 @@ def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool,
         logits, weights, ids, sorted_ids, experts, valid, tokens, num_experts, first, num_local, cap,
         logits.stride(0), K=top_k, T_PAD=t_pad, E_PAD=e_pad, K_PAD=k_pad, P_PAD=p_pad, BLOCK_M=block_m, CHUNK=256,
         BLOCKS_CHUNK=max(1, min(64, MAX_TILE // e_pad)),
-        SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize, num_warps=8)
+        SOFTMAX_FIRST=order == "softmax_topk", RENORMALIZE=renormalize, USE_PDL=use_pdl(logits),
+        num_warps=8, launch_pdl=use_pdl(logits))
     return weights, ids, sorted_ids, experts, valid
 
 
 def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k: int, order: str,
                           renormalize: bool, first: int = 0, num_local: int | None = None, **kwargs):
     """`fused_moe` from the router's logits, routed and aligned in one launch: [T, H], or None
-    when the batch does not `fits` (the caller routes with torch). kwargs go to `fused_moe`."""
+    when the batch does not `fits` (the caller routes with torch). kwargs go to `fused_moe`.
+    A batch of at most ROUTED_GEMV_TOKENS that takes the per-pair GEMVs (`gemv_pairs`, or
+    `gemv=True`) needs no alignment: each GEMV program routes its own token (`_routed_gemv`), so
+    no routing launch precedes them."""
+    pairs = x.shape[0] * top_k
+    gemv = kwargs.get("gemv")
+    if x.shape[0] <= ROUTED_GEMV_TOKENS and (gemv or (gemv is None and pairs <= gemv_pairs(_weight_args(w13)[-1]))):
+        if order not in ROUTING_ORDERS:
+            raise ValueError(f"unknown routing order {order!r}; supported: {', '.join(ROUTING_ORDERS)}")
+        if not 1 <= top_k <= logits.shape[1]:
+            raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({logits.shape[1]})")
+        require_triton(x, logits)
+        return _routed_gemv(x, logits, w13, w2, top_k, order, renormalize, first, **kwargs)
     block = alignment_block(x.shape[0] * top_k, x.element_size())
     plan = route_align(logits, top_k, order, renormalize, block, first, num_local)
     if plan is None:
         return None
     weights, ids, *alignment = plan
     return fused_moe(x, w13, w2, weights, ids, alignment=tuple(alignment), **kwargs)
+
+
+def _routed_gemv(x, logits, w13, w2, top_k: int, order: str, renormalize: bool, first: int,
+                 w13_bias=None, w2_bias=None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
+                 all_local: bool = False, tile=None, gemv=None) -> torch.Tensor:
+    """`fused_moe`'s GEMV path (kernels/moe.py `_fused_gemv`) with the routing done by the GEMV
+    programs from the logits (kernels/moe_gemv.py, ROUTE), then the sum over k."""
+    tokens, hidden = x.shape
+    x, logits = x.contiguous(), logits if logits.stride(1) == 1 else logits.contiguous()
+    w13_args, w2_args = _weight_args(w13), _weight_args(w2)
+    pairs, inter = tokens * top_k, w13_args[0].shape[1] // 2
+    route = (top_k, order, renormalize, first)
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    launch_gemv(x, w13_args, w13_bias, act, logits, logits, inter, hidden, top_k, swiglu=True,
+                oai=activation == "swiglu_oai", mul_weights=False, alpha=alpha, limit=limit, tile=tile, route=route)
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
+    launch_gemv(act, w2_args, w2_bias, out, logits, logits, hidden, inter, 1, swiglu=False, oai=False,
+                mul_weights=True, alpha=alpha, limit=limit, tile=tile, route=route)
+    return topk_sum(out.view(tokens, top_k, hidden), x.dtype)

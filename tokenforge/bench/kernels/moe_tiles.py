@@ -25,8 +25,8 @@ MXFP4_TILES = ((64, 64, 8, 3), (64, 32, 4, 3), (32, 64, 4, 3), (128, 32, 4, 3), 
                (64, 128, 4, 3))
 # the per-pair GEMV path's candidates (kernels/moe_gemv.py; BLOCK_K in values)
 GEMV_TILES = ((16, 256, 4, 3), (32, 128, 4, 3), (8, 512, 4, 3), (16, 512, 8, 3))
-MXFP4_GEMV_TILES = ((16, 512, 4, 3), (32, 256, 4, 3), (8, 512, 4, 3), (16, 256, 4, 3), (16, 1024, 8, 3),
-                    (32, 512, 8, 3))
+MXFP4_GEMV_TILES = ((32, 512, 4, 1), (16, 512, 4, 1), (64, 256, 4, 1), (16, 1024, 4, 1), (32, 256, 2, 1),
+                    (64, 512, 8, 1))
 CASES = (("mixtral-8x7b", False), ("qwen3-30b-a3b", False), ("gpt-oss-20b", True), ("gpt-oss-120b", True))
 
 

@@ -41,6 +41,7 @@ from tokenforge.kernels.moe_fp8 import Fp8Stack, quantize_fp8_stack
 from tokenforge.kernels.moe_routing import fused_moe_from_logits
 from tokenforge.kernels.mxfp4 import GROUP, Mxfp4Stack
 from tokenforge.model.arch_config import MoeConfig
+from tokenforge.model.layers.kernel_dispatch import gemv_ops
 from tokenforge.model.layers.parallel import _without_cycle, all_reduce, default_weight_loader, new_parameter
 
 # MXFP4 scale bytes of dummy weights: 2 ** (120 - 127), so random codes have a std near 0.02
@@ -113,6 +114,11 @@ class Router(nn.Module):
         self.bias = new_parameter(num_experts, dtype=dtype, weight_loader=default_weight_loader) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # a decode row through the Triton GEMV: one launch (cuBLAS runs this [E, H] product as a
+        # split-K GEMM and its reduction, two), its weights streamed before the previous kernel ends
+        ops = gemv_ops(x, self.weight)
+        if ops is not None:
+            return ops.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
