@@ -31,6 +31,8 @@ def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--num-prompts", type=int, default=256, help="with --draft-head: prompts to generate from")
     tr.add_argument("--gen-tokens", type=int, default=256, help="with --draft-head: tokens generated per prompt")
     tr.add_argument("--gen-temperature", type=float, default=0.0, help="with --draft-head: 0 greedy, else sampled")
+    tr.add_argument("--max-seconds", type=float, default=None, help="with --draft-head: stop training (and "
+                    "export) after this many seconds of steps, even before --max-steps")
     tr.add_argument("--token-loss-weight", type=float, default=0.5, help="with --draft-head: weight of the token "
                     "loss beside the feature loss (weight 1)")
 
@@ -93,8 +95,8 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
     else:
         while not sequences.is_file():      # rank 0 is generating
             time.sleep(2)
-    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight))
+    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight), args.max_seconds)
     if final is not None:
-        print(f"trained {cfg.max_steps} steps; EAGLE head in {final} (--speculative-method eagle "
+        print(f"trained (up to {cfg.max_steps} steps); EAGLE head in {final} (--speculative-method eagle "
               f"--speculative-model {final})")
     return 0

@@ -82,8 +82,9 @@ def read_sequences(path: Path) -> list[list[int]]:
 
 
 class EagleTrainer:
-    def __init__(self, cfg: TrainConfig, d: Dist, loss: EagleLoss, sequences: list[list[int]]) -> None:
-        self.cfg, self.d, self.loss_cfg = cfg, d, loss
+    def __init__(self, cfg: TrainConfig, d: Dist, loss: EagleLoss, sequences: list[list[int]],
+                 max_seconds: float | None = None) -> None:
+        self.cfg, self.d, self.loss_cfg, self.max_seconds = cfg, d, loss, max_seconds
         self.run_dir = Path(cfg.output)
         self.dtype = compute_dtype(cfg, d.device)
         torch.manual_seed(cfg.seed)
@@ -178,6 +179,10 @@ class EagleTrainer:
         tic = time.perf_counter()
         while self.step < self.cfg.max_steps:
             record = self.one_step()
+            if self._out_of_time(tic):
+                logger.warning("stopping at step %d: --max-seconds %.0f spent", self.step, self.max_seconds)
+                self.metrics.log({**record, "seconds": time.perf_counter() - tic})
+                break
             if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
                 record["seconds"] = time.perf_counter() - tic
                 self.metrics.log(record)
@@ -189,6 +194,15 @@ class EagleTrainer:
         self._save()
         self.metrics.close()
         return self._export()
+
+    def _out_of_time(self, tic: float) -> bool:
+        """Past --max-seconds (rank 0's clock decides, so every DDP rank stops at the same step)."""
+        if self.max_seconds is None:
+            return False
+        late = torch.tensor(float(time.perf_counter() - tic > self.max_seconds), device=self.d.device)
+        if self.d.world_size > 1:
+            torch.distributed.broadcast(late, 0)
+        return bool(late.item())
 
     def _state(self) -> dict:
         return {"step": self.step, "position": self.position, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len,
@@ -220,12 +234,13 @@ class EagleTrainer:
         return out
 
 
-def train_eagle_head(cfg: TrainConfig, loss: EagleLoss | None = None) -> Path | None:
-    """Train on RUN/distill/sequences.jsonl (written by the CLI); returns RUN/final (rank 0)."""
+def train_eagle_head(cfg: TrainConfig, loss: EagleLoss | None = None, max_seconds: float | None = None) -> Path | None:
+    """Train on RUN/distill/sequences.jsonl (written by the CLI); returns RUN/final (rank 0).
+    `max_seconds`: stop (checkpoint and export) after that much training time, steps left or not."""
     cfg = cfg.validated()
     sequences = read_sequences(Path(cfg.output) / SEQUENCES)
     d = init_distributed(cfg.device)
     try:
-        return EagleTrainer(cfg, d, loss or EagleLoss(), sequences).fit()
+        return EagleTrainer(cfg, d, loss or EagleLoss(), sequences, max_seconds).fit()
     finally:
         destroy_distributed()

@@ -19,9 +19,9 @@ forward overwrites them, in stream order: nothing waits for the host.
 
 The head's paged KV shares the target's block tables and block count, as a draft model's does
 (draft.py): a slot holds the head's KV of the same position. On CUDA a step whose sequences all
-draft K tokens after a catch-up of at most K + 1 rows (every verify step at a steady batch) replays
+draft the same number of tokens after a catch-up of at most K + 1 rows (every verify step at a steady batch) replays
 one CUDA graph for the catch-up and the K - 1 decodes (eagle_graphs.py); other steps (a prefill's
-catch-up, fewer drafts near max_tokens) run the head eagerly. Drafts are the head's argmax
+catch-up, mixed draft counts near max_tokens) run the head eagerly. Drafts are the head's argmax
 (q one-hot), so the verify stays exact under greedy and rejection sampling.
 """
 
@@ -87,7 +87,7 @@ class EagleDrafter:
             layer.kv_cache = cache
         cfg = self.runner.config
         if (self.device.type == "cuda" and self.backend.name == "triton" and not cfg.device.enforce_eager
-                and cfg.scheduler.num_draft_tokens > 1):
+                and cfg.scheduler.num_draft_tokens >= 1):
             self.enable_graphs(capture=True)
 
     def enable_graphs(self, capture: bool) -> None:
@@ -143,18 +143,18 @@ class EagleDrafter:
     def _graphable(self, plan, drafted) -> bool:
         if self.graphs is None or plan is None or not drafted:
             return False
-        last = plan[-1]
-        return (all(d == self.graphs.k for _, _, d in drafted) and sorted(last) == [i for i, _, _ in drafted]
-                and self.graphs.fits(plan[4]))
+        last, d = plan[-1], drafted[0][2]
+        return (all(x == d for _, _, x in drafted) and d <= self.graphs.k
+                and sorted(last) == [i for i, _, _ in drafted] and self.graphs.fits(plan[4]))
 
     def _draft_graphed(self, step, plan, drafted) -> None:
         feats, ids, index, t, qlens, ctx, tables, last = plan
         seqs = step.sched.sequences
         order = sorted(last)
+        d = drafted[0][2]
         tokens = self.graphs.run(feats, ids, index, t, qlens, ctx, tables, [last[i] for i in order],
-                                 [seqs[i].start_position for i in order])
-        k = self.graphs.k
-        rows = torch.tensor([row + j for _, row, _ in drafted for j in range(k)], device=self.device)
+                                 [seqs[i].start_position for i in order], d)
+        rows = torch.tensor([row + j for _, row, _ in drafted for j in range(d)], device=self.device)
         step.inputs.input_ids.index_copy_(0, rows, tokens.reshape(-1))
 
     def _features(self, prev_step) -> torch.Tensor | None:

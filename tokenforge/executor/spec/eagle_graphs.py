@@ -3,14 +3,15 @@ catch-up and the K - 1 decodes of the head alone, is one graph replay per batch 
 
 In: the drafter's plan of one step (the catch-up's rows: feature rows, the tokens after them,
 positions, per sequence its rows, context and block table; the draft start position S' of each
-sequence), for steps where every caught-up sequence drafts exactly K tokens and caught up on at
+sequence), for steps where every caught-up sequence drafts the same d <= K tokens and caught up on at
 most K + 1 rows (every verify step at a steady batch; a prefill's catch-up runs eagerly).
-Out: the K drafts [N, K] written into the step's draft rows of the input ids.
+Out: the drafts [N, d] written into the step's draft rows of the input ids.
 
+One graph per (bucket, d): the adaptive rule may pick any d from 1 to K for a step.
 The catch-up runs as decode rows (cuda_graph.decode_rows: row r of a sequence is a decode whose
 context is the r tokens before it), padded to (K + 1) x bucket rows with slot -1, so its shape is
 fixed; each sequence's last row is picked by an index that is a graph input. The K - 1 decodes
-each read their own persistent metadata buffers (contexts S' + j), all refilled before the replay.
+(d - 1 of them) each read their own persistent metadata buffers (contexts S' + j), all refilled before the replay.
 Buckets 1, 2, 4, 8 (up to max_num_seqs); graphs share one memory pool. Captured after the head's KV
 cache is allocated; a capture that fails leaves the drafter eager (logged).
 """
@@ -46,8 +47,8 @@ class EagleGraphs:
         self.index = torch.zeros(2 * b_max, dtype=torch.long, device=device)
         self.catch_up = DecodeMetadataBuffers(rows, max_blocks, device)
         self.decodes = [DecodeMetadataBuffers(b_max, max_blocks, device) for _ in range(k - 1)]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}     # (bucket, drafts d)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
         self.replays = 0
         # False: the same static buffers and body, run eagerly without padding rows, the metadata
@@ -61,7 +62,8 @@ class EagleGraphs:
         t0 = time.perf_counter()
         with torch.inference_mode():
             for b in self.buckets:
-                self._capture(b)
+                for d in range(1, self.k + 1):
+                    self._capture(b, d)
         return time.perf_counter() - t0
 
     def _metadata(self, b: int) -> list:
@@ -70,21 +72,21 @@ class EagleGraphs:
         return [self.catch_up.fill(empty, padded_batch_size=rows)] + [d.fill(empty, padded_batch_size=b)
                                                                       for d in self.decodes]
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, b: int, d: int) -> None:
         metadata = self._metadata(b)
         for _ in range(2):      # Triton autotuning and lazy init outside the capture
-            self._body(b, (self.k + 1) * b, metadata)
+            self._body(b, (self.k + 1) * b, metadata, d)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._body(b, (self.k + 1) * b, metadata)
+            out = self._body(b, (self.k + 1) * b, metadata, d)
         torch.cuda.synchronize(self.device)
         if self.pool is None:
             self.pool = graph.pool()
-        self.graphs[b], self.outputs[b] = graph, out
+        self.graphs[(b, d)], self.outputs[(b, d)] = graph, out
 
-    def _body(self, b: int, rows: int, metadata: list) -> torch.Tensor:
-        """The draft of b sequences from the static buffers' first `rows` catch-up rows -> tokens [b, K]."""
+    def _body(self, b: int, rows: int, metadata: list, d: int) -> torch.Tensor:
+        """The d drafts of b sequences from the static buffers' first `rows` catch-up rows -> tokens [b, d]."""
         head = self.head
         hidden = head.combine(self.feats[:rows])
         with set_forward_context(_made(metadata[0]), None):
@@ -94,7 +96,7 @@ class EagleGraphs:
         drafts = [tokens]
         half = len(self.index) // 2
         start = self.index[half:half + b]
-        for j in range(self.k - 1):
+        for j in range(d - 1):
             with set_forward_context(_made(metadata[1 + j]), None):
                 out, hidden = head(tokens, start + j, hidden)
             tokens = head.draft_tokens(out)
@@ -117,8 +119,8 @@ class EagleGraphs:
         return bool(qlens) and self.bucket(len(qlens)) is not None and max(qlens) <= self.k + 1
 
     def run(self, feats: torch.Tensor, ids: torch.Tensor, index: torch.Tensor, t: int, qlens: list[int],
-            ctx: list[int], tables: list, last: list[int], starts: list[int]) -> torch.Tensor:
-        """The drafts [N, K] of the N sequences caught up (in order); `index` holds the catch-up's
+            ctx: list[int], tables: list, last: list[int], starts: list[int], d: int) -> torch.Tensor:
+        """The d drafts [N, d] of the N sequences caught up (in order); `index` holds the catch-up's
         feature rows, token rows (into `ids`) and positions, t each (as the eager path builds it)."""
         n = len(qlens)
         b = self.bucket(n)
@@ -132,17 +134,17 @@ class EagleGraphs:
         self.index.copy_(host.to(self.device, non_blocking=True))
         batch = AttentionBatch(qlens, ctx, tables, self.block_size, self.device)
         steps = [AttentionBatch([1] * n, [s + j for s in starts], tables, self.block_size, self.device)
-                 for j in range(self.k - 1)]
+                 for j in range(d - 1)]
         self.replays += 1
         if not self.capture:
             # built right before each forward: the CPU backend's decode workspace plans per call
             metadata = [lambda x=x: self.backend.build_metadata(x) for x in [batch, *steps]]
-            return self._body(n, t, metadata)
+            return self._body(n, t, metadata, d)
         self.catch_up.fill(decode_rows(batch), padded_batch_size=(self.k + 1) * b)
         for buffers, x in zip(self.decodes, steps):
             buffers.fill(x, padded_batch_size=b)
-        self.graphs[b].replay()
-        return self.outputs[b][:n]
+        self.graphs[(b, d)].replay()
+        return self.outputs[(b, d)][:n]
 
 
 def _made(metadata):
