@@ -92,15 +92,19 @@ def measure(args: argparse.Namespace, method: str, workloads: dict[str, list[str
                     print(f"  {method} {name}: greedy output changed between passes", flush=True)
                 ids = got
                 runs.append(seconds)
+            steps = _timed_steps(llm, prompts, params)
             tokens = sum(len(x) for x in ids)
             median = statistics.median(runs)
             stats = drafts.stats() if drafts is not None else None
             row = {"method": method, "output_tokens": tokens, "runs_s": runs, "median_s": median,
                    "output_tok_s": tokens / median, "ms_per_token": median / tokens * 1e3, "spec_decode": stats,
                    "head_graph_replays": getattr(getattr(drafter, "graphs", None), "replays", 0) - replays0,
-                   "engine": dict(args.resolved_engine)}
+                   "engine_steps": steps, "engine": dict(args.resolved_engine)}
+            if getattr(args, "profile_dir", None):
+                row["profile"] = _profiled(llm, prompts[:2], params, args.profile_dir)
             print(f"  {method} {name}: {tokens} tokens, {row['output_tok_s']:.1f} tok/s (runs "
-                  f"{[round(r, 2) for r in runs]})" + (f", acceptance {stats['acceptance_rate']:.1%}, mean acceptance "
+                  f"{[round(r, 2) for r in runs]}; {steps.get('count')} engine steps, median "
+                  f"{steps.get('median_ms', 0):.3f} ms)" + (f", acceptance {stats['acceptance_rate']:.1%}, mean acceptance "
                                                         f"length {stats['mean_acceptance_length']:.2f}" if stats else ""),
                   flush=True)
             out[name] = (row, ids)
@@ -109,6 +113,38 @@ def measure(args: argparse.Namespace, method: str, workloads: dict[str, list[str
         harness.shutdown(llm)
         del llm
         harness.release_memory()
+
+
+def _timed_steps(llm, prompts: list[str], params) -> dict:
+    """One more pass with every engine step timed: {count, median and mean ms} (a synchronous
+    speculative step shows its whole cost; an async one its host part)."""
+    engine = llm.engine
+    real, times = engine.step, []
+
+    def timed():
+        t0 = time.perf_counter()
+        out = real()
+        times.append(time.perf_counter() - t0)
+        return out
+    engine.step = timed
+    try:
+        _pass(llm, prompts, params)
+    finally:
+        engine.step = real
+    if not times:
+        return {}
+    return {"count": len(times), "median_ms": statistics.median(times) * 1e3, "mean_ms": sum(times) / len(times) * 1e3}
+
+
+def _profiled(llm, prompts: list[str], params, folder: str) -> dict:
+    """A pass over `prompts` under torch.profiler: the device-busy summary (and the table printed)."""
+    llm.start_profile()
+    t0 = time.perf_counter()
+    _pass(llm, prompts, params)
+    wall = time.perf_counter() - t0
+    table = llm.stop_profile()
+    print(table[:3000], flush=True)
+    return {**(getattr(llm.engine.executor, "profile_summary", None) or {}), "wall_s": wall, "profile_dir": folder}
 
 
 def _prompt_sets(args: argparse.Namespace) -> dict[str, list[str]]:
