@@ -169,3 +169,19 @@ def test_kernels_bench_gets_its_output_folder_through_the_cli(part, tmp_path, mo
     monkeypatch.setattr(module, "run", lambda out_dir, smoke=False: calls.append((out_dir, smoke)) or {})
     assert main(["kernels", "--part", part, "--out", str(tmp_path / "k"), "--smoke"]) == 0
     assert calls == [(str(tmp_path / "k"), True)]
+
+
+def test_spec_smoke_on_the_bundled_model(tmp_path):
+    """`bench spec`: each method an engine over every workload, one JSON per workload with the
+    speed-up, the drafts' counters, engine step times and greedy equality per prompt."""
+    main(["spec", "--results-dir", str(tmp_path), "--workload", "grounded,chat", "--num-prompts", "1",
+          "--output-len", "12", "--repeats", "1", "--methods", "none,ngram", "--max-num-seqs", "2"])
+    files = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert [f.split("-spec-")[1] for f in files] == ["chat-ngram.json", "grounded-ngram.json"]
+    for f in tmp_path.glob("*.json"):
+        r = json.loads(f.read_text())
+        rows = r["methods"]
+        assert set(rows) == {"none", "ngram"} and rows["none"]["speedup_vs_none"] == 1.0
+        assert rows["ngram"]["spec_decode"] is not None and rows["none"]["spec_decode"] is None
+        assert rows["ngram"]["engine_steps"]["count"] > 0 and rows["ngram"]["prompts_equal_to_none"] in (0, 1)
+        assert r["workload_args"]["batch_size"] == 1 and r["workload_args"]["num_prompts"] == 1

@@ -184,3 +184,26 @@ def test_a_trained_head_loads_and_beats_a_random_one(tmp_path):
     _, random = _run(None, write_eagle1(tmp_path / "random"), prompts)
     assert trained["acceptance_rate"] > random["acceptance_rate"] + 0.15, (trained, random)
     assert trained["accepted_per_position"][0] > trained["num_drafts"] / 3, trained
+
+
+@pytest.mark.parametrize("writer", [write_eagle1, write_eagle3], ids=["eagle", "eagle3"])
+def test_the_graphed_draft_path_drafts_what_the_eager_one_does(tiny_llama, tmp_path, writer):
+    """eagle_graphs.py's static-buffer path (run eagerly on the CPU: what the CUDA graphs replay)
+    gives the same drafts, so the same acceptance counts and output, as the eager head."""
+    prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 3], [7] * 40, list(range(10, 90)))]
+    kw = {"draft_vocab": 128, "aux_layers": [1, 3, 4]} if writer is write_eagle3 else {}
+    head = writer(tmp_path / "head", TINY, **kw)
+    results = []
+    for graphed in (False, True):
+        llm = _engine(tiny_llama, speculative_method="eagle", speculative_model=head, num_speculative_tokens=4,
+                      max_num_seqs=4)
+        llm.engine.scheduler.drafts.adaptive = False
+        drafter = llm.engine.executor.runner.drafter
+        if graphed:
+            drafter.enable_graphs(capture=False)
+        ids = _greedy(llm, prompts, 40)
+        results.append((ids, llm.engine.scheduler.drafts.stats()))
+        replays = drafter.graphs.replays if graphed else None
+        llm.shutdown()
+    assert results[1] == results[0]
+    assert replays and replays > 10, replays

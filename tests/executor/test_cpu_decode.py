@@ -43,3 +43,30 @@ def test_the_float32_path_keeps_the_per_op_forward():
     llm = LLM("tiny-llama", load_format="dummy", device="cpu", max_model_len=128)
     assert _runner(llm).graphs is None
     llm.shutdown()
+
+
+@pytest.mark.slow
+def test_speculative_verify_steps_run_natively_and_stay_exact(monkeypatch):
+    """A verify step (the last token and its drafts) runs the native step as decode rows; every
+    row's KV is stored before any row attends, so greedy output with n-gram drafts equals without."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["Repeat exactly: red, green, blue, red, green, blue, red, green, blue, red,",
+               "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,"] + PROMPTS[:1]
+    base = LLM(max_model_len=256)
+    expected = [base.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    base.shutdown()
+    verify_rows = []
+    run = CpuDecodeRunner.run
+
+    def spy(self, inputs):
+        if not inputs.is_decode_only:
+            verify_rows.append(inputs.num_tokens)
+        return run(self, inputs)
+    monkeypatch.setattr(CpuDecodeRunner, "run", spy)
+    llm = LLM(max_model_len=256, speculative_method="ngram", num_speculative_tokens=4)
+    llm.engine.scheduler.drafts.adaptive = False
+    got = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    stats = llm.engine.scheduler.drafts.stats()
+    llm.shutdown()
+    assert got == expected
+    assert verify_rows and max(verify_rows) == 5 and stats["num_accepted_tokens"] > 10, (verify_rows, stats)

@@ -77,3 +77,37 @@ def test_draft_model_on_the_gpu_is_exact():
         assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
     finally:
         _free(llm)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_eagle_draft_graphs_replay_and_stay_exact(tmp_path, max_num_seqs):
+    """The EAGLE head's draft replays its CUDA graphs (eagle_graphs.py) and greedy output still
+    equals greedy without speculation; the graphed drafts equal the eager head's (same counts)."""
+    from tests.executor.spec.eagle_heads import write_eagle1
+
+    head = write_eagle1(tmp_path / "head")
+    base, base_ids = _generate(max_num_seqs=max_num_seqs)
+    _free(base)
+    runs = []
+    for graphed in (True, False):
+        llm, ids = None, None
+        llm = LLM(max_model_len=1024, kv_cache_memory="1GiB", dtype="float32", max_num_seqs=max_num_seqs,
+                  speculative_method="eagle", speculative_model=head, num_speculative_tokens=4)
+        try:
+            drafter = llm.engine.executor.runner.drafter
+            assert drafter.graphs is not None, "the draft graphs were not captured"
+            if not graphed:
+                drafter.graphs.release()
+                drafter.graphs = None
+            llm.engine.scheduler.drafts.adaptive = False
+            params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+            ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+            if graphed:
+                assert drafter.graphs.replays > 10, drafter.graphs.replays
+            runs.append((ids, llm.engine.scheduler.drafts.stats()))
+            kv = llm.get_stats()
+            assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+        finally:
+            _free(llm)
+    assert runs[0][0] == base_ids
+    assert runs[0] == runs[1]

@@ -28,6 +28,7 @@ directory; the committed records in bench/results only with an explicit --result
     train       W11: training tokens/s, MFU, peak memory (one process, or DDP / FSDP2 under torchrun)
     structured  throughput of a batch with half the requests grammar-constrained, against all free
     lora        W2 / W1 over N random rank-r adapters (all seven projections) against the bare model
+    spec        batch-1 speculative decoding on the bundled model and real text (grounded / chat), per method
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ MODULES: dict[str, str] = {
     "prefix": "offline.prefix", "parallel": "offline.parallel", "coldstart": "serving.coldstart",
     "tiers": "offline.tiers", "serve": "serving.serve", "frontend": "serving.frontend", "storm": "serving.storm",
     "kernels": "kernels", "train": "offline.train", "structured": "offline.structured", "lora": "offline.lora",
+    "spec": "offline.spec",
 }
 
 BENCHES: dict[str, str] = {
@@ -56,6 +58,7 @@ BENCHES: dict[str, str] = {
     "train": "W11: training tokens/s, MFU and peak memory (FSDP2 / DDP under torchrun)",
     "structured": "throughput cost of grammar-constrained requests (half of a batch against none)",
     "lora": "multi-LoRA throughput (N random rank-r adapters) against the bare model in the same run",
+    "spec": "speculative decoding on a real model and text (grounded / chat) at batch 1, against none",
 }
 
 

@@ -1,6 +1,7 @@
 """`tokenforge train --draft-head eagle --target MODEL --output RUN`: self-distillation of an
 EAGLE head. The target answers the built-in chat prompts (train/chat_prompts.py, or --prompts
-FILE: one user message per line) with the engine, greedily or sampled (--gen-temperature); the
+FILE: one user message per line) with the engine, greedily or sampled (--gen-temperature), and
+--gen-samples N - 1 more times sampled (--sample-temperature: more distinct text per prompt); the
 token lists (prompt + answer) go to RUN/distill/sequences.jsonl, which a resumed run reuses.
 Then train/eagle.py trains the head on the target's features of those sequences and exports
 RUN/final (load it with --speculative-method eagle --speculative-model RUN/final).
@@ -31,6 +32,12 @@ def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--num-prompts", type=int, default=256, help="with --draft-head: prompts to generate from")
     tr.add_argument("--gen-tokens", type=int, default=256, help="with --draft-head: tokens generated per prompt")
     tr.add_argument("--gen-temperature", type=float, default=0.0, help="with --draft-head: 0 greedy, else sampled")
+    tr.add_argument("--gen-samples", type=int, default=1, help="with --draft-head: answers per prompt; past the "
+                    "first (at --gen-temperature) each is sampled at --sample-temperature with its own seed")
+    tr.add_argument("--sample-temperature", type=float, default=0.8, help="with --draft-head and --gen-samples > 1: "
+                    "the extra answers' temperature")
+    tr.add_argument("--max-seconds", type=float, default=None, help="with --draft-head: stop training (and "
+                    "export) after this many seconds of steps, even before --max-steps")
     tr.add_argument("--token-loss-weight", type=float, default=0.5, help="with --draft-head: weight of the token "
                     "loss beside the feature loss (weight 1)")
 
@@ -51,12 +58,16 @@ def generate_sequences(args, out: Path) -> int:
     from tokenforge import LLM, SamplingParams  # noqa: PLC0415
 
     prompts = _prompts(args)
+    samples = max(1, args.gen_samples)
     llm = LLM(args.target, dtype=args.dtype if args.dtype != "auto" else "auto", max_model_len=args.seq_len + 64,
               distributed_executor_backend="uni")
     try:
-        params = SamplingParams(temperature=args.gen_temperature, max_tokens=args.gen_tokens, seed=args.seed)
+        params = [SamplingParams(temperature=args.gen_temperature if j == 0 else args.sample_temperature,
+                                 max_tokens=args.gen_tokens, seed=args.seed + j * len(prompts) + i)
+                  for j in range(samples) for i in range(len(prompts))]
         tic = time.perf_counter()
-        results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+        results = llm.chat([[{"role": "user", "content": p}] for _ in range(samples) for p in prompts], params,
+                           use_tqdm=False)
     finally:
         llm.shutdown()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -78,8 +89,8 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
         raise ValueError("--draft-head trains on the target's own generations: it takes no --data")
     if args.lora_rank:
         raise ValueError("--draft-head trains a new head: it does not combine with --lora-rank")
-    if args.num_prompts < 1 or args.gen_tokens < 1:
-        raise ValueError("--num-prompts and --gen-tokens must be positive")
+    if args.num_prompts < 1 or args.gen_tokens < 1 or args.gen_samples < 1:
+        raise ValueError("--num-prompts, --gen-tokens and --gen-samples must be positive")
     target = args.target if args.target is not None else args.model
     args.target = target
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -93,8 +104,8 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
     else:
         while not sequences.is_file():      # rank 0 is generating
             time.sleep(2)
-    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight))
+    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight), args.max_seconds)
     if final is not None:
-        print(f"trained {cfg.max_steps} steps; EAGLE head in {final} (--speculative-method eagle "
+        print(f"trained (up to {cfg.max_steps} steps); EAGLE head in {final} (--speculative-method eagle "
               f"--speculative-model {final})")
     return 0

@@ -7,7 +7,11 @@ model/native_decode.py's step instead. Prefill and mixed steps, and larger decod
 per-op path multiplies dequantized weights there), keep the model's forward; so does every step
 under `--enforce-eager`, which keeps the per-op path as on the GPU it keeps eager steps.
 
-In: a decode-only InputBatch. Out: the final-normed hidden states [B, H], as the forward gives.
+Speculative verify steps (a sequence's last token and its drafts) run there too, as decode rows:
+the native step stores every row's KV before any row of the layer attends, so a draft's row sees
+the rows before it as a causal prefill would.
+
+In: a decode-only InputBatch, or a verify batch whose rows are decodes. Out: the final-normed hidden states [B, H], as the forward gives.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import logging
 
 import torch
 
+from tokenforge.executor.cuda_graph import decode_rows
 from tokenforge.model.native_decode import MAX_ROWS, NativeDecoder
 
 logger = logging.getLogger(__name__)
@@ -41,7 +46,9 @@ class CpuDecodeRunner:
         return cls(decoder)
 
     def can_run(self, inputs) -> bool:
-        return inputs.is_decode_only and inputs.num_seqs <= MAX_ROWS
+        """A decode step, or a speculative verify step as decode rows (each row a decode whose
+        context is the rows before it, as cuda_graph.decode_rows lays it out), of up to MAX_ROWS rows."""
+        return inputs.rows_are_decodes and inputs.num_tokens <= MAX_ROWS
 
     def capture_next(self) -> bool:
         """Nothing to capture later (the CUDA graph runner's deferred buckets): the native step is
@@ -52,7 +59,8 @@ class CpuDecodeRunner:
         return 0, 0
 
     def run(self, inputs) -> torch.Tensor:
-        return self.decoder.forward(inputs.input_ids, inputs.attn_batch)
+        batch = inputs.attn_batch if inputs.is_decode_only else decode_rows(inputs.attn_batch)
+        return self.decoder.forward(inputs.input_ids, batch)
 
     def release(self) -> None:
         self.decoder = None

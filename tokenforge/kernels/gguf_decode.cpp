@@ -6,8 +6,8 @@
 // activations), with attention computed here in float32 instead of by SDPA. Why one call: at
 // batch 1 the per-op path spends more time dispatching about 300 small torch ops and ctypes calls
 // per token than in the matmuls. Everything runs in one OpenMP parallel region: projections are
-// split over weight rows and attention over (row, head), with a barrier after each (five a
-// layer); each thread keeps its own residual stream and quantized activations, which it computes
+// split over weight rows and attention over (row, head), with a barrier after each (six a
+// layer, one after the KV stores); each thread keeps its own residual stream and quantized activations, which it computes
 // itself between them (cheap, and a barrier fewer each time).
 // Called by kernels/gguf_decode.py, whose ctypes structures mirror the ones below.
 #include <algorithm>
@@ -163,24 +163,32 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t half, fl
     }
 }
 
-// One query head of row m: q and the new k rotated, the new k/v stored at the row's slot (by the
-// group's first head), then softmax attention over the sequence's keys, read in place through
-// the block table (the new token's from the registers, so no task waits for the store), only the
-// last `window` with a sliding window -> out [D].
+// Row m's new k (rotated) and v, KV head kvh, stored at the row's slot.
+void store_kv(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, int64_t kvh, const float* row,
+              Private& p) {
+    const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads;
+    const float* cs = md.cos_sin + st.positions[m] * D;
+    float* k_new = p.k.data();
+    rotate(row + (Hq + kvh) * D, cs, cs + D / 2, D / 2, k_new);
+    const float* v_new = row + (Hq + Hkv + kvh) * D;
+    std::copy(k_new, k_new + D, L.kv_cache + (st.slots[m] * Hkv + kvh) * D);
+    std::copy(v_new, v_new + D, L.kv_cache + ((L.num_slots + st.slots[m]) * Hkv + kvh) * D);
+}
+
+// One query head of row m: q rotated, then softmax attention over the sequence's keys, read in
+// place through the block table (every row's new k/v is stored before any row attends, so rows of
+// one sequence -- a speculative verify as decode rows -- see the rows before them), only the last
+// `window` with a sliding window -> out [D].
 void attend_head(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, int64_t h, const float* row,
                  float* out, Private& p) {
     const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads, bs = md.block_size;
     const int64_t group = Hq / Hkv, kvh = h / group, len = st.seq_lens[m];
     const int64_t start = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0;
     const float* cs = md.cos_sin + st.positions[m] * D;
-    float *q = p.q.data(), *k_new = p.k.data();
+    float* q = p.q.data();
     rotate(row + h * D, cs, cs + D / 2, D / 2, q);
-    rotate(row + (Hq + kvh) * D, cs, cs + D / 2, D / 2, k_new);
-    const float* v_new = row + (Hq + Hkv + kvh) * D;
-    if (h % group == 0) {
-        std::copy(k_new, k_new + D, L.kv_cache + (st.slots[m] * Hkv + kvh) * D);
-        std::copy(v_new, v_new + D, L.kv_cache + ((L.num_slots + st.slots[m]) * Hkv + kvh) * D);
-    }
+    const float* k_new = L.kv_cache + (st.slots[m] * Hkv + kvh) * D;
+    const float* v_new = L.kv_cache + ((L.num_slots + st.slots[m]) * Hkv + kvh) * D;
     const int32_t* table = st.block_tables + m * st.max_blocks;
     auto slot = [&](int64_t pos) { return static_cast<int64_t>(table[pos / bs]) * bs + pos % bs; };
     p.scores.resize(len - start);
@@ -204,9 +212,12 @@ void attend_head(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t 
     for (int64_t d = 0; d < D; ++d) out[d] *= inv;
 }
 
-// Every (row, query head) of the step, split over the threads; a barrier after.
+// Every (row, KV head)'s store, then every (row, query head), each split over the threads with a
+// barrier after.
 void attention(const TfModel& md, const TfLayer& L, const TfStep& st, const float* qkv, float* attn, Private& p) {
-    const int64_t D = md.head_dim, Hq = md.num_heads, width = (Hq + 2 * md.num_kv_heads) * D;
+    const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads, width = (Hq + 2 * Hkv) * D;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < st.rows * Hkv; ++i) store_kv(md, L, st, i / Hkv, i % Hkv, qkv + (i / Hkv) * width, p);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < st.rows * Hq; ++i) {
         const int64_t m = i / Hq, h = i % Hq;
@@ -224,8 +235,8 @@ void silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, Private& p) {
     }
 }
 
-// One layer, run by every thread of the region: five barriers (after each projection and after
-// attention); the norms, SwiGLU and quantization between them each thread computes for itself.
+// One layer, run by every thread of the region: six barriers (after each projection, after the
+// KV stores and after attention); the norms, SwiGLU and quantization between them each thread computes for itself.
 void decode_layer(const TfModel& md, const TfLayer& L, const TfStep& st, float* hidden, bool first, Shared& s,
                   Private& p) {
     const int64_t M = st.rows, H = md.hidden, I = md.intermediate, q_size = md.num_heads * md.head_dim;

@@ -9,7 +9,9 @@ RUN/metrics.jsonl and RUN/final/, the head in the layout the server loads
 The head (one decoder layer, model/models/eagle.py) sees at position p the next token and the
 target's final-normed feature f_p, and is trained to predict f_{p+1}: a smooth-L1 loss on the
 feature plus a cross-entropy loss of the target's LM head over the prediction against token
-p+2 (the target's own next token). The features come from the frozen target's forward over each
+p+2 as the target would pick it (the argmax of its LM head on f_{p+1}; on the target's own
+greedy answers that is the sequence's token, on sampled answers and prompt text it is not;
+EagleLoss(labels="data") takes the sequence's). The features come from the frozen target's forward over each
 batch (kept on the device for the whole run when they fit in `feature_cache_bytes`, else
 recomputed per step). One process, or DDP under torchrun (the head's gradients all-reduced;
 each rank takes its slice of every global batch); optimizer, schedule and checkpoints are the
@@ -51,6 +53,10 @@ class EagleLoss:
     feature_weight: float = 1.0
     token_weight: float = 0.5
     feature_cache_bytes: int = 2 << 30
+    # token-loss labels: "target" = the target's argmax after the next position (what a greedy
+    # verify accepts; sampled or prompt text does not teach the head other tokens), "data" = the
+    # sequence's own next-next token
+    labels: str = "target"
 
 
 def head_spec(target: ArchConfig) -> EagleSpec:
@@ -82,8 +88,9 @@ def read_sequences(path: Path) -> list[list[int]]:
 
 
 class EagleTrainer:
-    def __init__(self, cfg: TrainConfig, d: Dist, loss: EagleLoss, sequences: list[list[int]]) -> None:
-        self.cfg, self.d, self.loss_cfg = cfg, d, loss
+    def __init__(self, cfg: TrainConfig, d: Dist, loss: EagleLoss, sequences: list[list[int]],
+                 max_seconds: float | None = None) -> None:
+        self.cfg, self.d, self.loss_cfg, self.max_seconds = cfg, d, loss, max_seconds
         self.run_dir = Path(cfg.output)
         self.dtype = compute_dtype(cfg, d.device)
         torch.manual_seed(cfg.seed)
@@ -144,17 +151,28 @@ class EagleTrainer:
         valid = (pos[None, :] + 1) < lengths[:, None]                     # f_{p+1} exists
         feat_err = F.smooth_l1_loss(pred, feats[:, 1:].float(), reduction="none").mean(-1)
         feat_loss = (feat_err * valid).sum() / valid.sum().clamp(min=1)
-        labels = torch.full((b, s - 1), IGNORE_INDEX, dtype=torch.long, device=ids.device)
-        labels[:, :-1] = ids[:, 2:]
-        labels[~((pos[None, :] + 2) < lengths[:, None])] = IGNORE_INDEX
-        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
         weight = self.target.lm_head.weight
+        labels = torch.full((b, s - 1), IGNORE_INDEX, dtype=torch.long, device=ids.device)
+        if self.loss_cfg.labels == "target":           # what the target would emit after p + 1
+            labels[:] = self._target_argmax(feats[:, 1:])
+            labels[~valid] = IGNORE_INDEX
+        else:                                          # the sequence's own token p + 2
+            labels[:, :-1] = ids[:, 2:]
+            labels[~((pos[None, :] + 2) < lengths[:, None])] = IGNORE_INDEX
+        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
         token_loss = linear_cross_entropy(pred, weight.detach(), labels) / count
         with torch.no_grad():
             top = self.target.compute_logits(pred.detach().to(weight.dtype)).argmax(-1)
             acc = ((top == labels) & (labels != IGNORE_INDEX)).sum() / count
         total = self.loss_cfg.feature_weight * feat_loss + self.loss_cfg.token_weight * token_loss
         return {"loss": total, "feature_loss": feat_loss.detach(), "token_loss": token_loss.detach(), "accuracy": acc}
+
+    @torch.no_grad()
+    def _target_argmax(self, feats: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+        """[B, S, H] target features -> [B, S] the target's argmax next tokens (chunked over rows)."""
+        flat = feats.reshape(-1, feats.shape[-1])
+        out = torch.cat([self.target.compute_logits(flat[i:i + rows]).argmax(-1) for i in range(0, len(flat), rows)])
+        return out.view(feats.shape[:-1])
 
     def one_step(self) -> dict[str, float]:
         mb, world = self.cfg.micro_batch_size, self.d.world_size
@@ -178,6 +196,10 @@ class EagleTrainer:
         tic = time.perf_counter()
         while self.step < self.cfg.max_steps:
             record = self.one_step()
+            if self._out_of_time(tic):
+                logger.warning("stopping at step %d: --max-seconds %.0f spent", self.step, self.max_seconds)
+                self.metrics.log({**record, "seconds": time.perf_counter() - tic})
+                break
             if self.step % self.cfg.log_every == 0 or self.step == self.cfg.max_steps:
                 record["seconds"] = time.perf_counter() - tic
                 self.metrics.log(record)
@@ -189,6 +211,15 @@ class EagleTrainer:
         self._save()
         self.metrics.close()
         return self._export()
+
+    def _out_of_time(self, tic: float) -> bool:
+        """Past --max-seconds (rank 0's clock decides, so every DDP rank stops at the same step)."""
+        if self.max_seconds is None:
+            return False
+        late = torch.tensor(float(time.perf_counter() - tic > self.max_seconds), device=self.d.device)
+        if self.d.world_size > 1:
+            torch.distributed.broadcast(late, 0)
+        return bool(late.item())
 
     def _state(self) -> dict:
         return {"step": self.step, "position": self.position, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len,
@@ -220,12 +251,13 @@ class EagleTrainer:
         return out
 
 
-def train_eagle_head(cfg: TrainConfig, loss: EagleLoss | None = None) -> Path | None:
-    """Train on RUN/distill/sequences.jsonl (written by the CLI); returns RUN/final (rank 0)."""
+def train_eagle_head(cfg: TrainConfig, loss: EagleLoss | None = None, max_seconds: float | None = None) -> Path | None:
+    """Train on RUN/distill/sequences.jsonl (written by the CLI); returns RUN/final (rank 0).
+    `max_seconds`: stop (checkpoint and export) after that much training time, steps left or not."""
     cfg = cfg.validated()
     sequences = read_sequences(Path(cfg.output) / SEQUENCES)
     d = init_distributed(cfg.device)
     try:
-        return EagleTrainer(cfg, d, loss or EagleLoss(), sequences).fit()
+        return EagleTrainer(cfg, d, loss or EagleLoss(), sequences, max_seconds).fit()
     finally:
         destroy_distributed()

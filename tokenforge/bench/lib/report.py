@@ -52,6 +52,8 @@ def device_short(name: str | None = None) -> str:
 def git_commit() -> dict:
     """The measured code's commit and whether tracked files differ from it."""
     env = envs.commit()
+    if env:            # said by the caller: a tree copied under another checkout finds that one's git
+        return {"commit": env, "dirty": None}
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                              timeout=10).stdout.strip()
@@ -59,7 +61,7 @@ def git_commit() -> dict:
                                check=False).returncode != 0
         return {"commit": sha, "dirty": dirty}
     except (OSError, subprocess.SubprocessError):
-        return {"commit": env or "unknown", "dirty": None}
+        return {"commit": "unknown", "dirty": None}
 
 
 def new_result(workload: str, model: str | None, dtype: str) -> dict:

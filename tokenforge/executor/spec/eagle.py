@@ -18,21 +18,29 @@ the non-speculative path runs no hook). The previous step's tensors are read bef
 forward overwrites them, in stream order: nothing waits for the host.
 
 The head's paged KV shares the target's block tables and block count, as a draft model's does
-(draft.py): a slot holds the head's KV of the same position. Its forwards run eager. Drafts are
-the head's argmax (q one-hot), so the verify stays exact under greedy and rejection sampling.
+(draft.py): a slot holds the head's KV of the same position. On CUDA a step whose sequences all
+draft the same number of tokens after a catch-up of at most K + 1 rows (every verify step at a steady batch) replays
+one CUDA graph for the catch-up and the K - 1 decodes (eagle_graphs.py); other steps (a prefill's
+catch-up, mixed draft counts near max_tokens) run the head eagerly. Drafts are the head's argmax
+(q one-hot), so the verify stays exact under greedy and rejection sampling.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
 from tokenforge.executor.kv_cache import allocate_kv_caches
+from tokenforge.executor.spec.eagle_graphs import EagleGraphs
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.loader import read_arch_config
 from tokenforge.model.loader.eagle import check_eagle_head, load_eagle_head
 from tokenforge.model.models.eagle import AuxCapture
+
+logger = logging.getLogger(__name__)
 
 
 def check_eagle_config(config) -> None:
@@ -49,6 +57,7 @@ def check_eagle_config(config) -> None:
 
 class EagleDrafter:
     def __init__(self, runner) -> None:
+        self.runner = runner
         self.device, self.block_size, self.backend = runner.device, runner.block_size, runner.backend
         self.head = load_eagle_head(runner.config.scheduler.speculative_model, runner.model, runner.dtype,
                                     runner.device)
@@ -59,6 +68,7 @@ class EagleDrafter:
         self.capture = (AuxCapture(runner.model, spec.aux_layer_ids, rows, runner.dtype, runner.device)
                         if spec.version == 3 else None)
         self.kv_caches: list[torch.Tensor] = []
+        self.graphs: EagleGraphs | None = None
         self._last = None          # (the previous step, {request_id: (first row, rows, start position)})
 
     @property
@@ -75,8 +85,32 @@ class EagleDrafter:
         self.kv_caches = allocate_kv_caches(self.backend, layers, num_blocks, self.block_size, dtype, self.device)
         for layer, cache in zip(layers, self.kv_caches):
             layer.kv_cache = cache
+        cfg = self.runner.config
+        if (self.device.type == "cuda" and self.backend.name == "triton" and not cfg.device.enforce_eager
+                and cfg.scheduler.num_draft_tokens >= 1):
+            self.enable_graphs(capture=True)
+
+    def enable_graphs(self, capture: bool) -> None:
+        """The graphed draft (`capture` False: its static-buffer path run eagerly, for CPU tests)."""
+        cfg, spec = self.runner.config, self.head.spec
+        width = spec.target_hidden_size * (1 if spec.version == 1 else len(spec.aux_layer_ids))
+        graphs = EagleGraphs(self.head, cfg.scheduler.num_draft_tokens, cfg.scheduler.max_num_seqs,
+                             cfg.scheduler.max_model_len, self.block_size, width, self.runner.dtype, self.device,
+                             self.backend, capture)
+        if capture:
+            try:
+                seconds = graphs.capture_all()
+            except Exception:   # noqa: BLE001 - the eager head still drafts exactly; say why
+                logger.exception("EAGLE head: CUDA graph capture failed; the head runs eagerly")
+                graphs.release()
+                return
+            logger.info("EAGLE head: draft graphs for batches %s captured in %.2f s", graphs.buckets, seconds)
+        self.graphs = graphs
 
     def release(self) -> None:
+        if self.graphs is not None:
+            self.graphs.release()
+            self.graphs = None
         if self.capture is not None:
             self.capture.remove()
         for module in self.head.modules():
@@ -91,7 +125,7 @@ class EagleDrafter:
     def before_forward(self, step) -> None:
         """Catch the head up on the previous step's rows, then fill this step's draft slots."""
         seqs, inputs = step.sched.sequences, step.inputs
-        caught = self._catch_up(step)          # {index in batch: its last row in self._out}
+        plan = self._plan_catch_up(step)
         drafted = []                           # (index in batch, row of d_1, d)
         for i, s in enumerate(seqs):
             d = s.num_draft_tokens if s.sample else 0
@@ -99,8 +133,29 @@ class EagleDrafter:
                 drafted.append((i, inputs.query_start_loc[i] + len(s.token_ids) - d, d))
         self._last = (step, {s.request_id: (inputs.query_start_loc[i], len(s.token_ids), s.start_position)
                              for i, s in enumerate(seqs)})
+        if self._graphable(plan, drafted):
+            self._draft_graphed(step, plan, drafted)
+            return
+        caught = self._catch_up(plan)          # {index in batch: its last row in self._out}
         if drafted:
             self._draft(step, drafted, caught)
+
+    def _graphable(self, plan, drafted) -> bool:
+        if self.graphs is None or plan is None or not drafted:
+            return False
+        last, d = plan[-1], drafted[0][2]
+        return (all(x == d for _, _, x in drafted) and d <= self.graphs.k
+                and sorted(last) == [i for i, _, _ in drafted] and self.graphs.fits(plan[4]))
+
+    def _draft_graphed(self, step, plan, drafted) -> None:
+        feats, ids, index, t, qlens, ctx, tables, last = plan
+        seqs = step.sched.sequences
+        order = sorted(last)
+        d = drafted[0][2]
+        tokens = self.graphs.run(feats, ids, index, t, qlens, ctx, tables, [last[i] for i in order],
+                                 [seqs[i].start_position for i in order], d)
+        rows = torch.tensor([row + j for _, row, _ in drafted for j in range(d)], device=self.device)
+        step.inputs.input_ids.index_copy_(0, rows, tokens.reshape(-1))
 
     def _features(self, prev_step) -> torch.Tensor | None:
         rows = prev_step.inputs.query_start_loc[-1]
@@ -108,16 +163,16 @@ class EagleDrafter:
             return prev_step.hidden
         return self.capture.features(rows)
 
-    def _catch_up(self, step) -> dict[int, int]:
-        """The head over the previous step's valid rows; returns {index in batch: its last row}
-        and keeps the outputs (logit rows, next hidden) in self._out."""
-        self._out = None
+    def _plan_catch_up(self, step):
+        """The catch-up over the previous step's valid rows: (features, token ids, index of feature
+        rows | token rows | positions, rows t, qlens, contexts, block tables, {index in batch: its
+        last row}), or None when there is none."""
         if self._last is None:
-            return {}
+            return None
         prev, records = self._last
         feats = self._features(prev) if prev.hidden is not None else None
         if feats is None:
-            return {}
+            return None
         seqs, inputs = step.sched.sequences, step.inputs
         n_prev = prev.inputs.query_start_loc[-1]
         feat_rows, tok_rows, positions, qlens, ctx, tables, last = [], [], [], [], [], [], {}
@@ -138,13 +193,21 @@ class EagleDrafter:
             tables.append(inputs.attn_batch.block_tables[i])
             last[i] = len(feat_rows) - 1
         if not qlens:
-            return {}
+            return None
         index = torch.tensor(feat_rows + tok_rows + positions, device=self.device)
-        t = len(feat_rows)
-        ids = torch.cat([prev.inputs.input_ids[:n_prev], inputs.input_ids])[index[t:2 * t]]
+        ids = torch.cat([prev.inputs.input_ids[:n_prev], inputs.input_ids])
+        return feats, ids, index, len(feat_rows), qlens, ctx, tables, last
+
+    def _catch_up(self, plan) -> dict[int, int]:
+        """The head over the plan's rows, eagerly; returns {index in batch: its last row} and keeps
+        the outputs (logit rows, next hidden) in self._out."""
+        self._out = None
+        if plan is None:
+            return {}
+        feats, ids, index, t, qlens, ctx, tables, last = plan
         hidden = self.head.combine(feats[index[:t]])
         batch = AttentionBatch(qlens, ctx, tables, self.block_size, self.device)
-        self._out = self._forward(batch, ids, index[2 * t:], hidden)
+        self._out = self._forward(batch, ids[index[t:2 * t]], index[2 * t:], hidden)
         return last
 
     def _draft(self, step, drafted: list[tuple[int, int, int]], caught: dict[int, int]) -> None:
