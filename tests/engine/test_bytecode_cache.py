@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,9 +25,10 @@ print(json.dumps({"folder": folder, "prefix": sys.pycache_prefix, "dont_write": 
 
 def _probe(tmp_path: Path, fake_torch: bool, **env: str) -> dict:
     site = tmp_path / "site"
-    if fake_torch:           # a torch package without __pycache__, as a no-bytecode install leaves it
-        (site / "torch").mkdir(parents=True, exist_ok=True)
-        (site / "torch" / "__init__.py").write_text("VALUE = 1\n")
+    source = site / "torch" / "__init__.py"
+    if fake_torch and not source.exists():   # a torch without __pycache__, as a no-bytecode install leaves it
+        source.parent.mkdir(parents=True)      # (written once: a rewritten source invalidates its .pyc)
+        source.write_text("VALUE = 1\n")
     path = os.pathsep.join([str(site), str(ROOT)]) if fake_torch else str(ROOT)
     full_env = {**os.environ, "PYTHONPATH": path, **env}
     full_env.pop("PYTHONPYCACHEPREFIX", None)
@@ -43,6 +45,7 @@ def test_no_bytecode_install_gets_a_cache_folder_and_the_second_start_reads_it(t
     cached = Path(first["cached"])
     assert cached.is_file()                                       # the first start wrote torch's bytecode there
     mtime = cached.stat().st_mtime_ns
+    time.sleep(1.1)                    # a later second, as a later start is (mtimes are kept in seconds)
     second = _probe(tmp_path, True, PYTHONDONTWRITEBYTECODE="1")
     assert second["cached"] == first["cached"] and cached.stat().st_mtime_ns == mtime   # read, not rewritten
     assert not (tmp_path / "site" / "torch" / "__pycache__").exists()                    # nothing beside the sources
