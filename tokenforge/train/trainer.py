@@ -11,6 +11,7 @@ reads between steps: it saves a resumable checkpoint and returns normally (exit 
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import resource
 import signal
@@ -235,7 +236,16 @@ def train(cfg: TrainConfig, tokenizer: Any, model: nn.Module | None = None,
     cfg = cfg.validated()
     checked = check_inputs(cfg, tokenizer)
     d = init_distributed(cfg.device)
+    trainer = None
     try:
-        return Trainer(cfg, tokenizer, checked, d, model).fit(on_step)
+        trainer = Trainer(cfg, tokenizer, checked, d, model)
+        result = trainer.fit(on_step)
+        d.barrier()             # no rank tears its group down while a peer is still in a collective
+        return result
     finally:
+        # DDP's reducer holds the process group: a trainer left to the cycle collector (or to the
+        # interpreter's exit) destroys gloo's worker threads during finalization, which aborts the
+        # process ("terminate called without an active exception") after the run succeeded.
+        del trainer
+        gc.collect()
         destroy_distributed()
