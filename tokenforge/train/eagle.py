@@ -154,16 +154,19 @@ class EagleTrainer:
         weight = self.target.lm_head.weight
         labels = torch.full((b, s - 1), IGNORE_INDEX, dtype=torch.long, device=ids.device)
         if self.loss_cfg.labels == "target":           # what the target would emit after p + 1
-            labels[:] = self._target_argmax(feats[:, 1:])
-            labels[~valid] = IGNORE_INDEX
+            labels[valid] = self._target_argmax(feats[:, 1:][valid])
         else:                                          # the sequence's own token p + 2
             labels[:, :-1] = ids[:, 2:]
             labels[~((pos[None, :] + 2) < lengths[:, None])] = IGNORE_INDEX
-        count = (labels != IGNORE_INDEX).sum().clamp(min=1)
-        token_loss = linear_cross_entropy(pred, weight.detach(), labels) / count
+        # the vocabulary-wide products (most of a step's work) run over labelled rows only, not
+        # over the batch's padding
+        keep = labels != IGNORE_INDEX                                     # [B, S-1]
+        rows, kept = pred[keep], labels[keep]                             # [n, H], [n]
+        count = kept.numel() or 1
+        token_loss = linear_cross_entropy(rows, weight.detach(), kept) / count
         with torch.no_grad():
-            top = self.target.compute_logits(pred.detach().to(weight.dtype)).argmax(-1)
-            acc = ((top == labels) & (labels != IGNORE_INDEX)).sum() / count
+            top = self.target.compute_logits(rows.detach().to(weight.dtype)).argmax(-1)
+            acc = (top == kept).sum() / count
         total = self.loss_cfg.feature_weight * feat_loss + self.loss_cfg.token_weight * token_loss
         return {"loss": total, "feature_loss": feat_loss.detach(), "token_loss": token_loss.detach(), "accuracy": acc}
 
