@@ -46,7 +46,7 @@ class StepInFlight:
     host: HostCopy | None = None
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
     awaits_last_stage: bool = False             # pipelined first stage: `finish_stages` brings its hidden states
-    verify: tuple | None = None                 # speculative decoding: (sequences, [N, K + 2] results, event)
+    verify: object | None = None                # speculative decoding: its VerifyInFlight (spec/roles.py)
 
     @property
     def sample_pending(self) -> bool:
