@@ -73,3 +73,15 @@ def test_sampled_requests_get_logprobs_of_their_tokens(engines):
         assert len(c.logprobs) == len(c.token_ids) == 24
         assert all(list(entry) == [tok] and entry[tok].logprob <= 0 for tok, entry in zip(c.token_ids, c.logprobs))
     assert drafts.num_accepted > before
+
+
+def test_penalties_per_draft_position(engines):
+    """Repetition, frequency and presence penalties: each verify row's penalty counts the drafts
+    before it, so the greedy output is the one without speculation."""
+    # strong enough that a verify row blind to the drafts before it emits other tokens here
+    # (frequency 1.0 and presence 1.5 flip tokens of prompts 2 and 3 then); drafts still accepted
+    for kwargs in (dict(frequency_penalty=1.0), dict(presence_penalty=1.5, repetition_penalty=1.1)):
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, **kwargs)
+        want, got = generate_both(engines, PROMPTS, params)
+        for w, g in zip(want, got):
+            assert g.outputs[0].token_ids == w.outputs[0].token_ids, kwargs

@@ -16,10 +16,10 @@ synchronous (the drafts read the step before's tokens), others may be scheduled 
 (`allows_step_ahead`). While the rule says 0, one step in `probe_every` still asks the proposer for
 at most `probe_requests` requests, so the acceptance stays measured at little cost.
 
-Not drafted (they decode one token a step as before): requests whose sampling reads their own
-history within a step (penalties), that want grammar masks, that are before min_tokens (banned ids
-per position), or sampled ones with a seed (their generator's stream); the verifier would need
-per-position state for those. Logprobs need none: the verifier gives each row's.
+The verifier samples each row as a decode whose history is the tokens before it (logprobs,
+penalties). Not drafted (they decode one token a step as before): requests that want grammar
+masks, that are before min_tokens (banned ids per position), or sampled ones with a seed (their
+generator's stream).
 """
 
 from __future__ import annotations
@@ -124,8 +124,7 @@ class DraftPlanner:
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.params
-        return (not req.needs_sync and p.grammar is None
-                and req.num_output_tokens >= p.min_tokens and (p.seed is None or p.is_greedy))
+        return p.grammar is None and req.num_output_tokens >= p.min_tokens and (p.seed is None or p.is_greedy)
 
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
