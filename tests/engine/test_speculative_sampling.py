@@ -85,3 +85,50 @@ def test_penalties_per_draft_position(engines):
         want, got = generate_both(engines, PROMPTS, params)
         for w, g in zip(want, got):
             assert g.outputs[0].token_ids == w.outputs[0].token_ids, kwargs
+
+
+def _chat(text: str) -> str:
+    return f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+COLORS = {"type": "object", "properties": {"colors": {"type": "array", "minItems": 6, "maxItems": 6,
+                                                      "items": {"enum": ["red", "green", "blue"]}}},
+          "required": ["colors"], "additionalProperties": False}
+
+
+def test_grammar_cuts_drafts_and_masks_each_row(engines, monkeypatch):
+    """A JSON schema and a regex: drafts are cut at the first token the grammar forbids, each
+    verify row gets the mask after the drafts before it; greedy output equals no speculation and
+    parses."""
+    pytest.importorskip("llguidance")
+    import json
+
+    import jsonschema
+
+    from tokenforge import StructuredOutputsParams
+
+    planner, checks = engines[1].engine.scheduler.drafts, []
+    allowed = planner.check          # the engine's GrammarMatchers.allowed_drafts
+
+    def spy(request_id, drafts):
+        n = allowed(request_id, drafts)
+        if requests[request_id].params.grammar is not None:
+            checks.append((len(drafts), n))
+        return n
+    requests = engines[1].engine.scheduler.requests
+    monkeypatch.setattr(planner, "check", spy)
+    # The regexes forbid what the prompt repeats (a 3, a green): the n-gram drafts run into
+    # forbidden tokens (cut there) and rows after accepted drafts must be masked (without their
+    # masks the 3s and greens come back)
+    prompts = [_chat("List six colors as JSON: red, green, blue, red, green, blue."), PROMPTS[0], PROMPTS[1],
+               PROMPTS[2]]
+    regex = [StructuredOutputsParams(regex=r"( [0-24-9],)+"), StructuredOutputsParams(regex=r"( (red|blue),)+")]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(json=COLORS)),
+              *(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, structured_outputs=r) for r in regex),
+              SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)]     # unconstrained beside them
+    want, got = generate_both(engines, prompts, params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    jsonschema.validate(json.loads(got[0].outputs[0].text), COLORS)
+    assert any(n > 0 for _, n in checks), "no constrained request kept a draft"
+    assert any(n < d for d, n in checks), "no draft was cut by its grammar"

@@ -142,3 +142,37 @@ def test_penalties_see_the_drafts_before_each_row():
     assert got.output_counts[:, 5].tolist() == [1, 2, 3, 3]
     assert got.output_counts[:, 7].tolist() == [0, 0, 0, 1]
     assert got.seen_mask[:, 7].tolist() == [False, False, False, True]
+
+
+def test_grammar_masks_per_row():
+    """A drafted constrained sequence gets one mask per sampling position (its last known token's,
+    then each draft's); a mask that forbids the next draft's row argmax rejects it there, and the
+    emitted token is the masked argmax. Masks of plain rows beside it still reach their rows."""
+    specs = [
+        (WireSamplingParams(temperature=0.0), [1, 2], [3], 3),                       # unconstrained
+        (WireSamplingParams(temperature=0.0, logprobs=1), [4, 5], [6], 3),           # constrained, drafted
+        (WireSamplingParams(temperature=0.0), [7], [8], 0),                          # constrained, plain
+    ]
+    everything = list(range(VOCAB))
+    for seed in range(4):
+        driver_head = FakeHead()
+        gen = torch.Generator().manual_seed(seed)
+        hidden = torch.randn(4 + 4 + 1, HIDDEN, generator=gen)
+        argmax = driver_head.compute_logits(hidden).argmax(dim=-1).tolist()
+        # seq r1's rows 4..7: row 5 forbids its argmax (the draft after it), row 7 (the bonus) too
+        allowed = {("r1", 0): everything, ("r1", 1): [t for t in everything if t != argmax[5]],
+                   ("r1", 2): everything, ("r1", 3): [t for t in everything if t != argmax[7]],
+                   ("r2", 0): [t for t in everything if t != argmax[8]]}
+        masks = ([4, 5, 6, 7, 8], _bitmask([allowed["r1", j] for j in range(4)] + [allowed["r2", 0]]))
+        out, head, hidden, seqs = _run(specs, masks=masks, seed=seed)
+        assert out.sampled_token_ids["r2"] != [argmax[8]]
+        assert len(out.sampled_token_ids["r1"]) == 2          # d_1 accepted, d_2 (row 5's argmax) masked out
+        _check_rows(out, head, hidden, seqs, allowed_at=allowed)
+
+
+def test_grammar_rows_split_by_sampling_position():
+    seqs = [SimpleNamespace(num_draft_tokens=d) for d in (2, 0, 1, 0)]
+    # positions: seq 0 -> 0..2, seq 1 -> 3, seq 2 -> 4..5, seq 3 -> 6; verify rows are k + 1 = 4 per sequence
+    split = split_grammar_rows(seqs, [1, 2, 3, 4, 6], k=3)
+    assert (split.plain_rows, split.plain_masks) == ([0, 1], [2, 4])
+    assert (split.verify_rows, split.verify_masks) == ([1, 2, 4], [0, 1, 3])
