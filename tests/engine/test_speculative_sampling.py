@@ -132,3 +132,21 @@ def test_grammar_cuts_drafts_and_masks_each_row(engines, monkeypatch):
     jsonschema.validate(json.loads(got[0].outputs[0].text), COLORS)
     assert any(n > 0 for _, n in checks), "no constrained request kept a draft"
     assert any(n < d for d, n in checks), "no draft was cut by its grammar"
+
+
+def test_n_and_stop_strings(engines):
+    """n > 1 (each child drafts on its own) and stop strings met inside a list of accepted
+    tokens (the tokens after the stop are dropped, logprobs with them): as without speculation."""
+    stop = SamplingParams(temperature=0, max_tokens=24, n=2, stop=["2, 3, 4", "blue, red, green"], logprobs=1)
+    want, got = generate_both(engines, PROMPTS, stop)
+    for w, g in zip(want, got):
+        assert len(g.outputs) == 2
+        for a, b in zip(w.outputs, g.outputs):
+            assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason,
+                                                                           a.stop_reason)
+            assert len(b.logprobs) == len(b.token_ids)
+    assert [o.outputs[0].stop_reason for o in got[:2]] == stop.stop
+    _, spec = engines
+    sampled = SamplingParams(temperature=0.8, max_tokens=12, n=3, ignore_eos=True)
+    for out in spec.generate(PROMPTS[:1], sampled, use_tqdm=False):
+        assert [len(c.token_ids) for c in out.outputs] == [12] * 3
