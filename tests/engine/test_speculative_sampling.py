@@ -150,3 +150,14 @@ def test_n_and_stop_strings(engines):
     sampled = SamplingParams(temperature=0.8, max_tokens=12, n=3, ignore_eos=True)
     for out in spec.generate(PROMPTS[:1], sampled, use_tqdm=False):
         assert [len(c.token_ids) for c in out.outputs] == [12] * 3
+
+
+def test_min_tokens_bans_eos_per_row(engines):
+    """A short answer's EOS (which the n-gram drafts, copied from the prompt's turn end) is banned
+    at every verify row before min_tokens and allowed after it."""
+    prompts = [_chat("Repeat exactly: red, green, blue"), _chat("Repeat exactly: 1, 2, 3, 4")]
+    params = SamplingParams(temperature=0, max_tokens=40, min_tokens=12)
+    want, got = generate_both(engines, prompts, params)
+    for w, g in zip(want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert len(g.outputs[0].token_ids) >= 12

@@ -47,6 +47,15 @@ class ScheduledSequence:
         return len(self.token_ids)
 
     @property
+    def banned_rows(self) -> int:
+        """How many of this sample's rows ban `banned_token_ids`: with drafts, row j samples output
+        token len(output) + j, banned while that is before min_tokens (a drafted sequence is
+        launched at once and has no placeholder: its output list is complete then)."""
+        if not self.banned_token_ids:
+            return 0
+        return max(1, self.params.min_tokens - len(self.output_token_ids))
+
+    @property
     def prompt_logprob_rows(self) -> int:
         """Rows of this chunk whose logits give prompt logprobs: row j predicts prompt token
         start + j + 1, so the chunk stops counting at the prompt's end. (A worker's

@@ -17,11 +17,10 @@ synchronous (the drafts read the step before's tokens), others may be scheduled 
 at most `probe_requests` requests, so the acceptance stays measured at little cost.
 
 The verifier samples each row as a decode whose history is the tokens before it (logprobs,
-penalties, grammar masks). A grammar checks the drafts first: the injected `check` cuts them at the
+penalties, grammar masks, min_tokens bans). A grammar checks the drafts first: the injected `check` cuts them at the
 first token the request's grammar forbids (a draft the device fills in later cannot be checked, so
 constrained requests get drafts from host proposers only). Not drafted (they decode one token a
-step as before): requests before min_tokens (banned ids per position), or sampled ones with a seed
-(their generator's stream).
+step as before): sampled requests with a seed (the verifier does not draw from their generator).
 """
 
 from __future__ import annotations
@@ -134,7 +133,7 @@ class DraftPlanner:
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.params
-        return req.num_output_tokens >= p.min_tokens and (p.seed is None or p.is_greedy)
+        return p.seed is None or p.is_greedy
 
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""

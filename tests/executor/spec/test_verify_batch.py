@@ -47,9 +47,9 @@ def _greedy_drafts(head: FakeHead, hidden: torch.Tensor, start: int, n: int) -> 
     return head.compute_logits(hidden[start:start + n]).argmax(dim=-1).tolist()
 
 
-def _run(seqs_spec, masks=None, seed=0):
-    """seqs_spec: (params, prompt, output, num_drafts, plain) per sequence. Returns the driver's
-    output, the step's hidden rows and the sequences."""
+def _run(seqs_spec, masks=None, seed=0, banned=()):
+    """seqs_spec: (params, prompt, output, num_drafts) per sequence; `banned`: the ids each bans
+    before its min_tokens. Returns the driver's output, the step's hidden rows and the sequences."""
     driver = _driver()
     gen = torch.Generator().manual_seed(seed)
     total = sum(1 + d for *_, d in seqs_spec)
@@ -60,8 +60,9 @@ def _run(seqs_spec, masks=None, seed=0):
         if d > 1:
             drafts[-1] = (drafts[-1] + 1) % VOCAB             # the last draft is wrong
         start = len(prompt) + len(output) - 1
+        ban = tuple(banned) if len(output) < params.min_tokens else ()
         seqs.append(ScheduledSequence(f"r{i}", [(prompt + output)[-1], *drafts], start, [0, 1, 2, 3], True,
-                                      params, prompt, output, num_draft_tokens=d))
+                                      params, prompt, output, banned_token_ids=ban, num_draft_tokens=d))
         row += 1 + d
     grammar_rows, bitmask = masks if masks is not None else ([], None)
     sched = SchedulerOutput(seqs, grammar_rows=grammar_rows, grammar_bitmask=bitmask)
@@ -74,9 +75,11 @@ def _run(seqs_spec, masks=None, seed=0):
 
 
 def _expected(head, hidden, row, seq, history, allowed=None):
-    """The plain sampler's greedy token and logprobs for one decode row."""
+    """The plain sampler's greedy token and logprobs for one decode row (EOS and stop ids banned
+    before min_tokens, as the scheduler's `banned_tokens` does)."""
+    banned = seq.banned_token_ids if len(history) < seq.params.min_tokens else ()
     batch = SamplingBatch.build([seq.params], [seq.prompt_token_ids], [history], [None], VOCAB, "cpu",
-                                **_mask_kwargs(allowed))
+                                banned=[banned], **_mask_kwargs(allowed))
     out = Sampler()(head.compute_logits(hidden[row:row + 1]), batch)
     lps = out.logprobs.to_position_logprobs()[0] if out.logprobs is not None else None
     return out.token_ids.item(), lps
@@ -176,3 +179,19 @@ def test_grammar_rows_split_by_sampling_position():
     split = split_grammar_rows(seqs, [1, 2, 3, 4, 6], k=3)
     assert (split.plain_rows, split.plain_masks) == ([0, 1], [2, 4])
     assert (split.verify_rows, split.verify_masks) == ([1, 2, 4], [0, 1, 3])
+
+
+def test_min_tokens_bans_per_row():
+    """Rows whose output index is before min_tokens ban EOS / stop ids, the rows after do not."""
+    head = FakeHead()
+    hidden = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(2))      # distinct argmaxes
+    top = head.compute_logits(hidden).argmax(dim=-1).tolist()
+    # output has 2 tokens, min_tokens 4: rows 0 and 1 ban, rows 2.. do not; ban what rows 1 and 2 want
+    params = WireSamplingParams(temperature=0.0, min_tokens=4, logprobs=0)
+    out, head, hidden, seqs = _run([(params, [1, 2], [3, 4], 4)], seed=2, banned=(top[1], top[2]))
+    emitted = out.sampled_token_ids["r0"]
+    assert emitted[:1] == [top[0]] and len(emitted) == 2 and emitted[1] != top[1]
+    _check_rows(out, head, hidden, seqs)
+    out, head, hidden, seqs = _run([(params, [1, 2], [3, 4], 4)], seed=2, banned=(top[2],))
+    assert out.sampled_token_ids["r0"] == top[:4]          # row 2 (output index 4) may emit it
+    _check_rows(out, head, hidden, seqs)

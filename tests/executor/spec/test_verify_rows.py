@@ -116,7 +116,7 @@ def test_driver_verify_samples_the_target_distribution():
     drafts = torch.randint(v, (n, k))
     num = torch.full((n,), 1)                  # one draft: position 1 is the bonus row, 2 is padding
     seqs = [SimpleNamespace(params=WireSamplingParams(temperature=temp), prompt_token_ids=[],
-                            output_token_ids=[])] * n
+                            output_token_ids=[], banned_token_ids=(), banned_rows=0)] * n
     plan = VerifyRows(seqs, torch.empty(0), drafts, num, torch.zeros(n, dtype=torch.bool), k)
     batch = verify_sampling_batch(seqs, drafts, k, v, torch.device("cpu"))
     tokens, accepted, logprobs = SpeculativeDriver.verify(None, plan, logits.repeat(n, 1), batch)

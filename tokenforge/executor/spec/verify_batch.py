@@ -7,6 +7,7 @@ sequence would be once d_1..d_j were emitted:
 - penalties count d_1..d_j as output (added on the device, where a draft model's drafts are);
 - its grammar mask is the matcher's state after d_1..d_j (the engine computes one mask per
   sampling position, `GrammarMatchers.fill`; `split_grammar_rows` maps them to rows here);
+- EOS and stop ids are banned while its output index is before min_tokens (`banned_rows`);
 - its logprobs are the raw distribution's at the token it emits (the accepted draft or the
   corrected / bonus token), as the sampler gives them for a decode.
 Rows past d + 1 repeat row d's hidden state; nothing they give is read.
@@ -74,7 +75,8 @@ def verify_sampling_batch(seqs: list, drafts: torch.Tensor, k: int, vocab_size: 
     params = [s.params for s in seqs for _ in range(rows)]
     prompts = [s.prompt_token_ids for s in seqs for _ in range(rows)]
     outputs = [s.output_token_ids for s in seqs for _ in range(rows)]
-    batch = SamplingBatch.build(params, prompts, outputs, [None] * len(params), vocab_size, device,
+    banned = [s.banned_token_ids if j < s.banned_rows else () for s in seqs for j in range(rows)]
+    batch = SamplingBatch.build(params, prompts, outputs, [None] * len(params), vocab_size, device, banned=banned,
                                 grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask)
     if batch.penalties is not None:
         batch.penalties = add_draft_history(batch.penalties, drafts, k)
