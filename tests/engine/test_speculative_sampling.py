@@ -107,16 +107,15 @@ def test_grammar_cuts_drafts_and_masks_each_row(engines, monkeypatch):
 
     from tokenforge import StructuredOutputsParams
 
-    planner, checks = engines[1].engine.scheduler.drafts, []
-    allowed = planner.check          # the engine's GrammarMatchers.allowed_drafts
+    scheduler, checks = engines[1].engine.scheduler, []
+    allowed = scheduler.drafts.check          # the engine's GrammarMatchers.allowed_drafts
 
     def spy(request_id, drafts):
         n = allowed(request_id, drafts)
-        if requests[request_id].params.grammar is not None:
+        if scheduler.requests[request_id].params.grammar is not None:
             checks.append((len(drafts), n))
         return n
-    requests = engines[1].engine.scheduler.requests
-    monkeypatch.setattr(planner, "check", spy)
+    monkeypatch.setattr(scheduler.drafts, "check", spy)
     # The regexes forbid what the prompt repeats (a 3, a green): the n-gram drafts run into
     # forbidden tokens (cut there) and rows after accepted drafts must be masked (without their
     # masks the 3s and greens come back)

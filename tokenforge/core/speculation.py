@@ -17,10 +17,11 @@ synchronous (the drafts read the step before's tokens), others may be scheduled 
 at most `probe_requests` requests, so the acceptance stays measured at little cost.
 
 The verifier samples each row as a decode whose history is the tokens before it (logprobs,
-penalties, grammar masks, min_tokens bans). A grammar checks the drafts first: the injected `check` cuts them at the
-first token the request's grammar forbids (a draft the device fills in later cannot be checked, so
-constrained requests get drafts from host proposers only). Not drafted (they decode one token a
-step as before): sampled requests with a seed (the verifier does not draw from their generator).
+penalties, grammar masks, min_tokens bans). A grammar checks the drafts first: the injected `check`
+cuts them at the first token the request's grammar forbids (a draft the device fills in later cannot
+be checked, so constrained requests get drafts from host proposers only). Not drafted (they decode
+one token a step as before): sampled requests with a seed (the verifier does not draw from their
+generator).
 """
 
 from __future__ import annotations

@@ -10,12 +10,13 @@ Engine core (`GrammarMatchers`): one matcher template per grammar text (LRU), de
 request. `fill` computes the allowed-token bitmask of every constrained row that samples
 (llguidance's thread pool, 1 bit per token) into a reused host slot of the executor's (pinned on
 CUDA); the sampler applies it on the device. `advance` moves each matcher on by the tokens its step
-sampled, one by one. With speculative decoding a constrained request's drafts are cut at the
-first token its grammar forbids (`allowed_drafts`, the DraftPlanner's check), and `fill` gives each
-draft position the mask after the drafts before it (the verifier applies them per row). With async scheduling the next step is launched before this one's tokens are known: when
-a constrained row of it ends with such a token (`waits_for_tokens`), the engine launches its
-forward with the sampling deferred, collects the step before, advances the matchers, fills the
-mask and then queues the sampling, while the device runs the forward.
+sampled, one by one. With speculative decoding a constrained request's drafts are cut at the first
+token its grammar forbids (`allowed_drafts`, the DraftPlanner's check), and `fill` gives each draft
+position the mask after the drafts before it (the verifier applies them per row). With async
+scheduling the next step is launched before this one's tokens are known: when a constrained row of
+it ends with such a token (`waits_for_tokens`), the engine launches its forward with the sampling
+deferred, collects the step before, advances the matchers, fills the mask and then queues the
+sampling, while the device runs the forward.
 """
 
 from __future__ import annotations

@@ -1,17 +1,17 @@
 """Rank roles with speculative decoding: a step's drafted sequences are verified on the device,
 the others sample one token as usual.
 
-A sequence scheduled with d drafts holds n tokens: ..., t (its last known token), d_1..d_d. The
-row of t predicts d_1, the row of d_j predicts d_{j+1}, and the last row (d_d's) predicts the bonus
+A sequence scheduled with d drafts holds n tokens: ..., t (its last known token), d_1..d_d. The row
+of t predicts d_1, the row of d_j predicts d_{j+1}, and the last row (d_d's) predicts the bonus
 token. Every drafted sequence takes k + 1 rows of the LM head (k the step's most drafts; rows past
-its own d + 1 repeat its last row), so the head's shape depends on the number of drafted
-sequences and the step's k only. Each row is sampled as a decode whose history is the tokens
-before it (penalties, grammar masks, logprobs: `verify_batch.py`). Greedy rows compare the argmax
-with the drafts (`greedy_verify`); sampled rows go through the rejection rule with the bonus token
-drawn from the last real row. The results (tokens [N, K+1], accepted counts [N], the logprobs of
-the tokens at each row when asked for) are copied back behind the step and read in `collect`:
-the step still syncs with the host once. Every first-stage rank runs the same LM-head calls in the same
-order (the plain rows', the prompt rows', then the verify rows'), for the TP head's collectives.
+its own d + 1 repeat its last row), so the head's shape depends on the number of drafted sequences
+and the step's k only. Each row is sampled as a decode whose history is the tokens before it
+(penalties, grammar masks, logprobs: `verify_batch.py`). Greedy rows compare the argmax with the
+drafts (`greedy_verify`); sampled rows go through the rejection rule with the bonus token drawn from
+the last real row. The results (tokens [N, K+1], accepted counts [N], the logprobs of the tokens at
+each row when asked for) are copied back behind the step and read in `collect`: the step still syncs
+with the host once. Every first-stage rank runs the same LM-head calls in the same order (the plain
+rows', the prompt rows', then the verify rows'), for the TP head's collectives.
 """
 
 from __future__ import annotations
