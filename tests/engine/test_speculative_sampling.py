@@ -160,3 +160,23 @@ def test_min_tokens_bans_eos_per_row(engines):
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert len(g.outputs[0].token_ids) >= 12
+
+
+def test_allowed_drafts_cut_at_the_first_forbidden_token_or_eos():
+    """The grammar's check of a draft (llguidance's validate_tokens), cut before an id the
+    device fills in later and before EOS (a stopped matcher has no mask for the row after it)."""
+    pytest.importorskip("llguidance")
+    from tokenforge import StructuredOutputsParams
+    from tokenforge.core.outputs import DRAFT_TOKEN_ID
+    from tokenforge.engine.structured_output import GrammarMatchers, compile_grammar
+    from tokenforge.engine.tokenization import load_engine_tokenizer
+
+    tokenizer = load_engine_tokenizer(None)
+    grammars = GrammarMatchers(lambda: tokenizer, 49152)
+    grammars.add("g", compile_grammar(StructuredOutputsParams(regex="(yes|no)+")))
+    yes, no, eos = tokenizer.encode("yes")[0], tokenizer.encode("no")[0], tokenizer.eos_token_ids[0]
+    assert grammars.allowed_drafts("g", [yes, no, yes]) == 3
+    assert grammars.allowed_drafts("g", [yes, tokenizer.encode(" maybe")[0], no]) == 1
+    assert grammars.allowed_drafts("g", [yes, eos, no]) == 1
+    assert grammars.allowed_drafts("g", [DRAFT_TOKEN_ID] * 3) == 0
+    assert grammars.allowed_drafts("free", [yes, eos, 7]) == 3          # no grammar: all of them

@@ -134,10 +134,12 @@ class GrammarMatchers:
         self._matchers: dict[str, object] = {}
         self._executor = None
         self._ll_tokenizer = None
+        self._eos: frozenset[int] = frozenset()
 
     def _ensure_tokenizer(self) -> None:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = build_ll_tokenizer(self._tokenizer_loader(), self.vocab_size)
+            self._eos = frozenset(self._ll_tokenizer.eos_tokens)      # the ids that stop a matcher
             self._executor = _llguidance().LLExecutor()
 
     def __len__(self) -> int:
@@ -172,11 +174,13 @@ class GrammarMatchers:
 
     def allowed_drafts(self, request_id: str, drafts: list[int]) -> int:
         """How many of a request's drafts, from the first, its grammar allows (all without one).
-        A draft the device fills in later (a negative id) cannot be checked: the cut is there."""
+        A draft the device fills in later (a negative id) cannot be checked, and EOS stops the
+        matcher (llguidance gives no mask after it, and the row after a draft needs one): the
+        cut is at the first of either."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return len(drafts)
-        known = next((i for i, t in enumerate(drafts) if t < 0), len(drafts))
+        known = next((i for i, t in enumerate(drafts) if t < 0 or t in self._eos), len(drafts))
         return matcher.validate_tokens(drafts[:known]) if known else 0
 
     def fill(self, sched: SchedulerOutput, buffer: Callable[[int, int], np.ndarray] | None = None) -> None:

@@ -133,11 +133,11 @@ class SpeculativeDriver(Driver):
         step.verify = VerifyInFlight(plan.seqs, copy_back(SamplerOutput(result, logprobs), self.device), plan.k)
 
     def verify(self, plan: VerifyRows, logits: torch.Tensor,
-               batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor, LogprobsTensors | None]:
+               batch: SamplingBatch | None) -> tuple[torch.Tensor, torch.Tensor, LogprobsTensors | None]:
         """logits [N * (k + 1), V] -> (tokens [N, k + 1], accepted [N], logprobs of the tokens at
-        each row or None), on the device."""
+        each row or None), on the device. `batch` None: every row takes the raw argmax."""
         n, k = len(plan.seqs), plan.k
-        if batch.argmax_only:
+        if batch is None or batch.argmax_only:
             return *greedy_verify(logits.argmax(dim=-1).view(n, k + 1), plan.drafts, plan.num_drafts), None
         logits, raw_logprobs = processed_logits(logits, batch)            # [N * (k + 1), V]
         if batch.all_greedy:

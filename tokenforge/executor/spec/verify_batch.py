@@ -67,10 +67,13 @@ def select_masks(bitmask, rows: list[int]):
 
 
 def verify_sampling_batch(seqs: list, drafts: torch.Tensor, k: int, vocab_size: int, device: torch.device,
-                          grammar_rows: list[int] | None = None, grammar_bitmask=None) -> SamplingBatch:
+                          grammar_rows: list[int] | None = None, grammar_bitmask=None) -> SamplingBatch | None:
     """The SamplingBatch of the verify rows [len(seqs) * (k + 1)]: each sequence's params and
     history repeated per row, its drafts before each row added to the penalties' history.
-    `drafts` [N, k]: the draft ids on the device (past a sequence's own count: any id)."""
+    `drafts` [N, k]: the draft ids on the device (past a sequence's own count: any id).
+    None when every row takes the raw argmax (the common case: checked per sequence, no build)."""
+    if not grammar_rows and all(_takes_raw_argmax(s) for s in seqs):
+        return None
     rows = k + 1
     params = [s.params for s in seqs for _ in range(rows)]
     prompts = [s.prompt_token_ids for s in seqs for _ in range(rows)]
@@ -81,6 +84,13 @@ def verify_sampling_batch(seqs: list, drafts: torch.Tensor, k: int, vocab_size: 
     if batch.penalties is not None:
         batch.penalties = add_draft_history(batch.penalties, drafts, k)
     return batch
+
+
+def _takes_raw_argmax(seq) -> bool:
+    """Greedy, with no penalty, logprobs or banned ids (grammar masks are the step's)."""
+    p = seq.params
+    return (p.is_greedy and p.logprobs is None and not seq.banned_token_ids and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
 def add_draft_history(pen: PenaltyTensors, drafts: torch.Tensor, k: int) -> PenaltyTensors:
