@@ -110,3 +110,29 @@ def test_async_loop_drafts_small_batches_and_runs_large_ones_ahead():
     assert drafted and placeholders, "both modes should have run"
     assert sched.drafts.num_accepted > 0
     assert_pool_idle(sched)
+
+
+def test_drafts_are_cut_where_the_check_says_and_sampling_features_draft():
+    """Logprobs, penalties, grammars and min_tokens draft (the verifier samples each row with its
+    own history); the injected check (the engine's grammar) cuts a request's drafts; seeded
+    sampling still decodes one token a step."""
+    from tokenforge.core.request import Request
+
+    cuts = []
+
+    def check(request_id, drafts):
+        cuts.append((request_id, list(drafts)))
+        return 1 if request_id == "g" else len(drafts)
+    planner = DraftPlanner(lambda history, k: [9] * k, 4, check=check)
+    planner.adaptive = False
+    planner.begin_step(1)
+    kinds = {"lp": {"logprobs": 2}, "pen": {"frequency_penalty": 0.5, "repetition_penalty": 1.2},
+             "g": {"grammar": "start: /a+/"}, "min": {"min_tokens": 3}, "seed": {"temperature": 0.8, "seed": 1}}
+    got = {}
+    for rid, params in kinds.items():
+        req = Request.from_engine_core_request(make_request(rid, [1, 2, 3], max_tokens=16, **params))
+        req.append_output_token(5)
+        req.num_computed_tokens = req.num_tokens - 1
+        got[rid] = planner.drafts(req, budget=64, max_len=256)
+    assert got == {"lp": [9] * 4, "pen": [9] * 4, "g": [9], "min": [9] * 4, "seed": []}
+    assert [rid for rid, _ in cuts] == ["lp", "pen", "g", "min"]

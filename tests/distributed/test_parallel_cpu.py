@@ -109,7 +109,7 @@ def test_a_rank_that_fails_to_start_takes_the_others_down():
 def test_speculative_decoding_under_tensor_parallelism(widened_model, tp1_outputs):
     """n-gram drafts verified with the LM head split over two ranks (the followers join the plain,
     prompt and verify rows' collectives in rank 0's order): the mixed batch's outputs equal TP=1's
-    without speculation (the seeded sample and the logprobs requests are not drafted)."""
+    without speculation (the seeded sample, with logprobs, is not drafted)."""
     with LLM(widened_model, **ENGINE, tensor_parallel_size=2, speculative_method="ngram",
              num_speculative_tokens=3) as llm:
         assert_same_outputs(run_mixed(llm), tp1_outputs)

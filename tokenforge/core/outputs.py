@@ -47,6 +47,15 @@ class ScheduledSequence:
         return len(self.token_ids)
 
     @property
+    def banned_rows(self) -> int:
+        """How many of this sample's rows ban `banned_token_ids`: with drafts, row j samples output
+        token len(output) + j, banned while that is before min_tokens (a drafted sequence is
+        launched at once and has no placeholder: its output list is complete then)."""
+        if not self.banned_token_ids:
+            return 0
+        return max(1, self.params.min_tokens - len(self.output_token_ids))
+
+    @property
     def prompt_logprob_rows(self) -> int:
         """Rows of this chunk whose logits give prompt logprobs: row j predicts prompt token
         start + j + 1, so the chunk stops counting at the prompt's end. (A worker's
@@ -85,9 +94,10 @@ class SchedulerOutput:
     sequences: list[ScheduledSequence] = field(default_factory=list)   # decodes first, then prefills
     finished_request_ids: list[str] = field(default_factory=list)      # finished/aborted since last step
     preempted_request_ids: list[str] = field(default_factory=list)
-    # Grammar-constrained sampling rows (indices among the sequences that sample, in order) and
-    # their allowed-token bitmask: a numpy int32 [len(rows), ceil(V / 32)], bit t of word w
-    # allows token 32 * w + t. Filled by the engine (not core/, which knows no grammar engine).
+    # Grammar-constrained sampling rows and their allowed-token bitmask: a numpy int32
+    # [len(rows), ceil(V / 32)], bit t of word w allows token 32 * w + t. Rows index the sampling
+    # positions: each sequence that samples has 1 + num_draft_tokens of them, in order (without
+    # drafts: the sequences that sample). Filled by the engine (core/ knows no grammar engine).
     grammar_rows: list[int] = field(default_factory=list)
     grammar_bitmask: object | None = None
     kv_saves: list[BlockSave] = field(default_factory=list)            # KV tiers only: before the forward

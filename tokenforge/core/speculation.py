@@ -16,10 +16,12 @@ synchronous (the drafts read the step before's tokens), others may be scheduled 
 (`allows_step_ahead`). While the rule says 0, one step in `probe_every` still asks the proposer for
 at most `probe_requests` requests, so the acceptance stays measured at little cost.
 
-Not drafted (they decode one token a step as before): requests whose sampling reads their own
-history within a step (penalties), that want logprobs or grammar masks, that are before
-min_tokens (banned ids per position), or sampled ones with a seed (their generator's stream);
-the verifier would need per-position state for those.
+The verifier samples each row as a decode whose history is the tokens before it (logprobs,
+penalties, grammar masks, min_tokens bans). A grammar checks the drafts first: the injected `check`
+cuts them at the first token the request's grammar forbids (a draft the device fills in later cannot
+be checked, so constrained requests get drafts from host proposers only). Not drafted (they decode
+one token a step as before): sampled requests with a seed (the verifier does not draw from their
+generator).
 """
 
 from __future__ import annotations
@@ -32,6 +34,13 @@ from tokenforge.core.request import Request
 from tokenforge.messages import SpecDecodeStats
 
 Proposer = Callable[[list[int], int], list[int]]
+# (request id, drafts) -> how many of the drafts, from the first, the request's constraints allow
+# (the engine's grammar matchers: a draft is cut at the first token its grammar forbids)
+DraftCheck = Callable[[str, list[int]], int]
+
+
+def allow_all(request_id: str, drafts: list[int]) -> int:
+    return len(drafts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,8 +72,9 @@ class DraftPlanner:
     PRIOR = (4.0, 5.0)              # (accepted, reached): 0.8 before any is seen, so a new engine tries
 
     def __init__(self, proposer: Proposer, num_draft_tokens: int, cost: StepCost | None = None,
-                 probe_every: int = 64, probe_requests: int = 8) -> None:
+                 probe_every: int = 64, probe_requests: int = 8, check: DraftCheck = allow_all) -> None:
         self.proposer = proposer
+        self.check = check
         self.k = num_draft_tokens
         self.cost = cost or StepCost()
         self.probe_every, self.probe_requests = probe_every, probe_requests
@@ -124,8 +134,7 @@ class DraftPlanner:
     @staticmethod
     def eligible(req: Request) -> bool:
         p = req.params
-        return (not req.needs_sync and p.logprobs is None and p.grammar is None
-                and req.num_output_tokens >= p.min_tokens and (p.seed is None or p.is_greedy))
+        return p.seed is None or p.is_greedy
 
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
@@ -138,6 +147,8 @@ class DraftPlanner:
         if self._quota is not None:
             self._quota -= 1            # a probe asks this many proposals (found or not), no more
         drafts = self.proposer(req.all_token_ids, room)[:room]
+        if drafts:
+            drafts = drafts[:self.check(req.request_id, drafts)]
         self.drafted_in_flight |= bool(drafts)
         return drafts
 

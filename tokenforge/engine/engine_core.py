@@ -15,7 +15,7 @@ import msgspec
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
-from tokenforge.core.speculation import DraftPlanner, StepCost, device_drafts
+from tokenforge.core.speculation import DraftCheck, DraftPlanner, StepCost, allow_all, device_drafts
 from tokenforge.engine.core_boot import process_start_time
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.startup import resolve_engine_config
@@ -55,19 +55,20 @@ def _seconds_since_process_start() -> float:
     return max(0.0, time.time() - process_start_time())
 
 
-def make_draft_planner(config, on_gpu: bool = False) -> DraftPlanner | None:
+def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_all) -> DraftPlanner | None:
     """The speculative method's proposer, chosen once (None without speculative decoding). The
     adaptive rule's step cost: on a GPU a forward costs about the same up to ~a hundred rows (the
-    weights' read dominates) and a synchronous step loses the overlap of async scheduling."""
+    weights' read dominates) and a synchronous step loses the overlap of async scheduling.
+    `check`: the grammar matchers' cut of a constrained request's drafts."""
     if config.speculative_method is None:
         return None
     cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
     if config.speculative_method in ("draft", "eagle"):     # the runner's draft model / head fills the slots
-        return DraftPlanner(device_drafts, config.num_draft_tokens, cost)
+        return DraftPlanner(device_drafts, config.num_draft_tokens, cost, check=check)
     from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
 
     proposer = NgramProposer(config.ngram_min, config.ngram_max)
-    return DraftPlanner(proposer.propose_one, config.num_draft_tokens, cost)
+    return DraftPlanner(proposer.propose_one, config.num_draft_tokens, cost, check=check)
 
 
 def check_draft_tokenizer(config, tokenizer=None) -> None:
@@ -106,9 +107,12 @@ class EngineCore:
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
         self.startup_marks = {"engine_start": wall0, "loaded": wall1, "kv_ready": time.time()}   # the timeline's
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
+        model, load_format = self.config.model.model, self.config.load.load_format
+        self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
+                                        self.vocab_size)
         lora = self.config.lora
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks,
-                                   make_draft_planner(self.config.scheduler, self.executor.is_async_device),
+        drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts)
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
                                    lora.max_loras if lora.enable_lora else 0)
         self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read
         if self.scheduler.tiers is not None:
@@ -118,9 +122,6 @@ class EngineCore:
         mode = self.config.scheduler.async_scheduling
         # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
         self.async_scheduling = mode if mode is not None else self.executor.is_async_device
-        model, load_format = self.config.model.model, self.config.load.load_format
-        self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
-                                        self.vocab_size)
         WATCH.mark_ready()
 
     @property

@@ -10,10 +10,13 @@ Engine core (`GrammarMatchers`): one matcher template per grammar text (LRU), de
 request. `fill` computes the allowed-token bitmask of every constrained row that samples
 (llguidance's thread pool, 1 bit per token) into a reused host slot of the executor's (pinned on
 CUDA); the sampler applies it on the device. `advance` moves each matcher on by the tokens its step
-sampled, one by one. With async scheduling the next step is launched before this one's tokens are known: when
-a constrained row of it ends with such a token (`waits_for_tokens`), the engine launches its
-forward with the sampling deferred, collects the step before, advances the matchers, fills the
-mask and then queues the sampling, while the device runs the forward.
+sampled, one by one. With speculative decoding a constrained request's drafts are cut at the first
+token its grammar forbids (`allowed_drafts`, the DraftPlanner's check), and `fill` gives each draft
+position the mask after the drafts before it (the verifier applies them per row). With async
+scheduling the next step is launched before this one's tokens are known: when a constrained row of
+it ends with such a token (`waits_for_tokens`), the engine launches its forward with the sampling
+deferred, collects the step before, advances the matchers, fills the mask and then queues the
+sampling, while the device runs the forward.
 """
 
 from __future__ import annotations
@@ -131,10 +134,12 @@ class GrammarMatchers:
         self._matchers: dict[str, object] = {}
         self._executor = None
         self._ll_tokenizer = None
+        self._eos: frozenset[int] = frozenset()
 
     def _ensure_tokenizer(self) -> None:
         if self._ll_tokenizer is None:
             self._ll_tokenizer = build_ll_tokenizer(self._tokenizer_loader(), self.vocab_size)
+            self._eos = frozenset(self._ll_tokenizer.eos_tokens)      # the ids that stop a matcher
             self._executor = _llguidance().LLExecutor()
 
     def __len__(self) -> int:
@@ -167,27 +172,48 @@ class GrammarMatchers:
         return any(seq.sample and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID and seq.request_id in self._matchers
                    for seq in sched.sequences)
 
+    def allowed_drafts(self, request_id: str, drafts: list[int]) -> int:
+        """How many of a request's drafts, from the first, its grammar allows (all without one).
+        A draft the device fills in later (a negative id) cannot be checked, and EOS stops the
+        matcher (llguidance gives no mask after it, and the row after a draft needs one): the
+        cut is at the first of either."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return len(drafts)
+        known = next((i for i, t in enumerate(drafts) if t < 0 or t in self._eos), len(drafts))
+        return matcher.validate_tokens(drafts[:known]) if known else 0
+
     def fill(self, sched: SchedulerOutput, buffer: Callable[[int, int], np.ndarray] | None = None) -> None:
-        """Set the step's grammar rows and bitmask (rows index the sequences that sample).
+        """Set the step's grammar rows and bitmask. Rows index the step's sampling positions: a
+        sequence that samples has 1 + num_draft_tokens of them (its last known token's, then
+        each draft's: the matcher's mask after the drafts before it, which its grammar allowed).
         `buffer(rows, width)` gives the host array to fill (the executor's reused slot)."""
         if not self._matchers:
             return
-        pairs, rows, row = [], [], 0
+        plain, drafted, rows, position = [], [], [], 0
         for seq in sched.sequences:
             if not seq.sample:
                 continue
+            d = seq.num_draft_tokens
             matcher = self._matchers.get(seq.request_id)
             if matcher is not None:
-                pairs.append((matcher, len(rows)))
-                rows.append(row)
-            row += 1
+                if d:
+                    drafted.append((matcher, len(rows), seq.token_ids[len(seq.token_ids) - d:]))
+                else:
+                    plain.append((matcher, len(rows)))
+                rows.extend(range(position, position + 1 + d))
+            position += 1 + d
         if not rows:
             return
         if buffer is None:
             bitmask = np.empty((len(rows), self.mask_width), dtype=np.int32)     # [R, ceil(V / 32)]
         else:
             bitmask = buffer(len(rows), self.mask_width)
-        self._executor.unsafe_compute_mask_ptr(pairs, bitmask.ctypes.data, self.mask_width * 4, len(rows))
+        args = (bitmask.ctypes.data, self.mask_width * 4, len(rows))
+        if plain:
+            self._executor.unsafe_compute_mask_ptr(plain, *args)
+        if drafted:         # masks at K (the last known token's) and K + 1.. (after each draft)
+            self._executor.unsafe_compute_mask_ptr_with_draft_token(drafted, *args)
         sched.grammar_rows, sched.grammar_bitmask = rows, bitmask
 
     def advance(self, sched: SchedulerOutput, runner_output: ModelRunnerOutput) -> None:

@@ -46,7 +46,7 @@ class StepInFlight:
     host: HostCopy | None = None
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
     awaits_last_stage: bool = False             # pipelined first stage: `finish_stages` brings its hidden states
-    verify: tuple | None = None                 # speculative decoding: (sequences, [N, K + 2] results, event)
+    verify: object | None = None                # speculative decoding: its VerifyInFlight (spec/roles.py)
 
     @property
     def sample_pending(self) -> bool:
@@ -181,7 +181,8 @@ class Driver(LaterStage):
         that uploaded from it was collected: two slots, or K + 1 with K pipelined steps."""
         slots, cfg = self._mask_slots, self.config
         if slots is None or slots.shape[1] < rows or slots.shape[2] != width:
-            cap = max(rows, cfg.scheduler.max_num_seqs)
+            # speculative decoding: a drafted sequence has a mask per draft position too
+            cap = max(rows, cfg.scheduler.max_num_seqs * (1 + cfg.scheduler.num_draft_tokens))
             count = max(2, cfg.scheduler.pipeline_steps + 1)
             slots = torch.empty((count, cap, width), dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._mask_slots = slots

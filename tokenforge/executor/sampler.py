@@ -23,7 +23,8 @@ from tokenforge.core.outputs import PositionLogprobs
 from tokenforge.executor.sampling_batch import PenaltyTensors, SamplingBatch, TokenMasks
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "SamplingBatch", "apply_min_p",
-           "apply_penalties", "apply_token_masks", "apply_top_k_top_p", "compute_prompt_logprobs"]
+           "apply_penalties", "apply_token_masks", "apply_top_k_top_p", "compute_prompt_logprobs",
+           "gather_logprobs", "processed_logits"]
 
 
 @dataclass(slots=True)
@@ -55,18 +56,10 @@ class SamplerOutput:
 
 class Sampler(torch.nn.Module):
     def forward(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        if (batch.all_greedy and batch.penalties is None and batch.max_num_logprobs is None
-                and batch.masks is None):
+        if batch.argmax_only:
             # bf16 -> fp32 is exact, so the argmax of the raw logits is the same token: one launch.
             return SamplerOutput(logits.argmax(dim=-1), None)
-        logits = logits.float()                                                  # [N, V]
-        raw_logprobs = None
-        if batch.max_num_logprobs is not None:
-            raw_logprobs = torch.log_softmax(logits, dim=-1)                     # [N, V]
-        if batch.penalties is not None:
-            logits = apply_penalties(logits, batch.penalties)
-        if batch.masks is not None:
-            logits = apply_token_masks(logits, batch.masks)
+        logits, raw_logprobs = processed_logits(logits, batch)
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         else:
@@ -87,6 +80,19 @@ class Sampler(torch.nn.Module):
         if batch.min_p is not None:
             probs = apply_min_p(probs, batch.min_p)
         return sample_from_probs(probs, batch.generators, batch.generator_rows)
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [N, V] -> (float32 logits after penalties and token masks, the raw log_softmax
+    [N, V] when a row asked for logprobs, else None): what greedy takes the argmax of and
+    temperature / top-k / top-p / min-p start from. Speculative verification uses it per draft row."""
+    logits = logits.float()
+    raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    if batch.masks is not None:
+        logits = apply_token_masks(logits, batch.masks)
+    return logits, raw_logprobs
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> torch.Tensor:

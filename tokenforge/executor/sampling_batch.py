@@ -100,6 +100,12 @@ class SamplingBatch:
         )
 
     @property
+    def argmax_only(self) -> bool:
+        """All greedy, with no penalties, masks or logprobs: the raw logits' argmax is the answer."""
+        return (self.all_greedy and self.penalties is None and self.max_num_logprobs is None
+                and self.masks is None)
+
+    @property
     def needs_masks(self) -> bool:
         return self.top_k is not None or self.top_p is not None or self.min_p is not None
 

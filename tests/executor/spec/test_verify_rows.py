@@ -104,6 +104,7 @@ def test_driver_verify_samples_the_target_distribution():
     from types import SimpleNamespace
 
     from tokenforge.executor.spec.roles import SpeculativeDriver, VerifyRows
+    from tokenforge.executor.spec.verify_batch import verify_sampling_batch
     from tokenforge.messages import WireSamplingParams
 
     from tests.executor.spec.test_rejection import CHI2_DF4_P1E4, _chi2
@@ -114,10 +115,12 @@ def test_driver_verify_samples_the_target_distribution():
     p = torch.softmax(logits / temp, dim=-1)
     drafts = torch.randint(v, (n, k))
     num = torch.full((n,), 1)                  # one draft: position 1 is the bonus row, 2 is padding
-    seqs = [SimpleNamespace(params=WireSamplingParams(temperature=temp))] * n
+    seqs = [SimpleNamespace(params=WireSamplingParams(temperature=temp), prompt_token_ids=[],
+                            output_token_ids=[], banned_token_ids=(), banned_rows=0)] * n
     plan = VerifyRows(seqs, torch.empty(0), drafts, num, torch.zeros(n, dtype=torch.bool), k)
-    fake = SimpleNamespace(vocab_size=v, device=torch.device("cpu"))
-    tokens, accepted = SpeculativeDriver.verify(fake, plan, logits.repeat(n, 1))
+    batch = verify_sampling_batch(seqs, drafts, k, v, torch.device("cpu"))
+    tokens, accepted, logprobs = SpeculativeDriver.verify(None, plan, logits.repeat(n, 1), batch)
+    assert logprobs is None
     assert int(accepted.max()) <= 1
     assert _chi2(tokens[:, 0], p[0]) < CHI2_DF4_P1E4
     second = tokens[accepted == 1, 1]
