@@ -17,12 +17,28 @@ def _runner(llm: LLM):
     return llm.engine.executor.runner
 
 
+def _top2_gap(logprobs: dict) -> float:
+    top = sorted((v.logprob for v in logprobs.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else float("inf")
+
+
+def _same_until_a_near_tie(tokens: list[int], want: list[int], gaps: list[float]) -> None:
+    """Equal tokens, or equal up to a step where the per-op path's top two were within 0.15 nats:
+    the two paths differ in attention summation order (~1e-7), which can move an 8-bit activation
+    code and so a near tie (measured: 0.08 nats on the third prompt after the prefill moved to SDPA's
+    fused kernel); a divergence at a clear choice fails."""
+    diff = next((i for i, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
+    assert diff is None or gaps[diff] < 0.15, f"diverged at step {diff}, a clear choice (gap {gaps[diff]:.3f})"
+
+
 @pytest.mark.slow
 def test_native_decode_steps_give_the_per_op_tokens(monkeypatch):
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     eager = LLM(max_model_len=256, enforce_eager=True)
     assert _runner(eager).graphs is None
-    expected = [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params, use_tqdm=False)]
+    outs = eager.generate(PROMPTS, params, use_tqdm=False)
+    expected = [o.outputs[0].token_ids for o in outs]
+    gaps = [[_top2_gap(lp) for lp in o.outputs[0].logprobs] for o in outs]
     eager.shutdown()
     calls = []
     run = CpuDecodeRunner.run
@@ -31,7 +47,9 @@ def test_native_decode_steps_give_the_per_op_tokens(monkeypatch):
     assert isinstance(_runner(llm).graphs, CpuDecodeRunner)
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     alone = [llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS]
-    assert together == expected and alone == expected
+    for got in (together, alone):
+        for tokens, want, gap in zip(got, expected, gaps):
+            _same_until_a_near_tie(tokens, want, gap)
     assert 3 in calls and calls.count(1) >= 3 * (12 - 2)     # the batched steps and the one-row steps ran natively
     stats = llm.get_stats()                                  # the graph counters read the native step too
     assert (stats.cuda_graphs_pending, stats.eager_decode_steps) == (0, 0)

@@ -132,3 +132,42 @@ def test_native_dequantize_is_the_reference_bit_for_bit(kind):
     packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
     got = gguf_cpu.dequantize_into(packed, torch.full((24, 512), float("nan")))
     assert torch.equal(got, dequantize_packed(packed))
+
+
+@pytest.mark.parametrize("kind", TYPES)
+@pytest.mark.parametrize("built", [True, False])
+def test_dequantize_into_bf16_rounds_as_torch(kind, built, monkeypatch):
+    """The bf16 prefill GEMM's weight (native, and the torch fallback without a compiler) is the
+    float32 dequantization rounded to nearest even, bit for bit what `.to(torch.bfloat16)` gives."""
+    raw = _raw(kind, 24, 512, seed=7)
+    packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
+    if not built:
+        monkeypatch.setattr(gguf_cpu, "native_library", lambda: None)
+    got = gguf_cpu.dequantize_into(packed, torch.full((24, 512), float("nan"), dtype=torch.bfloat16))
+    assert torch.equal(got.view(torch.int16), dequantize_packed(packed).to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 13, 32])
+def test_panel_kernel_matches_reference(kind, rows):
+    """u4 weights in 16-row panels (AVX-512 VNNI builds): every row tiling (8, 4, 1) against the
+    float64 reference, and equal to the row-at-a-time kernel up to float summation order."""
+    lib = gguf_cpu.native_library()
+    if lib is None or not lib.tf_has_panels():
+        pytest.skip("no AVX-512 VNNI build: the panel kernel is not compiled in")
+    raw = _raw(kind, 48, 576, seed=8)
+    packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 576)
+    assert packed.panels is None
+    paneled = gguf_cpu.with_panels(repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 576))
+    assert paneled.panels is not None and paneled.panels[0].shape == (3, 18, 256)
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    got = gguf_matmul(x, paneled)
+    torch.testing.assert_close(got, gguf_matmul_ref(x, packed), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, gguf_matmul(x, packed), rtol=1e-5, atol=1e-5)
+
+
+def test_panels_only_where_whole_panels_and_u4():
+    """An i8 weight, or rows that do not fill panels of 16, keep the row-at-a-time kernel."""
+    q8 = repack(torch.from_numpy(_raw("Q8_0", 32, 64, seed=9)), int(gguf.GGMLQuantizationType.Q8_0), 64)
+    q4 = repack(torch.from_numpy(_raw("Q4_0", 24, 64, seed=9)), int(gguf.GGMLQuantizationType.Q4_0), 64)
+    assert gguf_cpu.with_panels(q8).panels is None and gguf_cpu.with_panels(q4).panels is None

@@ -68,15 +68,45 @@ def test_logits_follow_the_dequantized_weights(loaded, paged_driver, monkeypatch
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
-def test_long_prefill_chunks_run_the_dequantized_weight(loaded):
+def test_long_prefill_chunks_run_the_dequantized_weight(loaded, monkeypatch):
     """Above DEQUANTIZE_ROWS rows a layer multiplies its dequantized blocks in float (no 8-bit
-    activations): exactly the float32 path's product."""
+    activations). In float32 (the fallback without native bf16, forced here) that is exactly the
+    float32 path's product."""
     _, native, dequantized = loaded
     x = torch.randn(DEQUANTIZE_ROWS + 1, native.config.hidden_size)
     layer, reference = native.model.layers[0].mlp.gate_up_proj, dequantized.model.layers[0].mlp.gate_up_proj
+    monkeypatch.setattr(layer, "quant_method", GgufNativeMethod(torch.float32))
     torch.testing.assert_close(layer(x), reference(x), rtol=1e-5, atol=1e-5)
     short = layer(x[:DEQUANTIZE_ROWS])
     assert not torch.allclose(short, reference(x[:DEQUANTIZE_ROWS]), rtol=1e-5, atol=1e-5)   # 8-bit activations
+
+
+def test_long_prefill_chunks_in_bf16_are_the_bf16_product(loaded, monkeypatch):
+    """With native bf16 (AVX512-BF16) a long chunk multiplies bf16 activations by the blocks
+    dequantized to bf16: torch's bf16 product of the float32 path's weight and input, within bf16
+    rounding of the float32 product."""
+    _, native, dequantized = loaded
+    x = torch.randn(DEQUANTIZE_ROWS + 3, native.config.hidden_size)
+    layer, reference = native.model.layers[0].self_attn.qkv_proj, dequantized.model.layers[0].self_attn.qkv_proj
+    monkeypatch.setattr(layer, "quant_method", GgufNativeMethod(torch.bfloat16))
+    got = layer(x)
+    bias = None if reference.bias is None else reference.bias.float()
+    expected = torch.nn.functional.linear(x.bfloat16(), reference.weight.bfloat16()).float()
+    torch.testing.assert_close(got, expected if bias is None else expected + bias, rtol=0, atol=0)
+    exact = reference(x).detach()
+    assert float((got - exact).norm() / exact.norm()) < 1e-2      # bf16 inputs and output: ~0.3% each
+
+
+def test_the_long_chunk_dtype_follows_the_cpu(monkeypatch):
+    """Chosen once from the CPU's features (the engine's method at import): bf16 only where the
+    CPU has native bf16 dot products."""
+    from tokenforge.model.quant import gguf_native  # noqa: PLC0415
+
+    assert gguf_native.GGUF_NATIVE.long_chunk_dtype == gguf_native.long_chunk_dtype_for_cpu()
+    for native_bf16, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=native_bf16: v)
+        assert gguf_native.long_chunk_dtype_for_cpu() == dtype
+        assert GgufNativeMethod().long_chunk_dtype == dtype
 
 
 LOGIT_STD = 2.0   # the random tiny models' logits are nearly flat: scaled to this spread, scores depend on the weights

@@ -11,6 +11,7 @@
 // and a float min per scale (w = scale * q + min), absent (null) for Q8_0, Q5_0 and Q6_K.
 // Activations: xq int8 [M, K], dx float [M, K/32] (amax / 127), fx float [M, K/16] (dx times the
 // sum of the 16 codes: what a min multiplies, so the min term is one float dot per row).
+#include <cstring>
 #include <vector>
 
 #include "gguf_kernels.h"
@@ -61,20 +62,53 @@ void tf_silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, int8_t* xq
     }
 }
 
-// out [M, N] = x . W^T for a u4 (kind 0) or i8 (kind 1) weight of N rows and K inputs; minv may be null.
+// out [M, N] = x . W^T for a u4 (kind 0) or i8 (kind 1) weight of N rows and K inputs; minv may be
+// null. `pq` (null: none): the u4 weight's panels (tf_repack_panels), with their scales `ps` and mins
+// `pm` (null: none); N % 16 == 0 then.
 void tf_gguf_matmul(int kind, const void* q, const float* scale, const float* minv, int64_t N, int64_t K,
-                    const int8_t* xq, const float* dx, const float* fx, int64_t M, float* out) {
+                    const int8_t* xq, const float* dx, const float* fx, int64_t M, float* out,
+                    const uint8_t* pq, const float* ps, const float* pm) {
     const int64_t blocks = K / 32, row_bytes = kind == 0 ? K / 2 : K;
     const int64_t scales = kind == 0 ? blocks : 2 * blocks;
     // u4 has one min per 32: what it multiplies is the sum of the two halves' dx * sum(codes)
-    std::vector<float> fx32(kind == 0 && minv != nullptr ? M * blocks : 0);
+    std::vector<float> fx32(kind == 0 && (minv != nullptr || pm != nullptr) ? M * blocks : 0);
     for (int64_t i = 0; i < static_cast<int64_t>(fx32.size()); ++i) fx32[i] = fx[2 * i] + fx[2 * i + 1];
     const float* fmin = kind == 0 ? fx32.data() : fx;
     const int64_t mins = kind == 0 ? blocks : 2 * blocks;
+    if (pq != nullptr) {
+#pragma omp parallel for schedule(static) if (N >= 64)
+        for (int64_t p = 0; p < N / kPanel; ++p)
+            matmul_panel(pq + p * blocks * 256, ps + p * blocks * kPanel, pm == nullptr ? nullptr : pm + p * blocks * kPanel,
+                         K, xq, dx, fmin, M, out + p * kPanel, N);
+        return;
+    }
 #pragma omp parallel for schedule(static) if (N >= 64)
     for (int64_t n = 0; n < N; ++n)
         matmul_row(kind, static_cast<const uint8_t*>(q) + n * row_bytes, scale + n * scales,
                    minv == nullptr ? nullptr : minv + n * mins, K, xq, dx, fmin, M, out + n, N);
+}
+
+// Whether this build has the panel kernels (AVX-512 VNNI): gguf_cpu.py makes panels only then.
+int tf_has_panels() { return TF_AVX512; }
+
+// A u4 weight (q uint8 [N, K/2], scale / minv [N, K/32]; minv may be null) -> its panels: pq
+// [N/16, K/32, 256] bytes, ps / pm [N/16, K/32, 16] (layout: gguf_kernels.h). N % 16 == 0.
+void tf_repack_panels(const uint8_t* q, const float* scale, const float* minv, int64_t N, int64_t K, uint8_t* pq,
+                      float* ps, float* pm) {
+    const int64_t blocks = K / 32;
+#pragma omp parallel for schedule(static) if (N * K >= 262144)
+    for (int64_t p = 0; p < N / kPanel; ++p) {
+        for (int64_t b = 0; b < blocks; ++b) {
+            uint8_t* dst = pq + (p * blocks + b) * 256;
+            const int64_t at = (p * blocks + b) * kPanel;
+            for (int64_t i = 0; i < kPanel; ++i) {
+                const int64_t n = p * kPanel + i;
+                for (int v = 0; v < 4; ++v) std::memcpy(dst + v * 64 + i * 4, q + n * (K / 2) + b * 16 + 4 * v, 4);
+                ps[at + i] = scale[n * blocks + b];
+                if (minv != nullptr) pm[at + i] = minv[n * blocks + b];
+            }
+        }
+    }
 }
 
 // IEEE half -> float, exactly (subnormals, inf and NaN included): what torch's .float() gives.
@@ -120,29 +154,54 @@ void tf_repack_legacy(int type, const uint8_t* raw, int64_t nblocks, uint8_t* q,
     }
 }
 
-// out [N, K] = scale * q + min: the dequantized weight for a long prefill chunk's float GEMM, in
-// one pass (no contraction into an FMA: the same two roundings as dequantize_packed).
+// out [N, K] = scale * q + min: the dequantized weight for a long prefill chunk's GEMM, in one
+// pass (no contraction into an FMA: the same two roundings as dequantize_packed), stored as float32
+// or rounded to bfloat16 (nearest even, as torch's .to(torch.bfloat16)) for the bf16 GEMM.
+}  // extern "C"
+
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
-void tf_dequantize(int kind, const void* q, const float* scale, const float* minv, int64_t N, int64_t K, float* out) {
+namespace {
+inline void store(float v, float* o) { *o = v; }
+inline void store(float v, uint16_t* o) {
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    *o = static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);   // finite weights: no NaN case
+}
+
+template <class Out>
+void dequantize(int kind, const void* q, const float* scale, const float* minv, int64_t N, int64_t K, Out* out) {
     const int64_t groups = kind == 0 ? K / 32 : K / 16, width = K / groups;
 #pragma omp parallel for schedule(static) if (N * K >= 262144)
     for (int64_t n = 0; n < N; ++n) {
         for (int64_t g = 0; g < groups; ++g) {
             const float s = scale[n * groups + g], mn = minv == nullptr ? 0.f : minv[n * groups + g];
-            float* o = out + n * K + g * width;
+            Out* o = out + n * K + g * width;
             if (kind == 0) {
                 const uint8_t* c = static_cast<const uint8_t*>(q) + n * (K / 2) + g * 16;
                 for (int j = 0; j < 16; ++j) {
-                    o[j] = s * static_cast<float>(c[j] & 0x0F) + mn;
-                    o[j + 16] = s * static_cast<float>(c[j] >> 4) + mn;
+                    store(s * static_cast<float>(c[j] & 0x0F) + mn, o + j);
+                    store(s * static_cast<float>(c[j] >> 4) + mn, o + j + 16);
                 }
             } else {
                 const int8_t* c = static_cast<const int8_t*>(q) + n * K + g * 16;
-                for (int j = 0; j < 16; ++j) o[j] = s * static_cast<float>(c[j]) + mn;
+                for (int j = 0; j < 16; ++j) store(s * static_cast<float>(c[j]) + mn, o + j);
             }
         }
     }
+}
+
+}  // namespace
+
+extern "C" {
+
+void tf_dequantize(int kind, const void* q, const float* scale, const float* minv, int64_t N, int64_t K, float* out) {
+    dequantize(kind, q, scale, minv, N, K, out);
+}
+
+void tf_dequantize_bf16(int kind, const void* q, const float* scale, const float* minv, int64_t N, int64_t K,
+                        uint16_t* out) {
+    dequantize(kind, q, scale, minv, N, K, out);
 }
 #pragma GCC pop_options
 

@@ -71,13 +71,16 @@ def native_library() -> ctypes.CDLL | None:
     signatures = {"tf_quantize_activations": [ptr, i64, i64, ptr, ptr, ptr],
                   "tf_rms_norm_quantize": [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ptr],
                   "tf_silu_mul_quantize": [ptr, i64, i64, ptr, ptr, ptr],
-                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr],
+                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr],
+                  "tf_repack_panels": [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr],
                   "tf_decode_step": [ptr, ptr, ptr],
                   "tf_repack_legacy": [ctypes.c_int, ptr, i64, ptr, ptr, ptr],
-                  "tf_dequantize": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr]}
+                  "tf_dequantize": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr],
+                  "tf_dequantize_bf16": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr]}
     for name, argtypes in signatures.items():      # declared once: each call converts plain ints
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.tf_has_panels.argtypes, lib.tf_has_panels.restype = [], ctypes.c_int
     return lib
 
 
@@ -164,8 +167,33 @@ def matmul_quantized(lib: ctypes.CDLL, acts: Activations, w: PackedWeight) -> to
     m, k = acts.xq.shape
     out = torch.empty(m, w.out_features, dtype=torch.float32)
     lib.tf_gguf_matmul(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
-                       w.out_features, k, *acts.pointers, m, out.data_ptr())
+                       w.out_features, k, *acts.pointers, m, out.data_ptr(), *panel_pointers(w))
     return out
+
+
+def with_panels(w: PackedWeight) -> PackedWeight:
+    """`w` with its u4 codes also laid out in panels of 16 rows (gguf_kernels.h), which the integer
+    kernels then read: where the library has the panel kernel (AVX-512 VNNI; decided once per
+    weight at load) and the rows fill whole panels. Costs a second copy of the codes and scales."""
+    lib = native_library()
+    if lib is None or not lib.tf_has_panels() or w.kind != U4 or w.out_features % 16:
+        return w
+    n, k = w.out_features, w.in_features
+    pq = torch.empty(n // 16, k // 32, 256, dtype=torch.uint8)
+    ps = torch.empty(n // 16, k // 32, 16, dtype=torch.float32)
+    pm = torch.empty_like(ps) if w.has_min else None
+    lib.tf_repack_panels(w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None, n, k,
+                         pq.data_ptr(), ps.data_ptr(), None if pm is None else pm.data_ptr())
+    w.panels = (pq, ps, pm)
+    return w
+
+
+def panel_pointers(w: PackedWeight) -> tuple[int | None, int | None, int | None]:
+    """(pq, ps, pm) for the native calls; None each without panels (pm None without mins)."""
+    if w.panels is None:
+        return None, None, None
+    pq, ps, pm = w.panels
+    return pq.data_ptr(), ps.data_ptr(), None if pm is None else pm.data_ptr()
 
 
 def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -179,13 +207,16 @@ def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 def dequantize_into(w: PackedWeight, out: torch.Tensor) -> torch.Tensor:
-    """dequantize_packed(w) written into `out` (float32 [N, K], contiguous), natively when the
-    kernel is built (the torch version cost twice the prefill GEMM it feeds)."""
+    """dequantize_packed(w) written into `out` (float32 or bfloat16 [N, K], contiguous; bfloat16
+    rounds to nearest even as `.to(torch.bfloat16)` does), natively when the kernel is built (the
+    torch version cost twice the prefill GEMM it feeds)."""
+    assert out.dtype in (torch.float32, torch.bfloat16) and out.is_contiguous()
     lib = native_library()
     if lib is None:
         return out.copy_(dequantize_packed(w))
-    lib.tf_dequantize(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
-                      w.out_features, w.in_features, out.data_ptr())
+    fn = lib.tf_dequantize if out.dtype == torch.float32 else lib.tf_dequantize_bf16
+    fn(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
+       w.out_features, w.in_features, out.data_ptr())
     return out
 
 
@@ -206,5 +237,5 @@ def repack_fast(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWe
 
 
 __all__ = ["MAX_FUSED_ROW", "Activations", "dequantize_into", "gguf_matmul", "gguf_matmul_ref", "matmul_quantized", "native_library",
-           "quantize_activations", "quantize_activations_ref", "repack_fast", "rms_norm_quantize", "rms_norm_ref", "silu_mul_quantize",
-           "silu_mul_ref"]
+           "panel_pointers", "quantize_activations", "quantize_activations_ref", "repack_fast", "rms_norm_quantize", "rms_norm_ref", "silu_mul_quantize",
+           "silu_mul_ref", "with_panels"]

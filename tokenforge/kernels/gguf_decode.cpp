@@ -27,6 +27,9 @@ struct TfPart {             // one packed weight: `rows` consecutive output feat
     const float* minv;      // null: no min term (Q8_0, Q5_0, Q6_K)
     int64_t rows;
     int64_t kind;           // 0: u4, 1: i8
+    const uint8_t* pq;      // u4 panels (gguf_kernels.h; null: none, the row-at-a-time kernel)
+    const float* ps;        // the panels' scales
+    const float* pm;        // the panels' mins (null: none)
 };
 
 struct TfLinear {
@@ -141,13 +144,26 @@ void linear(const TfLinear& L, const Acts& a, int64_t M, float* out) {
         const TfPart& w = L.parts[p];
         const int64_t row_bytes = w.kind == 0 ? K / 2 : K, scales = w.kind == 0 ? blocks : 2 * blocks;
         const float* fmin = w.kind == 0 ? a.fx32 : a.fx16;
+        if (w.pq != nullptr) {
 #pragma omp for schedule(static) nowait
-        for (int64_t n = 0; n < w.rows; ++n) {
-            float* o = out + col + n;
-            matmul_row(static_cast<int>(w.kind), static_cast<const uint8_t*>(w.q) + n * row_bytes, w.scale + n * scales,
-                       w.minv == nullptr ? nullptr : w.minv + n * scales, K, a.xq, a.dx, fmin, M, o, stride);
-            if (L.bias != nullptr)
-                for (int64_t m = 0; m < M; ++m) o[m * stride] += L.bias[col + n];
+            for (int64_t p = 0; p < w.rows / kPanel; ++p) {
+                float* o = out + col + p * kPanel;
+                matmul_panel(w.pq + p * blocks * 256, w.ps + p * blocks * kPanel,
+                             w.pm == nullptr ? nullptr : w.pm + p * blocks * kPanel, K, a.xq, a.dx, a.fx32, M, o, stride);
+                if (L.bias != nullptr)
+                    for (int64_t m = 0; m < M; ++m)
+                        for (int64_t i = 0; i < kPanel; ++i) o[m * stride + i] += L.bias[col + p * kPanel + i];
+            }
+        } else {
+#pragma omp for schedule(static) nowait
+            for (int64_t n = 0; n < w.rows; ++n) {
+                float* o = out + col + n;
+                matmul_row(static_cast<int>(w.kind), static_cast<const uint8_t*>(w.q) + n * row_bytes,
+                           w.scale + n * scales, w.minv == nullptr ? nullptr : w.minv + n * scales, K, a.xq, a.dx,
+                           fmin, M, o, stride);
+                if (L.bias != nullptr)
+                    for (int64_t m = 0; m < M; ++m) o[m * stride] += L.bias[col + n];
+            }
         }
         col += w.rows;
     }

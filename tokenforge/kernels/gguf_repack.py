@@ -32,6 +32,10 @@ class PackedWeight:
     minv: torch.Tensor      # float32 [N, K/32] (u4) or [N, K/16] (i8): one per scale
     in_features: int
     has_min: bool = True    # False: minv is all zero (Q8_0, Q6_K) and the kernel skips it
+    # u4 only, where the CPU has AVX-512 VNNI (gguf_cpu.with_panels): the same codes, scales and
+    # mins in panels of 16 rows (pq uint8, ps float32, pm float32 or None), which the integer
+    # kernels read instead of q; q stays for the dequantized long-chunk path and the reference.
+    panels: tuple | None = None
 
     @property
     def out_features(self) -> int:
@@ -43,7 +47,8 @@ class PackedWeight:
                             self.minv[index].contiguous(), self.in_features, self.has_min)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv))
+        panels = [t for t in self.panels or () if t is not None]
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv, *panels))
 
 
 def cat_rows(parts: list[PackedWeight]) -> PackedWeight:

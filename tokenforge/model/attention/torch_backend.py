@@ -153,6 +153,10 @@ def attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     """SDPA over query [..., Hq, Lq, D] and keys/values [..., Hkv, S, D] (Hq a multiple of Hkv),
     with an additive mask [Lq, S] (or one that broadcasts) or a plain causal one. `sinks`, shaped
     to broadcast against the scores' [..., Hq, Lq, 1], add one value-less logit to each softmax."""
+    if sinks is None and query.dim() == 3:
+        # The CPU's fused (flash) SDPA takes 4-D inputs only: 3-D ones ran the unfused math path
+        # (an explicit [Lq, S] mask, softmax and copies), 2-8x slower per prefill chunk.
+        return attend(query[None], keys[None], values[None], scale, mask, is_causal)[0]
     if sinks is None:
         return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=is_causal,
                                               scale=scale, enable_gqa=query.shape[-3] != keys.shape[-3])
@@ -262,18 +266,9 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.
     query = q[p.start:p.end].transpose(0, 1)                     # [Hq, Lq, D]
     mask = _prefill_mask(p, sliding_window, q.dtype, q.device)
     head_sinks = None if sinks is None else sinks.view(-1, 1, 1)                    # [Hq, 1, 1]
-    if p.block_ids is None and sinks is not None:
-        keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)
-        out = attend(query, keys, values, scale, mask, mask is None, head_sinks)
-    elif p.block_ids is None:
+    if p.block_ids is None:     # no cached context: the chunk's own k/v, causal
         keys, values = k[p.start:p.end].transpose(0, 1), v[p.start:p.end].transpose(0, 1)   # [Hkv, Lq, D]
-        # SDPA's fused (flash) path takes no GQA flag; repeating this chunk's few K/V heads is cheaper
-        # than the unfused math path that enable_gqa selects.
-        group = query.shape[0] // keys.shape[0]
-        if group > 1:
-            keys, values = keys.repeat_interleave(group, dim=0), values.repeat_interleave(group, dim=0)
-        out = F.scaled_dot_product_attention(query, keys, values, is_causal=mask is None, attn_mask=mask,
-                                             scale=scale)
+        out = attend(query, keys, values, scale, mask, mask is None, head_sinks)
     else:
         num_kv_heads, head_dim = kv_cache.shape[3], kv_cache.shape[4]
         kv = kv_cache.index_select(1, p.block_ids).view(2, -1, num_kv_heads, head_dim)[:, : p.seq_len]

@@ -13,11 +13,14 @@ computes from token_embd's blocks.
 
 apply: `gguf_matmul` (kernels/gguf_cpu.py): int8 activations per block of 32, integer dot
 products, float32 out, for up to `DEQUANTIZE_ROWS` rows (decode, short prompts). A longer prefill
-chunk dequantizes the layer into a temporary and runs the float GEMM, which on these CPUs is
+chunk dequantizes the layer into a reused buffer and runs torch's GEMM, which on these CPUs is
 several times faster than the integer loops at that size (a 256-token window took 3x as long
-natively), and is exactly the reference path's product. At decode sizes the add + RMSNorm before
-q|k|v and gate|up and the SwiGLU before down are fused into the activation quantization
-(`apply_normed`, `apply_silu_mul`: one native call each instead of ~10 small torch ops).
+natively). Its dtype is chosen once, at start-up, by the CPU (`long_chunk_dtype`): bfloat16 where
+the CPU multiplies bf16 natively (AVX512-BF16: oneDNN's bf16 GEMM ran the W6 prefill shapes at
+2.1x the float32 one's rate on one Zen-4 core), float32 elsewhere, which is exactly the reference
+path's product. At decode sizes the add + RMSNorm before q|k|v and gate|up and the SwiGLU before
+down are fused into the activation quantization (`apply_normed`, `apply_silu_mul`: one native call
+each instead of ~10 small torch ops).
 """
 
 from __future__ import annotations
@@ -39,25 +42,39 @@ from tokenforge.model.quant.base import QuantMethod, drop_weights
 logger = logging.getLogger(__name__)
 
 DEQUANTIZE_ROWS = 64
-_SCRATCH = threading.local()        # each engine thread's buffer for a layer's dequantized weight
+_SCRATCH = threading.local()        # each engine thread's buffers for a layer's dequantized weight
 _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}     # float already: the dense path is the stored format
 
 
+def long_chunk_dtype_for_cpu() -> torch.dtype:
+    """The GEMM dtype of prefill chunks longer than DEQUANTIZE_ROWS: bfloat16 where the CPU has
+    native bf16 dot products (AVX512-BF16, which AMX CPUs have too), else float32 (emulated bf16
+    GEMMs are slower than float32 ones)."""
+    return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
+
+
 class GgufNativeMethod(QuantMethod):
-    """`layer.gguf_weight`: the PackedWeights of one layer, one per run of a packed layout."""
+    """`layer.gguf_weight`: the PackedWeights of one layer, one per run of a packed layout.
+    `long_chunk_dtype`: chosen once, when the method is made (module import for GGUF_NATIVE)."""
 
     name = "gguf-native"
+
+    def __init__(self, long_chunk_dtype: torch.dtype | None = None) -> None:
+        self.long_chunk_dtype = long_chunk_dtype or long_chunk_dtype_for_cpu()
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         """float32 [out, in]: the blocks as the float path holds them."""
         return torch.cat([dequantize_packed(w) for w in layer.gguf_weight])
 
     def _dequantized_scratch(self, layer: nn.Module) -> torch.Tensor:
-        """`dequantized` written into this thread's reused buffer (prefill chunks, layer after layer)."""
+        """`dequantized` in long_chunk_dtype, written into this thread's reused buffer (prefill
+        chunks, layer after layer)."""
         rows, cols = sum(w.out_features for w in layer.gguf_weight), layer.gguf_weight[0].in_features
-        buf = getattr(_SCRATCH, "buf", None)
+        name = f"buf_{self.long_chunk_dtype}"
+        buf = getattr(_SCRATCH, name, None)
         if buf is None or buf.numel() < rows * cols:
-            buf = _SCRATCH.buf = torch.empty(rows * cols)
+            buf = torch.empty(rows * cols, dtype=self.long_chunk_dtype)
+            setattr(_SCRATCH, name, buf)
         out, row = buf[: rows * cols].view(rows, cols), 0
         for w in layer.gguf_weight:
             dequantize_into(w, out[row:row + w.out_features])
@@ -67,7 +84,9 @@ class GgufNativeMethod(QuantMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])                                         # [T, in]
         if x2.shape[0] > DEQUANTIZE_ROWS:
-            out = F.linear(x2.float(), self._dequantized_scratch(layer), None if bias is None else bias.float())
+            out = F.linear(x2.to(self.long_chunk_dtype), self._dequantized_scratch(layer)).float()
+            if bias is not None:
+                out += bias
         else:
             parts = [gguf_matmul(x2, w) for w in layer.gguf_weight]
             out = self._finish(parts, bias)
@@ -182,4 +201,4 @@ def type_label(ggml_type: int) -> str:
         return f"ggml type {ggml_type}"
 
 
-__all__ = ["DEQUANTIZE_ROWS", "GGUF_NATIVE", "GgufNativeMethod", "attach_gguf_native", "packed_weights"]
+__all__ = ["DEQUANTIZE_ROWS", "GGUF_NATIVE", "GgufNativeMethod", "attach_gguf_native", "long_chunk_dtype_for_cpu", "packed_weights"]
