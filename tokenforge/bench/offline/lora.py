@@ -79,9 +79,13 @@ def kernel_share(llm, prompts: list[list[int]], loras: list, args: argparse.Name
     import torch  # noqa: PLC0415
 
     inputs = [{"prompt_token_ids": p} for p in prompts]
+    from tokenforge.executor.executor import device_busy  # noqa: PLC0415
+
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
         llm.generate(inputs, harness.sampling_params(args.output_len, cache_salt="lora-profile"), use_tqdm=False,
                      lora_request=loras)
+        wall = time.perf_counter() - t0
     spans = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(us for _, us in spans) or 1.0
@@ -89,7 +93,8 @@ def kernel_share(llm, prompts: list[list[int]], loras: list, args: argparse.Name
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.txt").write_text(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30))
     lora = sum(us for name, us in spans if name.startswith(_LORA_KERNELS))
-    return {"lora_kernels_us": lora, "device_us": total, "lora_share": lora / total,
+    return {"lora_kernels_us": lora, "device_us": total, "lora_share": lora / total, "wall_s": wall,
+            "device_busy": device_busy(prof.events()),
             "lora_launches": sum(1 for name, _ in spans if name.startswith(_LORA_KERNELS)),
             "fused_gemv_us": sum(us for name, us in spans if name.startswith(_FUSED_GEMV)),
             "fused_gemv_launches": sum(1 for name, _ in spans if name.startswith(_FUSED_GEMV))}

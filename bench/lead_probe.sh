@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The lead's device probes (one call, BUDGET seconds, default 540): STEPS picks, in order, from
+#   lora-w1     bench lora W1, 1 adapter, with the profiled pass (kernel table, device-busy)
+#   bare-w1     bench latency W1 bare with --profile-dir (kernel table, device-busy)
+#   lora-64     bench lora W2, 64 adapters through 16 slots
+#   lora-w2     bench lora W2, 8 adapters through 8 slots
+#   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
+#   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without
+#   w4-16       bench serve 16 req/s, 300 x 1024/1024
+# Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
+NAME=lead_probe; BUDGET=${BUDGET:-540}; STEP_TAIL=${STEP_TAIL:-45}
+source "$(dirname "$0")/device_steps.sh" "$@"
+M8="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 4096"
+Q="--no-baseline --quick-ceilings"
+keep() { cp "$(ls "$1"/*.json 2>/dev/null | head -1)" "$OUT/$2.json" 2>/dev/null; [ -f "$1/prof/summary.txt" ] && cp "$1/prof/summary.txt" "$OUT/$2-prof.txt"; }
+for part in ${STEPS:-lora-w1 bare-w1 qwen3-w1 lora-64}; do case $part in
+  lora-w1) step lora-w1 150 python3 -m tokenforge.bench lora $M8 --workload W1 --num-adapters 1 --max-loras 1 \
+             --lora-rank 16 --repeats 1 --profile-dir "$W/lora-w1/prof" --results-dir "$W/lora-w1"; keep "$W/lora-w1" lora-w1 ;;
+  bare-w1) step bare-w1 90 python3 -m tokenforge.bench latency $M8 $Q --repeats 1 --profile-dir "$W/bare-w1/prof" \
+             --results-dir "$W/bare-w1"; keep "$W/bare-w1" bare-w1 ;;
+  lora-64) step lora-64 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \
+             --lora-rank 16 --repeats 1 --results-dir "$W/lora-64"; keep "$W/lora-64" lora-64 ;;
+  lora-w2) step lora-w2 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 8 --max-loras 8 \
+             --lora-rank 16 --repeats 1 --results-dir "$W/lora-w2"; keep "$W/lora-w2" lora-w2 ;;
+  qwen3-w1) step qwen3-w1 120 python3 -m tokenforge.bench latency --model qwen3-30b-a3b --load-format dummy \
+              --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --profile-dir "$W/qwen3-w1/prof" \
+              --results-dir "$W/qwen3-w1"; keep "$W/qwen3-w1" qwen3-w1 ;;
+  spec-w1) step spec-w1 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
+             --num-speculative-tokens 4 --replay-acceptance 0.8 --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1 ;;
+  w4-16) step w4-16 420 python3 -m tokenforge.bench serve --launch "$M8 --log-level warning" --request-rate 16 \
+           --num-prompts 300 --input-len 1024 --output-len 1024 --results-dir "$W/w4-16"; keep "$W/w4-16" w4-16 ;;
+  *) echo "unknown step $part" | tee -a "$LOG" ;;
+esac; done
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
+echo "total $(( $(date +%s) - START ))s" | tee -a "$LOG"
