@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The lead's device probes (one call, BUDGET seconds, default 540): STEPS picks, in order, from
 #   lora-w1     bench lora W1, 1 adapter, with the profiled pass (kernel table, device-busy)
+#   lora-w1-waitfirst  the same, the expand kernel waiting before it lets the next linear start
 #   bare-w1     bench latency W1 bare with --profile-dir (kernel table, device-busy)
 #   lora-64     bench lora W2, 64 adapters through 16 slots
 #   lora-w2     bench lora W2, 8 adapters through 8 slots
@@ -16,6 +17,17 @@ keep() { cp "$(ls "$1"/*.json 2>/dev/null | head -1)" "$OUT/$2.json" 2>/dev/null
 for part in ${STEPS:-lora-w1 bare-w1 qwen3-w1 lora-64}; do case $part in
   lora-w1) step lora-w1 150 python3 -m tokenforge.bench lora $M8 --workload W1 --num-adapters 1 --max-loras 1 \
              --lora-rank 16 --repeats 1 --profile-dir "$W/lora-w1/prof" --results-dir "$W/lora-w1"; keep "$W/lora-w1" lora-w1 ;;
+  lora-w1-waitfirst)   # the same with the expand's PDL order of 1b6c6fe (wait, then launch the next linear)
+    cp tokenforge/kernels/gemv_lora.py /tmp/gemv_lora.py.keep
+    python3 - <<'PY'
+p = "tokenforge/kernels/gemv_lora.py"; s = open(p).read()
+a = "        tl.extra.cuda.gdc_launch_dependents()\n        tl.extra.cuda.gdc_wait()\n    if slot >= 0:"
+b = "        tl.extra.cuda.gdc_wait()\n        tl.extra.cuda.gdc_launch_dependents()\n    if slot >= 0:"
+assert a in s; open(p, "w").write(s.replace(a, b))
+PY
+    step lora-w1-waitfirst 150 python3 -m tokenforge.bench lora $M8 --workload W1 --num-adapters 1 --max-loras 1 \
+      --lora-rank 16 --repeats 1 --results-dir "$W/lora-w1-waitfirst"; keep "$W/lora-w1-waitfirst" lora-w1-waitfirst
+    cp /tmp/gemv_lora.py.keep tokenforge/kernels/gemv_lora.py ;;
   bare-w1) step bare-w1 90 python3 -m tokenforge.bench latency $M8 $Q --repeats 1 --profile-dir "$W/bare-w1/prof" \
              --results-dir "$W/bare-w1"; keep "$W/bare-w1" bare-w1 ;;
   lora-64) step lora-64 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \

@@ -129,9 +129,11 @@ def _expand_row_kernel(shrunk_ptr, lb_ptr, scale_ptr, idx_ptr, y_ptr, N, stride_
     # B does not depend on the GEMV before: issue it before the wait
     b = tl.load(lb_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs + rows_in.to(tl.int64)[:, None] * RANK
                 + rs[None, :])                                       # [BLOCK, R]
-    if USE_PDL:      # every program waits, so this grid ends only after the GEMV's
-        tl.extra.cuda.gdc_wait()
+    if USE_PDL:
+        # the next linear's programs may start streaming their weights now: their own wait is on
+        # this grid, which ends only after the GEMV's (every program here waits for it)
         tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     if slot >= 0:
         slice_of_row = (rows_in >= SLICE1).to(tl.int32) + (rows_in >= SLICE2).to(tl.int32)
         sh = tl.load(shrunk_ptr + slice_of_row[:, None] * RANK + rs[None, :])
