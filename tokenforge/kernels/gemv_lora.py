@@ -44,6 +44,18 @@ class GemvLoRA(NamedTuple):
     scale: torch.Tensor       # [S] fp32
     indices: torch.Tensor     # [1] int: the row's slot, -1 for none
     slices: tuple[int, ...]   # the packed outputs' sizes (sum N)
+    sync: torch.Tensor | None = None   # [SYNC_STRIDE] int32, zero at the forward's start: one launch
+
+
+SYNC_STRIDE = 32              # int32 counters a linear's cell spans (128 bytes: its own L2 line)
+MAX_SPINS = 1 << 16           # acquire loads a row program makes before it computes the shrink itself
+ONE_LAUNCH = True             # with a sync cell: the delta in the GEMV's own epilogue (else + an expand launch)
+PUBLISH = True                # False only in the fallback's test: the shrink programs neither store nor count
+
+
+def new_sync(num_linears: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The counters of `num_linears` linears' one-launch GEMVs (zero them before every forward)."""
+    return torch.zeros(num_linears * SYNC_STRIDE, dtype=torch.int32, device=device)
 
 
 def gemv_lora_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA,
@@ -63,40 +75,22 @@ def gemv_lora_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @triton.jit
-def _gemv_shrink_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, a_ptr, idx_ptr, shrunk_ptr,
-    N, K, stride_wn, stride_as, eps,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_RANK: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
-):
-    """Programs below cdiv(N, BLOCK_N): gemv.py's, y[rows] = p(x) W[rows]^T (+ b); the rest:
-    shrunk[rows] = p(x) A[slot][rows]^T in fp32 (slot -1 reads slot 0's rows; nobody adds them)."""
-    pid = tl.program_id(0)
-    w_programs = tl.cdiv(N, BLOCK_N)
-    is_shrink = pid >= w_programs
+def _first_tile(row_ptrs, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     ks = tl.arange(0, BLOCK_K)
-    if is_shrink:
-        slot = tl.load(idx_ptr)                   # written before the step, not by the last kernels
-        rows = (pid - w_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ptrs = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + tl.minimum(rows, PACKED_RANK - 1) * K
-    else:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
-    w_ptrs = row_ptrs[:, None] + ks[None, :]
-    # the weights never depend on the previous kernel: start streaming them before the wait
     if EVEN_K:
-        w = tl.load(w_ptrs, eviction_policy="evict_first")
-    else:
-        w = tl.load(w_ptrs, mask=(ks < K)[None, :], other=0.0, eviction_policy="evict_first")
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+        return tl.load(row_ptrs[:, None] + ks[None, :], eviction_policy="evict_first")
+    return tl.load(row_ptrs[:, None] + ks[None, :], mask=(ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _dot_rows(w, row_ptrs, x_ptr, r_ptr, nw_ptr, K, rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """p(x) . the rows at row_ptrs [BLOCK_N] (K contiguous) in fp32, given their first tile w
+    (`_first_tile`), the next tile's loads in flight while one is multiplied."""
+    ks = tl.arange(0, BLOCK_K)
     ms = tl.zeros([1], dtype=tl.int64)
     m_mask = ms < 1
-    rstd = tl.zeros([1], dtype=tl.float32)
-    if PROLOGUE == 1:
-        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, ms, m_mask, K, 0, 0, 0, eps, pid == 0, HAS_RESIDUAL, 1, NORM_BLOCK)
+    w_ptrs = row_ptrs[:, None] + ks[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(BLOCK_K, K, BLOCK_K):
         if EVEN_K:
@@ -109,12 +103,110 @@ def _gemv_shrink_kernel(
     last = (K - 1) // BLOCK_K * BLOCK_K
     xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, last + ks, K, 0, 0, rstd, PROLOGUE, HAS_RESIDUAL)
     acc = _fma(acc, w, xk, 1)
-    y = tl.sum(acc, axis=1)                                          # [BLOCK_N] fp32
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gemv_shrink_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, a_ptr, idx_ptr, shrunk_ptr,
+    N, K, stride_wn, stride_as, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_RANK: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Programs below cdiv(N, BLOCK_N): gemv.py's, y[rows] = p(x) W[rows]^T (+ b); the rest:
+    shrunk[rows] = p(x) A[slot][rows]^T in fp32 (slot -1 reads slot 0's rows; nobody adds them)."""
+    pid = tl.program_id(0)
+    w_programs = tl.cdiv(N, BLOCK_N)
+    is_shrink = pid >= w_programs
+    if is_shrink:
+        slot = tl.load(idx_ptr)                   # written before the step, not by the last kernels
+        rows = (pid - w_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ptrs = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + tl.minimum(rows, PACKED_RANK - 1) * K
+    else:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
+    w = _first_tile(row_ptrs, K, BLOCK_K, EVEN_K)     # the weights never depend on the previous kernel
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    ms = tl.zeros([1], dtype=tl.int64)
+    rstd = tl.zeros([1], dtype=tl.float32)
+    if PROLOGUE == 1:
+        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, ms, ms < 1, K, 0, 0, 0, eps, pid == 0, HAS_RESIDUAL, 1, NORM_BLOCK)
+    y = _dot_rows(w, row_ptrs, x_ptr, r_ptr, nw_ptr, K, rstd, PROLOGUE, HAS_RESIDUAL, BLOCK_N, BLOCK_K, EVEN_K)
     if is_shrink:
         tl.store(shrunk_ptr + rows, y, mask=rows < PACKED_RANK)
     else:
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
+
+
+@triton.jit
+def _gemv_lora_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, a_ptr, lb_ptr, scale_ptr, idx_ptr, shrunk_ptr, sync_ptr,
+    N, K, stride_wn, stride_as, stride_bs, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_RANK: tl.constexpr,
+    RANK: tl.constexpr, SLICE1: tl.constexpr, SLICE2: tl.constexpr, SHRINK_PROGRAMS: tl.constexpr,
+    MAX_SPINS: tl.constexpr, PUBLISH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """One launch: programs below SHRINK_PROGRAMS compute shrunk = p(x) A[slot]^T (their rows) and
+    count themselves done in sync[0]; the others y[rows] = p(x) W[rows]^T (+ b), then wait for that
+    count and add scale[slot] * B[slot][rows] . shrunk. Roles follow the program id: the GPU starts
+    programs in id order, so the shrink programs are running before any row program waits; a row
+    program that has waited MAX_SPINS loads all the same computes the shrink itself (same code,
+    same values), so no schedule can hang it."""
+    pid = tl.program_id(0)
+    slot = tl.load(idx_ptr)                       # written before the step, not by the last kernels
+    sslot = tl.maximum(slot, 0).to(tl.int64)
+    is_shrink = pid < SHRINK_PROGRAMS
+    if is_shrink:
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ptrs = a_ptr + sslot * stride_as + tl.minimum(rows, PACKED_RANK - 1) * K
+    else:
+        rows = (pid - SHRINK_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
+    # the weights never depend on the previous kernel: the first tile is issued before the wait
+    w = _first_tile(row_ptrs, K, BLOCK_K, EVEN_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    ms = tl.zeros([1], dtype=tl.int64)
+    rstd = tl.zeros([1], dtype=tl.float32)
+    if PROLOGUE == 1:
+        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, ms, ms < 1, K, 0, 0, 0, eps, pid == 0, HAS_RESIDUAL, 1, NORM_BLOCK)
+    y = _dot_rows(w, row_ptrs, x_ptr, r_ptr, nw_ptr, K, rstd, PROLOGUE, HAS_RESIDUAL, BLOCK_N, BLOCK_K, EVEN_K)
+    if is_shrink:
+        if (slot >= 0) & PUBLISH:
+            tl.store(shrunk_ptr + rows, y, mask=rows < PACKED_RANK)
+            tl.debug_barrier()                    # every thread's stores before the release below
+            tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
+        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)        # the base output rounded, as unfused
+        if slot >= 0:
+            rs = tl.arange(0, RANK)
+            rows_in = tl.minimum(rows, N - 1)
+            slice_of_row = (rows_in >= SLICE1).to(tl.int32) + (rows_in >= SLICE2).to(tl.int32)
+            b = tl.load(lb_ptr + sslot * stride_bs + rows_in.to(tl.int64)[:, None] * RANK + rs[None, :])
+            done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+            spins = 0
+            while (done < SHRINK_PROGRAMS) & (spins < MAX_SPINS):
+                done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
+                spins += 1
+            if done < SHRINK_PROGRAMS:            # never seen in practice: compute the shrink here
+                for j in range(SHRINK_PROGRAMS):
+                    srows = j * BLOCK_N + tl.arange(0, BLOCK_N)
+                    a_rows = a_ptr + sslot * stride_as + tl.minimum(srows, PACKED_RANK - 1) * K
+                    part = _dot_rows(_first_tile(a_rows, K, BLOCK_K, EVEN_K), a_rows, x_ptr, r_ptr, nw_ptr, K, rstd,
+                                     PROLOGUE, HAS_RESIDUAL, BLOCK_N, BLOCK_K, EVEN_K)
+                    tl.store(shrunk_ptr + srows, part, mask=srows < PACKED_RANK)
+                tl.debug_barrier()
+            sh = tl.load(shrunk_ptr + slice_of_row[:, None] * RANK + rs[None, :], volatile=True)
+            y += tl.sum(b.to(tl.float32) * sh, axis=1) * tl.load(scale_ptr + slot)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
@@ -163,6 +255,21 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     shrink_programs = triton.cdiv(packed_rank, cfg.block_n)
     shrunk = torch.empty(packed_rank, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
+    bounds = [sum(lora.slices[:i + 1]) for i in range(len(lora.slices))] + [n] * 2
+    if lora.sync is not None and ONE_LAUNCH:
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            lora.sync.zero_()     # a captured forward zeroes every cell at the graph's start instead
+        _gemv_lora_kernel[(shrink_programs + triton.cdiv(n, cfg.block_n),)](
+            x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
+            bias if bias is not None else weight, y, new_residual if new_residual is not None else x,
+            lora.lora_a, lora.lora_b, lora.scale, lora.indices, shrunk, lora.sync,
+            n, k, weight.stride(0), lora.lora_a.stride(0), lora.lora_b.stride(0), eps,
+            PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+            PACKED_RANK=packed_rank, RANK=rank, SLICE1=bounds[0], SLICE2=bounds[1], SHRINK_PROGRAMS=shrink_programs,
+            MAX_SPINS=MAX_SPINS, PUBLISH=PUBLISH, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            NORM_BLOCK=min(next_power_of_2(k), max(cfg.block_k, 8192)), EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
+        return y, new_residual
     _gemv_shrink_kernel[(triton.cdiv(n, cfg.block_n) + shrink_programs,)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, y, new_residual if new_residual is not None else x,
@@ -172,7 +279,6 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )
-    bounds = [sum(lora.slices[:i + 1]) for i in range(len(lora.slices))] + [n] * 2
     block = max(32, 2048 // rank)
     _expand_row_kernel[(triton.cdiv(n, block),)](
         shrunk, lora.lora_b, lora.scale, lora.indices, y, n, lora.lora_b.stride(0), RANK=rank, SLICE1=bounds[0],
