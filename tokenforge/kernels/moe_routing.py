@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
-from .moe import ROUTING_ORDERS, _weight_args, alignment_block, fused_moe, padded_length, topk_sum
-from .moe_gemv import gemv_pairs, launch_gemv
+from .moe import ROUTING_ORDERS, _weight_args, alignment_block, fused_moe, padded_length
+from .moe_decode import gemv_moe
+from .moe_gemv import gemv_pairs
 from .moe_topk import route_rows
 
 MAX_TILE = 16384
@@ -45,7 +46,7 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert
     rows = tl.arange(0, T_PAD)
     cols = tl.arange(0, E_PAD)
     kk = tl.arange(0, K_PAD)
-    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
+    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE, "")
     out = (rows < T)[:, None] & chosen
     offs = rows[:, None] * K + kk[None, :]
     tl.store(weights_ptr + offs, w, mask=out)
@@ -132,7 +133,8 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k:
     no routing launch precedes them."""
     pairs = x.shape[0] * top_k
     gemv = kwargs.get("gemv")
-    if x.shape[0] <= ROUTED_GEMV_TOKENS and (gemv or (gemv is None and pairs <= gemv_pairs(_weight_args(w13)[-1]))):
+    limit = gemv_pairs(_weight_args(w13)[-1], x.shape[1], w2.shape[2], w13.shape[0]) if gemv is None else 0
+    if x.shape[0] <= ROUTED_GEMV_TOKENS and (gemv or (gemv is None and pairs <= limit)):
         if order not in ROUTING_ORDERS:
             raise ValueError(f"unknown routing order {order!r}; supported: {', '.join(ROUTING_ORDERS)}")
         if not 1 <= top_k <= logits.shape[1]:
@@ -150,17 +152,9 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k:
 def _routed_gemv(x, logits, w13, w2, top_k: int, order: str, renormalize: bool, first: int,
                  w13_bias=None, w2_bias=None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                  all_local: bool = False, tile=None, gemv=None) -> torch.Tensor:
-    """`fused_moe`'s GEMV path (kernels/moe.py `_fused_gemv`) with the routing done by the GEMV
-    programs from the logits (kernels/moe_gemv.py, ROUTE), then the sum over k."""
-    tokens, hidden = x.shape
+    """`fused_moe`'s GEMV path (kernels/moe_decode.py) with the routing done by the GEMV programs
+    from the logits (ROUTE), so no routing launch precedes them."""
     x, logits = x.contiguous(), logits if logits.stride(1) == 1 else logits.contiguous()
-    w13_args, w2_args = _weight_args(w13), _weight_args(w2)
-    pairs, inter = tokens * top_k, w13_args[0].shape[1] // 2
-    route = (top_k, order, renormalize, first)
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    launch_gemv(x, w13_args, w13_bias, act, logits, logits, inter, hidden, top_k, swiglu=True,
-                oai=activation == "swiglu_oai", mul_weights=False, alpha=alpha, limit=limit, tile=tile, route=route)
-    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
-    launch_gemv(act, w2_args, w2_bias, out, logits, logits, hidden, inter, 1, swiglu=False, oai=False,
-                mul_weights=True, alpha=alpha, limit=limit, tile=tile, route=route)
-    return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
+    return gemv_moe(x, _weight_args(w13), _weight_args(w2), top_k, logits, None, w13_bias, w2_bias,
+                    oai=activation == "swiglu_oai", alpha=alpha, limit=limit, all_local=all_local, tile=tile,
+                    route=(top_k, order, renormalize, first))
