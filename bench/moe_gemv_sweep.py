@@ -46,6 +46,7 @@ BATCHES = (1, 2, 4, 8, 16)
 # format -> other down tiles tried at T = 1 (DOWN_TILES' is the first)
 ALT_DOWN_TILES = {"mxfp4": ((8, 64, 8), (16, 32, 4)), "float": ((8, 4096, 4), (4, 8192, 8)),
                   "fp8": ((8, 4096, 4),)}
+TILE_SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")     # the shapes that try ALT_DOWN_TILES (compiles cost budget)
 FORMATS = {"gpt-oss-20b": ("mxfp4",), "gpt-oss-120b": ("mxfp4",), "qwen3-30b-a3b": ("float", "fp8"),
            "mixtral-8x7b": ("float", "fp8")}
 MAKE = {"mxfp4": (_mxfp4_experts, 17 / 32), "float": (_float_experts, 2), "fp8": (_fp8_experts, 1)}
@@ -69,13 +70,14 @@ def _state(fold=None, early=None, down_tile=None, fmt="float"):
         moe_down.DOWN_TILES.update(saved[2])
 
 
-def _variants(fmt: str, t: int) -> list[tuple[str, bool, dict]]:
+def _variants(name: str, fmt: str, t: int) -> list[tuple[str, bool, dict]]:
     """(label, gemv flag, table state) of each variant at batch t."""
     old = ("old", True, {"fold": False}) if fmt == "mxfp4" else ("old", False, {})
     out = [old, ("new", True, {"fold": True})]
     if t == 1 and not SMOKE:
         out.append(("new-late", True, {"fold": True, "early": False}))
-        out += [(f"new-tile{list(tile)}", True, {"fold": True, "down_tile": tile}) for tile in ALT_DOWN_TILES[fmt]]
+        if name in TILE_SHAPES:
+            out += [(f"new-tile{list(t)}", True, {"fold": True, "down_tile": t}) for t in ALT_DOWN_TILES[fmt]]
     return out
 
 
@@ -88,7 +90,7 @@ def _case(name: str, fmt: str, experts, shape, t: int, bw: float, device) -> lis
     ref = moe_reference(x, *experts[0], weights, ids).float()
     nbytes = ids.unique().numel() * 3 * h * i * MAKE[fmt][1]
     rows = []
-    for label, gemv, state in _variants(fmt, t):
+    for label, gemv, state in _variants(name, fmt, t):
         def step(s, gemv=gemv):
             return engine_step(x, logits, *experts[s], k, all_local=True, gemv=gemv)
         row = {"shape": name, "format": fmt, "tokens": t, "path": label}
@@ -123,11 +125,8 @@ def tables(rows: list[dict]) -> dict:
         result["EARLY_DOWN"] = sum(n for n, _ in late) <= sum(la for _, la in late)
     for fmt in ("mxfp4", "float", "fp8"):      # the best down tile at T = 1, summed over the shapes
         cands = {"new": moe_down.DOWN_TILES[fmt], **{f"new-tile{list(t)}": t for t in ALT_DOWN_TILES[fmt]}}
-        sums = {}
-        for label, tile in cands.items():
-            us = [ok.get((s, f, 1, label)) for s, f in pairs if f == fmt]
-            if us and None not in us:
-                sums[tuple(tile)] = sum(us)
+        shapes = [s for s, f in pairs if f == fmt and all((s, f, 1, label) in ok for label in cands)]
+        sums = {tuple(tile): sum(ok[(s, fmt, 1, label)] for s in shapes) for label, tile in cands.items()} if shapes else {}
         if sums:
             result["DOWN_TILES"][fmt] = list(min(sums, key=sums.get))
     for s, f in pairs:                          # 16-bit / fp8: the GEMV up to the pairs it won at every batch
