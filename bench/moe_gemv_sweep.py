@@ -11,11 +11,12 @@ than the L2), at T = 1, 2, 4, 8, 16:
 - qwen3-30b-a3b / mixtral-8x7b, bf16 experts (and fp8, `--fp8`): old = the grouped GEMMs and
   `topk_sum`, new = the gate-up GEMV (kernels/moe_gemv_dense.py) and the folded down GEMV;
 - at T = 1 also the new path with its first down tile loaded after griddepcontrol.wait
-  (EARLY_DOWN off) and the other down tiles of ALT_DOWN_TILES.
+  (EARLY_DOWN off), after `route_align` instead of routed in the GEMVs, and (TILE_SHAPES) the other
+  down tiles of ALT_DOWN_TILES.
 Each row: us, the fraction of the measured HBM read rate for the bytes of the experts the batch
 selects (MXFP4 17 bytes per 32 values, fp8 1, bf16 2), and the error against `moe_reference`.
 Out: OUT/moe_gemv_sweep.json, rewritten after each shape, with `tables`: the FOLD_DOWN, EARLY_DOWN,
-DOWN_TILES and GEMV_PAIRS_BY_SHAPE entries the measurements support. --write-tables writes them
+DOWN_TILES, GEMV_PAIRS_BY_SHAPE and ROUTED_GEMV_EXPERTS entries the measurements support. --write-tables writes them
 into tokenforge/kernels/ of this copy (the device script's W1 runs then use them).
 """
 
@@ -38,7 +39,7 @@ import torch  # noqa: E402
 from tokenforge.bench.kernels.common import start_run  # noqa: E402
 from tokenforge.bench.kernels.moe import (SHAPES, _float_experts, _fp8_experts, _graph_time,  # noqa: E402
                                           _mxfp4_experts, engine_step)
-from tokenforge.kernels import moe_down, moe_gemv  # noqa: E402
+from tokenforge.kernels import moe_down, moe_routing  # noqa: E402
 from tokenforge.kernels.moe import moe_reference, route  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,9 +54,11 @@ MAKE = {"mxfp4": (_mxfp4_experts, 17 / 32), "float": (_float_experts, 2), "fp8":
 
 
 @contextlib.contextmanager
-def _state(fold=None, early=None, down_tile=None, fmt="float"):
+def _state(fold=None, early=None, down_tile=None, routed=None, fmt="float"):
     """The kernels' tables as a variant wants them, restored after."""
-    saved = dict(moe_down.FOLD_DOWN), moe_down.EARLY_DOWN, dict(moe_down.DOWN_TILES)
+    saved = dict(moe_down.FOLD_DOWN), moe_down.EARLY_DOWN, dict(moe_down.DOWN_TILES), moe_routing.ROUTED_GEMV_TOKENS
+    if routed is not None:
+        moe_routing.ROUTED_GEMV_TOKENS = routed
     if fold is not None:
         moe_down.FOLD_DOWN[fmt] = fold
     if early is not None:
@@ -68,15 +71,17 @@ def _state(fold=None, early=None, down_tile=None, fmt="float"):
         moe_down.FOLD_DOWN.update(saved[0])
         moe_down.EARLY_DOWN = saved[1]
         moe_down.DOWN_TILES.update(saved[2])
+        moe_routing.ROUTED_GEMV_TOKENS = saved[3]
 
 
 def _variants(name: str, fmt: str, t: int) -> list[tuple[str, bool, dict]]:
     """(label, gemv flag, table state) of each variant at batch t."""
     old = ("old", True, {"fold": False}) if fmt == "mxfp4" else ("old", False, {})
     out = [old, ("new", True, {"fold": True})]
-    if t == 1 and not SMOKE:
+    if t == 1:
         out.append(("new-late", True, {"fold": True, "early": False}))
-        if name in TILE_SHAPES:
+        out.append(("new-route-align", True, {"fold": True, "routed": 0}))       # route_align, then the GEMVs
+        if name in TILE_SHAPES and not SMOKE:
             out += [(f"new-tile{list(t)}", True, {"fold": True, "down_tile": t}) for t in ALT_DOWN_TILES[fmt]]
     return out
 
@@ -123,6 +128,10 @@ def tables(rows: list[dict]) -> dict:
             and (s, f, 1, "new") in ok]
     if late:
         result["EARLY_DOWN"] = sum(n for n, _ in late) <= sum(la for _, la in late)
+    wide = [(ok[(s, f, 1, "new")], ok[(s, f, 1, "new-route-align")]) for s, f in pairs if SHAPES[s][2] > 64
+            and (s, f, 1, "new-route-align") in ok and (s, f, 1, "new") in ok]
+    if wide:                                    # 128 experts: routed in the GEMVs, or route_align first
+        result["ROUTED_GEMV_EXPERTS"] = 128 if sum(n for n, _ in wide) <= sum(a for _, a in wide) else 64
     for fmt in ("mxfp4", "float", "fp8"):      # the best down tile at T = 1, summed over the shapes
         cands = {"new": moe_down.DOWN_TILES[fmt], **{f"new-tile{list(t)}": t for t in ALT_DOWN_TILES[fmt]}}
         shapes = [s for s, f in pairs if f == fmt and all((s, f, 1, label) in ok for label in cands)]
@@ -144,7 +153,7 @@ def tables(rows: list[dict]) -> dict:
 
 
 def write_tables(result: dict, root: Path = ROOT) -> None:
-    """Rewrite the table lines of kernels/moe_down.py and kernels/moe_gemv.py under `root`."""
+    """Rewrite the table lines of kernels/moe_down.py, moe_gemv.py and moe_routing.py under `root`."""
     down = root / "tokenforge/kernels/moe_down.py"
     src = down.read_text()
     fold = {**moe_down.FOLD_DOWN, **result["FOLD_DOWN"]}
@@ -156,6 +165,10 @@ def write_tables(result: dict, root: Path = ROOT) -> None:
     src = re.sub(r"^DOWN_TILES = \{.*\}$", "DOWN_TILES = {" + ", ".join(f'"{f}": {tuple(t)}' for f, t in tiles.items())
                  + "}", src, flags=re.M)
     down.write_text(src)
+    if "ROUTED_GEMV_EXPERTS" in result:
+        routing = root / "tokenforge/kernels/moe_routing.py"
+        routing.write_text(re.sub(r"^ROUTED_GEMV_EXPERTS = \d+$", f"ROUTED_GEMV_EXPERTS = {result['ROUTED_GEMV_EXPERTS']}",
+                                  routing.read_text(), flags=re.M))
     gemv = root / "tokenforge/kernels/moe_gemv.py"
     entries = ", ".join(f'("{key.split(",")[0]}", {", ".join(key.split(",")[1:])}): {v}'
                         for key, v in result["GEMV_PAIRS_BY_SHAPE"].items())
@@ -197,7 +210,7 @@ def main() -> None:
     print(f"tables the sweep supports: {json.dumps(result['tables'])}", flush=True)
     if args.write_tables:
         write_tables(result["tables"])
-        print("written into tokenforge/kernels/moe_down.py and moe_gemv.py (this copy)", flush=True)
+        print("written into tokenforge/kernels/moe_down.py, moe_gemv.py, moe_routing.py (this copy)", flush=True)
     if SMOKE:                                   # the rows ran clean and the table writer edits a copy sanely
         assert all("rel_err" in r and r["rel_err"] < 1e-4 for r in rows), [r for r in rows if "us" not in r][:3]
         _check_writer(result["tables"])
@@ -209,15 +222,17 @@ def _check_writer(result: dict) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        for f in ("moe_down.py", "moe_gemv.py"):
+        for f in ("moe_down.py", "moe_gemv.py", "moe_routing.py"):
             (Path(tmp) / "tokenforge/kernels").mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / "tokenforge/kernels" / f, Path(tmp) / "tokenforge/kernels" / f)
-        write_tables({**result, "EARLY_DOWN": False, "GEMV_PAIRS_BY_SHAPE": {"float,2048,768,128": 16}}, Path(tmp))
+        write_tables({**result, "EARLY_DOWN": False, "ROUTED_GEMV_EXPERTS": 64,
+                      "GEMV_PAIRS_BY_SHAPE": {"float,2048,768,128": 16}}, Path(tmp))
         text = (Path(tmp) / "tokenforge/kernels/moe_down.py").read_text()
         assert "EARLY_DOWN = False" in text and re.search(r"^FOLD_DOWN = \{.*\}$", text, re.M), text[:200]
         gemv = (Path(tmp) / "tokenforge/kernels/moe_gemv.py").read_text()
         assert '("float", 2048, 768, 128): 16}' in gemv, gemv
-        for f in ("moe_down.py", "moe_gemv.py"):   # still Python
+        assert "ROUTED_GEMV_EXPERTS = 64" in (Path(tmp) / "tokenforge/kernels/moe_routing.py").read_text()
+        for f in ("moe_down.py", "moe_gemv.py", "moe_routing.py"):   # still Python
             compile((Path(tmp) / "tokenforge/kernels" / f).read_text(), f, "exec")
 
 

@@ -71,7 +71,8 @@ def test_fused_moe_layer_needs_no_host_sync(stubbed, style, expert_parallel, tok
     fmt = {"gpt-oss": "mxfp4", "mixtral-fp8": "fp8", "mixtral": "float"}[style]
     top_k = block.moe.top_k
     per_pair = tokens * top_k <= moe_gemv.gemv_pairs(fmt)                  # the GEMV path
-    routed = per_pair and tokens <= moe_routing.ROUTED_GEMV_TOKENS               # the GEMVs route their own pairs
+    routed = per_pair and tokens <= moe_routing.ROUTED_GEMV_TOKENS and \
+        block.moe.num_experts <= moe_routing.ROUTED_GEMV_EXPERTS                 # the GEMVs route their own pairs
     assert routing.calls == (1 if one_launch and not routed else 0)
     assert (gemv.calls, gemm.calls) == ((2, 0) if per_pair else (0, 2))
     assert topk_sum.calls == (0 if per_pair and moe_down.FOLD_DOWN[fmt] else 1)     # folded into the down GEMV

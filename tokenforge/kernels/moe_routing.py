@@ -32,6 +32,11 @@ MAX_TOKENS = 16       # the decode CUDA-graph buckets 1, 2, 4, 8, 16 compile eve
 # but 119.5 vs 116.3 at T = 4 and 399.6 vs 380.1 at T = 16, where every program re-routing its
 # token costs more than the launch it saves (BENCHMARKS.md, round 7b)
 ROUTED_GEMV_TOKENS = 1
+# ... and at most this many experts: each gate-up program routes its token after griddepcontrol.wait,
+# so the top-k's cross-warp reductions over 128 logits (k of them) sit on the step's critical path
+# (gpt-oss-120b, 128 experts: routed 45.6 vs 46.5 us, a 0.9 us gain against 4.1 at 32 experts);
+# bench/moe_gemv_sweep.py's "new-route-align" row measures it for Qwen3-MoE's k = 8 of 128
+ROUTED_GEMV_EXPERTS = 128
 
 
 @triton.jit
@@ -128,13 +133,14 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k:
                           renormalize: bool, first: int = 0, num_local: int | None = None, **kwargs):
     """`fused_moe` from the router's logits, routed and aligned in one launch: [T, H], or None
     when the batch does not `fits` (the caller routes with torch). kwargs go to `fused_moe`.
-    A batch of at most ROUTED_GEMV_TOKENS that takes the per-pair GEMVs (`gemv_pairs`, or
+    A batch of at most ROUTED_GEMV_TOKENS (and ROUTED_GEMV_EXPERTS) that takes the GEMVs (`gemv_pairs`, or
     `gemv=True`) needs no alignment: each GEMV program routes its own token (`_routed_gemv`), so
     no routing launch precedes them."""
     pairs = x.shape[0] * top_k
     gemv = kwargs.get("gemv")
     limit = gemv_pairs(_weight_args(w13)[-1], x.shape[1], w2.shape[2], w13.shape[0]) if gemv is None else 0
-    if x.shape[0] <= ROUTED_GEMV_TOKENS and (gemv or (gemv is None and pairs <= limit)):
+    routed = x.shape[0] <= ROUTED_GEMV_TOKENS and logits.shape[1] <= ROUTED_GEMV_EXPERTS
+    if routed and (gemv or (gemv is None and pairs <= limit)):
         if order not in ROUTING_ORDERS:
             raise ValueError(f"unknown routing order {order!r}; supported: {', '.join(ROUTING_ORDERS)}")
         if not 1 <= top_k <= logits.shape[1]:
