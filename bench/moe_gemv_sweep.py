@@ -45,7 +45,7 @@ from tokenforge.kernels.moe import moe_reference, route  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 BATCHES = (1, 2, 4, 8, 16)
 # format -> other down tiles tried at T = 1 (DOWN_TILES' is the first)
-ALT_DOWN_TILES = {"mxfp4": ((8, 64, 8), (16, 32, 4)), "float": ((8, 4096, 4), (4, 8192, 8)),
+ALT_DOWN_TILES = {"mxfp4": ((8, 32, 8), (16, 64, 16)), "float": ((8, 4096, 4), (4, 8192, 8)),
                   "fp8": ((8, 4096, 4),)}
 TILE_SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")     # the shapes that try ALT_DOWN_TILES (compiles cost budget)
 FORMATS = {"gpt-oss-20b": ("mxfp4",), "gpt-oss-120b": ("mxfp4",), "qwen3-30b-a3b": ("float", "fp8"),

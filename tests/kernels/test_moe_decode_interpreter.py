@@ -55,7 +55,7 @@ def test_decode_gemvs_under_the_interpreter_match_reference():
 def test_down_tiles_split_over_the_slots():
     from tokenforge.kernels.moe_down import down_block
 
-    assert down_block("mxfp4", 2880, 2880, 4) == (8, 8, 4)           # 4 slots x 8 groups = 32 group rows
+    assert down_block("mxfp4", 2880, 2880, 4) == (16, 8, 8)          # 4 slots x 8 groups = 32 group rows
     assert down_block("float", 2048, 768, 8) == (4, 128, 4)          # Qwen3-MoE: [8, 4, 128]
     assert down_block("float", 4096, 14336, 2) == (4, 512, 4)        # Mixtral: [2, 4, 512]
     assert down_block("float", 64, 48, 2)[1] == 64                   # no wider than the next power of two of I

@@ -35,11 +35,13 @@ from .mxfp4 import fp4_scale
 # format -> whether decode batches on the GEMV path run this kernel (else per-pair GEMVs + `topk_sum`)
 FOLD_DOWN = {"mxfp4": True, "fp8": True, "float": True}
 # format -> (BLOCK_N, tile size, num_warps). mxfp4: the tile's groups of 32 (k slots x groups a
-# slot), 32: [32, 8 rows, 4 words] = 4 KB a step, 8 words a thread (16 took 221 registers in
-# ptxas for sm_90, 8 take 128-167 with the routing: 3-4 programs an SM), gpt-oss's 2880 rows 360
-# programs at T = 1, one wave. 16-bit / fp8: the tile's values (k x BLOCK_N x BLOCK_K), 4096: 32
-# fp32 accumulators a thread at 4 warps (8192 took 177 registers for fp8)
-DOWN_TILES = {"mxfp4": (8, 32, 4), "float": (4, 4096, 4), "fp8": (4, 4096, 4)}
+# slot), 32: [32, 16 rows, 4 words] = 8 KB a step over 8 warps, 8 words a thread, 73-80 registers in
+# ptxas for sm_90 (gpt-oss at T = 1: 180 programs, 3 an SM fit). The activation tile [groups, 1, 4]
+# must hold fewer values than the program has threads: Triton then lays its loads out as the code
+# words' tile; at 128 values over 128 threads it kept them apart and converted every decoded value
+# through shared memory each step (21 barriers a step). 16-bit / fp8: the tile's values
+# (k x BLOCK_N x BLOCK_K), 4096: 32 fp32 accumulators a thread at 4 warps (8192 took 177 registers)
+DOWN_TILES = {"mxfp4": (16, 32, 8), "float": (4, 4096, 4), "fp8": (4, 4096, 4)}
 # route and issue the first weight tile before griddepcontrol.wait (the module docstring says why)
 EARLY_DOWN = True
 
@@ -65,11 +67,15 @@ def _slots(ids_ptr, weights_ptr, token, num_experts, E, first, stride_lt, TOP_K:
 
 
 @triton.jit
-def _mxfp4_slots_dot(a_ptr, w_ptr, s_ptr, a_off, w_off, s_off, gmul, live_g, rows, mask_n, K, stride_wn, stride_sn,
+def _mxfp4_slots_dot(a_ptr, w_ptr, s_ptr, a_row0, stride_am, w_off, s_off, gmul, live_g, rows, mask_n, K, stride_wn,
+                     stride_sn,
                      GS: tl.constexpr, GG: tl.constexpr, BLOCK_N: tl.constexpr, A_WORDS: tl.constexpr,
                      ASM: tl.constexpr, WAIT: tl.constexpr):
-    """sum over the tile's GG group rows of gmul[r] * (a row a_off[r] . W rows at w_off[r] + rows)
-    for MXFP4 rows, fp32 [BLOCK_N]. Group row r covers the slot's groups r % GS + GS j, j = 0, 1, ...
+    """sum over the tile's GG group rows of gmul[r] * (activation row a_row0 + r // GS . W rows at
+    w_off[r] + rows) for MXFP4 rows, fp32 [BLOCK_N]. Group row r covers its slot's groups r % GS +
+    GS j, j = 0, 1, ... The activation pointers come from scalars and aranges only, so Triton lays
+    their loads out as the code words' tile (a vector of row offsets would leave them in another
+    layout and convert every decoded value through shared memory each step).
     (kernels/moe_gemv.py `_mxfp4_dot` is the one-slot form: the same words, decode and scales;
     offsets in int32 words for the codes and the word-packed activations, in bytes for the scales)."""
     gg = tl.arange(0, GG)
@@ -78,38 +84,43 @@ def _mxfp4_slots_dot(a_ptr, w_ptr, s_ptr, a_off, w_off, s_off, gmul, live_g, row
     base = tl.multiple_of(w_off[:, None] + rows[None, :] * stride_wn, [4, 4])       # rows start on 16 bytes
     w_ptrs = w_ptr + base[:, :, None] + (g[:, None, None] * 4 + q[None, None, :])
     s_ptrs = s_ptr + s_off[:, None] + rows[None, :] * stride_sn + g[:, None]
+    a_rows = a_ptr + (a_row0 + gg // GS) * stride_am
     if A_WORDS:                                                            # 4 activation words a code word
-        a_ptrs = a_ptr + a_off[:, None, None] + (g[:, None, None] * 16 + 4 * q[None, None, :])
+        a_ptrs = a_rows[:, None, None] + (g[:, None, None] * 16 + 4 * q[None, None, :])
     else:
-        a_ptrs = a_ptr + a_off[:, None, None] + (g[:, None, None] * 32 + 8 * q[None, None, :])
+        a_ptrs = a_rows[:, None, None] + (g[:, None, None] * 32 + 8 * q[None, None, :])
     groups = K // 32
-    live = live_g & (g < groups)
-    w_next = tl.load(w_ptrs, mask=live[:, None, None] & mask_n[None, :, None], other=0)
-    s_next = tl.load(s_ptrs, mask=live[:, None] & mask_n[None, :], other=127)
+    # the slot masks in the tiles' layouts once: a mask carried through the loop from `live_g` (a
+    # reduction's layout) costs a shared-memory layout conversion every step; `g` is an arange
+    w_live = live_g[:, None, None] & mask_n[None, :, None]
+    s_live = live_g[:, None] & mask_n[None, :]
+    a_live = live_g[:, None, None]
+    w_next = tl.load(w_ptrs, mask=w_live & (g < groups)[:, None, None], other=0)
+    s_next = tl.load(s_ptrs, mask=s_live & (g < groups)[:, None], other=127)
     if WAIT:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     acc = tl.zeros((GG, BLOCK_N), dtype=tl.float32)
     for g0 in range(0, groups, GS):
         w, s = w_next, s_next
-        a_live = live[:, None, None]
-        live = live_g & (g + g0 + GS < groups)
-        w_next = tl.load(w_ptrs + (g0 + GS) * 4, mask=live[:, None, None] & mask_n[None, :, None], other=0)
-        s_next = tl.load(s_ptrs + g0 + GS, mask=live[:, None] & mask_n[None, :], other=127)
+        a_mask = a_live & (g + g0 < groups)[:, None, None]
+        ahead = g + g0 + GS < groups
+        w_next = tl.load(w_ptrs + (g0 + GS) * 4, mask=w_live & ahead[:, None, None], other=0)
+        s_next = tl.load(s_ptrs + g0 + GS, mask=s_live & ahead[:, None], other=127)
         if A_WORDS:
-            a0, a1 = _bf16_halves(tl.load(a_ptrs + g0 * 16, mask=a_live, other=0))
-            a2, a3 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 1, mask=a_live, other=0))
-            a4, a5 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 2, mask=a_live, other=0))
-            a6, a7 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 3, mask=a_live, other=0))
+            a0, a1 = _bf16_halves(tl.load(a_ptrs + g0 * 16, mask=a_mask, other=0))
+            a2, a3 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 1, mask=a_mask, other=0))
+            a4, a5 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 2, mask=a_mask, other=0))
+            a6, a7 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 3, mask=a_mask, other=0))
         else:
-            a0 = tl.load(a_ptrs + g0 * 32, mask=a_live, other=0.0).to(tl.float32)
-            a1 = tl.load(a_ptrs + g0 * 32 + 1, mask=a_live, other=0.0).to(tl.float32)
-            a2 = tl.load(a_ptrs + g0 * 32 + 2, mask=a_live, other=0.0).to(tl.float32)
-            a3 = tl.load(a_ptrs + g0 * 32 + 3, mask=a_live, other=0.0).to(tl.float32)
-            a4 = tl.load(a_ptrs + g0 * 32 + 4, mask=a_live, other=0.0).to(tl.float32)
-            a5 = tl.load(a_ptrs + g0 * 32 + 5, mask=a_live, other=0.0).to(tl.float32)
-            a6 = tl.load(a_ptrs + g0 * 32 + 6, mask=a_live, other=0.0).to(tl.float32)
-            a7 = tl.load(a_ptrs + g0 * 32 + 7, mask=a_live, other=0.0).to(tl.float32)
+            a0 = tl.load(a_ptrs + g0 * 32, mask=a_mask, other=0.0).to(tl.float32)
+            a1 = tl.load(a_ptrs + g0 * 32 + 1, mask=a_mask, other=0.0).to(tl.float32)
+            a2 = tl.load(a_ptrs + g0 * 32 + 2, mask=a_mask, other=0.0).to(tl.float32)
+            a3 = tl.load(a_ptrs + g0 * 32 + 3, mask=a_mask, other=0.0).to(tl.float32)
+            a4 = tl.load(a_ptrs + g0 * 32 + 4, mask=a_mask, other=0.0).to(tl.float32)
+            a5 = tl.load(a_ptrs + g0 * 32 + 5, mask=a_mask, other=0.0).to(tl.float32)
+            a6 = tl.load(a_ptrs + g0 * 32 + 6, mask=a_mask, other=0.0).to(tl.float32)
+            a7 = tl.load(a_ptrs + g0 * 32 + 7, mask=a_mask, other=0.0).to(tl.float32)
         v0, v1, v2, v3, v4, v5, v6, v7 = _fp4_word(w, ASM)
         part = v0 * a0 + v1 * a1 + v2 * a2 + v3 * a3 + v4 * a4 + v5 * a5 + v6 * a6 + v7 * a7
         acc += tl.sum(part, 2) * fp4_scale(s)
@@ -144,7 +155,7 @@ def _down_sum_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ids_ptr, weights_pt
         e_g = tl.sum(tl.where(onehot, expert[None, :], 0), 1)
         w_g = tl.sum(tl.where(onehot, weight[None, :], 0.0), 1)
         live_g = tl.sum(tl.where(onehot & live[None, :], 1, 0), 1) > 0
-        y = _mxfp4_slots_dot(a_ptr, w_ptr, s_ptr, (token * TOP_K + slot) * stride_am, e_g * stride_we,
+        y = _mxfp4_slots_dot(a_ptr, w_ptr, s_ptr, token * TOP_K, stride_am, e_g * stride_we,
                              e_g * stride_se, w_g, live_g, rows, mask_n, K, stride_wn, stride_sn,
                              BLOCK_K, GG, BLOCK_N, A_WORDS, ASM, WAIT_LATE)
     else:
