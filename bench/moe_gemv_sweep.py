@@ -12,11 +12,12 @@ than the L2), at T = 1, 2, 4, 8, 16:
   `topk_sum`, new = the gate-up GEMV (kernels/moe_gemv_dense.py) and the folded down GEMV;
 - at T = 1 also the new path with its first down tile loaded after griddepcontrol.wait
   (EARLY_DOWN off), after `route_align` instead of routed in the GEMVs, and (TILE_SHAPES) the other
-  down tiles of ALT_DOWN_TILES.
+  down tiles of ALT_DOWN_TILES and gate-up tiles of ALT_GATE_UP_TILES.
 Each row: us, the fraction of the measured HBM read rate for the bytes of the experts the batch
 selects (MXFP4 17 bytes per 32 values, fp8 1, bf16 2), and the error against `moe_reference`.
 Out: OUT/moe_gemv_sweep.json, rewritten after each shape, with `tables`: the FOLD_DOWN, EARLY_DOWN,
-DOWN_TILES, GEMV_PAIRS_BY_SHAPE and ROUTED_GEMV_EXPERTS entries the measurements support. --write-tables writes them
+DOWN_TILES, GATE_UP_TILES, GEMV_PAIRS_BY_SHAPE and ROUTED_GEMV_EXPERTS entries the measurements
+support. --write-tables writes them
 into tokenforge/kernels/ of this copy (the device script's W1 runs then use them).
 """
 
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 from tokenforge.bench.kernels.common import start_run  # noqa: E402
 from tokenforge.bench.kernels.moe import (SHAPES, _float_experts, _fp8_experts, _graph_time,  # noqa: E402
                                           _mxfp4_experts, engine_step)
-from tokenforge.kernels import moe_down, moe_routing  # noqa: E402
+from tokenforge.kernels import moe_down, moe_gemv_dense, moe_routing  # noqa: E402
 from tokenforge.kernels.moe import moe_reference, route  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,8 @@ BATCHES = (1, 2, 4, 8, 16)
 # format -> other down tiles tried at T = 1 (DOWN_TILES' is the first)
 ALT_DOWN_TILES = {"mxfp4": ((8, 32, 8), (16, 64, 16)), "float": ((8, 4096, 4), (4, 8192, 8)),
                   "fp8": ((8, 4096, 4),)}
+# 16-bit / fp8 gate-up tiles tried at T = 1 (GATE_UP_TILES' is the first): fewer programs route less
+ALT_GATE_UP_TILES = {"float": ((4, 512, 4), (16, 256, 8)), "fp8": ((8, 256, 4),)}
 TILE_SHAPES = ("gpt-oss-20b", "qwen3-30b-a3b")     # the shapes that try ALT_DOWN_TILES (compiles cost budget)
 FORMATS = {"gpt-oss-20b": ("mxfp4",), "gpt-oss-120b": ("mxfp4",), "qwen3-30b-a3b": ("float", "fp8"),
            "mixtral-8x7b": ("float", "fp8")}
@@ -54,9 +57,12 @@ MAKE = {"mxfp4": (_mxfp4_experts, 17 / 32), "float": (_float_experts, 2), "fp8":
 
 
 @contextlib.contextmanager
-def _state(fold=None, early=None, down_tile=None, routed=None, fmt="float"):
+def _state(fold=None, early=None, down_tile=None, routed=None, gate_up_tile=None, fmt="float"):
     """The kernels' tables as a variant wants them, restored after."""
-    saved = dict(moe_down.FOLD_DOWN), moe_down.EARLY_DOWN, dict(moe_down.DOWN_TILES), moe_routing.ROUTED_GEMV_TOKENS
+    saved = (dict(moe_down.FOLD_DOWN), moe_down.EARLY_DOWN, dict(moe_down.DOWN_TILES), moe_routing.ROUTED_GEMV_TOKENS,
+             dict(moe_gemv_dense.GATE_UP_TILES))
+    if gate_up_tile is not None:
+        moe_gemv_dense.GATE_UP_TILES[fmt] = gate_up_tile
     if routed is not None:
         moe_routing.ROUTED_GEMV_TOKENS = routed
     if fold is not None:
@@ -72,6 +78,7 @@ def _state(fold=None, early=None, down_tile=None, routed=None, fmt="float"):
         moe_down.EARLY_DOWN = saved[1]
         moe_down.DOWN_TILES.update(saved[2])
         moe_routing.ROUTED_GEMV_TOKENS = saved[3]
+        moe_gemv_dense.GATE_UP_TILES.update(saved[4])
 
 
 def _variants(name: str, fmt: str, t: int) -> list[tuple[str, bool, dict]]:
@@ -83,6 +90,8 @@ def _variants(name: str, fmt: str, t: int) -> list[tuple[str, bool, dict]]:
         out.append(("new-route-align", True, {"fold": True, "routed": 0}))       # route_align, then the GEMVs
         if name in TILE_SHAPES and not SMOKE:
             out += [(f"new-tile{list(t)}", True, {"fold": True, "down_tile": t}) for t in ALT_DOWN_TILES[fmt]]
+            out += [(f"new-gate-up{list(t)}", True, {"fold": True, "gate_up_tile": t})
+                    for t in ALT_GATE_UP_TILES.get(fmt, ())]
     return out
 
 
@@ -118,7 +127,7 @@ def tables(rows: list[dict]) -> dict:
     """The table entries the rows support (only where both sides of a comparison ran clean)."""
     ok = {(r["shape"], r["format"], r["tokens"], r["path"]): r["us"] for r in rows
           if "us" in r and r["rel_err"] < 2e-2}
-    result: dict = {"FOLD_DOWN": {}, "GEMV_PAIRS_BY_SHAPE": {}, "DOWN_TILES": {}}
+    result: dict = {"FOLD_DOWN": {}, "GEMV_PAIRS_BY_SHAPE": {}, "DOWN_TILES": {}, "GATE_UP_TILES": {}}
     pairs = sorted({(s, f) for s, f, _, _ in ok})
     mx = [(ok[(s, f, t, "new")], ok[(s, f, t, "old")]) for s, f, t, p in ok if f == "mxfp4" and p == "new"
           and (s, f, t, "old") in ok]
@@ -132,12 +141,17 @@ def tables(rows: list[dict]) -> dict:
             and (s, f, 1, "new-route-align") in ok and (s, f, 1, "new") in ok]
     if wide:                                    # 128 experts: routed in the GEMVs, or route_align first
         result["ROUTED_GEMV_EXPERTS"] = 128 if sum(n for n, _ in wide) <= sum(a for _, a in wide) else 64
-    for fmt in ("mxfp4", "float", "fp8"):      # the best down tile at T = 1, summed over the shapes
-        cands = {"new": moe_down.DOWN_TILES[fmt], **{f"new-tile{list(t)}": t for t in ALT_DOWN_TILES[fmt]}}
-        shapes = [s for s, f in pairs if f == fmt and all((s, f, 1, label) in ok for label in cands)]
-        sums = {tuple(tile): sum(ok[(s, fmt, 1, label)] for s in shapes) for label, tile in cands.items()} if shapes else {}
-        if sums:
-            result["DOWN_TILES"][fmt] = list(min(sums, key=sums.get))
+    for fmt in ("mxfp4", "float", "fp8"):      # the best tiles at T = 1, summed over the shapes that tried them
+        for key, table, alts, prefix in (("DOWN_TILES", moe_down.DOWN_TILES, ALT_DOWN_TILES, "new-tile"),
+                                         ("GATE_UP_TILES", moe_gemv_dense.GATE_UP_TILES, ALT_GATE_UP_TILES,
+                                          "new-gate-up")):
+            if fmt not in alts:
+                continue
+            cands = {"new": table[fmt], **{f"{prefix}{list(t)}": t for t in alts[fmt]}}
+            shapes = [s for s, f in pairs if f == fmt and all((s, f, 1, label) in ok for label in cands)]
+            if shapes:
+                sums = {tuple(tile): sum(ok[(s, fmt, 1, label)] for s in shapes) for label, tile in cands.items()}
+                result.setdefault(key, {})[fmt] = list(min(sums, key=sums.get))
     for s, f in pairs:                          # 16-bit / fp8: the GEMV up to the pairs it won at every batch
         if f == "mxfp4":
             continue
@@ -153,11 +167,13 @@ def tables(rows: list[dict]) -> dict:
 
 
 def write_tables(result: dict, root: Path = ROOT) -> None:
-    """Rewrite the table lines of kernels/moe_down.py, moe_gemv.py and moe_routing.py under `root`."""
+    """Rewrite the table lines of kernels/moe_down.py, moe_gemv.py, moe_gemv_dense.py and moe_routing.py
+    under `root`."""
     down = root / "tokenforge/kernels/moe_down.py"
     src = down.read_text()
     fold = {**moe_down.FOLD_DOWN, **result["FOLD_DOWN"]}
-    src = re.sub(r"^FOLD_DOWN = \{.*\}$", f"FOLD_DOWN = {json.dumps(fold).replace('true', 'True').replace('false', 'False')}",
+    fold_py = json.dumps(fold).replace("true", "True").replace("false", "False")
+    src = re.sub(r"^FOLD_DOWN = \{.*\}$", f"FOLD_DOWN = {fold_py}",
                  src, flags=re.M)
     if "EARLY_DOWN" in result:
         src = re.sub(r"^EARLY_DOWN = \w+$", f"EARLY_DOWN = {result['EARLY_DOWN']}", src, flags=re.M)
@@ -165,10 +181,14 @@ def write_tables(result: dict, root: Path = ROOT) -> None:
     src = re.sub(r"^DOWN_TILES = \{.*\}$", "DOWN_TILES = {" + ", ".join(f'"{f}": {tuple(t)}' for f, t in tiles.items())
                  + "}", src, flags=re.M)
     down.write_text(src)
+    dense = root / "tokenforge/kernels/moe_gemv_dense.py"
+    tiles = {**moe_gemv_dense.GATE_UP_TILES, **{f: tuple(t) for f, t in result.get("GATE_UP_TILES", {}).items()}}
+    dense.write_text(re.sub(r"^GATE_UP_TILES = \{.*\}$", "GATE_UP_TILES = {" + ", ".join(
+        f'"{f}": {tuple(t)}' for f, t in tiles.items()) + "}", dense.read_text(), flags=re.M))
     if "ROUTED_GEMV_EXPERTS" in result:
         routing = root / "tokenforge/kernels/moe_routing.py"
-        routing.write_text(re.sub(r"^ROUTED_GEMV_EXPERTS = \d+$", f"ROUTED_GEMV_EXPERTS = {result['ROUTED_GEMV_EXPERTS']}",
-                                  routing.read_text(), flags=re.M))
+        line = f"ROUTED_GEMV_EXPERTS = {result['ROUTED_GEMV_EXPERTS']}"
+        routing.write_text(re.sub(r"^ROUTED_GEMV_EXPERTS = \d+$", line, routing.read_text(), flags=re.M))
     gemv = root / "tokenforge/kernels/moe_gemv.py"
     entries = ", ".join(f'("{key.split(",")[0]}", {", ".join(key.split(",")[1:])}): {v}'
                         for key, v in result["GEMV_PAIRS_BY_SHAPE"].items())
@@ -210,7 +230,7 @@ def main() -> None:
     print(f"tables the sweep supports: {json.dumps(result['tables'])}", flush=True)
     if args.write_tables:
         write_tables(result["tables"])
-        print("written into tokenforge/kernels/moe_down.py, moe_gemv.py, moe_routing.py (this copy)", flush=True)
+        print("written into tokenforge/kernels/ (this copy)", flush=True)
     if SMOKE:                                   # the rows ran clean and the table writer edits a copy sanely
         assert all("rel_err" in r and r["rel_err"] < 1e-4 for r in rows), [r for r in rows if "us" not in r][:3]
         _check_writer(result["tables"])
@@ -222,17 +242,18 @@ def _check_writer(result: dict) -> None:
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
-        for f in ("moe_down.py", "moe_gemv.py", "moe_routing.py"):
+        for f in ("moe_down.py", "moe_gemv.py", "moe_routing.py", "moe_gemv_dense.py"):
             (Path(tmp) / "tokenforge/kernels").mkdir(parents=True, exist_ok=True)
             shutil.copy(ROOT / "tokenforge/kernels" / f, Path(tmp) / "tokenforge/kernels" / f)
-        write_tables({**result, "EARLY_DOWN": False, "ROUTED_GEMV_EXPERTS": 64,
+        write_tables({**result, "EARLY_DOWN": False, "ROUTED_GEMV_EXPERTS": 64, "GATE_UP_TILES": {"fp8": [4, 512, 4]},
                       "GEMV_PAIRS_BY_SHAPE": {"float,2048,768,128": 16}}, Path(tmp))
         text = (Path(tmp) / "tokenforge/kernels/moe_down.py").read_text()
         assert "EARLY_DOWN = False" in text and re.search(r"^FOLD_DOWN = \{.*\}$", text, re.M), text[:200]
         gemv = (Path(tmp) / "tokenforge/kernels/moe_gemv.py").read_text()
         assert '("float", 2048, 768, 128): 16}' in gemv, gemv
         assert "ROUTED_GEMV_EXPERTS = 64" in (Path(tmp) / "tokenforge/kernels/moe_routing.py").read_text()
-        for f in ("moe_down.py", "moe_gemv.py", "moe_routing.py"):   # still Python
+        assert '"fp8": (4, 512, 4)}' in (Path(tmp) / "tokenforge/kernels/moe_gemv_dense.py").read_text()
+        for f in ("moe_down.py", "moe_gemv.py", "moe_routing.py", "moe_gemv_dense.py"):   # still Python
             compile((Path(tmp) / "tokenforge/kernels" / f).read_text(), f, "exec")
 
 

@@ -5,20 +5,21 @@
 #      tests/kernels/test_moe.py and test_moe_fp8.py, and tests/model/test_moe_no_host_sync.py
 #   2. bench/moe_gemv_sweep.py: the MoE step, old against new path, T = 1, 2, 4, 8, 16, on gpt-oss-20b,
 #      gpt-oss-120b (MXFP4), qwen3-30b-a3b, mixtral-8x7b (bf16); it writes the tables its rows support
-#      (FOLD_DOWN, EARLY_DOWN, DOWN_TILES, GEMV_PAIRS_BY_SHAPE, ROUTED_GEMV_EXPERTS) into tokenforge/kernels/ of
-#      this copy only
+#      (FOLD_DOWN, EARLY_DOWN, DOWN_TILES, GATE_UP_TILES, GEMV_PAIRS_BY_SHAPE, ROUTED_GEMV_EXPERTS) into
+#      tokenforge/kernels/ of this copy only
 #   3. W1 of the four models with those tables (mixtral-8x7b needs > 100 GB: skipped on an 80 GB card)
 #   4. if budget is left (BUDGET=400): tests/model/test_moe_gpu.py -k fused (whole models, fused vs reference)
 # Out: $OUT/summary.txt (tests, tables, the sweep's T = 1 rows, W1), moe_gemv_sweep.json, W1-*.json, moe_r8.log,
 # moe_r8.tgz (every step's log).
-#   bash bench/moe_r8.sh "$OUT"            (dry run of the sweep on a CPU: python3 bench/moe_gemv_sweep.py OUT --cpu-smoke)
+#   bash bench/moe_r8.sh "$OUT"
+# (a dry run of the sweep on a CPU, Triton's interpreter: python3 bench/moe_gemv_sweep.py OUT --cpu-smoke)
 NAME=moe_r8; BUDGET=${BUDGET:-240}; STEP_TAIL=12
 source "$(dirname "$0")/device_steps.sh" "$@"
 step tests 35 python3 -m pytest -q -x --timeout 60 -p no:cacheprovider tests/kernels/test_moe.py \
   tests/kernels/test_moe_fp8.py -k "decode_gemvs or mxfp4 or fp8_matches" tests/model/test_moe_no_host_sync.py
 step sweep 65 python3 bench/moe_gemv_sweep.py "$W/sweep" --write-tables
-grep -n "^FOLD_DOWN\|^EARLY_DOWN\|^DOWN_TILES\|^GEMV_PAIRS\|^ROUTED_GEMV" tokenforge/kernels/moe_down.py \
-  tokenforge/kernels/moe_gemv.py tokenforge/kernels/moe_routing.py | tee -a "$LOG"
+grep -n "^FOLD_DOWN\|^EARLY_DOWN\|^DOWN_TILES\|^GEMV_PAIRS\|^ROUTED_GEMV\|^GATE_UP_TILES" \
+  tokenforge/kernels/moe_{down,gemv,routing,gemv_dense}.py | tee -a "$LOG"
 GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 W1="--load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline --repeats 1 --quick-ceilings"
 for M in gpt-oss-20b gpt-oss-120b qwen3-30b-a3b mixtral-8x7b; do
@@ -55,7 +56,8 @@ except (OSError, KeyError, ValueError) as exc:
 for f in sorted(glob.glob(f"{w}/w1-*/*.json")):
     d = json.load(open(f)); t = d.get("tokenforge", {})
     print(f"W1 {f.split('/')[-2][3:]:14s} {t.get('output_tok_s', float('nan')):7.1f} tok/s "
-          f"{t.get('ms_per_token_p50', float('nan')):6.3f} ms/tok {100 * d.get('roofline_frac', float('nan')):5.1f}% of roofline")
+          f"{t.get('ms_per_token_p50', float('nan')):6.3f} ms/tok "
+          f"{100 * d.get('roofline_frac', float('nan')):5.1f}% of roofline")
 PY
 tar czf "$OUT/moe_r8.tgz" -C "$W" . 2>/dev/null
 echo "total $(( $(date +%s) - START ))s" | tee -a "$LOG"

@@ -133,7 +133,8 @@ def test_fused_moe_epilogues_match_reference(device, variant, tokens, gemv):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt,experts,k,order,renorm", [
-    ("float", 128, 8, "softmax_topk", True), ("float", 8, 2, "softmax_topk", True), ("fp8", 128, 8, "softmax_topk", True),
+    ("float", 128, 8, "softmax_topk", True), ("float", 8, 2, "softmax_topk", True),
+    ("fp8", 128, 8, "softmax_topk", True),
     ("mxfp4", 32, 4, "topk_softmax", False), ("mxfp4", 128, 4, "topk_softmax", False)])
 @pytest.mark.parametrize("tokens", [1, 4])
 @pytest.mark.parametrize("early", [True, False])

@@ -24,9 +24,12 @@ from .moe_gemv import swiglu
 from .moe_topk import route_rows
 
 # format -> (BLOCK_N, BLOCK_K, num_warps) of the gate-up tile [2, BLOCK_N, BLOCK_K]: 4096 values a
-# step (32 a thread: 96 registers for bf16 in ptxas for sm_90), a thread's activations serving
-# its rows of gate and up
-GATE_UP_TILES = {"float": (8, 256, 4), "fp8": (8, 256, 4)}
+# step (32 a thread: 96 registers for bf16 in ptxas for sm_90), a thread's activations serving its
+# rows of gate and up. At batch 1 every program routes its token (a top-k over the logits), so
+# fewer, longer programs route less: (8, 256) gives Qwen3-MoE 768 programs of 8 steps; (4, 512)
+# (1536 of 4) avoids the two barriers a step of converting the activations' layout that (8, 256)
+# has; bench/moe_gemv_sweep.py tries both
+GATE_UP_TILES = {"float": (8, 256, 4), "fp8": (4, 512, 4)}
 FP8_FORMAT = 2          # kernels/moe_gemv.py's FORMATS["fp8"]
 
 
