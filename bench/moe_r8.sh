@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 24, round 8 on one H200 (BUDGET seconds, default 240; a step is cut or skipped once it is spent):
-#   1. GPU tests of the MoE kernels (-k "decode_gemvs or mxfp4 or fp8_matches": the decode GEMVs against the
-#      reference, a second call and a CUDA-graph replay bit for bit; MXFP4 and fp8 experts on both paths) in
-#      tests/kernels/test_moe.py and test_moe_fp8.py, and tests/model/test_moe_no_host_sync.py
+#   1. GPU tests of the MoE kernels (-k "decode_gemvs or mxfp4 or fp8_matches or host_sync": the decode GEMVs
+#      against the reference, a second call and a CUDA-graph replay bit for bit; MXFP4 and fp8 experts on both
+#      paths) in tests/kernels/test_moe.py and test_moe_fp8.py, and tests/model/test_moe_no_host_sync.py
 #   2. bench/moe_gemv_sweep.py: the MoE step, old against new path, T = 1, 2, 4, 8, 16, on gpt-oss-20b,
 #      gpt-oss-120b (MXFP4), qwen3-30b-a3b, mixtral-8x7b (bf16); it writes the tables its rows support
 #      (FOLD_DOWN, EARLY_DOWN, DOWN_TILES, GATE_UP_TILES, GEMV_PAIRS_BY_SHAPE, ROUTED_GEMV_EXPERTS) into
@@ -15,9 +15,10 @@
 # (a dry run of the sweep on a CPU, Triton's interpreter: python3 bench/moe_gemv_sweep.py OUT --cpu-smoke)
 NAME=moe_r8; BUDGET=${BUDGET:-240}; STEP_TAIL=12
 source "$(dirname "$0")/device_steps.sh" "$@"
-step tests 35 python3 -m pytest -q -x --timeout 60 -p no:cacheprovider tests/kernels/test_moe.py \
-  tests/kernels/test_moe_fp8.py -k "decode_gemvs or mxfp4 or fp8_matches" tests/model/test_moe_no_host_sync.py
-step sweep 65 python3 bench/moe_gemv_sweep.py "$W/sweep" --write-tables
+step tests 30 python3 -m pytest -q -x --timeout 60 -p no:cacheprovider tests/kernels/test_moe.py \
+  tests/kernels/test_moe_fp8.py -k "decode_gemvs or mxfp4 or fp8_matches or host_sync" \
+  tests/model/test_moe_no_host_sync.py
+step sweep 70 python3 bench/moe_gemv_sweep.py "$W/sweep" --write-tables
 grep -n "^FOLD_DOWN\|^EARLY_DOWN\|^DOWN_TILES\|^GEMV_PAIRS\|^ROUTED_GEMV\|^GATE_UP_TILES" \
   tokenforge/kernels/moe_{down,gemv,routing,gemv_dense}.py | tee -a "$LOG"
 GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
