@@ -2,6 +2,7 @@
 
     python3 bench/moe_gemv_sweep.py OUT [--write-tables] [--shapes gpt-oss-20b,...] [--batches 1,2,4,8,16] [--fp8]
     python3 bench/moe_gemv_sweep.py OUT --cpu-smoke      (Triton's interpreter on the CPU: tiny shapes, no timing)
+    python3 bench/moe_gemv_sweep.py --apply-tables OUT/moe_gemv_sweep.json    (a device run's tables into this tree)
 
 The engine's MoE step from router logits (`bench.kernels.moe.engine_step`: routed in the GEMVs at
 batch 1, after `route_align` above), each call its own CUDA graph, replayed over 3 weight sets (more
@@ -198,13 +199,20 @@ def write_tables(result: dict, root: Path = ROOT) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--apply-tables", metavar="SWEEP_JSON", help="write a finished sweep's tables; run nothing")
     ap.add_argument("--shapes", default=",".join(FORMATS))
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--fp8", action="store_true", help="fp8 experts for the 16-bit shapes too")
     ap.add_argument("--write-tables", action="store_true")
     ap.add_argument("--cpu-smoke", action="store_true")
     args = ap.parse_args()
+    if args.apply_tables:
+        write_tables(json.loads(Path(args.apply_tables).read_text())["tables"])
+        print(f"tables of {args.apply_tables} written into tokenforge/kernels/", flush=True)
+        return
+    if not args.out:
+        ap.error("OUT is required")
     if SMOKE:
         from tests.kernels.test_moe_interpreter import _interpreter_compat
         _interpreter_compat()
