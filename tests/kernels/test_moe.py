@@ -129,3 +129,48 @@ def test_fused_moe_epilogues_match_reference(device, variant, tokens, gemv):
                     "swiglu_oai" if oai else "silu", 1.702, 0.4, gemv=gemv)
     err = (out.float().cpu() - ref).norm() / ref.norm()
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
+DECODE_CASES = [("float", 128, 8, "softmax_topk", True), ("float", 8, 2, "softmax_topk", True),
+                ("fp8", 128, 8, "softmax_topk", True), ("mxfp4", 32, 4, "topk_softmax", False),
+                ("mxfp4", 128, 4, "topk_softmax", False)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt,experts,k,order,renorm,tokens,early", [
+    *[(*case, tokens, True) for case in DECODE_CASES for tokens in (1, 4)],
+    (*DECODE_CASES[0], 1, False), (*DECODE_CASES[3], 1, False)])          # the down waits before its first loads
+def test_decode_gemvs_match_reference_and_repeat_exactly(monkeypatch, fmt, experts, k, order, renorm, tokens, early):
+    """The decode GEMV path from the router logits (batch 1: routed in the kernels; 4: after
+    route_align) with the down GEMV summing the k experts (kernels/moe_down.py), its first weight
+    tile loaded before or after griddepcontrol.wait: the reference's result, bit for bit the same on
+    a second call and on a CUDA-graph replay (no atomics, no race with the gate-up GEMV)."""
+    from tokenforge.kernels import moe_down
+    from tokenforge.kernels.moe_fp8 import Fp8Stack, quantize_fp8_stack
+    from tokenforge.kernels.moe_routing import fused_moe_from_logits
+
+    monkeypatch.setattr(moe_down, "EARLY_DOWN", early)
+    gen = torch.Generator().manual_seed(experts * k + tokens)
+    h, i = 512, 384
+    w13, w2 = _random_experts(experts, h, i, gen, fmt == "mxfp4")
+    w13, w2 = _on(w13, "cuda", torch.bfloat16), _on(w2, "cuda", torch.bfloat16)
+    if fmt == "fp8":
+        w13, w2 = Fp8Stack(*quantize_fp8_stack(w13)), Fp8Stack(*quantize_fp8_stack(w2))
+    x = torch.randn(tokens, h, generator=gen).to("cuda", torch.bfloat16)
+    logits = torch.randn(tokens, experts, generator=gen).cuda()
+    weights, ids = route(logits, k, order, renorm)
+    ref = moe_reference(x, w13, w2, weights, ids).float()
+
+    def step():
+        return fused_moe_from_logits(x, logits, w13, w2, k, order, renorm, gemv=True, all_local=True)
+
+    out = step()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 2e-2
+    assert torch.equal(step(), out)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = step()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed, out)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenforge.kernels import moe as kernels_moe
-from tokenforge.kernels import moe_gemv, moe_routing
+from tokenforge.kernels import moe_decode, moe_down, moe_gemv, moe_gemv_dense, moe_routing
 from tokenforge.model.arch_config import MoeConfig
 from tokenforge.model.layers import moe as moe_layer
 
@@ -31,14 +31,17 @@ class _Launches:
 
 @pytest.fixture
 def stubbed(monkeypatch):
-    routing, gemm, gemv = _Launches(), _Launches(), _Launches()
+    routing, gemm, gemv, topk_sum = _Launches(), _Launches(), _Launches(), _Launches()
     monkeypatch.setattr(moe_routing, "_route_align_kernel", routing)
     monkeypatch.setattr(kernels_moe, "_moe_gemm_kernel", gemm)
-    monkeypatch.setattr(moe_gemv, "_moe_gemv_kernel", gemv)                 # decode batches of MXFP4 experts
-    monkeypatch.setattr(kernels_moe, "_topk_sum_kernel", _Launches())      # the sum over k (one launch)
+    # decode batches: the gate-up GEMVs (MXFP4; 16-bit and fp8) and the down GEMV with the sum over k
+    monkeypatch.setattr(moe_gemv, "_moe_gemv_kernel", gemv)
+    monkeypatch.setattr(moe_gemv_dense, "_gate_up_kernel", gemv)
+    monkeypatch.setattr(moe_down, "_down_sum_kernel", gemv)
+    monkeypatch.setattr(moe_decode, "_topk_sum_kernel", topk_sum)          # the sum over k of the grouped GEMMs
     monkeypatch.setattr(moe_routing, "require_triton", lambda *t: None)
     monkeypatch.setattr(kernels_moe, "require_triton", lambda *t: None)
-    return routing, gemm, gemv
+    return routing, gemm, gemv, topk_sum
 
 
 def _block(style: str, expert_parallel: bool = False) -> moe_layer.SparseMoeBlock:
@@ -60,15 +63,19 @@ def _block(style: str, expert_parallel: bool = False) -> moe_layer.SparseMoeBloc
 @pytest.mark.parametrize("expert_parallel", [False, True])
 @pytest.mark.parametrize("tokens,one_launch", [(1, True), (16, True), (300, False)])
 def test_fused_moe_layer_needs_no_host_sync(stubbed, style, expert_parallel, tokens, one_launch):
-    routing, gemm, gemv = stubbed
+    routing, gemm, gemv, topk_sum = stubbed
     block = _block(style, expert_parallel)
     with torch.inference_mode():
         out = block.routed(torch.empty(tokens, 64, dtype=torch.bfloat16, device="meta"))
     assert out.shape == (tokens, 64) and out.dtype == torch.bfloat16 and out.is_meta
-    per_pair = style == "gpt-oss" and tokens * 4 <= moe_gemv.gemv_pairs("mxfp4")    # the GEMV path
-    routed = per_pair and tokens <= moe_routing.ROUTED_GEMV_TOKENS               # the GEMVs route their own pairs
+    fmt = {"gpt-oss": "mxfp4", "mixtral-fp8": "fp8", "mixtral": "float"}[style]
+    top_k = block.moe.top_k
+    per_pair = tokens * top_k <= moe_gemv.gemv_pairs(fmt)                  # the GEMV path
+    routed = per_pair and tokens <= moe_routing.ROUTED_GEMV_TOKENS and \
+        block.moe.num_experts <= moe_routing.ROUTED_GEMV_EXPERTS                 # the GEMVs route their own pairs
     assert routing.calls == (1 if one_launch and not routed else 0)
     assert (gemv.calls, gemm.calls) == ((2, 0) if per_pair else (0, 2))
+    assert topk_sum.calls == (0 if per_pair and moe_down.FOLD_DOWN[fmt] else 1)     # folded into the down GEMV
 
 
 def test_the_check_catches_a_host_sync(stubbed):

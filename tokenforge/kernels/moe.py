@@ -31,10 +31,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
+from ._triton import require_triton, tl, triton
+from .moe_decode import gemv_moe, topk_sum
 from .moe_fp8 import Fp8Stack
-from . import moe_gemv
-from .moe_gemv import gemv_pairs, launch_gemv, swiglu
+from .moe_gemv import gemv_pairs, swiglu
 from .mxfp4 import Mxfp4Stack, fp4_weight_tiles
 
 ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
@@ -289,8 +289,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing.
     `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the table's (the tile sweep of
     `tokenforge bench kernels --part moe_tiles`; the GEMV's own tile when it runs). `gemv`: run the
-    two GEMMs as per-pair GEMVs (kernels/moe_gemv.py); None decides by the weight format and the
-    pair count (`gemv_pairs`)."""
+    GEMV path (kernels/moe_decode.py: per-pair gate-up GEMVs, a down GEMV that sums the k experts);
+    None decides by the weight format, the shape and the pair count (`gemv_pairs`)."""
     require_triton(x)
     tokens, hidden = x.shape
     num_experts, two_inter = w13.shape[0], w13.shape[1]
@@ -301,8 +301,9 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     x = x.contiguous()
     oai = activation == "swiglu_oai"
     w13_args, w2_args = _weight_args(w13), _weight_args(w2)
-    if gemv if gemv is not None else pairs <= gemv_pairs(w13_args[-1]):
-        return _fused_gemv(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local, tile)
+    if gemv if gemv is not None else pairs <= gemv_pairs(w13_args[-1], hidden, inter, num_experts):
+        return gemv_moe(x, w13_args, w2_args, top_k, ids, weights, w13_bias, w2_bias, oai=oai, alpha=alpha,
+                        limit=limit, all_local=all_local, tile=tile)
     sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     w, s, swe, swn, sse, ssn, fmt = w13_args
     sms = _sm_count(x.device)
@@ -330,47 +331,3 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
                            DOT_PRECISION=precision,
                            num_warps=warps, num_stages=stages)
     return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
-
-
-def _fused_gemv(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai: bool, alpha: float, limit: float,
-                all_local: bool, tile) -> torch.Tensor:
-    """`fused_moe` with both GEMMs as per-pair GEMVs (no alignment: each pair reads its expert id)."""
-    tokens, hidden = x.shape
-    top_k = ids.shape[1]
-    pairs, inter = tokens * top_k, w13_args[0].shape[1] // 2
-    flat_ids = ids.reshape(-1).contiguous()
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    launch_gemv(x, w13_args, w13_bias, act, flat_ids, weights, inter, hidden, top_k, swiglu=True, oai=oai,
-                mul_weights=False, alpha=alpha, limit=limit, tile=tile)
-    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
-    launch_gemv(act, w2_args, w2_bias, out, flat_ids, weights.reshape(-1).float().contiguous(), hidden, inter, 1,
-                swiglu=False, oai=False, mul_weights=True, alpha=alpha, limit=limit, tile=tile)
-    return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
-
-
-@triton.jit
-def _topk_sum_kernel(src_ptr, dst_ptr, H, K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    t = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    kk = tl.arange(0, K_PAD)
-    mask = (kk < K)[:, None] & (offs_h < H)[None, :]
-    rows = tl.load(src_ptr + (t * K + kk)[:, None] * H + offs_h[None, :], mask=mask, other=0.0)
-    tl.store(dst_ptr + t * H + offs_h, tl.sum(rows, 0).to(dst_ptr.dtype.element_ty), mask=offs_h < H)
-
-
-def topk_sum(src: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, k, H] fp32 -> its sum over k in `dtype`, in one launch (torch's sum and cast are two:
-    some 5 us a MoE layer at decode)."""
-    tokens, top_k, hidden = src.shape
-    dst = torch.empty(tokens, hidden, dtype=dtype, device=src.device)
-    if tokens:
-        block_h = 1024
-        pdl = moe_gemv.MOE_PDL and use_pdl(src)
-        _topk_sum_kernel[(tokens, triton.cdiv(hidden, block_h))](src, dst, hidden, K=top_k,
-                                                                  K_PAD=next_power_of_2(top_k), BLOCK_H=block_h,
-                                                                  USE_PDL=pdl, launch_pdl=pdl)
-    return dst

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
-from .moe import ROUTING_ORDERS, _weight_args, alignment_block, fused_moe, padded_length, topk_sum
-from .moe_gemv import gemv_pairs, launch_gemv
+from .moe import ROUTING_ORDERS, _weight_args, alignment_block, fused_moe, padded_length
+from .moe_decode import gemv_moe
+from .moe_gemv import gemv_pairs
 from .moe_topk import route_rows
 
 MAX_TILE = 16384
@@ -31,6 +32,11 @@ MAX_TOKENS = 16       # the decode CUDA-graph buckets 1, 2, 4, 8, 16 compile eve
 # but 119.5 vs 116.3 at T = 4 and 399.6 vs 380.1 at T = 16, where every program re-routing its
 # token costs more than the launch it saves (BENCHMARKS.md, round 7b)
 ROUTED_GEMV_TOKENS = 1
+# ... and at most this many experts: each gate-up program routes its token after griddepcontrol.wait,
+# so the top-k's cross-warp reductions over 128 logits (k of them) sit on the step's critical path
+# (gpt-oss-120b, 128 experts: routed 45.6 vs 46.5 us, a 0.9 us gain against 4.1 at 32 experts);
+# bench/moe_gemv_sweep.py's "new-route-align" row measures it for Qwen3-MoE's k = 8 of 128
+ROUTED_GEMV_EXPERTS = 128
 
 
 @triton.jit
@@ -45,7 +51,7 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert
     rows = tl.arange(0, T_PAD)
     cols = tl.arange(0, E_PAD)
     kk = tl.arange(0, K_PAD)
-    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
+    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE, "")
     out = (rows < T)[:, None] & chosen
     offs = rows[:, None] * K + kk[None, :]
     tl.store(weights_ptr + offs, w, mask=out)
@@ -127,12 +133,14 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k:
                           renormalize: bool, first: int = 0, num_local: int | None = None, **kwargs):
     """`fused_moe` from the router's logits, routed and aligned in one launch: [T, H], or None
     when the batch does not `fits` (the caller routes with torch). kwargs go to `fused_moe`.
-    A batch of at most ROUTED_GEMV_TOKENS that takes the per-pair GEMVs (`gemv_pairs`, or
+    A batch of at most ROUTED_GEMV_TOKENS (and ROUTED_GEMV_EXPERTS) that takes the GEMVs (`gemv_pairs`, or
     `gemv=True`) needs no alignment: each GEMV program routes its own token (`_routed_gemv`), so
     no routing launch precedes them."""
     pairs = x.shape[0] * top_k
     gemv = kwargs.get("gemv")
-    if x.shape[0] <= ROUTED_GEMV_TOKENS and (gemv or (gemv is None and pairs <= gemv_pairs(_weight_args(w13)[-1]))):
+    limit = gemv_pairs(_weight_args(w13)[-1], x.shape[1], w2.shape[2], w13.shape[0]) if gemv is None else 0
+    routed = x.shape[0] <= ROUTED_GEMV_TOKENS and logits.shape[1] <= ROUTED_GEMV_EXPERTS
+    if routed and (gemv or (gemv is None and pairs <= limit)):
         if order not in ROUTING_ORDERS:
             raise ValueError(f"unknown routing order {order!r}; supported: {', '.join(ROUTING_ORDERS)}")
         if not 1 <= top_k <= logits.shape[1]:
@@ -150,17 +158,9 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k:
 def _routed_gemv(x, logits, w13, w2, top_k: int, order: str, renormalize: bool, first: int,
                  w13_bias=None, w2_bias=None, activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
                  all_local: bool = False, tile=None, gemv=None) -> torch.Tensor:
-    """`fused_moe`'s GEMV path (kernels/moe.py `_fused_gemv`) with the routing done by the GEMV
-    programs from the logits (kernels/moe_gemv.py, ROUTE), then the sum over k."""
-    tokens, hidden = x.shape
+    """`fused_moe`'s GEMV path (kernels/moe_decode.py) with the routing done by the GEMV programs
+    from the logits (ROUTE), so no routing launch precedes them."""
     x, logits = x.contiguous(), logits if logits.stride(1) == 1 else logits.contiguous()
-    w13_args, w2_args = _weight_args(w13), _weight_args(w2)
-    pairs, inter = tokens * top_k, w13_args[0].shape[1] // 2
-    route = (top_k, order, renormalize, first)
-    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    launch_gemv(x, w13_args, w13_bias, act, logits, logits, inter, hidden, top_k, swiglu=True,
-                oai=activation == "swiglu_oai", mul_weights=False, alpha=alpha, limit=limit, tile=tile, route=route)
-    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
-    launch_gemv(act, w2_args, w2_bias, out, logits, logits, hidden, inter, 1, swiglu=False, oai=False,
-                mul_weights=True, alpha=alpha, limit=limit, tile=tile, route=route)
-    return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
+    return gemv_moe(x, _weight_args(w13), _weight_args(w2), top_k, logits, None, w13_bias, w2_bias,
+                    oai=activation == "swiglu_oai", alpha=alpha, limit=limit, all_local=all_local, tile=tile,
+                    route=(top_k, order, renormalize, first))
