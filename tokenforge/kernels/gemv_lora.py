@@ -1,25 +1,31 @@
-"""One-row GEMV with the multi-LoRA shrink in the same launch, then a one-row expand:
-y = p(x) W^T + scale[s] B[s] (A[s] p(x)).
+"""One-row GEMV with the multi-LoRA delta in the same launch: y = p(x) W^T + scale[s] B[s] (A[s] p(x)).
 
 In: x [1, K] (or [1, 2K] = [gate | up] for the SiLU-and-mul prologue), W [N, K], optional bias
 [N], and a `GemvLoRA` (one linear's slots, model/layers/lora.py): lora_A [S, n*R, K], lora_B
-[S, N, R], scale [S] fp32, indices [1] (the row's slot, -1: none) and the packed slices' sizes.
-p is one of gemv.py's prologues (none, add + RMSNorm, SiLU-and-mul), so a linear with an adapter
-keeps its fused prologue. Out: y [1, N] (and the new residual for the norm prologue), as gemv.py
-and then kernels/lora.py would give.
+[S, N, R], scale [S] fp32, indices [1] (the row's slot, -1: none), the packed slices' sizes and
+the linear's counter cell `sync` (model/lora.py). p is one of gemv.py's prologues (none, add +
+RMSNorm, SiLU-and-mul), so a linear with an adapter keeps its fused prologue. Out: y [1, N] (and
+the new residual for the norm prologue), as gemv.py and then kernels/lora.py would give.
 
 Why: at batch 1 the hook path costs each adapted linear a shrink and an expand launch (and the
 fused prologue: a separate norm / SwiGLU launch), each about as dear as a small GEMV, for LoRA
-weights under 1% of the step's bytes (BENCHMARKS.md, wave 3 round 4). Here the shrink is more
-rows of the same GEMV: cdiv(n*R, BLOCK_N) extra programs, after the W programs, multiply p(x) by
-A[s]'s rows instead of W's, with the same prologue, into an fp32 vector; one expand launch then
-adds B[s] . shrunk to y, its B rows issued before griddepcontrol.wait. Two launches per linear,
-the prologue kept, no synchronisation inside a launch.
+weights under 1% of the step's bytes (BENCHMARKS.md, wave 3 round 4). Every extra launch between
+two GEMVs also ends the weight streaming that PDL overlaps with the previous kernel: with the
+shrink in the GEMV's grid and a one-row expand after it (two launches, `ONE_LAUNCH` off), W1
+kept 70-77% of bare, ~14 us a linear for ~1 us of work (BENCHMARKS.md, wave 3 rounds 7 and 8).
 
-Measured and dropped (BENCHMARKS.md, wave 3 round 7): the expand inside the GEMV, each W program
-spinning until the shrink programs had published (programs took tickets from an atomic counter so
-the spin could not deadlock). W1 fell from 59.5% to 51.8% of bare: every program's weight loads
-waited for its ticket's round trip, and the memory-bound GEMV lost its loads in flight.
+One launch (`_gemv_lora_kernel`): the first cdiv(n*R, BLOCK_N) programs multiply p(x) by A[s]'s
+rows into an fp32 vector and count themselves done in sync[0] (release); the row programs compute
+their W rows, then wait for the count (acquire) and add B[s] . shrunk in their epilogue. Roles
+follow the program id (blocks start in id order), so no program takes a ticket before its first
+weight load; a row program still waiting after MAX_SPINS loads computes the shrink itself, so a
+schedule that ran no shrink program first costs time, never a hang. The cell must be zero when a
+launch starts: eager calls zero it, and a CUDA graph zeroes every cell once at its start.
+
+Measured and dropped (BENCHMARKS.md, wave 3 round 7): every program taking a ticket from one
+atomic counter (acq_rel) before its first weight load, roles by ticket. W1 fell from 59.5% to
+51.8% of bare: the loads waited for the ticket's round trip, and 14,000 programs of gate_up
+queued on one address.
 
 `gemv_lora_ref` is the torch computation (gemv.py's reference, then kernels/lora.py's).
 """
