@@ -19,9 +19,9 @@ at most `probe_requests` requests, so the acceptance stays measured at little co
 The verifier samples each row as a decode whose history is the tokens before it (logprobs,
 penalties, grammar masks, min_tokens bans). A grammar checks the drafts first: the injected `check`
 cuts them at the first token the request's grammar forbids (a draft the device fills in later cannot
-be checked, so constrained requests get drafts from host proposers only). Not drafted (they decode
-one token a step as before): sampled requests with a seed (the verifier does not draw from their
-generator).
+be checked, so constrained requests get drafts from host proposers only). Seeded sampled requests
+draft too: the verifier draws each row from the request's own generator and rewinds it to the
+tokens emitted, so their output is what it is without speculation.
 """
 
 from __future__ import annotations
@@ -131,18 +131,13 @@ class DraftPlanner:
             self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
         self.step_k = k
 
-    @staticmethod
-    def eligible(req: Request) -> bool:
-        p = req.params
-        return p.seed is None or p.is_greedy
-
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
         if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1 or self._quota == 0:
             return []
         room = min(self.step_k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
                    max_len - req.num_tokens - 1)
-        if room <= 0 or not self.eligible(req):
+        if room <= 0:
             return []
         if self._quota is not None:
             self._quota -= 1            # a probe asks this many proposals (found or not), no more
