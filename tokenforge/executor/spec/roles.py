@@ -31,10 +31,6 @@ from tokenforge.executor.spec.rejection import greedy_verify
 from tokenforge.executor.spec.verify_batch import select_masks, split_grammar_rows, verify_sampling_batch
 
 
-def make_speculative_role(runner):
-    return SpeculativeDriver(runner) if runner.rank.is_driver else SpeculativeFollower(runner)
-
-
 @dataclass(slots=True)
 class VerifyRows:
     """A step's drafted sequences and where their rows are (device tensors, one upload)."""
