@@ -182,9 +182,9 @@ class SchedulerConfig:
                                   "triton attention backend (GPU default) has no tree kernel: it keeps chain drafts")
 
     @property
-    def num_draft_tokens(self) -> int:
-        """Drafts (tree nodes) per request and step (0 without speculative decoding)."""
-        return 0 if self.speculative_method is None else (self.num_speculative_tokens or 4)
+    def num_draft_tokens(self) -> int:   # drafts (tree nodes) per request and step (0 without speculation)
+        k = self.num_speculative_tokens
+        return 0 if self.speculative_method is None else (4 if k is None else k)
 
     def validate(self) -> None:
         # None (the two batch limits): left for the engine core, which knows the device (for_device).
