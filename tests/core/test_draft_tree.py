@@ -37,7 +37,7 @@ def test_a_budget_of_eight_branches_and_goes_deep():
     assert DraftTree.build(4).parents == (-1, 0, 1, 2, 3)                # a small budget: a chain
 
 
-def test_the_tree_shape_cuts_by_depth_and_slots_and_serves_plain_greedy_only():
+def test_the_tree_shape_cuts_by_depth_and_slots_and_serves_requests_without_row_histories():
     planner = DraftPlanner(device_drafts, 8, shape=TreeShape(DraftTree.build(8)))
     planner.adaptive = False
     planner.begin_step(1)
@@ -50,8 +50,9 @@ def test_the_tree_shape_cuts_by_depth_and_slots_and_serves_plain_greedy_only():
     assert drafts(max_tokens=32, temperature=0.0) == 8
     assert drafts(max_tokens=4, temperature=0.0) == 4          # 2 more tokens after the next: depth 2
     assert drafts(max_tokens=32, temperature=0.0, budget=4) == 3          # 3 node slots in the token budget
-    for params in ({"temperature": 0.8}, {"logprobs": 1}, {"frequency_penalty": 0.5}, {"min_tokens": 5, "eos": (7,)}):
-        assert drafts(max_tokens=32, temperature=params.pop("temperature", 0.0), **params) == 0, params
+    assert drafts(max_tokens=32, temperature=0.8, seed=4) == 8
+    for params in ({"logprobs": 1}, {"frequency_penalty": 0.5}, {"min_tokens": 5, "eos": (7,)}):
+        assert drafts(max_tokens=32, temperature=0.8, **params) == 0, params
 
 
 def _config(tree: bool, device: str, backend: str):

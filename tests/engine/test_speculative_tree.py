@@ -19,6 +19,7 @@ from tests.executor.spec.eagle_heads import write_eagle1, write_eagle3
 TREE = DraftTree.build(8)                # (-1, 0, 0, 1, 1, 3, 5, 6, 7): first choices 1-3-5-6-7-8
 FIRST_CHOICES = [1, 3, 5, 6, 7, 8]
 MAX_TOKENS = 24
+SEEDED = SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _engine(**kw):
@@ -48,12 +49,14 @@ def head(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline():
-    """Per prompt: (its token ids, its greedy output without speculation)."""
+    """Without speculation, per prompt: (its token ids, its greedy output); and the first two
+    prompts' seeded samples."""
     llm = _engine()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     outs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SEEDED, use_tqdm=False)]
     llm.shutdown()
-    return outs
+    return outs, seeded
 
 
 @pytest.fixture(scope="module")
@@ -84,13 +87,13 @@ def test_a_random_head_is_exact_and_its_first_choices_are_the_chain_drafts(basel
     tree_drafts = _record_drafts(tree_engine, FIRST_CHOICES)
     got = _greedy(tree_engine, PROMPTS)
     del tree_engine.engine.executor.runner.drafter.before_forward
-    assert got == [want for _, want in baseline]
+    assert got == [want for _, want in baseline[0]]
     stats = tree_engine.engine.scheduler.drafts.stats()
     assert stats["num_draft_tokens"] > 5 * len(PROMPTS) * 8, stats       # nearly every step drafted 8 nodes
     _assert_no_leak(tree_engine)
     chain = _speculative(head, len(FIRST_CHOICES), tree=False)
     chain_drafts = _record_drafts(chain)
-    assert _greedy(chain, PROMPTS) == [want for _, want in baseline]
+    assert _greedy(chain, PROMPTS) == [want for _, want in baseline[0]]
     chain.shutdown()
     assert len(tree_drafts) > 50 and tree_drafts == chain_drafts
 
@@ -101,8 +104,8 @@ class Oracle:
 
     LEAVES = (4, 2, 8, 6, 3)
 
-    def __init__(self, truth: list[int]) -> None:
-        self.truth, self.calls, self.planted = truth, 0, None
+    def __init__(self, truth: list[int], greedy: bool) -> None:
+        self.truth, self.greedy, self.calls, self.planted = truth, greedy, 0, None
 
     def expand(self, inputs, i, root, n, rows, hidden):
         start = inputs.attn_batch.context_lens[i]
@@ -114,6 +117,8 @@ class Oracle:
 
 
 def test_paths_through_side_branches_are_accepted_and_moved(baseline, tree_engine, monkeypatch):
+    """Greedy and seeded: the oracle plants the output without speculation, which the verify
+    accepts (a seeded request's nodes draw the noise its decodes would)."""
     runner = tree_engine.engine.executor.runner
     drafter, accepted, realigned = runner.drafter, [], []
     real_realign = drafter._realign_previous
@@ -126,37 +131,41 @@ def test_paths_through_side_branches_are_accepted_and_moved(baseline, tree_engin
             start, root, a = planted
             ids = prev.inputs.input_ids[root:root + a + 1].tolist()
             argmax = runner.model.compute_logits(prev.hidden[root:root + a + 1]).argmax(-1).tolist()
-            realigned.append(ids == oracle.truth[start:start + a + 1] and argmax == oracle.truth[start + 1:start + a + 2])
+            greedy = argmax == oracle.truth[start + 1:start + a + 2]     # the hidden rows of the path, in order
+            realigned.append(ids == oracle.truth[start:start + a + 1] and (greedy or not oracle.greedy))
             accepted.append(a)
     monkeypatch.setattr(drafter, "_realign_previous", realign)
-    for prompt_ids, want in baseline[:3]:
-        oracle = Oracle(prompt_ids + want)
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    (greedy_runs, seeded_runs), planner = baseline, tree_engine.engine.scheduler.drafts
+    runs = [(ids, want, greedy) for ids, want in greedy_runs[:3]] + [(greedy_runs[1][0], seeded_runs[1], SEEDED)]
+    for prompt_ids, want, params in runs:
+        oracle = Oracle(prompt_ids + want, params.temperature == 0)
         monkeypatch.setattr(drafter, "_expand", oracle.expand)
-        assert _greedy(tree_engine, [{"prompt_token_ids": prompt_ids}]) == [want]
+        before = planner.num_accepted
+        out = tree_engine.generate([{"prompt_token_ids": prompt_ids}], params, use_tqdm=False)
+        assert out[0].outputs[0].token_ids == want
+        assert planner.num_accepted - before > MAX_TOKENS // 2          # most tokens came as accepted drafts
         _assert_no_leak(tree_engine)
     assert realigned and all(realigned)
     assert {1, 2, 6} <= set(accepted), accepted          # node 2 (a second choice), node 4 (under 1), the chain
 
 
 def test_other_requests_decode_beside_trees_and_an_eagle3_head_is_exact(baseline, tmp_path):
-    """Sampled, seeded and logprobs requests get no tree (they decode a token a step): their output
-    is the one without speculation; an EAGLE-3 head's tree is exact too."""
+    """A logprobs request gets no tree (it decodes a token a step); a seeded sampled one does: both
+    give the output without speculation; an EAGLE-3 head's tree is exact too."""
     llm = _speculative(write_eagle3(tmp_path / "v3"), 8, tree=True)
     planner, drafted = llm.engine.scheduler.drafts, set()
     check = planner.check
     planner.check = lambda rid, drafts: drafted.add(rid) or check(rid, drafts)
-    params = [SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+    params = [SEEDED, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)]
     got = llm.generate(PROMPTS[:3], params, use_tqdm=False)
     _assert_no_leak(llm)
     llm.shutdown()
-    base = _engine()
-    want = base.generate(PROMPTS[:2], params[:2], use_tqdm=False)
-    base.shutdown()
-    assert [o.outputs[0].token_ids for o in got[:2]] == [o.outputs[0].token_ids for o in want]
-    assert got[2].outputs[0].token_ids == baseline[2][1]
-    assert [rid.split("-")[0] for rid in drafted] == [got[2].request_id], drafted    # the plain greedy one alone
+    greedy, seeded = baseline
+    assert [o.outputs[0].token_ids for o in got] == [seeded[0], greedy[1][1], greedy[2][1]]
+    assert len(got[1].outputs[0].logprobs) == MAX_TOKENS
+    assert sorted(rid.split("-")[0] for rid in drafted) == sorted([got[0].request_id, got[2].request_id]), drafted
 
 
 def test_bad_tree_settings_are_refused_before_loading(head):

@@ -178,8 +178,8 @@ class SchedulerConfig:
     speculative_model: str | None = flag(None, "the draft model (draft: a smaller model with the target's tokenizer) or EAGLE / EAGLE-3 head directory (eagle)")
     ngram_min: int = flag(2, "shortest n-gram the ngram method matches", metavar="N")
     ngram_max: int = flag(4, "longest n-gram the ngram method matches", metavar="N")
-    speculative_tree: bool = flag(False, "eagle: draft a tree of K nodes for greedy requests, batch 1 (max_num_seqs 1); the "
-                                  "triton attention backend (GPU default) has no tree kernel: it keeps chain drafts")
+    speculative_tree: bool = flag(False, "eagle: draft a tree of K nodes, batch 1 (max_num_seqs 1; requests with logprobs, "
+                                  "penalties or min_tokens decode undrafted); triton attention (the GPU default) keeps chains")
 
     @property
     def num_draft_tokens(self) -> int:   # drafts (tree nodes) per request and step (0 without speculation)

@@ -25,7 +25,7 @@ tokens emitted, so their output is what it is without speculation.
 
 The shape of a draft is a component chosen at start-up: `ChainShape` (d tokens, each after the one
 before) or `TreeShape` (--speculative-tree: the first d nodes of the static DraftTree, whose depth
-the step's k and max_tokens cap; only for requests the tree verify serves, greedy ones without
+the step's k and max_tokens cap; only for requests the tree verify serves, those without
 logprobs, penalties or banned ids, the others decode one token a step).
 """
 
@@ -75,8 +75,8 @@ class ChainShape:
 @dataclass(frozen=True, slots=True)
 class TreeShape:
     """The first d nodes of a static tree (breadth first): those within the depth, as many as the
-    slots allow. Its verify takes each node's raw argmax: for greedy requests with nothing that
-    changes their logits or asks for more than the token."""
+    slots allow. Its verify samples each node as a fresh decode (argmax or draw): for requests
+    whose rows need no history of their own (no penalties, banned ids) and no logprobs."""
 
     tree: DraftTree
 
@@ -85,7 +85,7 @@ class TreeShape:
 
     def serves(self, req: Request) -> bool:
         p = req.params
-        return (p.is_greedy and p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+        return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
                 and p.frequency_penalty == 0.0 and not banned_tokens(req))
 
 

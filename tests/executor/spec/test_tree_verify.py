@@ -1,13 +1,16 @@
 """Verification of a draft tree (executor/spec/tree_verify.py): the accepted nodes are the longest
 root-to-leaf path whose tokens match the target's argmax at their parents; the emitted tokens are
-the argmax along it; the path's KV moves to the slots a chain's would hold."""
+the argmax (or the sample) along it, so sampled output is distributed as the target's; the path's
+KV moves to the slots a chain's would hold."""
 
 from __future__ import annotations
 
 import torch
 
 from tokenforge.config.draft_tree import DraftTree
-from tokenforge.executor.spec.tree_verify import TreeTensors, accept_path, move_kv
+from tokenforge.executor.spec.tree_verify import TreeTensors, accept_path, move_kv, node_samples
+
+from tests.executor.spec.test_rejection import CHI2_DF4_P1E4, _chi2
 
 TREE = DraftTree.build(8)     # parents (-1, 0, 0, 1, 1, 3, 5, 6, 7): the chain 1-3-5-6-7-8, leaves 2 and 4
 
@@ -55,3 +58,28 @@ def test_the_path_kv_moves_to_the_chain_slots():
     assert torch.equal(after[:, 5], before[:, 5]) and torch.equal(after[:, 6], before[:, 6])
     untouched = [s for s in range(16) if s != 7]
     assert torch.equal(after[:, untouched], before[:, untouched])
+
+
+def test_sampled_trees_emit_the_target_distribution():
+    """Root with two candidate children (tokens 3 and 1, the head's first two choices), each with
+    its own distribution after it: the first emitted token follows the root's distribution, the
+    second one the distribution after whichever child was taken (or nothing was accepted)."""
+    gen = torch.Generator().manual_seed(11)
+    v, trials = 5, 12000
+    tree = TreeTensors(DraftTree((-1, 0, 0), (0, 0, 1), (0, 1, 1)), torch.device("cpu"))   # two children
+    probs = torch.softmax(torch.randn(3, v, generator=gen) * 1.5, dim=-1)
+    probs[0] = torch.tensor([0.1, 0.3, 0.15, 0.35, 0.1])             # both children often taken
+    nodes = torch.tensor([0, 3, 1])
+    first, second = [], {3: [], 1: []}
+    for _ in range(trials):
+        noise = torch.rand(2, v, generator=gen)
+        x = node_samples(probs, tree.depths, noise)
+        path, accepted = accept_path(x, nodes, tree)
+        emitted = x[path[:int(accepted) + 1]].tolist()
+        first.append(emitted[0])
+        if accepted:
+            second[emitted[0]].append(emitted[1])
+    assert _chi2(torch.tensor(first), probs[0]) < CHI2_DF4_P1E4
+    assert len(second[3]) > 1000 and len(second[1]) > 1000
+    assert _chi2(torch.tensor(second[3]), probs[1]) < CHI2_DF4_P1E4
+    assert _chi2(torch.tensor(second[1]), probs[2]) < CHI2_DF4_P1E4

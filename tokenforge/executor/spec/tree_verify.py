@@ -5,18 +5,23 @@ A tree-drafted sequence holds n = 1 + m rows: its last known token t (node 0, th
 first m nodes of the static DraftTree (config/draft_tree.py), breadth first, at slots S .. S + m
 (S: t's position). Row i sits at position S + depth(i) and sees the context and its own ancestors
 only (a TreeMask the drafter sets, eagle_tree.py), so its logits are the target's after the path
-root..i. Greedy acceptance: x_i is row i's argmax; node i is accepted when its token equals
-x_parent(i) and its parent is accepted. Siblings hold distinct tokens (the head's top-k), so the
-accepted nodes form one root-to-leaf path (with repeated tokens the deepest, then the first, leaf
-wins); the sequence emits x along it: the path's drafts, then the argmax after its leaf, exactly
-the greedy continuation. The path's target KV moves from slots S + path[j] to S + j (gathered
+root..i. x_i is the token the target emits at row i: its argmax (greedy), or a draw from its
+sampling distribution there (`node_samples`: one noise row per depth, shared by a depth's nodes,
+so the nodes of any one path draw independently; a seeded request's rows come from its own
+generator, rewound after the step to the draws of the tokens emitted). Node i is accepted when
+its token equals x_parent(i) and its parent is accepted. Siblings hold distinct tokens (the head's
+top-k), so the accepted nodes form one root-to-leaf path (with repeated tokens the deepest, then
+the first, leaf wins); the sequence emits x along it: the path's drafts, then x after its leaf.
+Greedy, that is the greedy continuation token for token; sampled, it is the multi-candidate
+rejection rule for one-hot drafts (rejection.py: follow the child whose token is the target's
+sample, else emit the sample), so each emitted token is distributed as the target's, and a seeded
+request emits what it emits without speculation. The path's target KV moves from slots S + path[j] to S + j (gathered
 before it is scattered: path[j] >= j), so the scheduler's rollback frees the slots past the
 accepted tokens as after a chain. Everything stays on the device (no host sync): the results
 travel back as a chain verify's do ([1, D + 2]: the tokens, then the accepted count).
 
-Trees serve greedy requests whose rows take the raw argmax (core/speculation.py `TreeShape`);
-the others decode without drafts. The verify rule for sampled requests would be the same walk
-with x_i sampled (one draw per depth: rejection.py's one-hot form); it is not built yet.
+Trees serve requests without logprobs, penalties or banned ids (core/speculation.py `TreeShape`):
+every node's history would differ; those requests decode without drafts.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 
 from tokenforge.config.draft_tree import DraftTree
 from tokenforge.executor.roles import Driver, copy_back
-from tokenforge.executor.sampler import SamplerOutput
+from tokenforge.executor.sampler import SamplerOutput, SamplingBatch, processed_logits, sampling_probs
 from tokenforge.executor.spec.roles import SpeculativeDriver, VerifyInFlight, _split_plain
 
 
@@ -55,6 +60,13 @@ def accept_path(target: torch.Tensor, tokens: torch.Tensor, tree: TreeTensors) -
     order = torch.where(ancestry[leaf], index, index + n).sort().values[:depth_max + 1]   # the path, then the rest
     j = torch.arange(depth_max + 1, device=target.device)
     return torch.where(order < n, order, j), depths[leaf]
+
+
+def node_samples(probs: torch.Tensor, depths: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs [n, V]: each node's sampling distribution; noise [D + 1, V] uniforms in [0, 1), one
+    row per depth. The exponential race of the sampler (sample_from_probs), with node i's noise
+    its depth's row: [n] tokens."""
+    return (probs / noise.log().neg()[depths]).argmax(dim=-1)
 
 
 def move_kv(layers: list, slots: torch.Tensor, path: torch.Tensor) -> None:
@@ -88,7 +100,7 @@ class TreeDriver(SpeculativeDriver):
         self._finish_launch(step, step.sched)            # no plain rows; prompt logits, the broadcast
         n = 1 + s.num_draft_tokens
         rows = slice(step.inputs.query_start_loc[0], step.inputs.query_start_loc[0] + n)
-        target = self.model.compute_logits(step.hidden[rows]).argmax(dim=-1)          # [n]
+        target, rewinds = self._targets(s, self.model.compute_logits(step.hidden[rows]))    # [n]
         path, accepted = accept_path(target, step.inputs.input_ids[rows], self.tree)
         bs, table = self.block_size, s.block_table
         slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(s.start_position, s.start_position + n)],
@@ -96,4 +108,21 @@ class TreeDriver(SpeculativeDriver):
         move_kv(self.model.attention_layers(), slots, path)
         step.accepted_rows = rows.start + path           # the drafter's catch-up reads these rows next step
         result = torch.cat([target[path], accepted[None]])[None]                      # [1, D + 2]
-        step.verify = VerifyInFlight([s], copy_back(SamplerOutput(result, None), self.device), path.shape[0] - 1)
+        step.verify = VerifyInFlight([s], copy_back(SamplerOutput(result, None), self.device), path.shape[0] - 1,
+                                     rewinds, self.vocab_size)
+
+    def _targets(self, s, logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """logits [n, V] -> (the token the target emits at each node [n], the generator to rewind)."""
+        if s.params.is_greedy:
+            return logits.argmax(dim=-1), []
+        n, vocab = logits.shape
+        batch = SamplingBatch.build([s.params] * n, [s.prompt_token_ids] * n, [s.output_token_ids] * n, [None] * n,
+                                    vocab, self.device)
+        probs = sampling_probs(processed_logits(logits, batch)[0], batch)
+        depths, gen = self.tree.depths[:n], self._generator(s)
+        draws = self.tree.tree.depths[n - 1] + 1
+        if gen is None:
+            return node_samples(probs, depths, torch.rand(draws, vocab, device=self.device)), []
+        state = gen.get_state()          # draws as the sampler's, one [V] row per token, in order
+        noise = torch.stack([torch.rand(vocab, device=self.device, generator=gen) for _ in range(draws)])
+        return node_samples(probs, depths, noise), [(0, gen, state)]
