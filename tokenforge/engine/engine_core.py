@@ -59,7 +59,7 @@ def _seconds_since_process_start() -> float:
 
 def draft_shape(config: EngineConfig) -> ChainShape | TreeShape:
     """Chains, or --speculative-tree's static tree where the attention backend masks trees (the
-    runner makes the same choice: executor/spec/eagle_tree.py)."""
+    runner makes the same choice: executor/spec/components.py)."""
     if tree_drafts_apply(config):
         return TreeShape(DraftTree.build(config.scheduler.num_draft_tokens))
     if config.scheduler.speculative_tree:

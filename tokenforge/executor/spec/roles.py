@@ -13,8 +13,9 @@ gives, that is the rejection rule: rejection.py). A seeded request's rows draw f
 in order; `collect` rewinds it to the draws of the tokens it emitted, so its output is the one it has
 without speculation, whatever the drafts or the batch. The results (tokens [N, K+1], accepted counts
 [N], the logprobs of the tokens at each row when asked for) are copied back behind the step and read
-in `collect`: the step still syncs with the host once. Every first-stage rank runs the same LM-head calls in the same order (the plain
-rows', the prompt rows', then the verify rows'), for the TP head's collectives.
+in `collect`: the step still syncs with the host once. Every first-stage rank runs the same LM-head
+calls in the same order (the plain rows', the prompt rows', then the verify rows'), for the TP
+head's collectives.
 """
 
 from __future__ import annotations
