@@ -115,7 +115,7 @@ def test_async_loop_drafts_small_batches_and_runs_large_ones_ahead():
 def test_drafts_are_cut_where_the_check_says_and_sampling_features_draft():
     """Logprobs, penalties, grammars and min_tokens draft (the verifier samples each row with its
     own history); the injected check (the engine's grammar) cuts a request's drafts; seeded
-    sampling still decodes one token a step."""
+    sampling drafts too (the verifier draws from the request's generator)."""
     from tokenforge.core.request import Request
 
     cuts = []
@@ -134,5 +134,5 @@ def test_drafts_are_cut_where_the_check_says_and_sampling_features_draft():
         req.append_output_token(5)
         req.num_computed_tokens = req.num_tokens - 1
         got[rid] = planner.drafts(req, budget=64, max_len=256)
-    assert got == {"lp": [9] * 4, "pen": [9] * 4, "g": [9], "min": [9] * 4, "seed": []}
-    assert [rid for rid, _ in cuts] == ["lp", "pen", "g", "min"]
+    assert got == {"lp": [9] * 4, "pen": [9] * 4, "g": [9], "min": [9] * 4, "seed": [9] * 4}
+    assert [rid for rid, _ in cuts] == ["lp", "pen", "g", "min", "seed"]

@@ -180,3 +180,28 @@ def test_allowed_drafts_cut_at_the_first_forbidden_token_or_eos():
     assert grammars.allowed_drafts("g", [yes, eos, no]) == 1
     assert grammars.allowed_drafts("g", [DRAFT_TOKEN_ID] * 3) == 0
     assert grammars.allowed_drafts("free", [yes, eos, 7]) == 3          # no grammar: all of them
+
+
+def test_seeded_requests_draft_and_keep_their_output(engines):
+    """Seeded sampled requests draft: each verify row draws from the request's own generator, which
+    is rewound to the draws of the tokens emitted, so the output is the one without speculation,
+    the same run after run and alone or beside other requests."""
+    base, spec = engines
+    seeded = [SamplingParams(temperature=0.8, seed=seed, max_tokens=32, ignore_eos=True) for seed in (11, 12)]
+    prompts = PROMPTS[:2]
+    drafts = spec.engine.scheduler.drafts
+    before = (drafts.num_drafted, drafts.num_accepted)
+
+    def alone():
+        return [spec.generate([p], [sp], use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, seeded)]
+    first = alone()
+    assert drafts.num_drafted > before[0] and drafts.num_accepted > before[1], "no seeded draft was accepted"
+    others = [SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    mixed = spec.generate([PROMPTS[2], prompts[0], PROMPTS[1], prompts[1]], [others[0], seeded[0], others[1], seeded[1]],
+                          use_tqdm=False)
+    without = [o.outputs[0].token_ids for o in base.generate(prompts, seeded, use_tqdm=False)]
+    assert first == alone() == [mixed[1].outputs[0].token_ids, mixed[3].outputs[0].token_ids] == without
+    assert len(set(map(tuple, first))) == 2
+    kv = spec.get_stats()
+    assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"

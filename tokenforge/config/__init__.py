@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 from tokenforge.config.checks import check as _check, parse_kv_remote, parse_size, validate_kv_tiers, validate_speculative
 from tokenforge.config.lora import LORA, LoRAConfig
+from tokenforge.source import resolve_hub_fields
 
 __all__ = ["LORA", "LoRAConfig", "parse_kv_remote", "parse_size"]   # re-exported
-from tokenforge.source import resolve_hub_fields
 
 QUANTIZATION_MODES = (None, "int8", "int4", "fp8", "fp8-sim")
 QUANTIZATION_ALIASES = {"8bit": "int8", "4bit": "int4"}    # the playbook's spellings
@@ -178,11 +178,13 @@ class SchedulerConfig:
     speculative_model: str | None = flag(None, "the draft model (draft: a smaller model with the target's tokenizer) or EAGLE / EAGLE-3 head directory (eagle)")
     ngram_min: int = flag(2, "shortest n-gram the ngram method matches", metavar="N")
     ngram_max: int = flag(4, "longest n-gram the ngram method matches", metavar="N")
+    speculative_tree: bool = flag(False, "eagle: draft a tree of K nodes, batch 1 (max_num_seqs 1; requests with logprobs, "
+                                  "penalties or min_tokens decode undrafted); triton attention (the GPU default) keeps chains")
 
     @property
-    def num_draft_tokens(self) -> int:
-        """Drafts per request and step (0 without speculative decoding)."""
-        return 0 if self.speculative_method is None else (4 if self.num_speculative_tokens is None else self.num_speculative_tokens)
+    def num_draft_tokens(self) -> int:   # drafts (tree nodes) per request and step (0 without speculation)
+        k = self.num_speculative_tokens
+        return 0 if self.speculative_method is None else (4 if k is None else k)
 
     def validate(self) -> None:
         # None (the two batch limits): left for the engine core, which knows the device (for_device).
@@ -314,8 +316,7 @@ class EngineConfig:
 
     @staticmethod
     def from_kwargs(**kwargs) -> EngineConfig:
-        """Route flat keyword arguments (as `LLM(...)` and the CLI take them) to the sub-configs;
-        unset batch limits take the device's defaults (probing torch if the device is auto)."""
+        """Flat keyword arguments (`LLM(...)`, the CLI) to sub-configs; unset batch limits: the device's defaults."""
         config = EngineConfig.unresolved(**kwargs)
         return config._with_batch_defaults(config.device.resolved_device()) if config.needs_device else config
 
@@ -324,13 +325,13 @@ class EngineConfig:
         """Whether the unset batch limits still wait for the device (an `unresolved` config)."""
         return self.scheduler.max_num_seqs is None or self.scheduler.max_num_batched_tokens is None
 
-    def for_device(self, device: str) -> EngineConfig:
-        """The config on a resolved device ('cpu' or 'cuda'), named, its unset batch limits filled."""
+    def for_device(self, device: str) -> EngineConfig:   # a resolved device ('cpu' or 'cuda'), batch limits filled
         return dataclasses.replace(self._with_batch_defaults(device),
                                    device=dataclasses.replace(self.device, device=device))
 
     def _with_batch_defaults(self, device: str) -> EngineConfig:
-        filled = {k: v for k, v in DEVICE_BATCH_DEFAULTS[device].items() if getattr(self.scheduler, k) is None}
+        defaults = DEVICE_BATCH_DEFAULTS[device] | ({"max_num_seqs": 1} if self.scheduler.speculative_tree else {})
+        filled = {k: v for k, v in defaults.items() if getattr(self.scheduler, k) is None}
         return dataclasses.replace(self, scheduler=dataclasses.replace(self.scheduler, **filled)).validate()
 
     @staticmethod
@@ -338,8 +339,7 @@ class EngineConfig:
         """As from_kwargs, but unset batch limits stay None and no device is probed: the engine core
         resolves them (`for_device`), so serve's API process never imports torch."""
         groups: dict[str, dict] = {name: {} for name in _SUBCONFIGS}
-        # max_model_len is asked for once (ModelConfig); the scheduler's copy is the resolved value
-        # that EngineCore fills in with with_max_model_len() once the model's limit is known.
+        # max_model_len is asked for once (ModelConfig); EngineCore resolves the scheduler's copy (with_max_model_len)
         owners = {f.name: name for name, cls in reversed(_SUBCONFIGS.items()) for f in dataclasses.fields(cls)}
         for key, value in kwargs.items():
             if key not in owners:

@@ -72,8 +72,8 @@ SPECULATIVE_METHODS_BUILT = ("ngram", "draft", "eagle")
 def validate_speculative(c) -> None:
     m = c.speculative_method
     if m is None:
-        check(c.num_speculative_tokens is None and c.speculative_model is None,
-               "num_speculative_tokens and speculative_model need speculative_method (ngram)")
+        check(c.num_speculative_tokens is None and c.speculative_model is None and not c.speculative_tree,
+               "num_speculative_tokens, speculative_model and speculative_tree need speculative_method")
         return
     check(m in SPECULATIVE_METHODS,
            f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, got {m!r}")
@@ -91,3 +91,8 @@ def validate_speculative(c) -> None:
               f"speculative_method={m!r} needs speculative_model (the path of the "
               f"{'EAGLE head' if m == 'eagle' else 'draft model'})")
     check(c.pipeline_steps == 1, "speculative decoding does not combine with pipeline_steps > 1 yet")
+    if c.speculative_tree:
+        check(m == "eagle", f"speculative_tree drafts a tree with an EAGLE head: it needs speculative_method='eagle', "
+                            f"got {m!r}")
+        check(c.max_num_seqs in (None, 1), f"speculative_tree verifies one sequence per step (batch 1): it needs "
+                                           f"max_num_seqs=1, got {c.max_num_seqs}")

@@ -19,9 +19,14 @@ at most `probe_requests` requests, so the acceptance stays measured at little co
 The verifier samples each row as a decode whose history is the tokens before it (logprobs,
 penalties, grammar masks, min_tokens bans). A grammar checks the drafts first: the injected `check`
 cuts them at the first token the request's grammar forbids (a draft the device fills in later cannot
-be checked, so constrained requests get drafts from host proposers only). Not drafted (they decode
-one token a step as before): sampled requests with a seed (the verifier does not draw from their
-generator).
+be checked, so constrained requests get drafts from host proposers only). Seeded sampled requests
+draft too: the verifier draws each row from the request's own generator and rewinds it to the
+tokens emitted, so their output is what it is without speculation.
+
+The shape of a draft is a component chosen at start-up: `ChainShape` (d tokens, each after the one
+before) or `TreeShape` (--speculative-tree: the first d nodes of the static DraftTree, whose depth
+the step's k and max_tokens cap; only for requests the tree verify serves, those without
+logprobs, penalties or banned ids, the others decode one token a step).
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from tokenforge.config.draft_tree import DraftTree
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
 from tokenforge.core.request import Request
+from tokenforge.core.stop_conditions import banned_tokens
 from tokenforge.messages import SpecDecodeStats
 
 Proposer = Callable[[list[int], int], list[int]]
@@ -55,6 +62,33 @@ class StepCost:
         return 1.0 + rows / self.flat_rows
 
 
+class ChainShape:
+    """d drafts, each after the one before: as many as the depth and the slots allow."""
+
+    def size(self, depth: int, slots: int) -> int:
+        return min(depth, slots)
+
+    def serves(self, req: Request) -> bool:
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class TreeShape:
+    """The first d nodes of a static tree (breadth first): those within the depth, as many as the
+    slots allow. Its verify samples each node as a fresh decode (argmax or draw): for requests
+    whose rows need no history of their own (no penalties, banned ids) and no logprobs."""
+
+    tree: DraftTree
+
+    def size(self, depth: int, slots: int) -> int:
+        return min(self.tree.nodes_within(depth), slots)
+
+    def serves(self, req: Request) -> bool:
+        p = req.params
+        return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+                and p.frequency_penalty == 0.0 and not banned_tokens(req))
+
+
 def device_drafts(history: list[int], k: int) -> list[int]:
     """The proposer of methods that draft on the device (a draft model): k slots the runner fills."""
     return [DRAFT_TOKEN_ID] * k
@@ -72,9 +106,11 @@ class DraftPlanner:
     PRIOR = (4.0, 5.0)              # (accepted, reached): 0.8 before any is seen, so a new engine tries
 
     def __init__(self, proposer: Proposer, num_draft_tokens: int, cost: StepCost | None = None,
-                 probe_every: int = 64, probe_requests: int = 8, check: DraftCheck = allow_all) -> None:
+                 probe_every: int = 64, probe_requests: int = 8, check: DraftCheck = allow_all,
+                 shape: ChainShape | TreeShape | None = None) -> None:
         self.proposer = proposer
         self.check = check
+        self.shape = shape or ChainShape()
         self.k = num_draft_tokens
         self.cost = cost or StepCost()
         self.probe_every, self.probe_requests = probe_every, probe_requests
@@ -131,18 +167,13 @@ class DraftPlanner:
             self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
         self.step_k = k
 
-    @staticmethod
-    def eligible(req: Request) -> bool:
-        p = req.params
-        return p.seed is None or p.is_greedy
-
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
         if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1 or self._quota == 0:
             return []
-        room = min(self.step_k, budget - 1, req.params.max_tokens - req.num_output_tokens - 1,
-                   max_len - req.num_tokens - 1)
-        if room <= 0 or not self.eligible(req):
+        depth = min(self.step_k, req.params.max_tokens - req.num_output_tokens - 1)
+        room = self.shape.size(depth, min(budget - 1, max_len - req.num_tokens - 1))
+        if room <= 0 or not self.shape.serves(req):
             return []
         if self._quota is not None:
             self._quota -= 1            # a probe asks this many proposals (found or not), no more

@@ -15,7 +15,9 @@ import msgspec
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
-from tokenforge.core.speculation import DraftCheck, DraftPlanner, StepCost, allow_all, device_drafts
+from tokenforge.config.draft_tree import DraftTree, tree_drafts_apply
+from tokenforge.core.speculation import (ChainShape, DraftCheck, DraftPlanner, StepCost, TreeShape, allow_all,
+                                         device_drafts)
 from tokenforge.engine.core_boot import process_start_time
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.startup import resolve_engine_config
@@ -55,7 +57,19 @@ def _seconds_since_process_start() -> float:
     return max(0.0, time.time() - process_start_time())
 
 
-def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_all) -> DraftPlanner | None:
+def draft_shape(config: EngineConfig) -> ChainShape | TreeShape:
+    """Chains, or --speculative-tree's static tree where the attention backend masks trees (the
+    runner makes the same choice: executor/spec/components.py)."""
+    if tree_drafts_apply(config):
+        return TreeShape(DraftTree.build(config.scheduler.num_draft_tokens))
+    if config.scheduler.speculative_tree:
+        logger.warning("speculative_tree: the triton attention backend has no tree kernel yet, so the EAGLE head "
+                       "drafts chains (trees run on --attention-backend torch)")
+    return ChainShape()
+
+
+def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_all,
+                       shape: ChainShape | TreeShape | None = None) -> DraftPlanner | None:
     """The speculative method's proposer, chosen once (None without speculative decoding). The
     adaptive rule's step cost: on a GPU a forward costs about the same up to ~a hundred rows (the
     weights' read dominates) and a synchronous step loses the overlap of async scheduling.
@@ -64,7 +78,7 @@ def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_a
         return None
     cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
     if config.speculative_method in ("draft", "eagle"):     # the runner's draft model / head fills the slots
-        return DraftPlanner(device_drafts, config.num_draft_tokens, cost, check=check)
+        return DraftPlanner(device_drafts, config.num_draft_tokens, cost, check=check, shape=shape)
     from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
 
     proposer = NgramProposer(config.ngram_min, config.ngram_max)
@@ -111,7 +125,8 @@ class EngineCore:
         self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
                                         self.vocab_size)
         lora = self.config.lora
-        drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts)
+        drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
+                                    draft_shape(self.config))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
                                    lora.max_loras if lora.enable_lora else 0)
         self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read

@@ -24,8 +24,7 @@ from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration
                                           rotate_keys, start_calibration)
 from tokenforge.executor.pipeline import PipelinedSteps, StageComm
 from tokenforge.executor.roles import StepInFlight, make_role
-from tokenforge.executor.spec.draft import make_drafter
-from tokenforge.executor.spec.roles import make_speculative_role
+from tokenforge.executor.spec.components import make_drafter, make_speculative_role
 from tokenforge.executor.warmup import warm_up
 from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
 from tokenforge.model.attention import get_attention_backend
@@ -66,7 +65,7 @@ class ModelRunner:
         self.previous = PreviousSample()
         speculative = config.scheduler.speculative_method is not None and self.rank.is_first_stage
         self.role = make_speculative_role(self) if speculative else make_role(self)
-        self.drafter = make_drafter(self)        # a draft model that fills draft slots (method draft)
+        self.drafter = make_drafter(self)        # a draft model or head that fills draft slots (draft, eagle)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | CpuDecodeRunner | None = None
 

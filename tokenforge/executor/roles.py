@@ -47,6 +47,7 @@ class StepInFlight:
     prompt_logits: list[tuple[int, int, torch.Tensor]] = field(default_factory=list)   # (seq, rows, [rows, V])
     awaits_last_stage: bool = False             # pipelined first stage: `finish_stages` brings its hidden states
     verify: object | None = None                # speculative decoding: its VerifyInFlight (spec/roles.py)
+    accepted_rows: torch.Tensor | None = None   # tree drafts: the accepted path's rows (spec/tree_verify.py)
 
     @property
     def sample_pending(self) -> bool:

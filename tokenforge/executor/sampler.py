@@ -24,7 +24,7 @@ from tokenforge.executor.sampling_batch import PenaltyTensors, SamplingBatch, To
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "SamplingBatch", "apply_min_p",
            "apply_penalties", "apply_token_masks", "apply_top_k_top_p", "compute_prompt_logprobs",
-           "gather_logprobs", "processed_logits"]
+           "gather_logprobs", "processed_logits", "sampling_probs"]
 
 
 @dataclass(slots=True)
@@ -73,13 +73,19 @@ class Sampler(torch.nn.Module):
 
     @staticmethod
     def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        logits = logits / batch.temperature                                      # [N, V]
-        if batch.top_k is not None or batch.top_p is not None:
-            logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
-        probs = torch.softmax(logits, dim=-1)                                    # [N, V]
-        if batch.min_p is not None:
-            probs = apply_min_p(probs, batch.min_p)
-        return sample_from_probs(probs, batch.generators, batch.generator_rows)
+        return sample_from_probs(sampling_probs(logits, batch), batch.generators, batch.generator_rows)
+
+
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[N, V] processed logits -> what a random row draws from: temperature, top-k, top-p, min-p
+    (min-p's survivors not renormalised: the draw needs no sum)."""
+    logits = logits / batch.temperature                                          # [N, V]
+    if batch.top_k is not None or batch.top_p is not None:
+        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p, batch.max_top_k)
+    probs = torch.softmax(logits, dim=-1)                                        # [N, V]
+    if batch.min_p is not None:
+        probs = apply_min_p(probs, batch.min_p)
+    return probs
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:

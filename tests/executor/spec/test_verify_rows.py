@@ -98,11 +98,12 @@ def test_rejection_verify_tokens_tensor_holds_accepted_drafts_then_the_next():
 
 
 def test_driver_verify_samples_the_target_distribution():
-    """The driver's device path (temperature applied to the logits, bonus token drawn from the
-    last real row): with drafts from an unrelated distribution the emitted first token follows
+    """The driver's device path (each row sampled by the plain sampler, drafts accepted while they
+    equal the row's sample): with drafts from an unrelated distribution the emitted first token follows
     softmax(logits_0 / T), and after an accepted draft the next one follows softmax(logits_1 / T)."""
     from types import SimpleNamespace
 
+    from tokenforge.executor.sampler import Sampler
     from tokenforge.executor.spec.roles import SpeculativeDriver, VerifyRows
     from tokenforge.executor.spec.verify_batch import verify_sampling_batch
     from tokenforge.messages import WireSamplingParams
@@ -116,13 +117,34 @@ def test_driver_verify_samples_the_target_distribution():
     drafts = torch.randint(v, (n, k))
     num = torch.full((n,), 1)                  # one draft: position 1 is the bonus row, 2 is padding
     seqs = [SimpleNamespace(params=WireSamplingParams(temperature=temp), prompt_token_ids=[],
-                            output_token_ids=[], banned_token_ids=(), banned_rows=0)] * n
-    plan = VerifyRows(seqs, torch.empty(0), drafts, num, torch.zeros(n, dtype=torch.bool), k)
+                            output_token_ids=[], banned_token_ids=(), banned_rows=0, num_draft_tokens=1)] * n
+    plan = VerifyRows(seqs, torch.empty(0), drafts, num, k)
     batch = verify_sampling_batch(seqs, drafts, k, v, torch.device("cpu"))
-    tokens, accepted, logprobs = SpeculativeDriver.verify(None, plan, logits.repeat(n, 1), batch)
+    driver = SimpleNamespace(sampler=Sampler())
+    tokens, accepted, logprobs = SpeculativeDriver.verify(driver, plan, logits.repeat(n, 1), batch)
     assert logprobs is None
     assert int(accepted.max()) <= 1
     assert _chi2(tokens[:, 0], p[0]) < CHI2_DF4_P1E4
     second = tokens[accepted == 1, 1]
     assert second.numel() > 3000
     assert _chi2(second, p[1]) < CHI2_DF4_P1E4
+
+
+def test_rewind_leaves_a_generator_where_the_emitted_tokens_draws_do():
+    """A seeded request's verify rows draw d + 1 times; after a accepted drafts its generator must
+    stand where a + 1 plain sampler draws leave it (the next step draws the rest again)."""
+    from tokenforge.executor.sampler import sample_from_probs
+    from tokenforge.executor.spec.roles import rewind
+
+    v = 50
+    probs = torch.softmax(torch.randn(1, v), dim=-1)
+    plain, spec = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    state = spec.get_state()
+    for _ in range(4):                       # the verify's rows: d + 1 = 4 draws
+        sample_from_probs(probs, [spec], torch.tensor([0]))
+    rewind(spec, state, 2, v)                # one draft accepted: two tokens emitted
+    for _ in range(2):
+        sample_from_probs(probs, [plain], torch.tensor([0]))
+    assert torch.equal(spec.get_state(), plain.get_state())
+    nxt = [sample_from_probs(probs, [g], torch.tensor([0])).item() for g in (plain, spec)]
+    assert nxt[0] == nxt[1]

@@ -1,7 +1,7 @@
 """The `draft` method: a smaller model with the target's tokenizer proposes K tokens per request
 on the device, right before the target's verify forward of the same step.
 
-Chosen once by the runner (`make_drafter`): `NoDrafter` for every other method (ngram drafts come
+Chosen once by the runner (components.py `make_drafter`): `NoDrafter` for ngram (its drafts come
 from the scheduler's proposer, so the runner has nothing to do), `DraftModel` for `draft`. The
 scheduler schedules a drafted request as its last known token t plus d `DRAFT_TOKEN_ID` slots
 (core/speculation.py `device_drafts`); `before_forward` fills those slots in the step's input ids:
@@ -45,17 +45,6 @@ class NoDrafter:
 
     def release(self) -> None:
         pass
-
-
-def make_drafter(runner):
-    method = runner.config.scheduler.speculative_method
-    if method == "eagle":
-        from tokenforge.executor.spec.eagle import EagleDrafter  # noqa: PLC0415
-
-        return EagleDrafter(runner)
-    if method != "draft":
-        return NoDrafter()
-    return DraftModel(runner)
 
 
 def check_draft_model(config) -> None:

@@ -11,6 +11,17 @@ drafters such as n-gram lookup: q_j(d_j) = 1); at the first rejection sample fro
 norm(max(0, p_j - q_j)); if every draft is accepted, emit the bonus token drawn from p_{k+1}. The
 emitted tokens are then distributed exactly as the target's own samples.
 
+Every drafter the runner has is deterministic (n-gram lookup, a draft model's or an EAGLE head's
+argmax: q one-hot), and for one-hot drafts the rule takes a simpler, equivalent form, the one the
+runner uses (spec/roles.py): sample x_j from p_j at every row and accept d_{j+1} while it equals x_j.
+P(accept d) = p(d) = min(1, p(d) / 1), and given a rejection x is distributed as p without d,
+renormalised: the residual norm(max(0, p - onehot(d))). The emitted tokens are x_0..x_a, each one
+draw per row from the target's distribution: a seeded request drawing its rows from its own
+generator emits exactly what it emits without speculation. With several candidates at a node (a
+tree draft) the same form is the multi-candidate rule for one-hot drafts: follow the child whose
+token is x, else emit x. `greedy_verify` is that comparison for both greedy and sampled rows;
+`rejection_verify` is the general rule (any q), the reference the distribution tests hold.
+
 Everything is batched over rows and positions and stays on the device: the results are two small
 tensors (tokens [N, K+1], accepted counts [N]) the runner copies back with the step's other
 results, so a verify step still syncs with the host once. `verify` is the list form (tests).
@@ -31,8 +42,8 @@ class VerifyOutput:
 
 def greedy_verify(target_ids: torch.Tensor, draft_tokens: torch.Tensor,
                   num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """target_ids [N, K+1]: the argmax at each verified position; draft_tokens [N, K] (entries
-    past num_drafts ignored); num_drafts [N]. Returns (tokens [N, K+1], num_accepted [N]): a row
+    """target_ids [N, K+1]: the token the target emits at each verified position (its argmax, or
+    its sample there); draft_tokens [N, K] (entries past num_drafts ignored); num_drafts [N]. Returns (tokens [N, K+1], num_accepted [N]): a row
     emits tokens[:num_accepted + 1], the accepted drafts (equal to the argmax) and the argmax after."""
     k_max = draft_tokens.shape[1]
     positions = torch.arange(k_max, device=draft_tokens.device)

@@ -67,10 +67,13 @@ def select_masks(bitmask, rows: list[int]):
 
 
 def verify_sampling_batch(seqs: list, drafts: torch.Tensor, k: int, vocab_size: int, device: torch.device,
-                          grammar_rows: list[int] | None = None, grammar_bitmask=None) -> SamplingBatch | None:
+                          grammar_rows: list[int] | None = None, grammar_bitmask=None,
+                          generators: list | None = None) -> SamplingBatch | None:
     """The SamplingBatch of the verify rows [len(seqs) * (k + 1)]: each sequence's params and
     history repeated per row, its drafts before each row added to the penalties' history.
     `drafts` [N, k]: the draft ids on the device (past a sequence's own count: any id).
+    `generators`: per sequence, its own generator (seeded requests) or None; its rows 0..d draw
+    from it in row order, the padding rows after them do not (they draw nothing the request keeps).
     None when every row takes the raw argmax (the common case: checked per sequence, no build)."""
     if not grammar_rows and all(_takes_raw_argmax(s) for s in seqs):
         return None
@@ -79,7 +82,9 @@ def verify_sampling_batch(seqs: list, drafts: torch.Tensor, k: int, vocab_size: 
     prompts = [s.prompt_token_ids for s in seqs for _ in range(rows)]
     outputs = [s.output_token_ids for s in seqs for _ in range(rows)]
     banned = [s.banned_token_ids if j < s.banned_rows else () for s in seqs for j in range(rows)]
-    batch = SamplingBatch.build(params, prompts, outputs, [None] * len(params), vocab_size, device, banned=banned,
+    gens = generators or [None] * len(seqs)
+    row_gens = [g if j <= s.num_draft_tokens else None for s, g in zip(seqs, gens) for j in range(rows)]
+    batch = SamplingBatch.build(params, prompts, outputs, row_gens, vocab_size, device, banned=banned,
                                 grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask)
     if batch.penalties is not None:
         batch.penalties = add_draft_history(batch.penalties, drafts, k)

@@ -9,6 +9,10 @@ Token order in a batch: sequences are laid out back to back (varlen); sequence i
 `query_start_loc[i] : query_start_loc[i+1]`. Its queries sit at absolute positions
 `context_lens[i] .. seq_lens[i]-1`, so prefix-cache hits and chunked prefill (queries that start
 mid-sequence) and decodes (one query) are all the same case.
+
+Tree drafts (`TreeMask`, torch backend only): a sequence's queries may instead see the keys before
+`base` plus, past it, only the slots its row lists as visible (a draft tree node: its ancestors
+and itself). Its new k/v are still written at slots context_len .. seq_len - 1.
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ from typing import Any, Protocol
 import torch
 
 
+@dataclass(frozen=True, slots=True)
+class TreeMask:
+    """Which keys a sequence's queries see: every key before `base`, and of the keys from `base`
+    to its seq_len, those `visible` marks ([query_len, seq_len - base] bool, on the device)."""
+
+    base: int
+    visible: torch.Tensor
+
+
 @dataclass(slots=True)
 class AttentionBatch:
     query_lens: list[int]          # new tokens per sequence
@@ -26,6 +39,7 @@ class AttentionBatch:
     block_tables: list[list[int]]  # per sequence, covering context_len + query_len tokens
     block_size: int
     device: torch.device
+    tree_masks: list[TreeMask | None] | None = None   # per sequence (None: causal); None: all causal
 
     @property
     def seq_lens(self) -> list[int]:

@@ -11,6 +11,8 @@ Per layer it writes the new k/v into the cache at `slot_mapping`, then attends:
   query rows, so K/V are never expanded;
 - each prefill chunk on its own, causal with an offset of `context_len` (its queries sit after
   the cached context); a chunk with no cached context attends to its own k/v without a gather.
+A sequence with a `TreeMask` (draft tree nodes) runs as such a chunk whatever its length, with
+the tree's mask instead of the causal one.
 Everything index-like (block ids, masks) is built once per step in `build_metadata`.
 
 An fp8 (e4m3) cache is the reference for the Triton fp8 kernels: k/v are quantized on store with
@@ -30,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenforge.kernels.kv_quant import is_fp8, store_fp8
-from tokenforge.model.attention.backend import AttentionBatch
+from tokenforge.model.attention.backend import AttentionBatch, TreeMask
 from tokenforge.model.attention.decode_workspace import DecodeWorkspaces
 
 
@@ -56,6 +58,7 @@ class PrefillChunk:
     block_ids: torch.Tensor | None      # [num_blocks] covering seq_len; None: no cached context
     mask: torch.Tensor | None           # [query_len, seq_len] float causal-with-offset; None: no context
     window_masks: dict[int, torch.Tensor] = field(default_factory=dict)   # by sliding window, built on first use
+    is_tree: bool = False               # `mask` is a draft tree's (TreeMask), not causal
 
 
 @dataclass(slots=True)
@@ -83,12 +86,15 @@ class TorchAttentionBackend:
         slots: list[int] = []
         decode_idx: list[int] = []
         prefills: list[PrefillChunk] = []
+        trees = batch.tree_masks or [None] * len(batch.query_lens)
         for i, (q_len, ctx, table) in enumerate(zip(batch.query_lens, batch.context_lens, batch.block_tables)):
             seq_len = ctx + q_len
             if len(table) * bs < seq_len:
                 raise ValueError(f"sequence {i}: block table covers {len(table) * bs} tokens, needs {seq_len}")
             slots.extend(table[p // bs] * bs + p % bs for p in range(ctx, seq_len))
-            if q_len == 1:
+            if trees[i] is not None:
+                prefills.append(_tree_chunk(starts[i], q_len, ctx, table, bs, trees[i]))
+            elif q_len == 1:
                 decode_idx.append(i)
             elif q_len > 1:
                 prefills.append(_prefill_chunk(starts[i], q_len, ctx, table, bs, device))
@@ -237,6 +243,8 @@ def _decode_mask(d: DecodeGroup, sliding_window: int | None, dtype: torch.dtype)
 def _prefill_mask(p: PrefillChunk, sliding_window: int | None, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor | None:
     """The chunk's [query_len, seq_len] mask (None: plain causal without cached context)."""
+    if p.is_tree and sliding_window is not None and sliding_window < p.seq_len:
+        raise NotImplementedError("tree drafts on a layer with a sliding window shorter than the sequence")
     if sliding_window is None or sliding_window >= p.seq_len:
         if p.mask is not None and p.mask.dtype != dtype:
             p.mask = p.mask.to(dtype)
@@ -294,6 +302,17 @@ def _prefill_chunk(start: int, q_len: int, ctx: int, table: list[int], bs: int,
     mask = causal_mask(ctx, seq_len, None, device)          # query i at ctx + i sees keys 0 .. ctx + i
     block_ids = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
     return PrefillChunk(start, start + q_len, ctx, seq_len, block_ids, mask)
+
+
+def _tree_chunk(start: int, q_len: int, ctx: int, table: list[int], bs: int, tree: TreeMask) -> PrefillChunk:
+    """A chunk whose queries see the keys before tree.base and, past it, the ones tree.visible marks."""
+    seq_len = ctx + q_len
+    device = tree.visible.device
+    assert tree.visible.shape == (q_len, seq_len - tree.base), (tree.visible.shape, q_len, seq_len, tree.base)
+    mask = torch.zeros(q_len, seq_len, device=device)
+    mask[:, tree.base:].masked_fill_(~tree.visible, float("-inf"))
+    block_ids = torch.tensor(table[:-(-seq_len // bs)], dtype=torch.int64, device=device)
+    return PrefillChunk(start, start + q_len, ctx, seq_len, block_ids, mask, is_tree=True)
 
 
 def _decode_group(batch: AttentionBatch, idx: list[int], starts: list[int], device: torch.device) -> DecodeGroup:

@@ -134,6 +134,8 @@ class TritonAttentionBackend:
         """Per-step metadata; with `out`, a decode batch is written into persistent buffers."""
         if out is not None:
             return out.fill(batch, padded_batch_size)
+        if batch.tree_masks is not None and any(m is not None for m in batch.tree_masks):
+            raise NotImplementedError("the triton backend has no tree attention kernel (tree drafts run on torch)")
         n = len(batch.query_lens)
         cols = max((len(t) for t in batch.block_tables), default=1) or 1
         packed = torch.from_numpy(_pack_host(batch, n, cols)).to(batch.device, non_blocking=True)

@@ -140,6 +140,11 @@ class EagleHead(nn.Module):
         best = self.logits(rows).argmax(dim=-1)
         return best if self.lm_head is None else best + self.d2t[best]
 
+    def draft_topk(self, rows: torch.Tensor, k: int) -> torch.Tensor:
+        """The k most likely drafts per row as target token ids [N, k], best first (tree drafts)."""
+        best = self.logits(rows).topk(k, dim=-1).indices
+        return best if self.lm_head is None else best + self.d2t[best]
+
     # ---- loading (the authors' tensor names) ----
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,98 @@
+"""The static draft tree of `--speculative-tree`: the nodes an EAGLE head proposes each step.
+
+Node 0 is the root (the sequence's last known token); node i > 0 is the rank-r child of
+`parents[i]`: the head's r-th most likely token after its parent. The tree is chosen once from the
+node budget K (num_speculative_tokens) by a fixed prior: a rank-r child is reached RANK_PRIOR[r]
+times as often as its parent, and the K nodes most often reached are kept (a deep first-choice
+chain with side branches where the head's second and third choices pay). Nodes are numbered
+breadth first (depth, then parent, then rank), so the first m + 1 nodes are a tree too: a draft
+cut by max_tokens (its depth) or by the token budget (its node count) is a prefix of it.
+
+Read by the scheduler's planner (how many nodes fit) and by the runner (each node's position and
+ancestors: its attention mask), so it lives here, beside the config both import.
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from dataclasses import dataclass
+
+RANK_PRIOR = (0.7, 0.15, 0.08, 0.04)     # a rank-r child's chance of acceptance, relative to its parent
+
+
+@dataclass(frozen=True, slots=True)
+class DraftTree:
+    parents: tuple[int, ...]     # per node; -1 for the root
+    ranks: tuple[int, ...]       # per node: which of its parent's top-k tokens it is (root: 0)
+    depths: tuple[int, ...]      # per node, nondecreasing (root: 0)
+
+    @classmethod
+    def build(cls, budget: int, prior: tuple[float, ...] = RANK_PRIOR) -> DraftTree:
+        """The `budget` nodes (besides the root) with the highest prior chance of being reached."""
+        chosen = [(-1, 0)]                       # (parent, rank) in the order chosen
+        chance = [1.0]
+        heap = [(-prior[0], 0, 0)]               # (-chance, parent, rank): the frontier
+        while len(chosen) <= budget:
+            neg, parent, rank = heapq.heappop(heap)
+            chosen.append((parent, rank))
+            chance.append(-neg)
+            heapq.heappush(heap, (neg * prior[0], len(chosen) - 1, 0))              # its first child
+            if rank + 1 < len(prior):                                                # its next sibling
+                heapq.heappush(heap, (-chance[parent] * prior[rank + 1], parent, rank + 1))
+        return cls._breadth_first(chosen)
+
+    @classmethod
+    def _breadth_first(cls, chosen: list[tuple[int, int]]) -> DraftTree:
+        children: dict[int, list[tuple[int, int]]] = {}
+        for i, (parent, rank) in enumerate(chosen[1:], start=1):
+            children.setdefault(parent, []).append((rank, i))
+        parents, ranks, depths, frontier, new = [-1], [0], [0], [0], {0: 0}
+        while frontier:
+            following = []
+            for old in frontier:
+                for rank, child in sorted(children.get(old, ())):
+                    new[child] = len(parents)
+                    parents.append(new[old])
+                    ranks.append(rank)
+                    depths.append(depths[new[old]] + 1)
+                    following.append(child)
+            frontier = following
+        return cls(tuple(parents), tuple(ranks), tuple(depths))
+
+    @property
+    def num_nodes(self) -> int:
+        """Drafted nodes (the root not counted)."""
+        return len(self.parents) - 1
+
+    def nodes_within(self, depth: int) -> int:
+        """Drafted nodes at depth <= `depth` (the first that many follow the root)."""
+        return max(0, bisect_right(self.depths, depth) - 1)
+
+    def ancestry(self) -> list[list[bool]]:
+        """[n][n]: row i marks node i and its ancestors (the keys a node's attention sees)."""
+        rows = [[False] * len(self.parents) for _ in self.parents]
+        for i, row in enumerate(rows):
+            for a in self.ancestors(i):
+                row[a] = True
+        return rows
+
+    def ancestors(self, node: int) -> list[int]:
+        """The node and its ancestors up to the root, root first."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+
+def tree_drafts_apply(config) -> bool:
+    """--speculative-tree on an attention backend that masks trees (torch: the CPU's, or the GPU's
+    with --attention-backend torch). The triton backend (the GPU default) has no tree kernel yet:
+    there the EAGLE head drafts chains, as without the flag."""
+    if not config.scheduler.speculative_tree:
+        return False
+    backend = config.device.attention_backend
+    if backend == "auto":
+        backend = "triton" if config.device.resolved_device() == "cuda" else "torch"
+    return backend == "torch"
