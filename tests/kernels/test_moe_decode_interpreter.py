@@ -105,7 +105,7 @@ def _run_case(name, tokens, h, i, e, k, order, renorm, fmt, dtype, oai, first, n
     runs = [("ids", lambda: moe.fused_moe(x, w13, w2, weights, ids, b13, b2, gemv=True, **kwargs)),
             ("routed", lambda: _routed_gemv(x, logits, w13, w2, k, order, renorm, first, b13, b2, **kwargs))]
     folds = (True, False) if name == UNFOLDED else (True,)
-    failed = 0
+    failed, default = 0, moe_down.FOLD_DOWN[fmt]
     for fold in folds:
         moe_down.FOLD_DOWN[fmt] = fold
         for label, fn in runs:
@@ -116,7 +116,7 @@ def _run_case(name, tokens, h, i, e, k, order, renorm, fmt, dtype, oai, first, n
             path = f"{label}{'' if fold else ' unfolded'}"
             print(f"{name:16s} {fmt:5s} T={tokens} E={e:<3d} k={k} {path:16s} {' ok ' if good else ' FAILED '} "
                   f"rel err {err:.1e}")
-        moe_down.FOLD_DOWN[fmt] = True
+        moe_down.FOLD_DOWN[fmt] = default
     return failed
 
 

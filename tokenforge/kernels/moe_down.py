@@ -32,8 +32,10 @@ from .moe_gemv_dense import rows_dot
 from .moe_topk import route_rows
 from .mxfp4 import fp4_scale
 
-# format -> whether decode batches on the GEMV path run this kernel (else per-pair GEMVs + `topk_sum`)
-FOLD_DOWN = {"mxfp4": True, "fp8": True, "float": True}
+# format -> whether decode batches on the GEMV path run this kernel (else per-pair GEMVs + `topk_sum`).
+# Off until the device sweep (bench/moe_r8.sh) has measured it: round 8 built and tested it in
+# Triton's interpreter only, and the session's device time ran out before a GPU ran it.
+FOLD_DOWN = {"mxfp4": False, "fp8": False, "float": False}
 # format -> (BLOCK_N, tile size, num_warps). mxfp4: the tile's groups of 32 (k slots x groups a
 # slot), 32: [32, 16 rows, 4 words] = 8 KB a step over 8 warps, 8 words a thread, 73-80 registers in
 # ptxas for sm_90 (gpt-oss at T = 1: 180 programs, 3 an SM fit). The activation tile [groups, 1, 4]
@@ -42,8 +44,9 @@ FOLD_DOWN = {"mxfp4": True, "fp8": True, "float": True}
 # through shared memory each step (21 barriers a step). 16-bit / fp8: the tile's values
 # (k x BLOCK_N x BLOCK_K), 4096: 32 fp32 accumulators a thread at 4 warps (8192 took 177 registers)
 DOWN_TILES = {"mxfp4": (16, 32, 8), "float": (4, 4096, 4), "fp8": (4, 4096, 4)}
-# route and issue the first weight tile before griddepcontrol.wait (the module docstring says why)
-EARLY_DOWN = True
+# route and issue the first weight tile before griddepcontrol.wait (the module docstring says why);
+# off until a GPU run has checked it (bench/moe_r8.sh times both)
+EARLY_DOWN = False
 
 
 @triton.jit

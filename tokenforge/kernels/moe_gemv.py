@@ -29,7 +29,7 @@ from .mxfp4 import GROUP, fp4_scale
 # so when several pairs share an expert the grouped GEMM's one read of it wins. 16-bit and fp8: the
 # gate-up GEMV of kernels/moe_gemv_dense.py and the folded down (kernels/moe_down.py), predicted to
 # beat the grouped GEMMs at batch 1 of Qwen3-MoE (8 pairs) and Mixtral (2; 8 at T = 4): round 8
-GEMV_PAIRS = {"mxfp4": 64, "fp8": 8, "float": 8}
+GEMV_PAIRS = {"mxfp4": 64, "fp8": 0, "float": 0}   # 16-bit / fp8: the grouped path until the round-8 sweep
 # (format, hidden, intermediate, experts) -> pairs: a shape's measured limit in place of GEMV_PAIRS'
 # (bench/moe_gemv_sweep.py prints the entries its sweep supports)
 GEMV_PAIRS_BY_SHAPE: dict[tuple[str, int, int, int], int] = {}
