@@ -21,15 +21,12 @@ using namespace tf;
 
 extern "C" {
 
-struct TfPart {             // one packed weight: `rows` consecutive output features
-    const void* q;
+struct TfPart {             // one packed weight: `rows` consecutive output features, in panels
+    const uint8_t* q;       // the codes (gguf_kernels.h)
     const float* scale;
     const float* minv;      // null: no min term (Q8_0, Q5_0, Q6_K)
     int64_t rows;
     int64_t kind;           // 0: u4, 1: i8
-    const uint8_t* pq;      // u4 panels (gguf_kernels.h; null: none, the row-at-a-time kernel)
-    const float* ps;        // the panels' scales
-    const float* pm;        // the panels' mins (null: none)
 };
 
 struct TfLinear {
@@ -71,8 +68,7 @@ namespace {
 struct Acts {               // activations quantized for one projection (gguf_cpu.cpp's layout)
     int8_t* xq;
     float* dx;
-    float* fx16;            // dx * sum of codes per 16 (i8 mins)
-    float* fx32;            // per 32 (u4 mins)
+    int32_t* xs;            // sums of codes per 16
 };
 
 struct Shared {             // what the threads write for each other: projection and attention outputs
@@ -91,8 +87,9 @@ struct Shared {             // what the threads write for each other: projection
 // computes them (the same numbers) from the shared outputs, so a projection needs no barrier
 // before it, only after.
 struct Private {
-    std::vector<float> residual, row, dx, fx16, fx32, scores, q, k;
+    std::vector<float> residual, row, dx, scores, q, k;
     std::vector<int8_t> xq;
+    std::vector<int32_t> xs;
     Acts acts{};
 
     void fit(const TfModel& md, int64_t M) {
@@ -101,11 +98,10 @@ struct Private {
         row.resize(widest);
         xq.resize(M * widest);
         dx.resize(M * widest / 32);
-        fx16.resize(M * widest / 16);
-        fx32.resize(M * widest / 32);
+        xs.resize(M * widest / 16);
         q.resize(md.head_dim);
         k.resize(md.head_dim);
-        acts = {xq.data(), dx.data(), fx16.data(), fx32.data()};
+        acts = {xq.data(), dx.data(), xs.data()};
     }
 };
 
@@ -114,8 +110,7 @@ void quantize_row(const float* v, int64_t K, int64_t m, const Acts& a) {
     const int64_t blocks = K / 32;
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t i = m * blocks + b;
-        quantize_block(v + 32 * b, a.xq + m * K + 32 * b, a.dx + i, a.fx16 + 2 * i);
-        a.fx32[i] = a.fx16[2 * i] + a.fx16[2 * i + 1];
+        quantize_block(v + 32 * b, a.xq + m * K + 32 * b, a.dx + i, a.xs + 2 * i);
     }
 }
 
@@ -140,30 +135,19 @@ void add_norm_quantize(const float* x, bool first, const float* weight, float ep
 void linear(const TfLinear& L, const Acts& a, int64_t M, float* out) {
     const int64_t K = L.in_features, blocks = K / 32, stride = L.out_features;
     int64_t col = 0;
-    for (int64_t p = 0; p < L.num_parts; ++p) {
-        const TfPart& w = L.parts[p];
-        const int64_t row_bytes = w.kind == 0 ? K / 2 : K, scales = w.kind == 0 ? blocks : 2 * blocks;
-        const float* fmin = w.kind == 0 ? a.fx32 : a.fx16;
-        if (w.pq != nullptr) {
+    for (int64_t part = 0; part < L.num_parts; ++part) {
+        const TfPart& w = L.parts[part];
+        const int64_t bytes = panel_bytes(static_cast<int>(w.kind), blocks);
+        const int64_t scales = panel_scales(static_cast<int>(w.kind), blocks);
 #pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < w.rows / kPanel; ++p) {
-                float* o = out + col + p * kPanel;
-                matmul_panel(w.pq + p * blocks * 256, w.ps + p * blocks * kPanel,
-                             w.pm == nullptr ? nullptr : w.pm + p * blocks * kPanel, K, a.xq, a.dx, a.fx32, M, o, stride);
-                if (L.bias != nullptr)
-                    for (int64_t m = 0; m < M; ++m)
-                        for (int64_t i = 0; i < kPanel; ++i) o[m * stride + i] += L.bias[col + p * kPanel + i];
-            }
-        } else {
-#pragma omp for schedule(static) nowait
-            for (int64_t n = 0; n < w.rows; ++n) {
-                float* o = out + col + n;
-                matmul_row(static_cast<int>(w.kind), static_cast<const uint8_t*>(w.q) + n * row_bytes,
-                           w.scale + n * scales, w.minv == nullptr ? nullptr : w.minv + n * scales, K, a.xq, a.dx,
-                           fmin, M, o, stride);
-                if (L.bias != nullptr)
-                    for (int64_t m = 0; m < M; ++m) o[m * stride] += L.bias[col + n];
-            }
+        for (int64_t p = 0; p < (w.rows + kPanel - 1) / kPanel; ++p) {
+            float* o = out + col + p * kPanel;
+            const int64_t valid = std::min(kPanel, w.rows - p * kPanel);
+            matmul_panel(static_cast<int>(w.kind), w.q + p * bytes, w.scale + p * scales,
+                         w.minv == nullptr ? nullptr : w.minv + p * scales, K, a.xq, a.dx, a.xs, M, o, stride, valid);
+            if (L.bias != nullptr)
+                for (int64_t m = 0; m < M; ++m)
+                    for (int64_t i = 0; i < valid; ++i) o[m * stride + i] += L.bias[col + p * kPanel + i];
         }
         col += w.rows;
     }

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, dequantize_into, gguf_matmul, matmul_quantized,
-                                         native_library, repack_fast, rms_norm_quantize, silu_mul_quantize)
-from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed
+                                         native_library, panels, repack_fast, rms_norm_quantize, silu_mul_quantize)
+from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, RowBlocks, cat_rows, dequantize_packed
 from tokenforge.model.quant.base import QuantMethod, drop_weights
 
 logger = logging.getLogger(__name__)
@@ -135,7 +135,8 @@ def _rotary_rows(rows: int, num_heads: int) -> torch.Tensor:
 def packed_weights(tensors: list) -> list[PackedWeight]:
     """A layer's stored tensors -> its PackedWeights, neighbours of one layout concatenated. Rows
     are permuted and neighbours of one GGUF type joined on the raw blocks (the repack is row by
-    row), so each run is repacked once: a third of the start-up the per-tensor way cost."""
+    row), so each run is repacked once: a third of the start-up the per-tensor way cost. The row
+    layout is transient: each part is kept only as panels of 16 rows (gguf_repack.PackedWeight)."""
     runs: list[tuple[int, int, list[np.ndarray]]] = []          # (ggml type, in_features, raw row blocks)
     for t in tensors:
         raw = t.blocks.numpy()      # numpy: its copies of the file's rows run ~10x torch's uint8 ones here
@@ -145,7 +146,7 @@ def packed_weights(tensors: list) -> list[PackedWeight]:
             runs[-1][2].append(raw)
         else:
             runs.append((t.ggml_type, t.in_features, [raw]))
-    groups: list[list[PackedWeight]] = []
+    groups: list[list[RowBlocks]] = []
     for ggml_type, in_features, raws in runs:
         joined = torch.from_numpy(np.concatenate(raws) if len(raws) > 1 else np.ascontiguousarray(raws[0]))
         w = repack_fast(joined, ggml_type, in_features)
@@ -153,7 +154,7 @@ def packed_weights(tensors: list) -> list[PackedWeight]:
             groups[-1].append(w)
         else:
             groups.append([w])
-    return [cat_rows(g) if len(g) > 1 else g[0] for g in groups]
+    return [panels(cat_rows(g) if len(g) > 1 else g[0]) for g in groups]
 
 
 def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> set[str]:
