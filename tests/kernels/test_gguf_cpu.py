@@ -185,3 +185,17 @@ def test_i8_code_bias_leaves_no_float_cancellation(kind):
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(15)) + 3.0
     got, expected = gguf_matmul(x, packed), gguf_matmul_ref(x, packed)
     assert (got - expected).abs().max() < 1e-6 * expected.abs().max()
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)])
+def test_native_activation_quantizer_is_the_reference_bit_for_bit(flags):
+    """The vectorised quantizer (AVX-512) and the scalar one give the reference's codes, scales and
+    code sums exactly: halves round to even, an all-zero block has scale 0."""
+    lib = gguf_cpu.build_library(flags)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(16)) * 3
+    x[1, :32] = 0.0
+    x[2, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.25] * 26)      # scale 1: exact halves
+    acts = gguf_cpu.quantize_activations(lib, x)
+    xq, dx, xs = quantize_activations_ref(x)
+    assert torch.equal(acts.xq, xq) and torch.equal(acts.dx, dx) and torch.equal(acts.xs, xs)
+    assert acts.xq[2, :6].tolist() == [127, 2, -4, 0, 0, 2]

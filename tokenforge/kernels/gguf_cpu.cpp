@@ -55,7 +55,7 @@ void tf_silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, int8_t* xq
         float row[kMaxRow];
         const float* g = gate_up + m * 2 * K;
         const float* u = g + K;
-        for (int64_t j = 0; j < K; ++j) row[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+        silu_mul_row(g, u, K, row);
         for (int64_t b = 0; b < K / 32; ++b)
             quantize_block(row + 32 * b, xq + m * K + 32 * b, dx + m * (K / 32) + b, xs + m * (K / 16) + 2 * b);
     }
@@ -66,11 +66,20 @@ void tf_silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, int8_t* xq
 void tf_gguf_matmul(int kind, const uint8_t* pq, const float* ps, const float* pm, int64_t N, int64_t K,
                     const int8_t* xq, const float* dx, const int32_t* xs, int64_t M, float* out) {
     const int64_t blocks = K / 32, bytes = panel_bytes(kind, blocks), scales = panel_scales(kind, blocks);
-#pragma omp parallel for schedule(static) if (N >= 64)
-    for (int64_t p = 0; p < (N + kPanel - 1) / kPanel; ++p)
-        matmul_panel(kind, pq + p * bytes, ps + p * scales, pm == nullptr ? nullptr : pm + p * scales, K, xq, dx, xs, M,
-                     out + p * kPanel, N, std::min(kPanel, N - p * kPanel));
+    // Tiles of kTile activation rows (L2-resident, ~kTile K bytes) times every panel, tile by tile:
+    // a long prefill chunk's activations no longer stream from memory once per panel.
+    constexpr int64_t kTile = 64;
+    const int64_t panels = (N + kPanel - 1) / kPanel, tiles = (M + kTile - 1) / kTile;
+#pragma omp parallel for collapse(2) schedule(static) if (N * M >= 64)
+    for (int64_t t = 0; t < tiles; ++t)
+        for (int64_t p = 0; p < panels; ++p)
+            matmul_panel(kind, pq + p * bytes, ps + p * scales, pm == nullptr ? nullptr : pm + p * scales, K,
+                         xq + t * kTile * K, dx + t * kTile * blocks, xs + 2 * t * kTile * blocks,
+                         std::min(kTile, M - t * kTile), out + t * kTile * N + p * kPanel, N, std::min(kPanel, N - p * kPanel));
 }
+
+// Whether this build has the AVX-512 VNNI panel kernels (gguf_native picks its long-chunk path by it).
+int tf_has_avx512_vnni() { return TF_AVX512; }
 
 // A weight row by row (q: u4 uint8 [N, K/2] or i8 int8 [N, K]; scale / minv [N, K/32] or [N, K/16];
 // minv may be null) -> its panels pq, ps, pm (gguf_repack.to_panels, bit for bit; the last

@@ -92,6 +92,7 @@ def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     for name, argtypes in signatures.items():      # declared once: each call converts plain ints
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.tf_has_avx512_vnni.argtypes, lib.tf_has_avx512_vnni.restype = [], ctypes.c_int
     return lib
 
 

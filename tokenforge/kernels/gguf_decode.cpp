@@ -176,19 +176,6 @@ void store_kv(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, 
     std::copy(v_new, v_new + D, L.kv_cache + ((L.num_slots + st.slots[m]) * Hkv + kvh) * D);
 }
 
-#if TF_AVX512
-// e^x for x <= 0 (softmax scores less their max), 16 at a time: x = n ln2 + r, |r| <= ln2 / 2,
-// e^r by its degree-6 Taylor polynomial (relative error ~1e-7), times 2^n.
-inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);      // ln2 in two parts (Cody-Waite)
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 720);
-    for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-    return _mm512_scalef_ps(p, n);
-}
-#endif
 
 // One head's scores [n] -> their softmax weights, unnormalised; returns their sum.
 float softmax_unnormalised(float* s, int64_t n) {
@@ -288,7 +275,7 @@ void silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, Private& p) {
         const float* g = gate_up + m * 2 * K;
         const float* u = g + K;
         float* row = p.row.data();
-        for (int64_t j = 0; j < K; ++j) row[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+        silu_mul_row(g, u, K, row);
         quantize_row(row, K, m, p.acts);
     }
 }

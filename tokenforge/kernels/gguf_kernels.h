@@ -51,9 +51,50 @@ inline float dot_f32(const float* a, const float* b, int64_t n) {
 
 constexpr int64_t kMaxRow = 16384;      // the widest row the fused prologues take (gguf_cpu.py checks)
 
+#if TF_AVX512
+// e^x, 16 at a time, for x in [-87, 88] (clamped): x = n ln2 + r, |r| <= ln2 / 2, e^r by its
+// degree-6 Taylor polynomial (relative error ~1e-7), times 2^n.
+inline __m512 exp_ps(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);      // ln2 in two parts (Cody-Waite)
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    for (const float c : {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// out [K] = silu(g) * u (the SwiGLU before down), vectorised where AVX-512 is.
+inline void silu_mul_row(const float* g, const float* u, int64_t K, float* out) {
+    int64_t j = 0;
+#if TF_AVX512
+    const __m512 one = _mm512_set1_ps(1.f);
+    for (; j + 16 <= K; j += 16) {
+        const __m512 x = _mm512_loadu_ps(g + j);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
+        _mm512_storeu_ps(out + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), _mm512_loadu_ps(u + j)));
+    }
+#endif
+    for (; j < K; ++j) out[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+}
+
 // One block of 32 floats -> 32 int8 codes (scale amax / 127, round half to even), its scale, and
-// each half's code sum (what a min, and the i8 codes' bias, multiply).
+// each half's code sum (what a min, and the i8 codes' bias, multiply). The vector and scalar
+// versions give the same bits (one rounding each for the scale, its inverse and every product).
 inline void quantize_block(const float* v, int8_t* q, float* d_out, int32_t* s_out) {
+#if TF_AVX512
+    const __m512 a = _mm512_loadu_ps(v), b = _mm512_loadu_ps(v + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float d = amax / 127.f;
+    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));          // |codes| <= 127
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+    *d_out = d;
+    s_out[0] = _mm512_reduce_add_epi32(qa);
+    s_out[1] = _mm512_reduce_add_epi32(qb);
+#else
     float amax = 0.f;
     for (int j = 0; j < 32; ++j) amax = std::fmax(amax, std::fabs(v[j]));
     const float d = amax / 127.f;
@@ -67,6 +108,7 @@ inline void quantize_block(const float* v, int8_t* q, float* d_out, int32_t* s_o
     }
     s_out[0] = s0;
     s_out[1] = s1;
+#endif
 }
 
 // Weights in panels of 16 output rows (gguf_repack.py `PackedWeight` has the layout): per panel
