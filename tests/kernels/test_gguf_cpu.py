@@ -12,7 +12,7 @@ import torch
 from tests.model.gguf_builder import K_QUANTS, random_k_blocks
 from tokenforge.kernels import gguf_cpu
 from tokenforge.kernels.gguf_cpu import gguf_matmul, gguf_matmul_ref, quantize_activations_ref
-from tokenforge.kernels.gguf_repack import cat_rows, dequantize_packed, pack, repack, to_panels
+from tokenforge.kernels.gguf_repack import I8, I8_32, U4, cat_rows, dequantize_packed, pack, repack, to_panels
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -156,6 +156,9 @@ def test_native_panels_are_the_torch_panels_bit_for_bit(kind):
     got, expected = gguf_cpu.panels(rows), to_panels(rows)
     assert (got.kind, got.out_features, got.in_features) == (expected.kind, 40, 256)
     assert got.q.shape == (3, 8, 256 if rows.kind == 0 else 512)       # 40 rows: 3 panels of 16
+    # one scale per 32 wherever the type has one (all but Q6_K's i8): one float epilogue a block
+    assert got.kind == (U4 if rows.kind == U4 else I8 if kind == "Q6_K" else I8_32)
+    assert got.scale.numel() == 3 * 8 * 16 * (2 if kind == "Q6_K" else 1)
     assert (got.minv is None) == (expected.minv is None) == (not rows.has_min)
     pairs = [(got.q, expected.q), (got.scale, expected.scale)] + ([(got.minv, expected.minv)] if rows.has_min else [])
     for a, b in pairs:

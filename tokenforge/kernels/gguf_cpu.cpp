@@ -82,11 +82,13 @@ void tf_gguf_matmul(int kind, const uint8_t* pq, const float* ps, const float* p
 int tf_has_avx512_vnni() { return TF_AVX512; }
 
 // A weight row by row (q: u4 uint8 [N, K/2] or i8 int8 [N, K]; scale / minv [N, K/32] or [N, K/16];
-// minv may be null) -> its panels pq, ps, pm (gguf_repack.to_panels, bit for bit; the last
-// panel's rows past N zero).
+// minv may be null) -> its panels pq, ps, pm of `kind` (gguf_repack.to_panels, bit for bit; the
+// last panel's rows past N zero).
 void tf_repack_panels(int kind, const uint8_t* q, const float* scale, const float* minv, int64_t N, int64_t K,
                       uint8_t* pq, float* ps, float* pm) {
-    const int64_t blocks = K / 32, row_bytes = kind == 0 ? K / 2 : K, groups = kind == 0 ? 1 : 2;
+    // kind 2: an i8 weight whose two scales (and mins) per block are equal: the first of each pair
+    const int64_t blocks = K / 32, row_bytes = kind == 0 ? K / 2 : K, groups = scale_groups(kind);
+    const int64_t row_scales = kind == 0 ? blocks : 2 * blocks, step = kind == 0 ? 1 : 2;
     const int64_t bytes = panel_bytes(kind, blocks), scales = panel_scales(kind, blocks), panels = (N + kPanel - 1) / kPanel;
 #pragma omp parallel for schedule(static) if (N * K >= 262144)
     for (int64_t p = 0; p < panels; ++p) {
@@ -101,9 +103,9 @@ void tf_repack_panels(int kind, const uint8_t* q, const float* scale, const floa
                 for (int v = 0; v < (kind == 0 ? 4 : 8); ++v)
                     for (int j = 0; j < 4; ++j) dst[v * 64 + j] = kind == 0 ? src[4 * v + j] : src[4 * v + j] ^ 0x80;
                 for (int64_t g = 0; g < groups; ++g) {
-                    const int64_t at = p * scales + (b * groups + g) * kPanel + i;
-                    ps[at] = scale[n * blocks * groups + b * groups + g];
-                    if (pm != nullptr) pm[at] = minv[n * blocks * groups + b * groups + g];
+                    const int64_t at = p * scales + (b * groups + g) * kPanel + i, from = n * row_scales + b * step + g;
+                    ps[at] = scale[from];
+                    if (pm != nullptr) pm[at] = minv[from];
                 }
             }
         }
@@ -178,7 +180,7 @@ void dequantize(int kind, const uint8_t* pq, const float* ps, const float* pm, i
             const uint8_t* c = pq + p * bytes + b * (bytes / blocks) + i * 4;
             Out* o = out + n * K + b * 32;
             for (int half = 0; half < 2; ++half) {     // elements 16 half .. 16 half + 15
-                const int64_t at = p * scales + (kind == 0 ? b : 2 * b + half) * kPanel + i;
+                const int64_t at = p * scales + (kind == 1 ? 2 * b + half : b) * kPanel + i;
                 const float s = ps[at], mn = pm == nullptr ? 0.f : pm[at];
                 for (int e = 0; e < 16; ++e) {
                     const uint8_t byte = c[(kind == 0 ? e / 4 : 4 * half + e / 4) * 64 + e % 4];

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenforge.kernels.gguf_repack import (I8, PANEL, Q4_0, Q4_1, Q8_0, U4, PackedWeight, RowBlocks, dequantize_packed,
-                                            repack, to_panels)
+from tokenforge.kernels.gguf_repack import (I8, I8_32, PANEL, Q4_0, Q4_1, Q8_0, U4, PackedWeight, RowBlocks,
+                                            dequantize_packed, repack, to_panels)
 
 logger = logging.getLogger(__name__)
 
@@ -195,13 +195,16 @@ def panels(w: RowBlocks) -> PackedWeight:
         return to_panels(w)
     n, k = w.q.shape[0], w.in_features
     p, blocks = -(-n // PANEL), k // 32
+    kind = w.kind
+    if kind == I8 and torch.equal(w.scale[:, 0::2], w.scale[:, 1::2]) and torch.equal(w.minv[:, 0::2], w.minv[:, 1::2]):
+        kind = I8_32
     # numpy's buffers: first touch of fresh torch.empty pages cost several times more on the dev VM
-    q = torch.from_numpy(np.empty((p, blocks, 256 if w.kind == U4 else 512), dtype=np.uint8))
-    scale = torch.from_numpy(np.empty((p, blocks, PANEL) if w.kind == U4 else (p, blocks, 2, PANEL), dtype=np.float32))
+    q = torch.from_numpy(np.empty((p, blocks, 256 if kind == U4 else 512), dtype=np.uint8))
+    scale = torch.from_numpy(np.empty((p, blocks, 2, PANEL) if kind == I8 else (p, blocks, PANEL), dtype=np.float32))
     minv = torch.from_numpy(np.empty(tuple(scale.shape), dtype=np.float32)) if w.has_min else None
-    lib.tf_repack_panels(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None, n, k,
+    lib.tf_repack_panels(kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None, n, k,
                          q.data_ptr(), scale.data_ptr(), None if minv is None else minv.data_ptr())
-    return PackedWeight(w.kind, q, scale, minv, n, k)
+    return PackedWeight(kind, q, scale, minv, n, k)
 
 
 def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:

@@ -121,8 +121,11 @@ inline void quantize_block(const float* v, int8_t* q, float* d_out, int32_t* s_o
 // dx [M, K/32], xs [M, K/16] the code sums per 16 (a min multiplies dx * xs).
 constexpr int64_t kPanel = 16;
 
+// Kinds: 0 u4 (a scale per 32), 1 i8 with a scale per 16 (Q6_K), 2 i8 with a scale per 32 (Q8_0,
+// Q5_x: their two 16s always share one, so the kernel pays one float epilogue a block, not two).
+inline int64_t scale_groups(int kind) { return kind == 1 ? 2 : 1; }       // scales per block of 32
 inline int64_t panel_bytes(int kind, int64_t blocks) { return blocks * (kind == 0 ? 256 : 512); }
-inline int64_t panel_scales(int kind, int64_t blocks) { return blocks * (kind == 0 ? 16 : 32); }
+inline int64_t panel_scales(int kind, int64_t blocks) { return blocks * kPanel * scale_groups(kind); }
 
 #if TF_AVX512
 // R activation rows against one panel, into acc[R] (16 outputs each). u4 codes are unsigned, so
@@ -155,14 +158,14 @@ inline void panel_u4(const uint8_t* pq, const float* ps, const float* pm, int64_
     }
 }
 
-template <int R>
+template <int R, int G>     // G scale groups a block: 2 (kind 1) or 1 (kind 2)
 inline void panel_i8(const uint8_t* pq, const float* ps, const float* pm, int64_t K, const int8_t* xq,
                      const float* dx, const int32_t* xs, __m512* acc) {
     const int64_t blocks = K / 32;
     for (int64_t b = 0; b < blocks; ++b) {
         __m512i w[8];
         for (int g = 0; g < 8; ++g) w[g] = _mm512_loadu_si512(pq + b * 512 + g * 64);
-        const __m512 s0 = _mm512_loadu_ps(ps + b * 32), s1 = _mm512_loadu_ps(ps + b * 32 + 16);
+        const float* sb = ps + b * G * kPanel;
         for (int r = 0; r < R; ++r) {
             const int32_t* x = reinterpret_cast<const int32_t*>(xq + r * K + 32 * b);
             const int64_t i = r * blocks + b;
@@ -172,8 +175,16 @@ inline void panel_i8(const uint8_t* pq, const float* ps, const float* pm, int64_
                 i1 = _mm512_dpbusd_epi32(i1, w[g + 4], _mm512_set1_epi32(x[g + 4]));
             }
             const __m512 d = _mm512_set1_ps(dx[i]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s0, d), acc[r]);
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s1, d), acc[r]);
+            if (G == 1) {
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_mul_ps(_mm512_loadu_ps(sb), d),
+                                         acc[r]);
+                if (pm != nullptr)
+                    acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(pm + b * kPanel),
+                                             _mm512_set1_ps(dx[i] * static_cast<float>(xs[2 * i] + xs[2 * i + 1])), acc[r]);
+                continue;
+            }
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(_mm512_loadu_ps(sb), d), acc[r]);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(_mm512_loadu_ps(sb + 16), d), acc[r]);
             if (pm != nullptr) {
                 acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(pm + b * 32), _mm512_set1_ps(dx[i] * static_cast<float>(xs[2 * i])),
                                          acc[r]);
@@ -191,8 +202,10 @@ inline void panel_tile(int kind, const uint8_t* pq, const float* ps, const float
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     if (kind == 0)
         panel_u4<R>(pq, ps, pm, K, xq, dx, xs, acc);
+    else if (kind == 1)
+        panel_i8<R, 2>(pq, ps, pm, K, xq, dx, xs, acc);
     else
-        panel_i8<R>(pq, ps, pm, K, xq, dx, xs, acc);
+        panel_i8<R, 1>(pq, ps, pm, K, xq, dx, xs, acc);
     for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * stride, mask, acc[r]);
 }
 
@@ -221,13 +234,13 @@ inline void panel_half(int kind, int h, const uint8_t* pq, const float* ps, cons
             __m256i isum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
             for (int g = 0; g < 8; ++g) {
                 const __m256i xb = _mm256_set1_epi32(x[g]);
-                const int half = kind == 0 ? 0 : g / 4;
+                const int half = kind == 1 ? g / 4 : 0;
                 isum[half] = _mm256_add_epi32(isum[half], dot_u8s8(w[g], kind == 0 ? xb : _mm256_sign_epi8(xb, sign[g])));
             }
             const __m256 d = _mm256_set1_ps(dx[i]);
-            for (int half = 0; half < (kind == 0 ? 1 : 2); ++half) {
-                const int64_t at = kind == 0 ? b * kPanel + 8 * h : b * 32 + 16 * half + 8 * h;
-                const float sum = kind == 0 ? static_cast<float>(xs[2 * i] + xs[2 * i + 1]) : static_cast<float>(xs[2 * i + half]);
+            for (int half = 0; half < scale_groups(kind); ++half) {
+                const int64_t at = (b * scale_groups(kind) + half) * kPanel + 8 * h;
+                const float sum = kind == 1 ? static_cast<float>(xs[2 * i + half]) : static_cast<float>(xs[2 * i] + xs[2 * i + 1]);
                 acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[half]), _mm256_mul_ps(_mm256_loadu_ps(ps + at), d), acc[r]);
                 if (pm != nullptr) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(pm + at), _mm256_set1_ps(dx[i] * sum), acc[r]);
             }
@@ -275,16 +288,16 @@ inline void matmul_panel(int kind, const uint8_t* pq, const float* ps, const flo
             for (int64_t b = 0; b < blocks; ++b) {
                 const int8_t* x = xq + m * K + 32 * b;
                 const int64_t at = m * blocks + b;
-                for (int half = 0; half < (kind == 0 ? 1 : 2); ++half) {
+                for (int half = 0; half < scale_groups(kind); ++half) {
                     int32_t s = 0;
-                    for (int g = 4 * half; g < 4 * half + 4; ++g)
+                    for (int g = 4 * half; g < (kind == 2 ? 8 : 4 * half + 4); ++g)
                         for (int j = 0; j < 4; ++j) {
                             const uint8_t c = pq[b * (kind == 0 ? 256 : 512) + g * 64 + i * 4 + j];
                             s += kind == 0 ? (c & 0x0F) * x[4 * g + j] + (c >> 4) * x[16 + 4 * g + j]
                                            : (static_cast<int32_t>(c) - 128) * x[4 * g + j];
                         }
-                    const int64_t lane = kind == 0 ? b * kPanel + i : b * 32 + 16 * half + i;
-                    const int32_t sum = kind == 0 ? xs[2 * at] + xs[2 * at + 1] : xs[2 * at + half];
+                    const int64_t lane = (b * scale_groups(kind) + half) * kPanel + i;
+                    const int32_t sum = kind == 1 ? xs[2 * at + half] : xs[2 * at] + xs[2 * at + 1];
                     acc += static_cast<float>(s) * (ps[lane] * dx[at]);
                     if (pm != nullptr) acc += pm[lane] * (dx[at] * static_cast<float>(sum));
                 }

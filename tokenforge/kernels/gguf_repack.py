@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-U4, I8 = 0, 1
+U4, I8, I8_32 = 0, 1, 2     # I8_32: i8 codes whose two scales (and mins) per 32 are always equal
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
                 Q6_K: "Q6_K"}
@@ -46,15 +46,15 @@ class PackedWeight:
     Per panel and block of 32 inputs, vector v (64 bytes), lane i (4 bytes), byte j:
     - u4, 4 vectors: row i's codes at element 4v+j (low nibble) and 16+4v+j (high nibble);
     - i8, 8 vectors: row i's code at element 4v+j, stored + 128 as an unsigned byte;
-    then the scales and mins as [P, blocks, 16] (u4: one per 32) or [P, blocks, 2, 16] (i8: one
-    per 16). Rows past out_features in the last panel are zero (their outputs are never written).
+    then the scales and mins as [P, blocks, 16] (one per 32: u4, and i8 types whose two 16s share
+    one, I8_32) or [P, blocks, 2, 16] (one per 16: Q6_K, I8). Rows past out_features in the last panel are zero (their outputs are never written).
     Why one lane per output row: a block's VNNI dot products (4 codes against the activation's 4
     bytes, broadcast) complete 16 outputs' integer sums before the one float scale-and-add the
     format needs per block; row by row, that float work was paid per output."""
 
-    kind: int               # U4 or I8
+    kind: int               # U4, I8 (Q6_K: a scale per 16) or I8_32 (Q8_0, Q5_x: a scale per 32)
     q: torch.Tensor         # uint8 [P, blocks, 256] (u4) or [P, blocks, 512] (i8)
-    scale: torch.Tensor     # float32 [P, blocks, 16] (u4) or [P, blocks, 2, 16] (i8)
+    scale: torch.Tensor     # float32 [P, blocks, 16], or [P, blocks, 2, 16] for I8
     minv: torch.Tensor | None   # as scale; None: no min (Q8_0, Q5_0, Q6_K)
     out_features: int
     in_features: int
@@ -80,14 +80,17 @@ def to_panels(w: RowBlocks) -> PackedWeight:
     p, blocks, per = (n + pad) // PANEL, k // 32, 4 if w.kind == U4 else 8
     q = w.q.view(torch.uint8) if w.kind == U4 else w.q.view(torch.uint8) ^ 0x80        # i8: + 128 (mod 256)
     q = F.pad(q, (0, 0, 0, pad)).reshape(p, PANEL, blocks, per, 4).permute(0, 2, 3, 1, 4)
-    groups = 1 if w.kind == U4 else 2
+    kind, scale, minv = w.kind, w.scale, w.minv
+    if kind == I8 and torch.equal(scale[:, 0::2], scale[:, 1::2]) and torch.equal(minv[:, 0::2], minv[:, 1::2]):
+        kind, scale, minv = I8_32, scale[:, 0::2], minv[:, 0::2]
+    groups = 2 if kind == I8 else 1
 
     def lanes(t: torch.Tensor) -> torch.Tensor:      # [N, blocks * groups] -> [P, blocks, (groups,) 16]
         t = F.pad(t, (0, 0, 0, pad)).reshape(p, PANEL, blocks, groups).permute(0, 2, 3, 1)
         return (t.squeeze(2) if groups == 1 else t).contiguous()
 
-    return PackedWeight(w.kind, q.reshape(p, blocks, per * 64).contiguous(), lanes(w.scale),
-                        lanes(w.minv) if w.has_min else None, n, k)
+    return PackedWeight(kind, q.reshape(p, blocks, per * 64).contiguous(), lanes(scale),
+                        lanes(minv) if w.has_min else None, n, k)
 
 
 def pack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
@@ -198,7 +201,7 @@ def dequantize_packed(w: PackedWeight) -> torch.Tensor:
     else:
         q = w.q.reshape(p, blocks, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, k)
         codes = q.to(torch.int16).sub(128).float()
-    per = 32 if w.kind == U4 else 16
+    per = 16 if w.kind == I8 else 32
 
     def rows(t: torch.Tensor) -> torch.Tensor:       # [P, blocks, (2,) 16] -> [N, K] (one per element)
         t = t.reshape(p, -1, PANEL).transpose(1, 2).reshape(p * PANEL, -1)[:n]
