@@ -72,10 +72,14 @@ void tf_gguf_matmul(int kind, const uint8_t* pq, const float* ps, const float* p
     const int64_t panels = (N + kPanel - 1) / kPanel, tiles = (M + kTile - 1) / kTile;
 #pragma omp parallel for collapse(2) schedule(static) if (N * M >= 64)
     for (int64_t t = 0; t < tiles; ++t)
-        for (int64_t p = 0; p < panels; ++p)
+        for (int64_t p = 0; p < panels; ++p) {
+            if (t == 0 && p + 1 < panels)
+                prefetch_panel(kind, pq + (p + 1) * bytes, ps + (p + 1) * scales, pm == nullptr ? nullptr : pm + (p + 1) * scales,
+                               blocks);
             matmul_panel(kind, pq + p * bytes, ps + p * scales, pm == nullptr ? nullptr : pm + p * scales, K,
                          xq + t * kTile * K, dx + t * kTile * blocks, xs + 2 * t * kTile * blocks,
                          std::min(kTile, M - t * kTile), out + t * kTile * N + p * kPanel, N, std::min(kPanel, N - p * kPanel));
+        }
 }
 
 // Whether this build has the AVX-512 VNNI panel kernels (gguf_native picks its long-chunk path by it).

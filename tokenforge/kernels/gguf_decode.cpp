@@ -144,6 +144,9 @@ void linear(const TfLinear& L, const Acts& a, int64_t M, float* out) {
         for (int64_t p = 0; p < (w.rows + kPanel - 1) / kPanel; ++p) {
             float* o = out + col + p * kPanel;
             const int64_t valid = std::min(kPanel, w.rows - p * kPanel);
+            if ((p + 1) * kPanel < w.rows)
+                prefetch_panel(static_cast<int>(w.kind), w.q + (p + 1) * bytes, w.scale + (p + 1) * scales,
+                               w.minv == nullptr ? nullptr : w.minv + (p + 1) * scales, blocks);
             matmul_panel(static_cast<int>(w.kind), w.q + p * bytes, w.scale + p * scales,
                          w.minv == nullptr ? nullptr : w.minv + p * scales, K, a.xq, a.dx, a.xs, M, o, stride, valid);
             if (L.bias != nullptr)

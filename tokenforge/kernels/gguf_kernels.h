@@ -249,6 +249,17 @@ inline void panel_half(int kind, int h, const uint8_t* pq, const float* ps, cons
 }
 #endif
 
+// Asks for a panel's codes, scales and mins ahead of use (into L2): called one panel early, it
+// overlaps the weight stream (a decode step reads every weight once, from memory) with compute.
+inline void prefetch_panel(int kind, const uint8_t* pq, const float* ps, const float* pm, int64_t blocks) {
+    const char* q = reinterpret_cast<const char*>(pq);
+    for (int64_t at = 0; at < panel_bytes(kind, blocks); at += 64) _mm_prefetch(q + at, _MM_HINT_T1);
+    for (int64_t at = 0; at < panel_scales(kind, blocks); at += 16) {
+        _mm_prefetch(reinterpret_cast<const char*>(ps + at), _MM_HINT_T1);
+        if (pm != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pm + at), _MM_HINT_T1);
+    }
+}
+
 // One panel (`valid` <= 16 real rows) against M activation rows: out[m * stride + i], i < valid.
 inline void matmul_panel(int kind, const uint8_t* pq, const float* ps, const float* pm, int64_t K, const int8_t* xq,
                          const float* dx, const int32_t* xs, int64_t M, float* out, int64_t stride, int64_t valid) {
