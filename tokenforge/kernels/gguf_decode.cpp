@@ -6,7 +6,7 @@
 // activations), with attention computed here in float32 instead of by SDPA. Why one call: at
 // batch 1 the per-op path spends more time dispatching about 300 small torch ops and ctypes calls
 // per token than in the matmuls. Everything runs in one OpenMP parallel region: projections are
-// split over weight rows and attention over (row, head), with a barrier after each (six a
+// split over weight rows and attention over rows, with a barrier after each (six a
 // layer, one after the KV stores); each thread keeps its own residual stream and quantized activations, which it computes
 // itself between them (cheap, and a barrier fewer each time).
 // Called by kernels/gguf_decode.py, whose ctypes structures mirror the ones below.
@@ -217,7 +217,7 @@ float dot_head(const float* a, const float* b, int64_t D) {
 // the sequence's keys, read in place through the block table (every row's new k/v is stored
 // before any row attends, so rows of one sequence -- a speculative verify as decode rows -- see the
 // rows before them), only the last `window` with a sliding window -> out [Hq, D]. Why a whole row
-// at a time: the cache is larger than the caches, so attention streams it from memory; a
+// at a time: the KV cache outgrows the CPU caches, so attention streams it from memory; a
 // position's keys (and values) for every KV head are one contiguous run, read once, prefetched
 // kAhead positions early (per KV head, strided, it ran at a third of the read rate).
 void attend_row(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, const float* row, float* out,
