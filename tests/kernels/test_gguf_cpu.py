@@ -12,7 +12,7 @@ import torch
 from tests.model.gguf_builder import K_QUANTS, random_k_blocks
 from tokenforge.kernels import gguf_cpu
 from tokenforge.kernels.gguf_cpu import gguf_matmul, gguf_matmul_ref, quantize_activations_ref
-from tokenforge.kernels.gguf_repack import cat_rows, dequantize_packed, repack
+from tokenforge.kernels.gguf_repack import I8, I8_32, U4, cat_rows, dequantize_packed, pack, repack, to_panels
 
 TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
@@ -29,21 +29,22 @@ def _raw(kind: str, n: int, k: int, seed: int) -> np.ndarray:
 def test_repack_dequantizes_as_the_gguf_library(kind):
     raw = _raw(kind, 48, 512, seed=1)
     qtype = gguf.GGMLQuantizationType[kind]
-    packed = repack(torch.from_numpy(raw.copy()), int(qtype), 512)
+    packed = pack(torch.from_numpy(raw.copy()), int(qtype), 512)
     expected = gguf.quants.dequantize(raw, qtype)
     np.testing.assert_allclose(dequantize_packed(packed).numpy(), expected, rtol=1e-6, atol=1e-7 * np.abs(expected).max())
 
 
 @pytest.mark.parametrize("kind", TYPES)
-@pytest.mark.parametrize("rows", [1, 3, 9])        # the 4-row tile, its remainder, and both
-def test_native_kernel_matches_reference(kind, rows):
+@pytest.mark.parametrize("rows", [1, 3, 13])       # the 8-, 4- and 1-row tiles of a panel
+@pytest.mark.parametrize("n", [80, 72])            # whole panels, and a last panel half full
+def test_native_kernel_matches_reference(kind, rows, n):
     assert gguf_cpu.native_library() is not None, "g++ is on this machine: the native kernel must build"
-    raw = _raw(kind, 80, 512, seed=2)
-    packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
+    raw = _raw(kind, n, 512, seed=2)
+    packed = pack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows))
     x[0, :32] = 0.0                                     # an all-zero activation block (scale 0)
     got, expected = gguf_matmul(x, packed), gguf_matmul_ref(x, packed)
-    assert got.shape == (rows, 80)
+    assert got.shape == (rows, n)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
@@ -56,12 +57,12 @@ def test_activation_quantization_is_per_block_of_32():
 
 
 def test_fused_rows_and_the_fallback_without_a_compiler(monkeypatch):
-    a, b = (repack(torch.from_numpy(_raw("Q4_1", n, 256, seed=n)), 3, 256) for n in (32, 16))
+    a, b = (repack(torch.from_numpy(_raw("Q4_1", n, 256, seed=n)), 3, 256) for n in (40, 16))
     x = torch.randn(2, 256)
-    both = gguf_matmul(x, cat_rows([a, b]))
-    torch.testing.assert_close(both, torch.cat([gguf_matmul(x, a), gguf_matmul(x, b)], dim=1))
+    both = gguf_matmul(x, gguf_cpu.panels(cat_rows([a, b])))
+    torch.testing.assert_close(both, torch.cat([gguf_matmul(x, to_panels(a)), gguf_matmul(x, to_panels(b))], dim=1))
     monkeypatch.setattr(gguf_cpu, "native_library", lambda: None)
-    torch.testing.assert_close(gguf_matmul(x, cat_rows([a, b])), both, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(gguf_matmul(x, gguf_cpu.panels(cat_rows([a, b]))), both, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -70,7 +71,7 @@ def test_fused_rms_norm_quantize_matches_the_reference(with_residual):
     torch prologue followed by the reference product (and returns the same new residual)."""
     lib = gguf_cpu.native_library()
     raw = _raw("Q4_1", 64, 256, seed=3)
-    packed = repack(torch.from_numpy(raw), 3, 256)
+    packed = pack(torch.from_numpy(raw), 3, 256)
     gen = torch.Generator().manual_seed(4)
     x, residual, weight = (torch.randn(3, 256, generator=gen), torch.randn(3, 256, generator=gen),
                            1 + 0.1 * torch.randn(256, generator=gen))
@@ -83,7 +84,7 @@ def test_fused_rms_norm_quantize_matches_the_reference(with_residual):
 
 def test_fused_silu_mul_quantize_matches_the_reference():
     lib = gguf_cpu.native_library()
-    packed = repack(torch.from_numpy(_raw("Q6_K", 48, 512, seed=5)), 14, 512)
+    packed = pack(torch.from_numpy(_raw("Q6_K", 48, 512, seed=5)), 14, 512)
     gate_up = torch.randn(5, 1024, generator=torch.Generator().manual_seed(6))
     got = gguf_cpu.matmul_quantized(lib, gguf_cpu.silu_mul_quantize(lib, gate_up), packed)
     expected = gguf_matmul_ref(gguf_cpu.silu_mul_ref(gate_up), packed)
@@ -92,8 +93,8 @@ def test_fused_silu_mul_quantize_matches_the_reference():
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_an_odd_block_count_takes_the_tail_path(kind):
-    """K = 288: nine blocks, so the two-block (AVX-512) loop leaves one block to the 256-bit tail."""
-    packed = repack(torch.from_numpy(_raw(kind, 24, 288, seed=7)), int(gguf.GGMLQuantizationType[kind]), 288)
+    """K = 288: nine blocks (no pairs of blocks assumed anywhere), 24 rows (a panel and a half)."""
+    packed = pack(torch.from_numpy(_raw(kind, 24, 288, seed=7)), int(gguf.GGMLQuantizationType[kind]), 288)
     x = torch.randn(5, 288, generator=torch.Generator().manual_seed(8))
     got, expected = gguf_matmul(x, packed), gguf_matmul_ref(x, packed)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
@@ -129,7 +130,7 @@ def test_native_dequantize_is_the_reference_bit_for_bit(kind):
     """A long prefill chunk's weight, dequantized in one native pass (no FMA contraction), is
     dequantize_packed's, so that chunk's GEMM is exactly the float32 path's."""
     raw = _raw(kind, 24, 512, seed=6)
-    packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
+    packed = pack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
     got = gguf_cpu.dequantize_into(packed, torch.full((24, 512), float("nan")))
     assert torch.equal(got, dequantize_packed(packed))
 
@@ -140,34 +141,64 @@ def test_dequantize_into_bf16_rounds_as_torch(kind, built, monkeypatch):
     """The bf16 prefill GEMM's weight (native, and the torch fallback without a compiler) is the
     float32 dequantization rounded to nearest even, bit for bit what `.to(torch.bfloat16)` gives."""
     raw = _raw(kind, 24, 512, seed=7)
-    packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
+    packed = pack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 512)
     if not built:
         monkeypatch.setattr(gguf_cpu, "native_library", lambda: None)
     got = gguf_cpu.dequantize_into(packed, torch.full((24, 512), float("nan"), dtype=torch.bfloat16))
     assert torch.equal(got.view(torch.int16), dequantize_packed(packed).to(torch.bfloat16).view(torch.int16))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
-@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 13, 32])
-def test_panel_kernel_matches_reference(kind, rows):
-    """u4 weights in 16-row panels (AVX-512 VNNI builds): every row tiling (8, 4, 1) against the
-    float64 reference, and equal to the row-at-a-time kernel up to float summation order."""
-    lib = gguf_cpu.native_library()
-    if lib is None or not lib.tf_has_panels():
-        pytest.skip("no AVX-512 VNNI build: the panel kernel is not compiled in")
-    raw = _raw(kind, 48, 576, seed=8)
-    packed = repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 576)
-    assert packed.panels is None
-    paneled = gguf_cpu.with_panels(repack(torch.from_numpy(raw), int(gguf.GGMLQuantizationType[kind]), 576))
-    assert paneled.panels is not None and paneled.panels[0].shape == (3, 18, 256)
-    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
-    got = gguf_matmul(x, paneled)
-    torch.testing.assert_close(got, gguf_matmul_ref(x, packed), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(got, gguf_matmul(x, packed), rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("kind", TYPES)
+def test_native_panels_are_the_torch_panels_bit_for_bit(kind):
+    """The loader's one-pass panel layout (C++) is gguf_repack.to_panels', padding rows included,
+    and it keeps the codes once: no row-by-row copy beside the panels."""
+    rows = repack(torch.from_numpy(_raw(kind, 40, 256, seed=11)), int(gguf.GGMLQuantizationType[kind]), 256)
+    got, expected = gguf_cpu.panels(rows), to_panels(rows)
+    assert (got.kind, got.out_features, got.in_features) == (expected.kind, 40, 256)
+    assert got.q.shape == (3, 8, 256 if rows.kind == 0 else 512)       # 40 rows: 3 panels of 16
+    # one scale per 32 wherever the type has one (all but Q6_K's i8): one float epilogue a block
+    assert got.kind == (U4 if rows.kind == U4 else I8 if kind == "Q6_K" else I8_32)
+    assert got.scale.numel() == 3 * 8 * 16 * (2 if kind == "Q6_K" else 1)
+    assert (got.minv is None) == (expected.minv is None) == (not rows.has_min)
+    pairs = [(got.q, expected.q), (got.scale, expected.scale)] + ([(got.minv, expected.minv)] if rows.has_min else [])
+    for a, b in pairs:
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def test_panels_only_where_whole_panels_and_u4():
-    """An i8 weight, or rows that do not fill panels of 16, keep the row-at-a-time kernel."""
-    q8 = repack(torch.from_numpy(_raw("Q8_0", 32, 64, seed=9)), int(gguf.GGMLQuantizationType.Q8_0), 64)
-    q4 = repack(torch.from_numpy(_raw("Q4_0", 24, 64, seed=9)), int(gguf.GGMLQuantizationType.Q4_0), 64)
-    assert gguf_cpu.with_panels(q8).panels is None and gguf_cpu.with_panels(q4).panels is None
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx2",)])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K", "Q5_K"])
+def test_avx2_and_plain_panel_kernels_match_reference(flags, kind):
+    """The panel kernels other CPUs build (AVX2 half panels; plain loops), built here with the
+    AVX-512 (or AVX2) instructions turned off, against the float64 reference."""
+    lib = gguf_cpu.build_library(flags)
+    assert lib is not None
+    packed = pack(torch.from_numpy(_raw(kind, 40, 256, seed=12)), int(gguf.GGMLQuantizationType[kind]), 256)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(13))
+    got = gguf_cpu.matmul_quantized(lib, gguf_cpu.quantize_activations(lib, x), packed)
+    expected = gguf_matmul_ref(x, packed)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q6_K"])
+def test_i8_code_bias_leaves_no_float_cancellation(kind):
+    """i8 codes are stored + 128 for the unsigned dot product; the bias must come back out exactly
+    (in the integers). Activations with a mean make the biased sum large against the signed one:
+    taking the bias out in float erred by ~6e-6 of the largest output here (Q5_0)."""
+    packed = pack(torch.from_numpy(_raw(kind, 64, 512, seed=14)), int(gguf.GGMLQuantizationType[kind]), 512)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(15)) + 3.0
+    got, expected = gguf_matmul(x, packed), gguf_matmul_ref(x, packed)
+    assert (got - expected).abs().max() < 1e-6 * expected.abs().max()
+
+
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)])
+def test_native_activation_quantizer_is_the_reference_bit_for_bit(flags):
+    """The vectorised quantizer (AVX-512) and the scalar one give the reference's codes, scales and
+    code sums exactly: halves round to even, an all-zero block has scale 0."""
+    lib = gguf_cpu.build_library(flags)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(16)) * 3
+    x[1, :32] = 0.0
+    x[2, :32] = torch.tensor([127.0, 2.5, -3.5, 0.5, -0.5, 1.5] + [0.25] * 26)      # scale 1: exact halves
+    acts = gguf_cpu.quantize_activations(lib, x)
+    xq, dx, xs = quantize_activations_ref(x)
+    assert torch.equal(acts.xq, xq) and torch.equal(acts.dx, dx) and torch.equal(acts.xs, xs)
+    assert acts.xq[2, :6].tolist() == [127, 2, -4, 0, 0, 2]

@@ -98,15 +98,36 @@ def test_long_prefill_chunks_in_bf16_are_the_bf16_product(loaded, monkeypatch):
 
 
 def test_the_long_chunk_dtype_follows_the_cpu(monkeypatch):
-    """Chosen once from the CPU's features (the engine's method at import): bf16 only where the
-    CPU has native bf16 dot products."""
+    """Chosen once from the CPU's features (the engine's method, made at the first GGUF load): the
+    integer kernels where the library has AVX-512 VNNI, else bf16 only where the CPU has native
+    bf16 dot products, else float32; never int8 without a compiler (the reference is float64)."""
     from tokenforge.model.quant import gguf_native  # noqa: PLC0415
 
-    assert gguf_native.GGUF_NATIVE.long_chunk_dtype == gguf_native.long_chunk_dtype_for_cpu()
+    assert gguf_native.gguf_native_method().long_chunk_dtype == gguf_native.long_chunk_dtype_for_cpu()
+    vnni = bool(gguf_cpu.native_library().tf_has_avx512_vnni())
+    assert (gguf_native.long_chunk_dtype_for_cpu() == torch.int8) == vnni
+    monkeypatch.setattr(gguf_native, "native_library", lambda: None)
     for native_bf16, dtype in ((True, torch.bfloat16), (False, torch.float32)):
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda v=native_bf16: v)
         assert gguf_native.long_chunk_dtype_for_cpu() == dtype
         assert GgufNativeMethod().long_chunk_dtype == dtype
+
+
+def test_long_prefill_chunks_in_int8_take_the_integer_kernels_and_fused_prologues(loaded, monkeypatch):
+    """With the int8 choice a long chunk is the short chunks' computation: row by row the same
+    8-bit products, and the fused add + RMSNorm / SwiGLU prologues run at that size too."""
+    _, native, _ = loaded
+    x = torch.randn(DEQUANTIZE_ROWS + 9, native.config.hidden_size)
+    layer = native.model.layers[0].mlp.gate_up_proj
+    method = GgufNativeMethod(torch.int8)
+    monkeypatch.setattr(layer, "quant_method", method)
+    long = layer(x)
+    torch.testing.assert_close(long[:5], layer(x[:5]), rtol=1e-6, atol=1e-6)
+    expected = [gguf_cpu.gguf_matmul_ref(x, w) for w in layer.gguf_weight]
+    torch.testing.assert_close(long, torch.cat(expected, dim=-1), rtol=1e-4, atol=1e-4 * long.abs().max().item())
+    gate_up = torch.randn(DEQUANTIZE_ROWS + 9, 2 * native.config.intermediate_size)
+    assert method.apply_silu_mul(native.model.layers[0].mlp.down_proj, gate_up, None) is not None
+    assert GgufNativeMethod(torch.bfloat16).apply_silu_mul(native.model.layers[0].mlp.down_proj, gate_up, None) is None
 
 
 LOGIT_STD = 2.0   # the random tiny models' logits are nearly flat: scaled to this spread, scores depend on the weights

@@ -82,6 +82,18 @@ def test_sliding_window_and_qkv_bias(tmp_path, paged_driver):
     _compare(model, paged_driver)
 
 
+@pytest.mark.parametrize("heads", [4, 2])
+def test_vector_attention_head_sizes_and_window(tmp_path, paged_driver, heads):
+    """Head sizes 64 and 128 (the AVX-512 attention's register-resident sizes; 16 above takes the
+    plain loops), groups of 2 query heads, and a 21-position window: one whole 16-score vector of
+    the softmax and a masked tail."""
+    shape = TinyLlama(hidden=256, intermediate=512, heads=heads, kv_heads=heads // 2)
+    model = load_model(write_tiny_gguf(tmp_path / f"h{heads}.gguf", "Q4_K", shape), "auto", torch.float32, "cpu",
+                       gguf_native=True).model
+    model.model.layers[0].self_attn.attn.spec = AttentionSpec(sliding_window=21)
+    _compare(model, paged_driver)
+
+
 def test_models_the_step_does_not_take_say_why(tmp_path, paged_driver):
     path = write_tiny_gguf(tmp_path / "q8.gguf", "Q8_0", TinyLlama())
     dequantized = load_model(path, "auto", torch.float32, "cpu").model

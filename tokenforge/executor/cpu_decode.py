@@ -3,8 +3,8 @@
 What CUDA graphs are to the GPU runner (cuda_graph.py: `can_run` / `run` / `release`, chosen once
 at start-up): decode-only steps of up to `MAX_ROWS` sequences skip the per-op forward, whose ~300
 small torch ops and ctypes calls a token cost more than its matmuls at batch 1, and run
-model/native_decode.py's step instead. Prefill and mixed steps, and larger decode batches (the
-per-op path multiplies dequantized weights there), keep the model's forward; so does every step
+model/native_decode.py's step instead. Prefill and mixed steps, and larger decode batches, keep
+the model's forward; so does every step
 under `--enforce-eager`, which keeps the per-op path as on the GPU it keeps eager steps.
 
 Speculative verify steps (a sequence's last token and its drafts) run there too, as decode rows:

@@ -9,6 +9,10 @@ step in one call, kernels/gguf_decode.py); the loops both share are in gguf_kern
 runtime is torch's own libgomp.so.1 (already loaded), so the two share one thread pool. Without a compiler (or when the build fails) the
 torch reference below computes the same numbers, slowly.
 
+Weights arrive as `RowBlocks` (gguf_repack.repack, or `repack_fast`) and are kept only as
+`PackedWeight` panels of 16 rows (`panels`), which the kernels, the dequantization and the
+reference all read.
+
 `gguf_matmul_ref` is the reference every kernel path is tested against; `rms_norm_ref` and
 `silu_mul_ref` are the prologues the fused quantizers (`rms_norm_quantize`, `silu_mul_quantize`:
 the add + RMSNorm or SwiGLU computed and quantized in one call, for the decode step) must match.
@@ -29,7 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenforge.kernels.gguf_repack import I8, Q4_0, Q4_1, Q8_0, U4, PackedWeight, dequantize_packed, repack
+from tokenforge.kernels.gguf_repack import (I8, I8_32, PANEL, Q4_0, Q4_1, Q8_0, U4, PackedWeight, RowBlocks,
+                                            dequantize_packed, repack, to_panels)
 
 logger = logging.getLogger(__name__)
 
@@ -44,23 +49,30 @@ def _cache_dir() -> Path:
     return Path(root) / "tokenforge" / "kernels"
 
 
-@functools.cache
 def native_library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None without a C++ compiler (a warning, once)."""
+    return build_library()
+
+
+@functools.cache
+def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The library built with _FLAGS + extra_flags (tests build `-mno-avx512f` and `-mno-avx2` too,
+    to check the AVX2 and plain-loop panel kernels on this CPU)."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
         logger.warning("no C++ compiler found: GGUF weights run through the slow torch reference")
         return None
+    flags = [*_FLAGS, *extra_flags]
     source = b"".join(path.read_bytes() for path in (*_SOURCES, _HEADER))
     with open("/proc/cpuinfo", "rb") if Path("/proc/cpuinfo").exists() else open(os.devnull, "rb") as f:
         cpu = next((line for line in f if line.startswith(b"flags")), b"")
-    digest = hashlib.sha256(source + " ".join(_FLAGS).encode() + cpu).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join(flags).encode() + cpu).hexdigest()[:16]
     target = _cache_dir() / f"gguf_cpu-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            result = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
+            result = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(built)], capture_output=True, text=True)
             if result.returncode:
                 logger.warning("building the GGUF CPU kernel failed (%s): using the torch reference",
                                result.stderr.strip().splitlines()[-1:] or result.returncode)
@@ -71,8 +83,8 @@ def native_library() -> ctypes.CDLL | None:
     signatures = {"tf_quantize_activations": [ptr, i64, i64, ptr, ptr, ptr],
                   "tf_rms_norm_quantize": [ptr, ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr, ptr, ptr],
                   "tf_silu_mul_quantize": [ptr, i64, i64, ptr, ptr, ptr],
-                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr],
-                  "tf_repack_panels": [ptr, ptr, ptr, i64, i64, ptr, ptr, ptr],
+                  "tf_gguf_matmul": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr, i64, ptr],
+                  "tf_repack_panels": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr, ptr, ptr],
                   "tf_decode_step": [ptr, ptr, ptr],
                   "tf_repack_legacy": [ctypes.c_int, ptr, i64, ptr, ptr, ptr],
                   "tf_dequantize": [ctypes.c_int, ptr, ptr, ptr, i64, i64, ptr],
@@ -80,7 +92,7 @@ def native_library() -> ctypes.CDLL | None:
     for name, argtypes in signatures.items():      # declared once: each call converts plain ints
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
-    lib.tf_has_panels.argtypes, lib.tf_has_panels.restype = [], ctypes.c_int
+    lib.tf_has_avx512_vnni.argtypes, lib.tf_has_avx512_vnni.restype = [], ctypes.c_int
     return lib
 
 
@@ -118,18 +130,19 @@ def gguf_matmul_ref(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
 
 
 class Activations:
-    """Activations quantized for the native kernel: xq int8 [M, K], dx [M, K/32], fx [M, K/16]."""
+    """Activations quantized for the native kernel: xq int8 [M, K], dx [M, K/32], xs int32 [M, K/16]
+    (the code sums per 16, what quantize_activations_ref returns third)."""
 
-    __slots__ = ("dx", "fx", "xq")
+    __slots__ = ("dx", "xq", "xs")
 
     def __init__(self, m: int, k: int) -> None:
         self.xq = torch.empty(m, k, dtype=torch.int8)
         self.dx = torch.empty(m, k // 32, dtype=torch.float32)
-        self.fx = torch.empty(m, k // 16, dtype=torch.float32)
+        self.xs = torch.empty(m, k // 16, dtype=torch.int32)
 
     @property
     def pointers(self) -> tuple[int, int, int]:
-        return self.xq.data_ptr(), self.dx.data_ptr(), self.fx.data_ptr()
+        return self.xq.data_ptr(), self.dx.data_ptr(), self.xs.data_ptr()
 
 
 def quantize_activations(lib: ctypes.CDLL, x: torch.Tensor) -> Activations:
@@ -166,34 +179,32 @@ def matmul_quantized(lib: ctypes.CDLL, acts: Activations, w: PackedWeight) -> to
     """Activations [M, K] times w -> float32 [M, N]."""
     m, k = acts.xq.shape
     out = torch.empty(m, w.out_features, dtype=torch.float32)
-    lib.tf_gguf_matmul(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
-                       w.out_features, k, *acts.pointers, m, out.data_ptr(), *panel_pointers(w))
+    lib.tf_gguf_matmul(w.kind, *weight_pointers(w), w.out_features, k, *acts.pointers, m, out.data_ptr())
     return out
 
 
-def with_panels(w: PackedWeight) -> PackedWeight:
-    """`w` with its u4 codes also laid out in panels of 16 rows (gguf_kernels.h), which the integer
-    kernels then read: where the library has the panel kernel (AVX-512 VNNI; decided once per
-    weight at load) and the rows fill whole panels. Costs a second copy of the codes and scales."""
+def weight_pointers(w: PackedWeight) -> tuple[int, int, int | None]:
+    """(codes, scales, mins or None) for the native calls."""
+    return w.q.data_ptr(), w.scale.data_ptr(), None if w.minv is None else w.minv.data_ptr()
+
+
+def panels(w: RowBlocks) -> PackedWeight:
+    """gguf_repack.to_panels in one native pass (its torch permutes cost more at start-up)."""
     lib = native_library()
-    if lib is None or not lib.tf_has_panels() or w.kind != U4 or w.out_features % 16:
-        return w
-    n, k = w.out_features, w.in_features
-    pq = torch.empty(n // 16, k // 32, 256, dtype=torch.uint8)
-    ps = torch.empty(n // 16, k // 32, 16, dtype=torch.float32)
-    pm = torch.empty_like(ps) if w.has_min else None
-    lib.tf_repack_panels(w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None, n, k,
-                         pq.data_ptr(), ps.data_ptr(), None if pm is None else pm.data_ptr())
-    w.panels = (pq, ps, pm)
-    return w
-
-
-def panel_pointers(w: PackedWeight) -> tuple[int | None, int | None, int | None]:
-    """(pq, ps, pm) for the native calls; None each without panels (pm None without mins)."""
-    if w.panels is None:
-        return None, None, None
-    pq, ps, pm = w.panels
-    return pq.data_ptr(), ps.data_ptr(), None if pm is None else pm.data_ptr()
+    if lib is None:
+        return to_panels(w)
+    n, k = w.q.shape[0], w.in_features
+    p, blocks = -(-n // PANEL), k // 32
+    kind = w.kind
+    if kind == I8 and torch.equal(w.scale[:, 0::2], w.scale[:, 1::2]) and torch.equal(w.minv[:, 0::2], w.minv[:, 1::2]):
+        kind = I8_32
+    # numpy's buffers: first touch of fresh torch.empty pages cost several times more on the dev VM
+    q = torch.from_numpy(np.empty((p, blocks, 256 if kind == U4 else 512), dtype=np.uint8))
+    scale = torch.from_numpy(np.empty((p, blocks, 2, PANEL) if kind == I8 else (p, blocks, PANEL), dtype=np.float32))
+    minv = torch.from_numpy(np.empty(tuple(scale.shape), dtype=np.float32)) if w.has_min else None
+    lib.tf_repack_panels(kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None, n, k,
+                         q.data_ptr(), scale.data_ptr(), None if minv is None else minv.data_ptr())
+    return PackedWeight(kind, q, scale, minv, n, k)
 
 
 def gguf_matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -215,12 +226,11 @@ def dequantize_into(w: PackedWeight, out: torch.Tensor) -> torch.Tensor:
     if lib is None:
         return out.copy_(dequantize_packed(w))
     fn = lib.tf_dequantize if out.dtype == torch.float32 else lib.tf_dequantize_bf16
-    fn(w.kind, w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
-       w.out_features, w.in_features, out.data_ptr())
+    fn(w.kind, *weight_pointers(w), w.out_features, w.in_features, out.data_ptr())
     return out
 
 
-def repack_fast(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
+def repack_fast(raw: torch.Tensor, ggml_type: int, in_features: int) -> RowBlocks:
     """gguf_repack.repack, with Q4_0 / Q4_1 / Q8_0 repacked in one native pass (start-up: the
     torch version's strided copies took seconds for the bundled model)."""
     lib = native_library()
@@ -233,9 +243,9 @@ def repack_fast(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWe
     scale = torch.from_numpy(np.empty((n, blocks if u4 else 2 * blocks), dtype=np.float32))
     minv = torch.from_numpy(np.empty((n, blocks if u4 else 2 * blocks), dtype=np.float32))
     lib.tf_repack_legacy(ggml_type, raw.data_ptr(), n * blocks, q.data_ptr(), scale.data_ptr(), minv.data_ptr())
-    return PackedWeight(U4 if u4 else I8, q, scale, minv, in_features, ggml_type != Q8_0)
+    return RowBlocks(U4 if u4 else I8, q, scale, minv, in_features, ggml_type != Q8_0)
 
 
-__all__ = ["MAX_FUSED_ROW", "Activations", "dequantize_into", "gguf_matmul", "gguf_matmul_ref", "matmul_quantized", "native_library",
-           "panel_pointers", "quantize_activations", "quantize_activations_ref", "repack_fast", "rms_norm_quantize", "rms_norm_ref", "silu_mul_quantize",
-           "silu_mul_ref", "with_panels"]
+__all__ = ["MAX_FUSED_ROW", "Activations", "build_library", "dequantize_into", "gguf_matmul", "gguf_matmul_ref",
+           "matmul_quantized", "native_library", "panels", "quantize_activations", "quantize_activations_ref", "repack_fast",
+           "rms_norm_quantize", "rms_norm_ref", "silu_mul_quantize", "silu_mul_ref", "weight_pointers"]

@@ -6,7 +6,7 @@
 // activations), with attention computed here in float32 instead of by SDPA. Why one call: at
 // batch 1 the per-op path spends more time dispatching about 300 small torch ops and ctypes calls
 // per token than in the matmuls. Everything runs in one OpenMP parallel region: projections are
-// split over weight rows and attention over (row, head), with a barrier after each (six a
+// split over weight rows and attention over rows, with a barrier after each (six a
 // layer, one after the KV stores); each thread keeps its own residual stream and quantized activations, which it computes
 // itself between them (cheap, and a barrier fewer each time).
 // Called by kernels/gguf_decode.py, whose ctypes structures mirror the ones below.
@@ -21,15 +21,12 @@ using namespace tf;
 
 extern "C" {
 
-struct TfPart {             // one packed weight: `rows` consecutive output features
-    const void* q;
+struct TfPart {             // one packed weight: `rows` consecutive output features, in panels
+    const uint8_t* q;       // the codes (gguf_kernels.h)
     const float* scale;
     const float* minv;      // null: no min term (Q8_0, Q5_0, Q6_K)
     int64_t rows;
     int64_t kind;           // 0: u4, 1: i8
-    const uint8_t* pq;      // u4 panels (gguf_kernels.h; null: none, the row-at-a-time kernel)
-    const float* ps;        // the panels' scales
-    const float* pm;        // the panels' mins (null: none)
 };
 
 struct TfLinear {
@@ -71,8 +68,7 @@ namespace {
 struct Acts {               // activations quantized for one projection (gguf_cpu.cpp's layout)
     int8_t* xq;
     float* dx;
-    float* fx16;            // dx * sum of codes per 16 (i8 mins)
-    float* fx32;            // per 32 (u4 mins)
+    int32_t* xs;            // sums of codes per 16
 };
 
 struct Shared {             // what the threads write for each other: projection and attention outputs
@@ -91,8 +87,10 @@ struct Shared {             // what the threads write for each other: projection
 // computes them (the same numbers) from the shared outputs, so a projection needs no barrier
 // before it, only after.
 struct Private {
-    std::vector<float> residual, row, dx, fx16, fx32, scores, q, k;
+    std::vector<float> residual, row, dx, scores, q, k;
     std::vector<int8_t> xq;
+    std::vector<int32_t> xs;
+    std::vector<int64_t> offsets;
     Acts acts{};
 
     void fit(const TfModel& md, int64_t M) {
@@ -101,11 +99,10 @@ struct Private {
         row.resize(widest);
         xq.resize(M * widest);
         dx.resize(M * widest / 32);
-        fx16.resize(M * widest / 16);
-        fx32.resize(M * widest / 32);
-        q.resize(md.head_dim);
-        k.resize(md.head_dim);
-        acts = {xq.data(), dx.data(), fx16.data(), fx32.data()};
+        xs.resize(M * widest / 16);
+        q.resize(md.num_heads * md.head_dim);       // a row's rotated queries
+        k.resize(std::max(md.head_dim, md.num_heads));     // a new key; then each head's 1 / softmax sum
+        acts = {xq.data(), dx.data(), xs.data()};
     }
 };
 
@@ -114,8 +111,7 @@ void quantize_row(const float* v, int64_t K, int64_t m, const Acts& a) {
     const int64_t blocks = K / 32;
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t i = m * blocks + b;
-        quantize_block(v + 32 * b, a.xq + m * K + 32 * b, a.dx + i, a.fx16 + 2 * i);
-        a.fx32[i] = a.fx16[2 * i] + a.fx16[2 * i + 1];
+        quantize_block(v + 32 * b, a.xq + m * K + 32 * b, a.dx + i, a.xs + 2 * i);
     }
 }
 
@@ -140,30 +136,22 @@ void add_norm_quantize(const float* x, bool first, const float* weight, float ep
 void linear(const TfLinear& L, const Acts& a, int64_t M, float* out) {
     const int64_t K = L.in_features, blocks = K / 32, stride = L.out_features;
     int64_t col = 0;
-    for (int64_t p = 0; p < L.num_parts; ++p) {
-        const TfPart& w = L.parts[p];
-        const int64_t row_bytes = w.kind == 0 ? K / 2 : K, scales = w.kind == 0 ? blocks : 2 * blocks;
-        const float* fmin = w.kind == 0 ? a.fx32 : a.fx16;
-        if (w.pq != nullptr) {
+    for (int64_t part = 0; part < L.num_parts; ++part) {
+        const TfPart& w = L.parts[part];
+        const int64_t bytes = panel_bytes(static_cast<int>(w.kind), blocks);
+        const int64_t scales = panel_scales(static_cast<int>(w.kind), blocks);
 #pragma omp for schedule(static) nowait
-            for (int64_t p = 0; p < w.rows / kPanel; ++p) {
-                float* o = out + col + p * kPanel;
-                matmul_panel(w.pq + p * blocks * 256, w.ps + p * blocks * kPanel,
-                             w.pm == nullptr ? nullptr : w.pm + p * blocks * kPanel, K, a.xq, a.dx, a.fx32, M, o, stride);
-                if (L.bias != nullptr)
-                    for (int64_t m = 0; m < M; ++m)
-                        for (int64_t i = 0; i < kPanel; ++i) o[m * stride + i] += L.bias[col + p * kPanel + i];
-            }
-        } else {
-#pragma omp for schedule(static) nowait
-            for (int64_t n = 0; n < w.rows; ++n) {
-                float* o = out + col + n;
-                matmul_row(static_cast<int>(w.kind), static_cast<const uint8_t*>(w.q) + n * row_bytes,
-                           w.scale + n * scales, w.minv == nullptr ? nullptr : w.minv + n * scales, K, a.xq, a.dx,
-                           fmin, M, o, stride);
-                if (L.bias != nullptr)
-                    for (int64_t m = 0; m < M; ++m) o[m * stride] += L.bias[col + n];
-            }
+        for (int64_t p = 0; p < (w.rows + kPanel - 1) / kPanel; ++p) {
+            float* o = out + col + p * kPanel;
+            const int64_t valid = std::min(kPanel, w.rows - p * kPanel);
+            if ((p + 1) * kPanel < w.rows)
+                prefetch_panel(static_cast<int>(w.kind), w.q + (p + 1) * bytes, w.scale + (p + 1) * scales,
+                               w.minv == nullptr ? nullptr : w.minv + (p + 1) * scales, blocks);
+            matmul_panel(static_cast<int>(w.kind), w.q + p * bytes, w.scale + p * scales,
+                         w.minv == nullptr ? nullptr : w.minv + p * scales, K, a.xq, a.dx, a.xs, M, o, stride, valid);
+            if (L.bias != nullptr)
+                for (int64_t m = 0; m < M; ++m)
+                    for (int64_t i = 0; i < valid; ++i) o[m * stride + i] += L.bias[col + p * kPanel + i];
         }
         col += w.rows;
     }
@@ -191,54 +179,98 @@ void store_kv(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, 
     std::copy(v_new, v_new + D, L.kv_cache + ((L.num_slots + st.slots[m]) * Hkv + kvh) * D);
 }
 
-// One query head of row m: q rotated, then softmax attention over the sequence's keys, read in
-// place through the block table (every row's new k/v is stored before any row attends, so rows of
-// one sequence -- a speculative verify as decode rows -- see the rows before them), only the last
-// `window` with a sliding window -> out [D].
-void attend_head(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, int64_t h, const float* row,
-                 float* out, Private& p) {
-    const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads, bs = md.block_size;
-    const int64_t group = Hq / Hkv, kvh = h / group, len = st.seq_lens[m];
-    const int64_t start = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0;
-    const float* cs = md.cos_sin + st.positions[m] * D;
-    float* q = p.q.data();
-    rotate(row + h * D, cs, cs + D / 2, D / 2, q);
-    const float* k_new = L.kv_cache + (st.slots[m] * Hkv + kvh) * D;
-    const float* v_new = L.kv_cache + ((L.num_slots + st.slots[m]) * Hkv + kvh) * D;
-    const int32_t* table = st.block_tables + m * st.max_blocks;
-    auto slot = [&](int64_t pos) { return static_cast<int64_t>(table[pos / bs]) * bs + pos % bs; };
-    p.scores.resize(len - start);
-    float* scores = p.scores.data();
-    float top = -INFINITY;
-    for (int64_t pos = start; pos < len; ++pos) {
-        const float* k = pos == len - 1 ? k_new : L.kv_cache + (slot(pos) * Hkv + kvh) * D;
-        const float s = dot_f32(q, k, D) * md.scale;
-        scores[pos - start] = s;
-        top = std::max(top, s);
+
+// One head's scores [n] -> their softmax weights, unnormalised; returns their sum.
+float softmax_unnormalised(float* s, int64_t n) {
+    float top = -INFINITY, total = 0.f;
+    for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
+    int64_t i = 0;
+#if TF_AVX512
+    __m512 sum = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(top)));
+        _mm512_storeu_ps(s + i, e);
+        sum = _mm512_add_ps(sum, e);
     }
-    float total = 0.f;
-    for (int64_t i = 0; i < len - start; ++i) total += (scores[i] = std::exp(scores[i] - top));
-    std::fill(out, out + D, 0.f);
-    for (int64_t pos = start; pos < len; ++pos) {
-        const float* v = pos == len - 1 ? v_new : L.kv_cache + ((L.num_slots + slot(pos)) * Hkv + kvh) * D;
-        const float w = scores[pos - start];
-        for (int64_t d = 0; d < D; ++d) out[d] += w * v[d];
-    }
-    const float inv = 1.f / total;
-    for (int64_t d = 0; d < D; ++d) out[d] *= inv;
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; i < n; ++i) total += (s[i] = std::exp(s[i] - top));
+    return total;
 }
 
-// Every (row, KV head)'s store, then every (row, query head), each split over the threads with a
+float dot_head(const float* a, const float* b, int64_t D) {
+#if TF_AVX512
+    if (D % 32 == 0) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+        __m512 y = _mm512_mul_ps(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(b + 16));
+        for (int64_t d = 32; d < D; d += 32) {
+            x = _mm512_fmadd_ps(_mm512_loadu_ps(a + d), _mm512_loadu_ps(b + d), x);
+            y = _mm512_fmadd_ps(_mm512_loadu_ps(a + d + 16), _mm512_loadu_ps(b + d + 16), y);
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(x, y));
+    }
+#endif
+    return dot_f32(a, b, D);
+}
+
+// Row m's attention, all heads: every query head rotated and scaled, then softmax attention over
+// the sequence's keys, read in place through the block table (every row's new k/v is stored
+// before any row attends, so rows of one sequence -- a speculative verify as decode rows -- see the
+// rows before them), only the last `window` with a sliding window -> out [Hq, D]. Why a whole row
+// at a time: the KV cache outgrows the CPU caches, so attention streams it from memory; a
+// position's keys (and values) for every KV head are one contiguous run, read once, prefetched
+// kAhead positions early (per KV head, strided, it ran at a third of the read rate).
+void attend_row(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, const float* row, float* out,
+                Private& p) {
+    constexpr int64_t kAhead = 4;
+    const int64_t D = md.head_dim, Hq = md.num_heads, group = Hq / md.num_kv_heads, width = md.num_kv_heads * D;
+    const int64_t len = st.seq_lens[m], start = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0, n = len - start;
+    const int32_t* table = st.block_tables + m * st.max_blocks;
+    const int64_t bs = md.block_size;
+    p.offsets.resize(n + kAhead);
+    for (int64_t pos = start; pos < len; ++pos)       // float offset of the position's keys
+        p.offsets[pos - start] = (pos == len - 1 ? st.slots[m] : table[pos / bs] * bs + pos % bs) * width;
+    std::fill(p.offsets.begin() + n, p.offsets.end(), p.offsets[n - 1]);
+    const float* keys = L.kv_cache;
+    const float* values = L.kv_cache + L.num_slots * width;
+    const float* cs = md.cos_sin + st.positions[m] * D;
+    float* q = p.q.data();
+    for (int64_t h = 0; h < Hq; ++h) {
+        rotate(row + h * D, cs, cs + D / 2, D / 2, q + h * D);
+        for (int64_t d = 0; d < D; ++d) q[h * D + d] *= md.scale;
+    }
+    p.scores.resize(Hq * n);
+    float* s = p.scores.data();
+    const int64_t* off = p.offsets.data();
+    for (int64_t i = 0; i < n; ++i) {
+        for (int64_t b = 0; b < width; b += 16) _mm_prefetch(reinterpret_cast<const char*>(keys + off[i + kAhead] + b), _MM_HINT_T0);
+        const float* k = keys + off[i];
+        for (int64_t h = 0; h < Hq; ++h) s[h * n + i] = dot_head(q + h * D, k + (h / group) * D, D);
+    }
+    for (int64_t h = 0; h < Hq; ++h) p.k[h] = 1.f / softmax_unnormalised(s + h * n, n);
+    std::fill(out, out + Hq * D, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+        for (int64_t b = 0; b < width; b += 16) _mm_prefetch(reinterpret_cast<const char*>(values + off[i + kAhead] + b), _MM_HINT_T0);
+        const float* v = values + off[i];
+        for (int64_t h = 0; h < Hq; ++h) {
+            const float w = s[h * n + i];
+            const float* vh = v + (h / group) * D;
+            float* o = out + h * D;
+            for (int64_t d = 0; d < D; ++d) o[d] += w * vh[d];
+        }
+    }
+    for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t d = 0; d < D; ++d) out[h * D + d] *= p.k[h];
+}
+
+// Every (row, KV head)'s store, then every row's attention, each split over the threads with a
 // barrier after.
 void attention(const TfModel& md, const TfLayer& L, const TfStep& st, const float* qkv, float* attn, Private& p) {
     const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads, width = (Hq + 2 * Hkv) * D;
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < st.rows * Hkv; ++i) store_kv(md, L, st, i / Hkv, i % Hkv, qkv + (i / Hkv) * width, p);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < st.rows * Hq; ++i) {
-        const int64_t m = i / Hq, h = i % Hq;
-        attend_head(md, L, st, m, h, qkv + m * width, attn + m * Hq * D + h * D, p);
-    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t m = 0; m < st.rows; ++m) attend_row(md, L, st, m, qkv + m * width, attn + m * Hq * D, p);
 }
 
 void silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, Private& p) {
@@ -246,7 +278,7 @@ void silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, Private& p) {
         const float* g = gate_up + m * 2 * K;
         const float* u = g + K;
         float* row = p.row.data();
-        for (int64_t j = 0; j < K; ++j) row[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+        silu_mul_row(g, u, K, row);
         quantize_row(row, K, m, p.acts);
     }
 }

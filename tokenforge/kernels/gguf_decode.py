@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenforge.kernels.gguf_cpu import native_library, panel_pointers
+from tokenforge.kernels.gguf_cpu import native_library, weight_pointers
 from tokenforge.kernels.gguf_repack import PackedWeight
 
 MAX_PARTS = 4               # gguf_decode.cpp's TfLinear::parts
@@ -29,8 +29,7 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
 class _Part(ctypes.Structure):
-    _fields_ = [("q", _ptr), ("scale", _ptr), ("minv", _ptr), ("rows", _i64), ("kind", _i64), ("pq", _ptr),
-                ("ps", _ptr), ("pm", _ptr)]
+    _fields_ = [("q", _ptr), ("scale", _ptr), ("minv", _ptr), ("rows", _i64), ("kind", _i64)]
 
 
 class _Linear(ctypes.Structure):
@@ -128,8 +127,7 @@ def _linear(p: Projection) -> _Linear:
     out = _Linear(bias=None if p.bias is None else p.bias.data_ptr(), num_parts=len(p.parts),
                   in_features=p.parts[0].in_features, out_features=sum(w.out_features for w in p.parts))
     for i, w in enumerate(p.parts):
-        out.parts[i] = _Part(w.q.data_ptr(), w.scale.data_ptr(), w.minv.data_ptr() if w.has_min else None,
-                             w.out_features, w.kind, *panel_pointers(w))
+        out.parts[i] = _Part(*weight_pointers(w), w.out_features, w.kind)
     return out
 
 

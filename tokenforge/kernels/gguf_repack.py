@@ -1,4 +1,4 @@
-"""GGUF blocks -> the two layouts the CPU kernel computes in (kernels/gguf_cpu.cpp), losslessly.
+"""GGUF blocks -> the panels the CPU kernels compute on (kernels/gguf_kernels.h), losslessly.
 
 Every supported type is, per sub-block, `w = scale * q + min` with small integer codes q:
 - u4 (blocks of 32, 4-bit codes): Q4_0 (min = -8 d), Q4_1, Q4_K (scale = d * sc, min = -dmin * m
@@ -9,7 +9,8 @@ Every supported type is, per sub-block, `w = scale * q + min` with small integer
 Scales and mins are float32 (d * sc is not a float16), so `scale * q + min` rounds exactly as
 gguf.quants.dequantize does. Layouts as in ggml-quants.c (block_q4_K and friends).
 
-In: raw uint8 [N, row_bytes] of one tensor, its ggml type. Out: `PackedWeight`.
+In: raw uint8 [N, row_bytes] of one tensor, its ggml type. Out: `RowBlocks` (row by row, as
+repacked), then `PackedWeight` (`to_panels`: panels of 16 rows, the layout the kernels keep).
 """
 
 from __future__ import annotations
@@ -17,49 +18,88 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
-U4, I8 = 0, 1
+U4, I8, I8_32 = 0, 1, 2     # I8_32: i8 codes whose two scales (and mins) per 32 are always equal
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K",
                 Q6_K: "Q6_K"}
 
 
 @dataclass(slots=True)
-class PackedWeight:
+class RowBlocks:
+    """One tensor's codes row by row, as repacked from the file (transient: `to_panels` makes the
+    layout the kernels keep)."""
+
     kind: int               # U4 or I8
-    q: torch.Tensor         # u4: uint8 [N, K/2]; i8: int8 [N, K]
+    q: torch.Tensor         # u4: uint8 [N, K/2] (byte j: element j low nibble, j+16 high); i8: int8 [N, K]
     scale: torch.Tensor     # float32 [N, K/32] (u4) or [N, K/16] (i8)
-    minv: torch.Tensor      # float32 [N, K/32] (u4) or [N, K/16] (i8): one per scale
+    minv: torch.Tensor      # float32, one per scale
     in_features: int
-    has_min: bool = True    # False: minv is all zero (Q8_0, Q6_K) and the kernel skips it
-    # u4 only, where the CPU has AVX-512 VNNI (gguf_cpu.with_panels): the same codes, scales and
-    # mins in panels of 16 rows (pq uint8, ps float32, pm float32 or None), which the integer
-    # kernels read instead of q; q stays for the dequantized long-chunk path and the reference.
-    panels: tuple | None = None
+    has_min: bool = True    # False: minv is all zero (Q8_0, Q5_0, Q6_K)
 
-    @property
-    def out_features(self) -> int:
-        return self.q.shape[0]
 
-    def rows(self, index: torch.Tensor) -> PackedWeight:
-        """A row permutation or selection (llama.cpp's q/k row order, or a TP shard)."""
-        return PackedWeight(self.kind, self.q[index].contiguous(), self.scale[index].contiguous(),
-                            self.minv[index].contiguous(), self.in_features, self.has_min)
+@dataclass(slots=True)
+class PackedWeight:
+    """A weight in panels of PANEL output rows, the one layout the CPU kernels read (gguf_kernels.h).
+
+    Per panel and block of 32 inputs, vector v (64 bytes), lane i (4 bytes), byte j:
+    - u4, 4 vectors: row i's codes at element 4v+j (low nibble) and 16+4v+j (high nibble);
+    - i8, 8 vectors: row i's code at element 4v+j, stored + 128 as an unsigned byte;
+    then the scales and mins as [P, blocks, 16] (one per 32: u4, and i8 types whose two 16s share
+    one, I8_32) or [P, blocks, 2, 16] (one per 16: Q6_K, I8). Rows past out_features in the last panel are zero (their outputs are never written).
+    Why one lane per output row: a block's VNNI dot products (4 codes against the activation's 4
+    bytes, broadcast) complete 16 outputs' integer sums before the one float scale-and-add the
+    format needs per block; row by row, that float work was paid per output."""
+
+    kind: int               # U4, I8 (Q6_K: a scale per 16) or I8_32 (Q8_0, Q5_x: a scale per 32)
+    q: torch.Tensor         # uint8 [P, blocks, 256] (u4) or [P, blocks, 512] (i8)
+    scale: torch.Tensor     # float32 [P, blocks, 16], or [P, blocks, 2, 16] for I8
+    minv: torch.Tensor | None   # as scale; None: no min (Q8_0, Q5_0, Q6_K)
+    out_features: int
+    in_features: int
 
     def nbytes(self) -> int:
-        panels = [t for t in self.panels or () if t is not None]
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv, *panels))
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.minv) if t is not None)
 
 
-def cat_rows(parts: list[PackedWeight]) -> PackedWeight:
+PANEL = 16
+
+
+def cat_rows(parts: list[RowBlocks]) -> RowBlocks:
     """Fused projections (q|k|v, gate|up): the row blocks one after the other."""
     assert len({(p.kind, p.in_features) for p in parts}) == 1
-    return PackedWeight(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
-                        torch.cat([p.minv for p in parts]), parts[0].in_features, any(p.has_min for p in parts))
+    return RowBlocks(parts[0].kind, torch.cat([p.q for p in parts]), torch.cat([p.scale for p in parts]),
+                     torch.cat([p.minv for p in parts]), parts[0].in_features, any(p.has_min for p in parts))
 
 
-def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
-    """raw uint8 [N, row_bytes] -> PackedWeight [N, in_features]."""
+def to_panels(w: RowBlocks) -> PackedWeight:
+    """RowBlocks -> PackedWeight in torch (kernels/gguf_cpu.py has the native version, bit for bit)."""
+    n, k = w.q.shape[0], w.in_features
+    pad = -n % PANEL
+    p, blocks, per = (n + pad) // PANEL, k // 32, 4 if w.kind == U4 else 8
+    q = w.q.view(torch.uint8) if w.kind == U4 else w.q.view(torch.uint8) ^ 0x80        # i8: + 128 (mod 256)
+    q = F.pad(q, (0, 0, 0, pad)).reshape(p, PANEL, blocks, per, 4).permute(0, 2, 3, 1, 4)
+    kind, scale, minv = w.kind, w.scale, w.minv
+    if kind == I8 and torch.equal(scale[:, 0::2], scale[:, 1::2]) and torch.equal(minv[:, 0::2], minv[:, 1::2]):
+        kind, scale, minv = I8_32, scale[:, 0::2], minv[:, 0::2]
+    groups = 2 if kind == I8 else 1
+
+    def lanes(t: torch.Tensor) -> torch.Tensor:      # [N, blocks * groups] -> [P, blocks, (groups,) 16]
+        t = F.pad(t, (0, 0, 0, pad)).reshape(p, PANEL, blocks, groups).permute(0, 2, 3, 1)
+        return (t.squeeze(2) if groups == 1 else t).contiguous()
+
+    return PackedWeight(kind, q.reshape(p, blocks, per * 64).contiguous(), lanes(scale),
+                        lanes(minv) if w.has_min else None, n, k)
+
+
+def pack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
+    """raw uint8 [N, row_bytes] -> its panels (torch: the reference of the loader's native path)."""
+    return to_panels(repack(raw, ggml_type, in_features))
+
+
+def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> RowBlocks:
+    """raw uint8 [N, row_bytes] -> RowBlocks [N, in_features]."""
     n = raw.shape[0]
     if ggml_type in (Q4_0, Q4_1, Q8_0):
         q, scale, minv = _repack_legacy(raw.reshape(-1, {Q4_0: 18, Q4_1: 20, Q8_0: 34}[ggml_type]), ggml_type)
@@ -75,8 +115,8 @@ def repack(raw: torch.Tensor, ggml_type: int, in_features: int) -> PackedWeight:
         raise ValueError(f"ggml type {ggml_type} has no native CPU kernel (native: {', '.join(NATIVE_TYPES.values())})")
     kind = U4 if ggml_type in (Q4_0, Q4_1, Q4_K) else I8
     minv = minv.reshape(n, -1)           # one min per 32 (u4) or per 16 (i8): per scale
-    return PackedWeight(kind, q.reshape(n, -1).contiguous(), scale.reshape(n, -1).contiguous(), minv.contiguous(),
-                        in_features, ggml_type not in (Q8_0, Q6_K, Q5_0))
+    return RowBlocks(kind, q.reshape(n, -1).contiguous(), scale.reshape(n, -1).contiguous(), minv.contiguous(),
+                     in_features, ggml_type not in (Q8_0, Q6_K, Q5_0))
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -152,12 +192,20 @@ def _repack_q6_k(blocks: torch.Tensor):
 
 
 def dequantize_packed(w: PackedWeight) -> torch.Tensor:
-    """float32 [N, K]: `scale * q + min` (the dequantized reference)."""
+    """float32 [N, K]: `scale * q + min` read from the panels (the dequantized reference)."""
     n, k = w.out_features, w.in_features
+    p, blocks = w.q.shape[:2]
     if w.kind == U4:
-        q = w.q.reshape(n, -1, 16)
-        codes = torch.cat([q & 0xF, q >> 4], dim=2).reshape(n, k).float()
+        q = w.q.reshape(p, blocks, 4, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, blocks, 16)
+        codes = torch.cat([q & 0xF, q >> 4], dim=2).reshape(-1, k).float()
     else:
-        codes = w.q.float()
-    return (codes * w.scale.repeat_interleave(k // w.scale.shape[1], dim=1)
-            + w.minv.repeat_interleave(k // w.minv.shape[1], dim=1))
+        q = w.q.reshape(p, blocks, 8, PANEL, 4).permute(0, 3, 1, 2, 4).reshape(p * PANEL, k)
+        codes = q.to(torch.int16).sub(128).float()
+    per = 16 if w.kind == I8 else 32
+
+    def rows(t: torch.Tensor) -> torch.Tensor:       # [P, blocks, (2,) 16] -> [N, K] (one per element)
+        t = t.reshape(p, -1, PANEL).transpose(1, 2).reshape(p * PANEL, -1)[:n]
+        return t.repeat_interleave(per, dim=1)
+
+    minv = 0.0 if w.minv is None else rows(w.minv)
+    return codes[:n] * rows(w.scale) + minv

@@ -24,7 +24,7 @@ from tokenforge.model.layers.norm import RMSNorm
 from tokenforge.model.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaMLP
 from tokenforge.model.quant.gguf_native import GgufNativeMethod
 
-MAX_ROWS = 64       # gguf_native.DEQUANTIZE_ROWS: above it the per-op path multiplies dequantized weights
+MAX_ROWS = 64       # gguf_native.DEQUANTIZE_ROWS: larger decode batches keep the per-op forward
 
 
 class NativeDecoder:

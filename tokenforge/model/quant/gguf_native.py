@@ -12,19 +12,20 @@ type names it and the native ones). The embedding lookup keeps its float table; 
 computes from token_embd's blocks.
 
 apply: `gguf_matmul` (kernels/gguf_cpu.py): int8 activations per block of 32, integer dot
-products, float32 out, for up to `DEQUANTIZE_ROWS` rows (decode, short prompts). A longer prefill
-chunk dequantizes the layer into a reused buffer and runs torch's GEMM, which on these CPUs is
-several times faster than the integer loops at that size (a 256-token window took 3x as long
-natively). Its dtype is chosen once, at start-up, by the CPU (`long_chunk_dtype`): bfloat16 where
-the CPU multiplies bf16 natively (AVX512-BF16: oneDNN's bf16 GEMM ran the W6 prefill shapes at
-2.1x the float32 one's rate on one Zen-4 core), float32 elsewhere, which is exactly the reference
-path's product. At decode sizes the add + RMSNorm before q|k|v and gate|up and the SwiGLU before
-down are fused into the activation quantization (`apply_normed`, `apply_silu_mul`: one native call
-each instead of ~10 small torch ops).
+products on panels of 16 weight rows, float32 out, for up to `DEQUANTIZE_ROWS` rows (decode, short
+prompts), and for longer prefill chunks too where the library has AVX-512 VNNI
+(`long_chunk_dtype` int8, chosen once by `long_chunk_dtype_for_cpu`: W6's prefill shapes ran
+1.3-1.5x oneDNN's bf16 GEMM there). Elsewhere a longer chunk dequantizes the layer into a reused
+buffer and runs torch's GEMM in bfloat16 where the CPU multiplies bf16 natively (AVX512-BF16),
+else float32, which is exactly the reference path's product (the row-at-a-time integer loops of
+old took 3x as long as that GEMM on a 256-token window). Wherever the integer kernels run, the add
++ RMSNorm before q|k|v and gate|up and the SwiGLU before down are fused into the activation
+quantization (`apply_normed`, `apply_silu_mul`: one native call each instead of ~10 torch ops).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import defaultdict
@@ -35,8 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenforge.kernels.gguf_cpu import (MAX_FUSED_ROW, dequantize_into, gguf_matmul, matmul_quantized,
-                                         native_library, repack_fast, rms_norm_quantize, silu_mul_quantize)
-from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, cat_rows, dequantize_packed
+                                         native_library, panels, repack_fast, rms_norm_quantize, silu_mul_quantize)
+from tokenforge.kernels.gguf_repack import NATIVE_TYPES, PackedWeight, RowBlocks, cat_rows, dequantize_packed
 from tokenforge.model.quant.base import QuantMethod, drop_weights
 
 logger = logging.getLogger(__name__)
@@ -47,15 +48,21 @@ _FLOAT_TYPES = {0: "F32", 1: "F16", 30: "BF16"}     # float already: the dense p
 
 
 def long_chunk_dtype_for_cpu() -> torch.dtype:
-    """The GEMM dtype of prefill chunks longer than DEQUANTIZE_ROWS: bfloat16 where the CPU has
-    native bf16 dot products (AVX512-BF16, which AMX CPUs have too), else float32 (emulated bf16
-    GEMMs are slower than float32 ones)."""
+    """How prefill chunks longer than DEQUANTIZE_ROWS multiply: torch.int8 (8-bit activations and
+    the integer panel kernels, as shorter chunks) where the native library has AVX-512 VNNI (W6's
+    prefill shapes, one Zen-4 core: 1.3-1.5x oneDNN's bf16 GEMM on the dequantized weight, with no
+    dequantizing pass); else the dequantized weight in bfloat16 where the CPU has native bf16 dot
+    products (AVX512-BF16), else float32 (emulated bf16 GEMMs are slower than float32 ones)."""
+    lib = native_library()
+    if lib is not None and lib.tf_has_avx512_vnni():
+        return torch.int8
     return torch.bfloat16 if torch.cpu._is_avx512_bf16_supported() else torch.float32
 
 
 class GgufNativeMethod(QuantMethod):
     """`layer.gguf_weight`: the PackedWeights of one layer, one per run of a packed layout.
-    `long_chunk_dtype`: chosen once, when the method is made (module import for GGUF_NATIVE)."""
+    `long_chunk_dtype`: chosen once, when the method is made (`gguf_native_method`, at the first
+    GGUF load): int8, or the dtype of the dequantized GEMM above DEQUANTIZE_ROWS rows."""
 
     name = "gguf-native"
 
@@ -83,7 +90,7 @@ class GgufNativeMethod(QuantMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])                                         # [T, in]
-        if x2.shape[0] > DEQUANTIZE_ROWS:
+        if x2.shape[0] > DEQUANTIZE_ROWS and self.long_chunk_dtype != torch.int8:
             out = F.linear(x2.to(self.long_chunk_dtype), self._dequantized_scratch(layer)).float()
             if bias is not None:
                 out += bias
@@ -109,10 +116,11 @@ class GgufNativeMethod(QuantMethod):
         acts = silu_mul_quantize(lib, gate_up.contiguous())
         return self._finish([matmul_quantized(lib, acts, w) for w in layer.gguf_weight], bias)
 
-    @staticmethod
-    def _fusing(x: torch.Tensor, width: int):
-        """The native library when this call takes a fused prologue (decode sizes, float32), else None."""
-        if x.dim() != 2 or x.shape[0] > DEQUANTIZE_ROWS or x.dtype != torch.float32 or width > MAX_FUSED_ROW:
+    def _fusing(self, x: torch.Tensor, width: int):
+        """The native library when this call takes a fused prologue (the integer kernels' sizes,
+        float32), else None."""
+        long = x.shape[0] > DEQUANTIZE_ROWS and self.long_chunk_dtype != torch.int8
+        if x.dim() != 2 or long or x.dtype != torch.float32 or width > MAX_FUSED_ROW:
             return None
         return native_library()
 
@@ -124,7 +132,11 @@ class GgufNativeMethod(QuantMethod):
         return out
 
 
-GGUF_NATIVE = GgufNativeMethod()
+@functools.cache
+def gguf_native_method() -> GgufNativeMethod:
+    """The engine's one instance, made at the first GGUF load (its choice needs the native library,
+    which a model without GGUF weights never builds)."""
+    return GgufNativeMethod()
 
 
 def _rotary_rows(rows: int, num_heads: int) -> torch.Tensor:
@@ -135,7 +147,8 @@ def _rotary_rows(rows: int, num_heads: int) -> torch.Tensor:
 def packed_weights(tensors: list) -> list[PackedWeight]:
     """A layer's stored tensors -> its PackedWeights, neighbours of one layout concatenated. Rows
     are permuted and neighbours of one GGUF type joined on the raw blocks (the repack is row by
-    row), so each run is repacked once: a third of the start-up the per-tensor way cost."""
+    row), so each run is repacked once: a third of the start-up the per-tensor way cost. The row
+    layout is transient: each part is kept only as panels of 16 rows (gguf_repack.PackedWeight)."""
     runs: list[tuple[int, int, list[np.ndarray]]] = []          # (ggml type, in_features, raw row blocks)
     for t in tensors:
         raw = t.blocks.numpy()      # numpy: its copies of the file's rows run ~10x torch's uint8 ones here
@@ -145,7 +158,7 @@ def packed_weights(tensors: list) -> list[PackedWeight]:
             runs[-1][2].append(raw)
         else:
             runs.append((t.ggml_type, t.in_features, [raw]))
-    groups: list[list[PackedWeight]] = []
+    groups: list[list[RowBlocks]] = []
     for ggml_type, in_features, raws in runs:
         joined = torch.from_numpy(np.concatenate(raws) if len(raws) > 1 else np.ascontiguousarray(raws[0]))
         w = repack_fast(joined, ggml_type, in_features)
@@ -153,7 +166,7 @@ def packed_weights(tensors: list) -> list[PackedWeight]:
             groups[-1].append(w)
         else:
             groups.append([w])
-    return [cat_rows(g) if len(g) > 1 else g[0] for g in groups]
+    return [panels(cat_rows(g) if len(g) > 1 else g[0]) for g in groups]
 
 
 def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> set[str]:
@@ -164,6 +177,7 @@ def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> set[str]:
     modules = dict(model.named_modules())
     skipped: dict[int, list[str]] = defaultdict(list)
     converted, freed, taken = 0, 0, set()
+    method = gguf_native_method()
     for name, tensors in stored.items():
         other = [t for t in tensors if t.ggml_type not in NATIVE_TYPES]
         if other:
@@ -181,7 +195,7 @@ def attach_gguf_native(model: nn.Module, stored: dict[str, list]) -> set[str]:
         drop_weights(layer)
         layer.weight = None
         layer.gguf_weight = weights
-        layer.quant_method = GGUF_NATIVE
+        layer.quant_method = method
         converted += 1
     for ggml_type, names in skipped.items():
         logger.warning("GGUF type %s (%d tensors, e.g. %s) has no native CPU kernel (native: %s): those linears "
@@ -201,4 +215,4 @@ def type_label(ggml_type: int) -> str:
         return f"ggml type {ggml_type}"
 
 
-__all__ = ["DEQUANTIZE_ROWS", "GGUF_NATIVE", "GgufNativeMethod", "attach_gguf_native", "long_chunk_dtype_for_cpu", "packed_weights"]
+__all__ = ["DEQUANTIZE_ROWS", "GgufNativeMethod", "gguf_native_method", "attach_gguf_native", "long_chunk_dtype_for_cpu", "packed_weights"]
