@@ -84,18 +84,19 @@ def _record_drafts(llm, nodes=None):
 
 
 def test_a_random_head_is_exact_and_its_first_choices_are_the_chain_drafts(baseline, head, tree_engine):
+    some = PROMPTS[:2]                 # two prompts x 24 tokens: ~45 drafting steps (the suite's time)
     tree_drafts = _record_drafts(tree_engine, FIRST_CHOICES)
-    got = _greedy(tree_engine, PROMPTS)
+    got = _greedy(tree_engine, some)
     del tree_engine.engine.executor.runner.drafter.before_forward
-    assert got == [want for _, want in baseline[0]]
+    assert got == [want for _, want in baseline[0][:len(some)]]
     stats = tree_engine.engine.scheduler.drafts.stats()
-    assert stats["num_draft_tokens"] > 5 * len(PROMPTS) * 8, stats       # nearly every step drafted 8 nodes
+    assert stats["num_draft_tokens"] > 5 * len(some) * 8, stats       # nearly every step drafted 8 nodes
     _assert_no_leak(tree_engine)
     chain = _speculative(head, len(FIRST_CHOICES), tree=False)
     chain_drafts = _record_drafts(chain)
-    assert _greedy(chain, PROMPTS) == [want for _, want in baseline[0]]
+    assert _greedy(chain, some) == [want for _, want in baseline[0][:len(some)]]
     chain.shutdown()
-    assert len(tree_drafts) > 50 and tree_drafts == chain_drafts
+    assert len(tree_drafts) > 20 and tree_drafts == chain_drafts
 
 
 class Oracle:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenforge.kernels import gemv_lora
 from tokenforge.kernels.gemv_lora import SYNC_STRIDE, new_sync
 from tokenforge.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tokenforge.model.layers.lora import LoRASlots
@@ -46,8 +47,10 @@ class ModelLoRASlots:
                         for part, shard in parts.items()}
 
     def begin_forward(self) -> None:
-        """Inside a CUDA graph's capture, before the model: every GEMV counter to zero on each replay."""
-        self.sync.zero_()
+        """Inside a CUDA graph's capture, before the model: every GEMV counter to zero on each replay
+        (nothing to do while the batch-1 GEMVs take two launches)."""
+        if gemv_lora.ONE_LAUNCH:
+            self.sync.zero_()
 
     @property
     def supported_modules(self) -> list[str]:
