@@ -116,6 +116,24 @@ def _dot_rows(w, row_ptrs, x_ptr, r_ptr, nw_ptr, K, rstd, PROLOGUE: tl.constexpr
 
 
 @triton.jit
+def _waited_rows(row_ptrs, x_ptr, r_ptr, s_ptr, nw_ptr, K, eps, write_sum, PROLOGUE: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
+                 EVEN_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """A program's rows: their first tile issued before the PDL wait (weights never depend on the
+    previous kernel), then the prologue's norm and p(x) . rows. Returns (y [BLOCK_N] fp32, rstd)."""
+    w = _first_tile(row_ptrs, K, BLOCK_K, EVEN_K)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    ms = tl.zeros([1], dtype=tl.int64)
+    rstd = tl.zeros([1], dtype=tl.float32)
+    if PROLOGUE == 1:
+        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, ms, ms < 1, K, 0, 0, 0, eps, write_sum, HAS_RESIDUAL, 1, NORM_BLOCK)
+    y = _dot_rows(w, row_ptrs, x_ptr, r_ptr, nw_ptr, K, rstd, PROLOGUE, HAS_RESIDUAL, BLOCK_N, BLOCK_K, EVEN_K)
+    return y, rstd
+
+
+@triton.jit
 def _gemv_shrink_kernel(
     x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, a_ptr, idx_ptr, shrunk_ptr,
     N, K, stride_wn, stride_as, eps,
@@ -135,15 +153,8 @@ def _gemv_shrink_kernel(
     else:
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
-    w = _first_tile(row_ptrs, K, BLOCK_K, EVEN_K)     # the weights never depend on the previous kernel
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    ms = tl.zeros([1], dtype=tl.int64)
-    rstd = tl.zeros([1], dtype=tl.float32)
-    if PROLOGUE == 1:
-        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, ms, ms < 1, K, 0, 0, 0, eps, pid == 0, HAS_RESIDUAL, 1, NORM_BLOCK)
-    y = _dot_rows(w, row_ptrs, x_ptr, r_ptr, nw_ptr, K, rstd, PROLOGUE, HAS_RESIDUAL, BLOCK_N, BLOCK_K, EVEN_K)
+    y, rstd = _waited_rows(row_ptrs, x_ptr, r_ptr, s_ptr, nw_ptr, K, eps, pid == 0, PROLOGUE, HAS_RESIDUAL, BLOCK_N,
+                           BLOCK_K, NORM_BLOCK, EVEN_K, USE_PDL)
     if is_shrink:
         tl.store(shrunk_ptr + rows, y, mask=rows < PACKED_RANK)
     else:
@@ -177,16 +188,8 @@ def _gemv_lora_kernel(
     else:
         rows = (pid - SHRINK_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
-    # the weights never depend on the previous kernel: the first tile is issued before the wait
-    w = _first_tile(row_ptrs, K, BLOCK_K, EVEN_K)
-    if USE_PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    ms = tl.zeros([1], dtype=tl.int64)
-    rstd = tl.zeros([1], dtype=tl.float32)
-    if PROLOGUE == 1:
-        rstd = _row_rstd(x_ptr, r_ptr, s_ptr, ms, ms < 1, K, 0, 0, 0, eps, pid == 0, HAS_RESIDUAL, 1, NORM_BLOCK)
-    y = _dot_rows(w, row_ptrs, x_ptr, r_ptr, nw_ptr, K, rstd, PROLOGUE, HAS_RESIDUAL, BLOCK_N, BLOCK_K, EVEN_K)
+    y, rstd = _waited_rows(row_ptrs, x_ptr, r_ptr, s_ptr, nw_ptr, K, eps, pid == 0, PROLOGUE, HAS_RESIDUAL, BLOCK_N,
+                           BLOCK_K, NORM_BLOCK, EVEN_K, USE_PDL)
     if is_shrink:
         if (slot >= 0) & PUBLISH:
             tl.store(shrunk_ptr + rows, y, mask=rows < PACKED_RANK)
