@@ -39,6 +39,7 @@ cfg = workloads.load_config_dict("llama-3.1-8b")
 root = Path(tempfile.mkdtemp())
 path = write_random_adapter(ArchConfig.from_hf_config(cfg), root / "a0", 16, seed=0, std=0.02, dtype=torch.bfloat16)
 prompt = workloads.random_prompts(1, 128, cfg["vocab_size"], 0)[0]
+tokens = {}
 sp = SamplingParams(max_tokens=256, ignore_eos=True, temperature=0)
 for v in sys.argv[1:]:
     patch(v)
@@ -49,8 +50,12 @@ for v in sys.argv[1:]:
     inp = [{"prompt_token_ids": prompt}]
     llm.generate(inp, sp, use_tqdm=False, lora_request=req)
     torch.cuda.synchronize(); t0 = time.perf_counter()
-    llm.generate(inp, sp, use_tqdm=False, lora_request=req)
+    ids = list(llm.generate(inp, sp, use_tqdm=False, lora_request=req)[0].outputs[0].token_ids)
     torch.cuda.synchronize(); dt = time.perf_counter() - t0
+    if lora:    # the LoRA variants' greedy tokens against the first one's (rounding may part them late)
+        first = tokens.setdefault("first", (v, ids))
+        same = next((i for i, (a, b) in enumerate(zip(first[1], ids)) if a != b), len(ids))
+        print(f"== {v}: greedy tokens equal to {first[0]}'s for the first {same} of {len(ids)}")
     sp2 = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         llm.generate(inp, sp2, use_tqdm=False, lora_request=req)
