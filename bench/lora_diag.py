@@ -27,7 +27,8 @@ class NoLaunch:
         return lambda *a, **kw: None
 
 def patch(v):
-    gemv_lora.ONE_LAUNCH = v != "lora-2launch"
+    gemv_lora.ONE_LAUNCH = v == "lora"
+    gemv_lora.EXPAND_PDL = v != "lora-expand-nopdl"
     gemv_lora._gemv_shrink_kernel = NoShrink() if v == "lora-noshrink" else orig_gemv
     gemv_lora._expand_row_kernel = NoLaunch() if v in ("lora-noexpand",) else orig_expand
     if v == "lora-nopdl":

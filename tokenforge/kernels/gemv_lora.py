@@ -59,6 +59,7 @@ MAX_SPINS = 1 << 16           # acquire loads a row program makes before it comp
 # has run it (bench/lead_probe.sh STEPS="lora-diag lora-tests"): round 8 tested it in Triton's
 # interpreter only, and the session's device time ran out before the device call
 ONE_LAUNCH = False
+EXPAND_PDL = True             # the two-launch expand as a PDL dependent of its GEMV (bench/lora_diag.py varies it)
 PUBLISH = True                # False only in the fallback's test: the shrink programs neither store nor count
 
 
@@ -294,7 +295,7 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     block = max(32, 2048 // rank)
     _expand_row_kernel[(triton.cdiv(n, block),)](
         shrunk, lora.lora_b, lora.scale, lora.indices, y, n, lora.lora_b.stride(0), RANK=rank, SLICE1=bounds[0],
-        SLICE2=bounds[1], BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+        SLICE2=bounds[1], BLOCK=block, USE_PDL=pdl and EXPAND_PDL, num_warps=4, launch_pdl=pdl and EXPAND_PDL)
     return y, new_residual
 
 
