@@ -67,6 +67,20 @@ def test_adapters_never_share_prefix_blocks(adapters):
     assert _all_blocks_free(llm)
 
 
+def test_a_known_adapter_is_read_once(adapters, monkeypatch):
+    """Each generate naming an adapter the engine holds reuses its host copy: the files are read
+    the first time only (a re-read of ~80 MB per call was most of the W1/W2 LoRA gap on a GPU)."""
+    from tokenforge.executor import lora as executor_lora
+    reads = []
+    real = executor_lora.read_peft_adapter
+    monkeypatch.setattr(executor_lora, "read_peft_adapter", lambda *a, **kw: reads.append(a[1]) or real(*a, **kw))
+    llm = _llm(max_loras=2)
+    outs = [_tokens(llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=adapters[0])) for _ in range(3)]
+    assert reads == ["a0"] and outs[0] == outs[1] == outs[2]
+    llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=[adapters[1]])
+    assert reads == ["a0", "a1"] and _all_blocks_free(llm)
+
+
 def test_more_adapters_than_slots_run_in_turns(adapters):
     """Five adapters through one slot: every request still gets its own adapter's tokens."""
     wide = _llm(max_loras=5, enable_prefix_caching=False)

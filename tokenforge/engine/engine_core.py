@@ -157,6 +157,11 @@ class EngineCore:
         self.lora_keys[ident] = self.executor.add_lora(lora)
         return self.lora_keys[ident]
 
+    def lora_key(self, lora: LoRARequest) -> str:
+        """The fingerprint of an adapter, read and registered only the first time its (name, id,
+        path) is seen: a request naming a known adapter costs no file read (as vLLM's int ids)."""
+        return self.lora_keys.get((lora.lora_name, lora.lora_int_id, lora.lora_path)) or self.add_lora(lora)
+
     def remove_lora(self, name: str) -> bool:
         """Forget an adapter: its host copy goes now; requests already admitted finish with it."""
         idents = [i for i in self.lora_keys if i[0] == name]
@@ -166,9 +171,7 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         if request.lora is not None:       # the adapter's fingerprint keys its slot and its KV blocks
-            lora = request.lora
-            key = self.lora_keys.get((lora.lora_name, lora.lora_int_id, lora.lora_path)) or self.add_lora(lora)
-            request = msgspec.structs.replace(request, lora_key=key)
+            request = msgspec.structs.replace(request, lora_key=self.lora_key(request.lora))
         if request.params.grammar is not None:
             self.grammars.add(request.request_id, request.params.grammar)
         try:

@@ -65,7 +65,7 @@ class LLM:
         processed = [self.processor.process(p, sp, str(next(self._ids)), lora_request=lora)
                      for p, sp, lora in zip(prompts, params, loras)]
         for lora in {lora for lora in loras if lora is not None}:
-            self.engine.add_lora(lora)
+            self.engine.lora_key(lora)      # read once: later calls naming it reuse the host copy
         return self._run(processed, params, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
