@@ -30,7 +30,7 @@ PY
       --lora-rank 16 --repeats 1 --results-dir "$W/lora-w1-waitfirst"; keep "$W/lora-w1-waitfirst" lora-w1-waitfirst
     cp /tmp/gemv_lora.py.keep tokenforge/kernels/gemv_lora.py ;;
   lora-tests) step lora-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
-                tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py ;;
+                tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py tests/executor/test_compile_watch_gpu.py ;;
   lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-2launch}; cp "$W/lora-diag.log" "$OUT/" ;;
   bare-w1) step bare-w1 90 python3 -m tokenforge.bench latency $M8 $Q --repeats 1 --profile-dir "$W/bare-w1/prof" \
              --results-dir "$W/bare-w1"; keep "$W/bare-w1" bare-w1 ;;

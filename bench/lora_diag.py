@@ -13,14 +13,7 @@ from tokenforge.kernels import gemv_lora, _triton
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader.peft import write_random_adapter
 
-orig_gemv, orig_expand = gemv_lora._gemv_shrink_kernel, gemv_lora._expand_row_kernel
-
-class NoShrink:     # the GEMV grid without the shrink programs (the delta is garbage: timing only)
-    def __getitem__(self, grid):
-        def run(*a, **kw):
-            n = _triton.triton.cdiv(kw["PACKED_RANK"], kw["BLOCK_N"])
-            return orig_gemv[(grid[0] - n,)](*a, **kw)
-        return run
+orig_expand = gemv_lora._expand_row_kernel
 
 class NoLaunch:
     def __getitem__(self, grid):
@@ -29,7 +22,6 @@ class NoLaunch:
 def patch(v):
     gemv_lora.ONE_LAUNCH = v == "lora"
     gemv_lora.EXPAND_PDL = v != "lora-expand-nopdl"
-    gemv_lora._gemv_shrink_kernel = NoShrink() if v == "lora-noshrink" else orig_gemv
     gemv_lora._expand_row_kernel = NoLaunch() if v in ("lora-noexpand",) else orig_expand
     if v == "lora-nopdl":
         gemv_lora.use_pdl = lambda x: False

@@ -33,3 +33,24 @@ def test_no_compile_after_ready_on_a_varied_mix():
         assert llm.get_stats().jit_compiles_after_ready == 0
     finally:
         llm.shutdown()
+
+
+def test_no_lora_kernel_compiles_after_ready(tmp_path):
+    """With adapters, steps of many sizes (the shrink's K splits and row tiles follow T) over a mix
+    of adapters and the base compile nothing after Ready: the warm-up ran every variant."""
+    from tokenforge import LoRARequest                                                  # noqa: PLC0415
+    from tokenforge.model.loader import read_arch_config                                # noqa: PLC0415
+    from tokenforge.model.loader.peft import write_random_adapter                       # noqa: PLC0415
+    arch = read_arch_config("tiny-llama", "dummy")
+    loras = [None, *(LoRARequest(f"a{i}", i + 1, str(write_random_adapter(arch, tmp_path / f"a{i}", rank=8, seed=i)))
+                     for i in range(3))]
+    llm = LLM(model="tiny-llama", load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              gpu_memory_utilization=0.3, enable_lora=True, max_loras=3, max_lora_rank=8)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+        for batch in (1, 2, 5, 17, 40):
+            prompts = [[(3 * i + j) % 400 + 1 for j in range(5 + 37 * (i % 7))] for i in range(batch)]
+            llm.generate(prompts, params, use_tqdm=False, lora_request=[loras[i % 4] for i in range(batch)])
+        assert WATCH.after_ready == [], WATCH.after_ready
+    finally:
+        llm.shutdown()

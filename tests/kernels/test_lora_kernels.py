@@ -122,3 +122,19 @@ def test_split_sums_reuse_the_plans_counters(device):
     for _ in range(2):
         assert _rel_err(lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices, plan), ref) < 1e-2
         assert not plan.counters.any()
+
+
+@pytest.mark.parametrize("slots,packed_rank,in_features,sms", [(8, 48, 4096, 132), (16, 16, 14336, 132),
+                                                                 (4, 24, 576, 8), (1, 64, 1536, 78)])
+def test_warm_up_counts_meet_every_kernel_variant(slots, packed_rank, in_features, sms):
+    """The row counts the start-up warm-up runs reach every (BLOCK_M, SPLITS, SPLIT_SIZE) a step of
+    1..8192 rows takes, one count each (the W2 run compiled 4 _shrink_kernel variants after Ready)."""
+    from tokenforge.kernels.lora import _variant, warm_up_token_counts     # noqa: PLC0415
+    counts = warm_up_token_counts(slots, packed_rank, in_features, 8192, sms)
+    every = {_variant(t, slots, packed_rank, in_features, sms) for t in range(1, 8193)}
+    mine = [_variant(t, slots, packed_rank, in_features, sms) for t in counts]
+    assert set(mine) == every and len(mine) == len(every) and len(every) > 3
+    assert {v[0] for v in mine} == {16, 32, 64}
+    for t in range(1, 8193, 97):          # the split sizes cover K in whole 64-column tiles
+        _, splits, size = _variant(t, slots, packed_rank, in_features, sms)
+        assert (splits - 1) * size < in_features <= splits * size and size % 64 == 0

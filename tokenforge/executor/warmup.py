@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from tokenforge.kernels.lora import warm_up_lora_kernels
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
 
@@ -93,6 +94,11 @@ def warm_up(runner, num_blocks: int) -> float:
         if hidden is not None:
             ends = torch.tensor(query_lens, device=runner.device).cumsum(0) - 1
             runner.model.compute_logits(hidden[ends])
+    if runner.loras is not None:
+        # every shrink / expand variant the step sizes can take (SPLITS, BLOCK_M follow T): the
+        # forwards above meet only theirs (W2 over 8 adapters compiled 4 more during its run)
+        warm_up_lora_kernels([linear.lora for linear in runner.loras.slots.linears.values()],
+                             sched.max_num_batched_tokens)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start

@@ -142,17 +142,20 @@ def _gemv_shrink_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Programs below cdiv(N, BLOCK_N): gemv.py's, y[rows] = p(x) W[rows]^T (+ b); the rest:
-    shrunk[rows] = p(x) A[slot][rows]^T in fp32 (slot -1 reads slot 0's rows; nobody adds them)."""
+    """The first cdiv(PACKED_RANK, BLOCK_N) programs: shrunk[rows] = p(x) A[slot][rows]^T in fp32
+    (slot -1 reads slot 0's rows; nobody adds them); the rest: gemv.py's, y[rows] = p(x) W[rows]^T
+    (+ b). The shrink programs come first: their rows' address waits for the slot's load, a latency
+    the first wave hides and the last wave would add to the kernel's end (wave 3 round 9: ~2 us a
+    linear with them last)."""
     pid = tl.program_id(0)
-    w_programs = tl.cdiv(N, BLOCK_N)
-    is_shrink = pid >= w_programs
+    shrink_programs = tl.cdiv(PACKED_RANK, BLOCK_N)
+    is_shrink = pid < shrink_programs
     if is_shrink:
         slot = tl.load(idx_ptr)                   # written before the step, not by the last kernels
-        rows = (pid - w_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ptrs = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + tl.minimum(rows, PACKED_RANK - 1) * K
     else:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = (pid - shrink_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
     y, rstd = _waited_rows(row_ptrs, x_ptr, r_ptr, s_ptr, nw_ptr, K, eps, pid == 0, PROLOGUE, HAS_RESIDUAL, BLOCK_N,
                            BLOCK_K, NORM_BLOCK, EVEN_K, USE_PDL)

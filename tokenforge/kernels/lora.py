@@ -181,6 +181,57 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
         tl.store(y_ptrs, (y.to(tl.float32) + acc * tl.load(scale_ptr + slot)).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _k_splits(programs: int, in_features: int, sms: int) -> tuple[int, int]:
+    """(splits, split size) of the shrink's K: a power of two of splits (few kernel variants)
+    until it has about two programs per SM (a decode batch has a tile or two), each split at least
+    256 inputs."""
+    want, splits = -(-2 * sms // programs), 1
+    while splits < want and splits * 2 * 256 <= in_features:
+        splits *= 2
+    split_size = -(-(-(-in_features // splits)) // 64) * 64
+    return -(-in_features // split_size), split_size
+
+
+def _variant(num_tokens: int, num_slots: int, packed_rank: int, in_features: int, sms: int) -> tuple[int, ...]:
+    """The compile-time constants the kernels take for a step of `num_tokens` rows (BLOCK_M, SPLITS,
+    SPLIT_SIZE): the shapes they depend on are T, the slots and the linear's, never the data."""
+    block_m = lora_block_m(num_tokens)
+    tiles = -(-num_tokens // block_m) + min(num_slots, num_tokens)
+    rank_blocks = -(-packed_rank // min(64, next_power_of_2(packed_rank)))
+    return (block_m, *_k_splits(tiles * rank_blocks, in_features, sms))
+
+
+def warm_up_token_counts(num_slots: int, packed_rank: int, in_features: int, max_tokens: int, sms: int) -> list[int]:
+    """One row count for each kernel variant steps of 1..max_tokens rows can take: running the
+    kernels at these counts compiles every variant serving can meet."""
+    first: dict[tuple[int, ...], int] = {}
+    for t in range(1, max_tokens + 1):
+        first.setdefault(_variant(t, num_slots, packed_rank, in_features, sms), t)
+    return sorted(first.values())
+
+
+@torch.no_grad()
+def warm_up_lora_kernels(slots, max_tokens: int) -> int:
+    """Compile the shrink / expand variants of every distinct LoRA linear (`slots`: objects with
+    lora_A [S, nR, in], lora_B [S, out, R], scale, slices) for steps of up to `max_tokens` rows,
+    before the engine is Ready (a request would otherwise wait for the compile). Returns the number
+    of launches made."""
+    seen, launches = set(), 0
+    for m in slots:
+        a, b = m.lora_A, m.lora_B
+        key = (tuple(a.shape), tuple(b.shape), tuple(m.slices), a.dtype)
+        if key in seen or not (HAS_TRITON and a.is_cuda):
+            continue
+        seen.add(key)
+        num_slots, packed_rank, in_features = a.shape
+        for t in warm_up_token_counts(num_slots, packed_rank, in_features, max_tokens, _num_sms(a.device)):
+            x = torch.zeros(t, in_features, dtype=a.dtype, device=a.device)
+            y = torch.zeros(t, b.shape[1], dtype=a.dtype, device=a.device)
+            lora_shrink_expand(x, y, a, b, m.scale, torch.zeros(t, dtype=torch.int32, device=a.device), m.slices)
+            launches += 1
+    return launches
+
+
 @functools.cache
 def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
@@ -204,14 +255,7 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     block_r = min(64, next_power_of_2(packed_rank))
     rank_blocks = triton.cdiv(packed_rank, block_r)
     assert rank_blocks <= MAX_RANK_BLOCKS, f"a packed LoRA rank of {packed_rank} takes over {MAX_RANK_BLOCKS} blocks"
-    # Split K (a power of two of splits, so few kernel variants) until the shrink has about two
-    # programs per SM (a decode batch has a tile or two), each split at least 256 inputs.
-    want = triton.cdiv(2 * _num_sms(x.device), num_tiles * rank_blocks)
-    splits = 1
-    while splits < want and splits * 2 * 256 <= in_features:
-        splits *= 2
-    split_size = triton.cdiv(triton.cdiv(in_features, splits), 64) * 64
-    splits = triton.cdiv(in_features, split_size)
+    splits, split_size = _k_splits(num_tiles * rank_blocks, in_features, _num_sms(x.device))
     partial = torch.empty(splits, num_tokens, packed_rank, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
     _shrink_kernel[(num_tiles, rank_blocks, splits)](
