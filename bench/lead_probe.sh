@@ -2,7 +2,7 @@
 # The lead's device probes (one call, BUDGET seconds, default 540): STEPS picks, in order, from
 #   lora-w1     bench lora W1, 1 adapter, with the profiled pass (kernel table, device-busy)
 #   lora-w1-waitfirst  the same, the expand kernel waiting before it lets the next linear start
-#   lora-tests  the LoRA GPU tests;  lora-diag  bench/lora_diag.py (bare, one launch, two launches)
+#   lora-tests  the LoRA GPU tests;  lora-diag  bench/lora_diag.py (DIAG: bare, lora, lora-noexpand, lora-expand-nopdl, lora-nopdl)
 #   bare-w1     bench latency W1 bare with --profile-dir (kernel table, device-busy)
 #   lora-64     bench lora W2, 64 adapters through 16 slots
 #   lora-w2     bench lora W2, 8 adapters through 8 slots
@@ -31,7 +31,7 @@ PY
     cp /tmp/gemv_lora.py.keep tokenforge/kernels/gemv_lora.py ;;
   lora-tests) step lora-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
                 tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py tests/executor/test_compile_watch_gpu.py ;;
-  lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-2launch}; cp "$W/lora-diag.log" "$OUT/" ;;
+  lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-noexpand lora-expand-nopdl}; cp "$W/lora-diag.log" "$OUT/" ;;
   bare-w1) step bare-w1 90 python3 -m tokenforge.bench latency $M8 $Q --repeats 1 --profile-dir "$W/bare-w1/prof" \
              --results-dir "$W/bare-w1"; keep "$W/bare-w1" bare-w1 ;;
   lora-64) step lora-64 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \

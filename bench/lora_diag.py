@@ -20,7 +20,6 @@ class NoLaunch:
         return lambda *a, **kw: None
 
 def patch(v):
-    gemv_lora.ONE_LAUNCH = v == "lora"
     gemv_lora.EXPAND_PDL = v != "lora-expand-nopdl"
     gemv_lora._expand_row_kernel = NoLaunch() if v in ("lora-noexpand",) else orig_expand
     if v == "lora-nopdl":

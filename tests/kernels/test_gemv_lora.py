@@ -1,6 +1,5 @@
-"""The batch-1 GEMV with the LoRA delta (kernels/gemv_lora.py), in one launch (a sync cell given:
-the delta added in the GEMV's epilogue) and in two (the shrink in the GEMV's grid, then the one-row
-expand), against the torch reference on fresh random inputs: the three prologues,
+"""The batch-1 GEMV with the LoRA delta (kernels/gemv_lora.py: the shrink in the GEMV's grid, then
+the one-row expand) against the torch reference on fresh random inputs: the three prologues,
 one to three packed slices, a row without an adapter, N and K off the block multiples, and a new
 slot in the same index tensor followed (what a CUDA graph replays). GPU, or Triton's interpreter
 on the CPU (float32 only); Llama-3.1-8B's linear shapes on the GPU only. The linears that call
@@ -16,7 +15,6 @@ from tokenforge.kernels.gemv import NORM, PLAIN, SILU_MUL, gemv_config
 from tokenforge.kernels.gemv_lora import (
     GemvLoRA,
     add_rms_norm_gemv_lora,
-    new_sync,
     gemv_lora,
     gemv_lora_ref,
     silu_mul_gemv_lora,
@@ -32,14 +30,14 @@ LLAMA = [((4096, 1024, 1024), 4096, 4, 16), ((4096,), 4096, 4, 16), ((14336, 143
 PROLOGUES = {"plain": PLAIN, "norm": NORM, "norm-residual": NORM, "silu": SILU_MUL}
 
 
-def _problem(slices, k, slots, rank, slot, dtype, device, seed=0, launches=1):
+def _problem(slices, k, slots, rank, slot, dtype, device, seed=0):
     g = torch.Generator().manual_seed(seed)
     n = sum(slices)
     w = torch.randn(n, k, generator=g) * k ** -0.5
     lora = GemvLoRA((torch.randn(slots, len(slices) * rank, k, generator=g) * k ** -0.5).to(dtype).to(device),
                     (torch.randn(slots, n, rank, generator=g) * 0.3).to(dtype).to(device),
                     (torch.rand(slots, generator=g) + 0.5).to(device), torch.tensor([slot], device=device),
-                    tuple(slices), new_sync(1, device) if launches == 1 else None)
+                    tuple(slices))
     return w.to(dtype).to(device), torch.randn(n, generator=g).to(dtype).to(device), lora
 
 
@@ -67,20 +65,18 @@ def _dtypes():
 @pytest.mark.parametrize("prologue", list(PROLOGUES))
 @pytest.mark.parametrize("case", SMALL, ids=lambda c: f"slices{len(c[0])}-K{c[1]}")
 @pytest.mark.parametrize("slot", [1, -1])
-@pytest.mark.parametrize("launches", [1, 2])
-def test_matches_reference(device, case, prologue, slot, launches):
+def test_matches_reference(device, case, prologue, slot):
     for dtype in _dtypes():
-        w, bias, lora = _problem(*case, slot, dtype, device, launches=launches)
+        w, bias, lora = _problem(*case, slot, dtype, device)
         out, ref = _run(prologue, w, bias if prologue != "silu" else None, lora, dtype, device)
         tol = _tol(dtype) * (2 if INTERPRET and prologue.startswith("norm") else 1)    # test_gemv.py's note
         assert _rel_err(out, ref) <= max(tol, 1e-3 if dtype == torch.float32 and not INTERPRET else 0)
 
 
-@pytest.mark.parametrize("launches", [1, 2])
-def test_the_delta_is_there_and_follows_the_index(device, launches):
+def test_the_delta_is_there_and_follows_the_index(device):
     """A slot's delta changes the output; the same tensors with a new slot written into the index
     give that slot's result (a replayed graph), and -1 gives the bare GEMV."""
-    w, _, lora = _problem((64, 16, 16), 512, 3, 16, 0, torch.float32, device, launches=launches)
+    w, _, lora = _problem((64, 16, 16), 512, 3, 16, 0, torch.float32, device)
     x = torch.randn(1, 512, generator=torch.Generator().manual_seed(3)).to(device)
     outs = []
     for slot in (0, 2, -1):
@@ -91,31 +87,14 @@ def test_the_delta_is_there_and_follows_the_index(device, launches):
     assert (outs[0] - outs[1]).abs().max() > 1e-2 and (outs[0] - outs[2]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("prologue", ["plain", "norm-residual"])
-def test_one_launch_without_the_shrink_programs_count(device, monkeypatch, prologue):
-    """If the shrink programs' count never arrives (a schedule that ran no shrink program before
-    the row programs), each row program gives up waiting after MAX_SPINS loads and computes the
-    shrink itself: the same result, no hang. The counter is zeroed by the call, so a cell left
-    non-zero by an earlier call does not let a row program skip its wait."""
-    import tokenforge.kernels.gemv_lora as gl
-
-    monkeypatch.setattr(gl, "PUBLISH", False)
-    monkeypatch.setattr(gl, "MAX_SPINS", 4)
-    w, bias, lora = _problem((64, 16, 16), 600, 3, 16, 2, torch.float32, device, launches=1)
-    lora.sync.fill_(1 << 20)
-    out, ref = _run(prologue, w, bias, lora, torch.float32, device)
-    assert _rel_err(out, ref) <= max(_tol(torch.float32) * 2, 1e-3)
-
-
 @pytest.mark.skipif(INTERPRET, reason="full-size shapes are too slow for the interpreter")
 @pytest.mark.parametrize("case", LLAMA, ids=lambda c: f"N{sum(c[0])}-K{c[1]}")
 @pytest.mark.parametrize("prologue", ["plain", "norm-residual", "silu"])
-@pytest.mark.parametrize("launches", [1, 2])
-def test_llama_shapes(device, case, prologue, launches):
+def test_llama_shapes(device, case, prologue):
     """Llama-3.1-8B's qkv, o, gate_up and down, whose configs use 8, 4 and 2 rows per program."""
     if prologue == "silu" and case[1] != 14336 or prologue != "silu" and case[1] == 14336:
         pytest.skip("the prologue of another linear")
     assert gemv_config(1, sum(case[0]), case[1]).block_n in (2, 4, 8)
-    w, bias, lora = _problem(*case, 3, torch.bfloat16, device, launches=launches)
+    w, bias, lora = _problem(*case, 3, torch.bfloat16, device)
     out, ref = _run(prologue, w, None, lora, torch.bfloat16, device)
     assert _rel_err(out, ref) <= _tol(torch.bfloat16)

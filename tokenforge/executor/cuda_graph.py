@@ -102,7 +102,6 @@ class CudaGraphRunner:
         empty = AttentionBatch([], [], [], self.runner.block_size, self.runner.device)
         metadata = self.buffers.fill(empty, padded_batch_size=size)   # all padding rows
         lora = self.lora_indices[:size] if self.lora_indices is not None else None
-        begin = self.runner.loras.slots.begin_forward if self.runner.loras is not None else (lambda: None)
         with set_forward_context(metadata, lora):
             for _ in range(2):   # warm up: Triton autotuning and lazy init happen outside capture
                 model(self.input_ids[:size], self.positions[:size])
@@ -113,7 +112,6 @@ class CudaGraphRunner:
             # (or break) the capture.
             mode = "thread_local" if self.runner.rank.tp_size > 1 or self._serving else "global"
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode=mode):
-                begin()      # LoRA's one-launch GEMV counters, zeroed on every replay (eager calls zero their own)
                 out = model(self.input_ids[:size], self.positions[:size])
         torch.cuda.synchronize()
         if self.pool is None:

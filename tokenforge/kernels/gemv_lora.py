@@ -1,31 +1,27 @@
-"""One-row GEMV with the multi-LoRA delta in the same launch: y = p(x) W^T + scale[s] B[s] (A[s] p(x)).
+"""One-row GEMV with the multi-LoRA delta: y = p(x) W^T + scale[s] B[s] (A[s] p(x)), two launches.
 
 In: x [1, K] (or [1, 2K] = [gate | up] for the SiLU-and-mul prologue), W [N, K], optional bias
 [N], and a `GemvLoRA` (one linear's slots, model/layers/lora.py): lora_A [S, n*R, K], lora_B
-[S, N, R], scale [S] fp32, indices [1] (the row's slot, -1: none), the packed slices' sizes and
-the linear's counter cell `sync` (model/lora.py). p is one of gemv.py's prologues (none, add +
-RMSNorm, SiLU-and-mul), so a linear with an adapter keeps its fused prologue. Out: y [1, N] (and
-the new residual for the norm prologue), as gemv.py and then kernels/lora.py would give.
+[S, N, R], scale [S] fp32, indices [1] (the row's slot, -1: none) and the packed slices' sizes.
+p is one of gemv.py's prologues (none, add + RMSNorm, SiLU-and-mul), so a linear with an adapter
+keeps its fused prologue. Out: y [1, N] (and the new residual for the norm prologue), as gemv.py
+and then kernels/lora.py would give.
 
 Why: at batch 1 the hook path costs each adapted linear a shrink and an expand launch (and the
 fused prologue: a separate norm / SwiGLU launch), each about as dear as a small GEMV, for LoRA
-weights under 1% of the step's bytes (BENCHMARKS.md, wave 3 round 4). Every extra launch between
-two GEMVs also ends the weight streaming that PDL overlaps with the previous kernel: with the
-shrink in the GEMV's grid and a one-row expand after it (two launches, `ONE_LAUNCH` off), W1
-kept 70-77% of bare, ~14 us a linear for ~1 us of work (BENCHMARKS.md, wave 3 rounds 7 and 8).
+weights under 1% of the step's bytes (BENCHMARKS.md, wave 3 round 4). Here the shrink's programs
+sit in the GEMV's own grid (first, so the slot load's latency hides in the first wave), and a
+one-row expand follows, launched under PDL: W1 with one rank-16 adapter on all seven projections
+keeps 89.9% of bare on an H100 (BENCHMARKS.md, wave 3 round 9).
 
-One launch (`_gemv_lora_kernel`): the first cdiv(n*R, BLOCK_N) programs multiply p(x) by A[s]'s
-rows into an fp32 vector and count themselves done in sync[0] (release); the row programs compute
-their W rows, then wait for the count (acquire) and add B[s] . shrunk in their epilogue. Roles
-follow the program id (blocks start in id order), so no program takes a ticket before its first
-weight load; a row program still waiting after MAX_SPINS loads computes the shrink itself, so a
-schedule that ran no shrink program first costs time, never a hang. The cell must be zero when a
-launch starts: eager calls zero it, and a CUDA graph zeroes every cell once at its start.
-
-Measured and dropped (BENCHMARKS.md, wave 3 round 7): every program taking a ticket from one
-atomic counter (acq_rel) before its first weight load, roles by ticket. W1 fell from 59.5% to
-51.8% of bare: the loads waited for the ticket's round trip, and 14,000 programs of gate_up
-queued on one address.
+Measured and dropped:
+- every program taking a ticket from one atomic counter before its first weight load, roles by
+  ticket (round 7): W1 fell from 59.5% to 51.8% of bare (the loads waited for the ticket, and
+  14,000 programs of gate_up queued on one address);
+- one launch, the row programs waiting (acquire loads of a per-linear counter) for the shrink
+  programs and adding the delta in their epilogue (round 8, measured in round 9): 8.80 ms a token
+  against 7.60 for these two launches in the same process, the GEMV itself 29% slower;
+- the expand launched without PDL (round 9): 7.87 against 7.43 ms a token.
 
 `gemv_lora_ref` is the torch computation (gemv.py's reference, then kernels/lora.py's).
 """
@@ -50,22 +46,9 @@ class GemvLoRA(NamedTuple):
     scale: torch.Tensor       # [S] fp32
     indices: torch.Tensor     # [1] int: the row's slot, -1 for none
     slices: tuple[int, ...]   # the packed outputs' sizes (sum N)
-    sync: torch.Tensor | None = None   # [SYNC_STRIDE] int32, zero at the forward's start: one launch
 
 
-SYNC_STRIDE = 32              # int32 counters a linear's cell spans (128 bytes: its own L2 line)
-MAX_SPINS = 1 << 16           # acquire loads a row program makes before it computes the shrink itself
-# with a sync cell: the delta in the GEMV's own epilogue (else + an expand launch). Off until a GPU
-# has run it (bench/lead_probe.sh STEPS="lora-diag lora-tests"): round 8 tested it in Triton's
-# interpreter only, and the session's device time ran out before the device call
-ONE_LAUNCH = False
-EXPAND_PDL = True             # the two-launch expand as a PDL dependent of its GEMV (bench/lora_diag.py varies it)
-PUBLISH = True                # False only in the fallback's test: the shrink programs neither store nor count
-
-
-def new_sync(num_linears: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The counters of `num_linears` linears' one-launch GEMVs (zero them before every forward)."""
-    return torch.zeros(num_linears * SYNC_STRIDE, dtype=torch.int32, device=device)
+EXPAND_PDL = True             # the expand as a PDL dependent of its GEMV (bench/lora_diag.py varies it)
 
 
 def gemv_lora_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA,
@@ -168,65 +151,6 @@ def _gemv_shrink_kernel(
 
 
 @triton.jit
-def _gemv_lora_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, a_ptr, lb_ptr, scale_ptr, idx_ptr, shrunk_ptr, sync_ptr,
-    N, K, stride_wn, stride_as, stride_bs, eps,
-    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_RANK: tl.constexpr,
-    RANK: tl.constexpr, SLICE1: tl.constexpr, SLICE2: tl.constexpr, SHRINK_PROGRAMS: tl.constexpr,
-    MAX_SPINS: tl.constexpr, PUBLISH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """One launch: programs below SHRINK_PROGRAMS compute shrunk = p(x) A[slot]^T (their rows) and
-    count themselves done in sync[0]; the others y[rows] = p(x) W[rows]^T (+ b), then wait for that
-    count and add scale[slot] * B[slot][rows] . shrunk. Roles follow the program id: the GPU starts
-    programs in id order, so the shrink programs are running before any row program waits; a row
-    program that has waited MAX_SPINS loads all the same computes the shrink itself (same code,
-    same values), so no schedule can hang it."""
-    pid = tl.program_id(0)
-    slot = tl.load(idx_ptr)                       # written before the step, not by the last kernels
-    sslot = tl.maximum(slot, 0).to(tl.int64)
-    is_shrink = pid < SHRINK_PROGRAMS
-    if is_shrink:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ptrs = a_ptr + sslot * stride_as + tl.minimum(rows, PACKED_RANK - 1) * K
-    else:
-        rows = (pid - SHRINK_PROGRAMS) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
-    y, rstd = _waited_rows(row_ptrs, x_ptr, r_ptr, s_ptr, nw_ptr, K, eps, pid == 0, PROLOGUE, HAS_RESIDUAL, BLOCK_N,
-                           BLOCK_K, NORM_BLOCK, EVEN_K, USE_PDL)
-    if is_shrink:
-        if (slot >= 0) & PUBLISH:
-            tl.store(shrunk_ptr + rows, y, mask=rows < PACKED_RANK)
-            tl.debug_barrier()                    # every thread's stores before the release below
-            tl.atomic_add(sync_ptr, 1, sem="release", scope="gpu")
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=rows < N, other=0.0).to(tl.float32)
-        y = y.to(y_ptr.dtype.element_ty).to(tl.float32)        # the base output rounded, as unfused
-        if slot >= 0:
-            rs = tl.arange(0, RANK)
-            rows_in = tl.minimum(rows, N - 1)
-            slice_of_row = (rows_in >= SLICE1).to(tl.int32) + (rows_in >= SLICE2).to(tl.int32)
-            b = tl.load(lb_ptr + sslot * stride_bs + rows_in.to(tl.int64)[:, None] * RANK + rs[None, :])
-            done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-            spins = 0
-            while (done < SHRINK_PROGRAMS) & (spins < MAX_SPINS):
-                done = tl.atomic_add(sync_ptr, 0, sem="acquire", scope="gpu")
-                spins += 1
-            if done < SHRINK_PROGRAMS:            # never seen in practice: compute the shrink here
-                for j in range(SHRINK_PROGRAMS):
-                    srows = j * BLOCK_N + tl.arange(0, BLOCK_N)
-                    a_rows = a_ptr + sslot * stride_as + tl.minimum(srows, PACKED_RANK - 1) * K
-                    part = _dot_rows(_first_tile(a_rows, K, BLOCK_K, EVEN_K), a_rows, x_ptr, r_ptr, nw_ptr, K, rstd,
-                                     PROLOGUE, HAS_RESIDUAL, BLOCK_N, BLOCK_K, EVEN_K)
-                    tl.store(shrunk_ptr + srows, part, mask=srows < PACKED_RANK)
-                tl.debug_barrier()
-            sh = tl.load(shrunk_ptr + slice_of_row[:, None] * RANK + rs[None, :], volatile=True)
-            y += tl.sum(b.to(tl.float32) * sh, axis=1) * tl.load(scale_ptr + slot)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=rows < N)
-
-
-@triton.jit
 def _expand_row_kernel(shrunk_ptr, lb_ptr, scale_ptr, idx_ptr, y_ptr, N, stride_bs, RANK: tl.constexpr,
                        SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     """y[rows] += scale[slot] * B[slot][rows] . shrunk[the rows' slice's ranks], in place."""
@@ -272,20 +196,6 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     shrunk = torch.empty(packed_rank, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
     bounds = [sum(lora.slices[:i + 1]) for i in range(len(lora.slices))] + [n] * 2
-    if lora.sync is not None and ONE_LAUNCH:
-        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            lora.sync.zero_()     # a captured forward zeroes every cell at the graph's start instead
-        _gemv_lora_kernel[(shrink_programs + triton.cdiv(n, cfg.block_n),)](
-            x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
-            bias if bias is not None else weight, y, new_residual if new_residual is not None else x,
-            lora.lora_a, lora.lora_b, lora.scale, lora.indices, shrunk, lora.sync,
-            n, k, weight.stride(0), lora.lora_a.stride(0), lora.lora_b.stride(0), eps,
-            PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
-            PACKED_RANK=packed_rank, RANK=rank, SLICE1=bounds[0], SLICE2=bounds[1], SHRINK_PROGRAMS=shrink_programs,
-            MAX_SPINS=MAX_SPINS, PUBLISH=PUBLISH, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            NORM_BLOCK=min(next_power_of_2(k), max(cfg.block_k, 8192)), EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl)
-        return y, new_residual
     _gemv_shrink_kernel[(triton.cdiv(n, cfg.block_n) + shrink_programs,)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, y, new_residual if new_residual is not None else x,

@@ -16,8 +16,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenforge.kernels import gemv_lora
-from tokenforge.kernels.gemv_lora import SYNC_STRIDE, new_sync
 from tokenforge.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tokenforge.model.layers.lora import LoRASlots
 from tokenforge.model.loader.peft import PeftAdapter
@@ -37,20 +35,9 @@ class ModelLoRASlots:
                 self.linears[name] = module
         if not self.linears:
             raise ValueError(f"{type(model).__name__} has no linear named {', '.join(TARGETS)} to serve LoRA on")
-        # the one-launch batch-1 GEMVs' counters (kernels/gemv_lora.py): a cell per linear; an eager
-        # call zeroes its own, a CUDA graph zeroes them all at its start (begin_forward)
-        self.sync = new_sync(len(self.linears), next(iter(self.linears.values())).weight.device)
-        for i, linear in enumerate(self.linears.values()):
-            linear.lora.sync = self.sync[i * SYNC_STRIDE:(i + 1) * SYNC_STRIDE]
         # HF module name -> (our linear name, shard id); HF names not packed map to themselves
         self._packed = {part: (fused, shard) for fused, parts in getattr(model, "packed_modules", {}).items()
                         for part, shard in parts.items()}
-
-    def begin_forward(self) -> None:
-        """Inside a CUDA graph's capture, before the model: every GEMV counter to zero on each replay
-        (nothing to do while the batch-1 GEMVs take two launches)."""
-        if gemv_lora.ONE_LAUNCH:
-            self.sync.zero_()
 
     @property
     def supported_modules(self) -> list[str]:

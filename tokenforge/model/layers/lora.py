@@ -76,7 +76,6 @@ class LoRASlots(nn.Module):
         self.register_buffer("lora_A", torch.zeros(num_slots, n * self.rank, in_features, dtype=dtype))
         self.register_buffer("lora_B", torch.zeros(num_slots, out_features, self.rank, dtype=dtype))
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32))
-        self.sync: torch.Tensor | None = None   # this linear's cell of ModelLoRASlots.sync (the one-launch GEMV)
 
     @torch.no_grad()
     def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
@@ -111,8 +110,7 @@ class LoRASlots(nn.Module):
         None where there is nothing to add (no forward context or no indices)."""
         ctx = current_forward_context()
         indices = None if ctx is None else ctx.lora_indices
-        return None if indices is None else GemvLoRA(self.lora_A, self.lora_B, self.scale, indices, self.slices,
-                                                     self.sync)
+        return None if indices is None else GemvLoRA(self.lora_A, self.lora_B, self.scale, indices, self.slices)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx = current_forward_context()
