@@ -65,6 +65,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(default %(default)s; 0: only the forced-length check)")
     g.add_argument("--launch", default=None, metavar="SERVE_FLAGS",
                    help="start `tokenforge serve SERVE_FLAGS` on a free port for the run (instead of --url)")
+    g.add_argument("--ceilings", default=None, metavar="READ_TBPS,MATMUL_TFLOPS",
+                   help="the device's ceilings for the hardware floor of the run (default: measured before "
+                        "--launch starts the server on a CUDA machine; none: no floor)")
     g.add_argument("--out", default=None, help="also write the results JSON here")
     g.add_argument("--results-dir", default=None, help="write the results JSON here (e.g. results/)")
 
@@ -207,12 +210,13 @@ async def run_load(url: str, model: str, load: Load, warm_up: bool = True) -> di
         before = await _prefix_counters(client)
         eager_before = await _metric_sum(client, "eager_decode_steps")
         results, duration = await _timed(ep, model, load, prompts, rng)
+        first = min((r.start for r in results), default=0.0)
         after = await _prefix_counters(client)
         eager_after = await _metric_sum(client, "eager_decode_steps")
     eager = None if eager_before is None or eager_after is None else eager_after - eager_before
     return {"num_prompts": load.num_prompts, "request_rate": load.rate, "input_len": load.input_len,
             "output_len": load.output_len, "seed": load.seed, "prefix_hit_rate": _hit_rate(before, after),
-            "eager_decode_steps": eager,
+            "eager_decode_steps": eager, "arrivals_s": [round(r.start - first, 6) for r in results],
             **summarize(results, duration, load.input_len)}
 
 
@@ -248,6 +252,10 @@ def _print(result: dict) -> None:
     rows = [[name, result[key]["mean"], result[key]["p50"], result[key]["p99"]]
             for name, key in (("TTFT ms", "ttft_ms"), ("TPOT ms", "tpot_ms"), ("ITL ms", "itl_ms"),
                               ("E2E ms", "e2e_ms"))]
+    floor = result.get("floor")
+    if floor:
+        rows.append(["TPOT floor ms", "", floor["tpot_ms"]["p50"], floor["tpot_ms"]["p99"]])
+        rows.append(["TTFT floor ms", "", floor["ttft_ms"]["p50"], floor["ttft_ms"]["p99"]])
     rows.append(["output tok/s", result["output_tok_per_s"], "", ""])
     rows.append(["requests/s", result["request_per_s"], "", ""])
     print_table(f"W4 serving: {result['completed']} ok, {result['failed']} failed, {result['request_rate']} req/s, "
@@ -298,8 +306,43 @@ def _healthy(url: str) -> bool:
 
 
 def main(args: argparse.Namespace) -> dict:
+    ceilings = _ceilings(args)
     with _launched(getattr(args, "launch", None), _opt(args, "url")) as url:
-        return _bench(args, url)
+        return _bench(args, url, ceilings)
+
+
+def _ceilings(args: argparse.Namespace) -> dict | None:
+    """--ceilings, else measured here before --launch starts a server on a CUDA machine."""
+    given = getattr(args, "ceilings", None)
+    if given:
+        read, matmul = (float(x) for x in given.split(","))
+        return {"read_bw_tbps": read, "matmul_tflops": matmul}
+    if getattr(args, "launch", None) is None:
+        return None
+    import torch  # noqa: PLC0415 - only for a launched server's device
+
+    if not torch.cuda.is_available():
+        return None
+    from tokenforge.bench.lib.ceilings import measure_ceilings  # noqa: PLC0415
+
+    return measure_ceilings("cuda")
+
+
+def _floor(args: argparse.Namespace, model: str, measured: dict, ceilings: dict | None) -> dict | None:
+    """What an ideal engine gives the same arrivals on this device (bench/lib/serve_floor.py)."""
+    from tokenforge.bench.lib.serve_floor import flag, floor_for_run  # noqa: PLC0415
+    from tokenforge.bench.lib.workloads import load_config_dict  # noqa: PLC0415
+
+    words = shlex.split(getattr(args, "launch", None) or "")
+    try:
+        config = load_config_dict(flag(words, "--model") or model)
+    except (OSError, ValueError):
+        config = None
+    floor = floor_for_run(words, config, ceilings, measured["arrivals_s"], measured["input_len"],
+                          measured["output_len"])
+    if floor is not None and measured["tpot_ms"]["p50"] and floor["tpot_ms"]["p50"]:
+        floor["tpot_p50_of_floor"] = floor["tpot_ms"]["p50"] / measured["tpot_ms"]["p50"]
+    return floor
 
 
 def served_model(url: str, api_key: str | None = None) -> str:
@@ -307,11 +350,12 @@ def served_model(url: str, api_key: str | None = None) -> str:
     return httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
 
 
-def _bench(args: argparse.Namespace, url: str) -> dict:
+def _bench(args: argparse.Namespace, url: str, ceilings: dict | None = None) -> dict:
     model = getattr(args, "model", None) or served_model(url, getattr(args, "api_key", None))
     measured = run(run_load(url, model, Load.from_args(args)))
     result = {"workload": "W4", "url": url, "served_model": model, "launch": getattr(args, "launch", None),
-              "flags": launch_flags(getattr(args, "launch", None)), **measured}
+              "flags": launch_flags(getattr(args, "launch", None)), **measured, "ceilings": ceilings,
+              "floor": _floor(args, model, measured, ceilings)}
     if getattr(args, "out", None) or getattr(args, "results_dir", None):
         from tokenforge.bench.lib import report  # noqa: PLC0415
 
