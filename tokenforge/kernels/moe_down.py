@@ -27,10 +27,9 @@ import torch
 
 from ._triton import _interpreting, next_power_of_2, tl, triton, use_pdl
 from . import moe_gemv
-from .moe_gemv import FORMATS, _bf16_halves, _fp4_word
+from .moe_gemv import FORMATS, fp4_group_dot
 from .moe_gemv_dense import rows_dot
 from .moe_topk import route_rows
-from .mxfp4 import fp4_scale
 
 # format -> whether decode batches on the GEMV path run this kernel (else per-pair GEMVs + `topk_sum`).
 # Off until the device sweep (bench/moe_r8.sh) has measured it: round 8 built and tested it in
@@ -110,23 +109,7 @@ def _mxfp4_slots_dot(a_ptr, w_ptr, s_ptr, a_row0, stride_am, w_off, s_off, gmul,
         ahead = g + g0 + GS < groups
         w_next = tl.load(w_ptrs + (g0 + GS) * 4, mask=w_live & ahead[:, None, None], other=0)
         s_next = tl.load(s_ptrs + g0 + GS, mask=s_live & ahead[:, None], other=127)
-        if A_WORDS:
-            a0, a1 = _bf16_halves(tl.load(a_ptrs + g0 * 16, mask=a_mask, other=0))
-            a2, a3 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 1, mask=a_mask, other=0))
-            a4, a5 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 2, mask=a_mask, other=0))
-            a6, a7 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 3, mask=a_mask, other=0))
-        else:
-            a0 = tl.load(a_ptrs + g0 * 32, mask=a_mask, other=0.0).to(tl.float32)
-            a1 = tl.load(a_ptrs + g0 * 32 + 1, mask=a_mask, other=0.0).to(tl.float32)
-            a2 = tl.load(a_ptrs + g0 * 32 + 2, mask=a_mask, other=0.0).to(tl.float32)
-            a3 = tl.load(a_ptrs + g0 * 32 + 3, mask=a_mask, other=0.0).to(tl.float32)
-            a4 = tl.load(a_ptrs + g0 * 32 + 4, mask=a_mask, other=0.0).to(tl.float32)
-            a5 = tl.load(a_ptrs + g0 * 32 + 5, mask=a_mask, other=0.0).to(tl.float32)
-            a6 = tl.load(a_ptrs + g0 * 32 + 6, mask=a_mask, other=0.0).to(tl.float32)
-            a7 = tl.load(a_ptrs + g0 * 32 + 7, mask=a_mask, other=0.0).to(tl.float32)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _fp4_word(w, ASM)
-        part = v0 * a0 + v1 * a1 + v2 * a2 + v3 * a3 + v4 * a4 + v5 * a5 + v6 * a6 + v7 * a7
-        acc += tl.sum(part, 2) * fp4_scale(s)
+        acc += fp4_group_dot(w, s, a_ptrs, g0, a_mask, A_WORDS, ASM)
     return tl.sum(acc * gmul[:, None], 0)
 
 

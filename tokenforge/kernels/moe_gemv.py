@@ -114,6 +114,30 @@ def _bf16_halves(a):
 
 
 @triton.jit
+def fp4_group_dot(w, s, a_ptrs, g0, a_mask, A_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """One step of an MXFP4 dot: the activations of 32-value group g0 (bf16 pairs packed in int32
+    words when A_WORDS, else one value each) times the packed fp4 words `w`, summed over each
+    word's 8 values and scaled by the groups' e8m0 scales `s`."""
+    if A_WORDS:
+        a0, a1 = _bf16_halves(tl.load(a_ptrs + g0 * 16, mask=a_mask, other=0))
+        a2, a3 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 1, mask=a_mask, other=0))
+        a4, a5 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 2, mask=a_mask, other=0))
+        a6, a7 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 3, mask=a_mask, other=0))
+    else:
+        a0 = tl.load(a_ptrs + g0 * 32, mask=a_mask, other=0.0).to(tl.float32)
+        a1 = tl.load(a_ptrs + g0 * 32 + 1, mask=a_mask, other=0.0).to(tl.float32)
+        a2 = tl.load(a_ptrs + g0 * 32 + 2, mask=a_mask, other=0.0).to(tl.float32)
+        a3 = tl.load(a_ptrs + g0 * 32 + 3, mask=a_mask, other=0.0).to(tl.float32)
+        a4 = tl.load(a_ptrs + g0 * 32 + 4, mask=a_mask, other=0.0).to(tl.float32)
+        a5 = tl.load(a_ptrs + g0 * 32 + 5, mask=a_mask, other=0.0).to(tl.float32)
+        a6 = tl.load(a_ptrs + g0 * 32 + 6, mask=a_mask, other=0.0).to(tl.float32)
+        a7 = tl.load(a_ptrs + g0 * 32 + 7, mask=a_mask, other=0.0).to(tl.float32)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _fp4_word(w, ASM)
+    part = v0 * a0 + v1 * a1 + v2 * a2 + v3 * a3 + v4 * a4 + v5 * a5 + v6 * a6 + v7 * a7
+    return tl.sum(part, 2) * fp4_scale(s)
+
+
+@triton.jit
 def _mxfp4_dot(a_ptr, w_ptr, s_ptr, rows, mask_n, a_row, K, stride_am, stride_wn, stride_sn,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, A_WORDS: tl.constexpr, ASM: tl.constexpr):
     """sum_k a[a_row, k] * W[row, k] for MXFP4 rows as fp32 [BLOCK_N]. `w_ptr`: the codes as int32
@@ -146,23 +170,7 @@ def _mxfp4_dot(a_ptr, w_ptr, s_ptr, rows, mask_n, a_row, K, stride_am, stride_wn
         live = (g + g0 + G) < groups
         w_next = tl.load(w_ptrs + (g0 + G) * 4, mask=live[:, None, None] & mask_n[None, :, None], other=0)
         s_next = tl.load(s_ptrs + g0 + G, mask=live[:, None] & mask_n[None, :], other=127)
-        if A_WORDS:
-            a0, a1 = _bf16_halves(tl.load(a_ptrs + g0 * 16, mask=a_live, other=0))
-            a2, a3 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 1, mask=a_live, other=0))
-            a4, a5 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 2, mask=a_live, other=0))
-            a6, a7 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 3, mask=a_live, other=0))
-        else:
-            a0 = tl.load(a_ptrs + g0 * 32, mask=a_live, other=0.0).to(tl.float32)
-            a1 = tl.load(a_ptrs + g0 * 32 + 1, mask=a_live, other=0.0).to(tl.float32)
-            a2 = tl.load(a_ptrs + g0 * 32 + 2, mask=a_live, other=0.0).to(tl.float32)
-            a3 = tl.load(a_ptrs + g0 * 32 + 3, mask=a_live, other=0.0).to(tl.float32)
-            a4 = tl.load(a_ptrs + g0 * 32 + 4, mask=a_live, other=0.0).to(tl.float32)
-            a5 = tl.load(a_ptrs + g0 * 32 + 5, mask=a_live, other=0.0).to(tl.float32)
-            a6 = tl.load(a_ptrs + g0 * 32 + 6, mask=a_live, other=0.0).to(tl.float32)
-            a7 = tl.load(a_ptrs + g0 * 32 + 7, mask=a_live, other=0.0).to(tl.float32)
-        v0, v1, v2, v3, v4, v5, v6, v7 = _fp4_word(w, ASM)
-        part = v0 * a0 + v1 * a1 + v2 * a2 + v3 * a3 + v4 * a4 + v5 * a5 + v6 * a6 + v7 * a7
-        acc += tl.sum(part, 2) * fp4_scale(s)
+        acc += fp4_group_dot(w, s, a_ptrs, g0, a_live, A_WORDS, ASM)
     return tl.sum(acc, 0)
 
 
