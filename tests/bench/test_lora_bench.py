@@ -15,3 +15,12 @@ def test_lora_smoke(tmp_path):
     assert r["adapters"] == {"num": 3, "rank": 4, "max_loras": 2, "targets": "q,k,v,o,gate,up,down"}
     assert r["lora_vs_bare"] > 0 and all(s >= 1 for s in r["swaps_per_run"])     # 3 adapters through 2 slots
     assert len(list((tmp_path / "ad").glob("adapter-*/adapter_model.safetensors"))) == 3
+
+
+def test_timeline_advance_counts_only_what_a_kernel_adds():
+    """A kernel launched early (PDL) whose span covers the one before adds only its tail; one
+    inside another's span adds nothing; a gap is nobody's; names add up."""
+    from tokenforge.bench.offline.lora import timeline_advance       # noqa: PLC0415
+    kernels = [(0, 10, "gemv"), (2, 13, "expand"), (12, 20, "gemv"), (14, 16, "norm"), (25, 30, "expand")]
+    assert timeline_advance(kernels) == {"gemv": 10 + 7, "expand": 3 + 5}
+    assert timeline_advance([]) == {}
