@@ -4,11 +4,11 @@
 #   lora-w1-waitfirst  the same, the expand kernel waiting before it lets the next linear start
 #   lora-tests  the LoRA GPU tests;  lora-diag  bench/lora_diag.py (DIAG: bare, lora, lora-noexpand, lora-expand-nopdl, lora-nopdl)
 #   bare-w1     bench latency W1 bare with --profile-dir (kernel table, device-busy)
-#   lora-64     bench lora W2, 64 adapters through 16 slots
+#   lora-64     bench lora W2, 64 adapters through 16 slots;  lora-64-prof  the same with a profiled pass
 #   lora-w2     bench lora W2, 8 adapters through 8 slots
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without
-#   w4-16       bench serve 16 req/s, 300 x 1024/1024
+#   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
 NAME=lead_probe; BUDGET=${BUDGET:-540}; STEP_TAIL=${STEP_TAIL:-45}
 source "$(dirname "$0")/device_steps.sh" "$@"
@@ -36,6 +36,9 @@ PY
              --results-dir "$W/bare-w1"; keep "$W/bare-w1" bare-w1 ;;
   lora-64) step lora-64 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \
              --lora-rank 16 --repeats 1 --results-dir "$W/lora-64"; keep "$W/lora-64" lora-64 ;;
+  lora-64-prof) step lora-64-prof 240 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \
+             --lora-rank 16 --repeats 1 --profile-dir "$W/lora-64-prof/prof" --results-dir "$W/lora-64-prof"
+             keep "$W/lora-64-prof" lora-64-prof ;;
   lora-w2) step lora-w2 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 8 --max-loras 8 \
              --lora-rank 16 --repeats 1 --results-dir "$W/lora-w2"; keep "$W/lora-w2" lora-w2 ;;
   qwen3-w1) step qwen3-w1 120 python3 -m tokenforge.bench latency --model qwen3-30b-a3b --load-format dummy \
