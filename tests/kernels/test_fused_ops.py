@@ -6,7 +6,7 @@ import torch
 from tokenforge.kernels.activation import silu_and_mul, silu_and_mul_ref
 from tokenforge.kernels.kv_store import store_kv, store_kv_ref
 from tokenforge.kernels.rms_norm import fused_add_rms_norm, fused_add_rms_norm_ref, rms_norm, rms_norm_ref
-from tokenforge.kernels.rotary import apply_rotary, build_rope_cache, rotary_ref
+from tokenforge.kernels.rotary import apply_rotary, build_rope_cache, head_norm_rotary_ref, rotary_ref
 
 DTYPES = [torch.float32, torch.bfloat16]
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -88,6 +88,27 @@ def test_rotary_fused_kv_store(device, rel_err, tol, dtype):
     assert rel_err(kv, expect) <= tol(dtype)
     stored = kv.flatten(1, 2)[0, slots[slots >= 0].long()]
     assert torch.equal(stored, k[slots >= 0])                   # the cache holds the rotated k itself
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,store", [(32, 4, 128, True), (5, 1, 64, False)])
+def test_rotary_with_head_norms(device, rel_err, tol, dtype, hq, hkv, d, store):
+    """Qwen3's per-head q_norm / k_norm in the rotary launch: the separate RMSNorm then rotary
+    (their references), the cache holding the normed, rotated k; heads of very different scales
+    (the norm is per head, not per token)."""
+    cache = build_rope_cache(d, 4096, 1000000.0, None, device=device)
+    q, k, v = _qkv_views(7, hq, hkv, d, dtype, device)
+    q.mul_(torch.logspace(-2, 2, hq, device=device).to(dtype)[None, :, None])
+    qw, kw = (1 + 0.3 * torch.randn(d, device=device)).to(dtype), (1 + 0.3 * torch.randn(d, device=device)).to(dtype)
+    pos = torch.randint(0, 4096, (7,), device=device)
+    q_ref, k_ref = head_norm_rotary_ref(q, k, pos, cache, qw, kw, 1e-6)
+    kv = torch.zeros(2, 4, 16, hkv, d, dtype=dtype, device=device) if store else None
+    slots = torch.tensor([0, 5, -1, 63, 17, 18, 40], dtype=torch.int32, device=device) if store else None
+    apply_rotary(q, k, pos, cache, v=v if store else None, kv_cache=kv, slot_mapping=slots, head_norms=(qw, kw, 1e-6))
+    assert rel_err(q, q_ref) <= tol(dtype) and rel_err(k, k_ref) <= tol(dtype)
+    assert rel_err(q[:, 0], q_ref[:, 0]) <= tol(dtype)       # the smallest head normed on its own
+    if store:
+        assert torch.equal(kv.flatten(1, 2)[0, slots[slots >= 0].long()], k[slots >= 0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -4,7 +4,9 @@ In: q [T, Hq, D], k [T, Hkv, D] (last dim contiguous; views of a fused qkv outpu
 positions [T] int, cos_sin_cache [max_pos, D] fp32 holding cos in [:, :D/2] and sin in
 [:, D/2:] (built by `build_rope_cache`, which is where llama3 scaling lives).
 Out: q and k rotated in place. Optionally the same launch also stores the rotated k and v into
-the paged KV cache (saves a kernel per layer in decode, where launches dominate).
+the paged KV cache (saves a kernel per layer in decode, where launches dominate), and first
+RMS-normalises each q and k head with its own weight (Qwen3's q_norm / k_norm: two launches a
+layer fewer), rounding as the separate RMSNorm kernel does.
 """
 
 import math
@@ -14,6 +16,7 @@ import torch
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .kv_quant import is_fp8
 from .kv_store import fp8_code
+from .rms_norm import rms_norm_ref
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -62,6 +65,12 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rotate(q), rotate(k)
 
 
+def head_norm_rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                         q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch reference of `apply_rotary(..., head_norms=...)`: rms_norm_ref over each head, then rotary_ref."""
+    return rotary_ref(rms_norm_ref(q, q_weight, eps), rms_norm_ref(k, k_weight, eps), positions, cos_sin_cache)
+
+
 @triton.jit
 def _load_halves(ptr, stride_h, NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, HALF: tl.constexpr):
     h = tl.arange(0, HEADS_PAD)
@@ -83,13 +92,29 @@ def _rotate_store(x1, x2, p1, mask, cos, sin, HALF: tl.constexpr):
 
 
 @triton.jit
+def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr):
+    """Each head (row) of halves x1, x2 RMS-normalised and scaled by the head weight [2 * HALF], rounded
+    to x's dtype twice as kernels/rms_norm.py does (after the normalisation, after the weight)."""
+    d = tl.arange(0, HALF)
+    w1 = tl.load(w_ptr + d).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+    f1 = x1.to(tl.float32)
+    f2 = x2.to(tl.float32)
+    rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / (2 * HALF) + eps)
+    n1 = (f1 * rstd[:, None]).to(x1.dtype).to(tl.float32) * w1[None, :]
+    n2 = (f2 * rstd[:, None]).to(x2.dtype).to(tl.float32) * w2[None, :]
+    return n1.to(x1.dtype), n2.to(x2.dtype)
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr,
-    v_ptr, kv_ptr, slot_ptr, scale_ptr,
+    v_ptr, kv_ptr, slot_ptr, scale_ptr, qw_ptr, kw_ptr, eps,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     stride_vt, stride_vh, stride_c_kv, stride_c_slot, stride_c_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
-    HALF: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr, USE_PDL: tl.constexpr,
+    HALF: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr, HEAD_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
         tl.extra.cuda.gdc_wait()
@@ -103,6 +128,9 @@ def _rotary_kernel(
         v1, v2, _, _ = _load_halves(v_ptr + token * stride_vt, stride_vh, NUM_KV_HEADS, KV_PAD, HALF)
         slot = tl.load(slot_ptr + token).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
+    if HEAD_NORM:
+        q1, q2 = _head_norm(q1, q2, qw_ptr, eps, HALF)
+        k1, k2 = _head_norm(k1, k2, kw_ptr, eps, HALF)
     d = tl.arange(0, HALF)
     cos = tl.load(cache_ptr + pos * stride_cache + d)
     sin = tl.load(cache_ptr + pos * stride_cache + HALF + d)
@@ -137,13 +165,15 @@ def _store_rotated(dst_ptr, k1, k2, v1, v2, mask, scale_ptr, stride_c_kv, stride
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                  v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
-                 slot_mapping: torch.Tensor | None = None,
-                 kv_scales: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 slot_mapping: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
+                 head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place; returns (q, k).
 
     With v, kv_cache and slot_mapping given, also stores the rotated k and v into the cache
     (same contract as `kv_store.store_kv`, kv_scales included for an fp8 cache), so attention
-    can skip its own store.
+    can skip its own store. `head_norms` (q weight [D], k weight [D], eps): each head is
+    RMS-normalised first (`head_norm_rotary_ref`).
     """
     require_triton(q, k, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -159,16 +189,21 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         v, kv_cache, slot_mapping = k, k, positions          # unused placeholders
     if not fp8:
         kv_scales = positions                                # unused placeholder
+    if head_norms is not None:
+        assert head_norms[0].shape == (head_dim,) and head_norms[1].shape == (head_dim,)
+        assert head_norms[0].is_contiguous() and head_norms[1].is_contiguous()
+    qw, kw, eps = head_norms if head_norms is not None else (positions, positions, 0.0)
     if num_tokens == 0:
         return q, k
     _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos_sin_cache, v, kv_cache, slot_mapping, kv_scales,
+        q, k, positions, cos_sin_cache, v, kv_cache, slot_mapping, kv_scales, qw, kw, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         v.stride(0), v.stride(1),
         kv_cache.stride(0) if store else 0, kv_cache.stride(2) if store else 0,
         kv_cache.stride(3) if store else 0,
         NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_PAD=next_power_of_2(num_q_heads),
-        KV_PAD=next_power_of_2(num_kv_heads), HALF=head_dim // 2, STORE_KV=store, KV_FP8=fp8, USE_PDL=use_pdl(q),
+        KV_PAD=next_power_of_2(num_kv_heads), HALF=head_dim // 2, STORE_KV=store, KV_FP8=fp8,
+        HEAD_NORM=head_norms is not None, USE_PDL=use_pdl(q),
         num_warps=4, launch_pdl=use_pdl(q),
     )
     return q, k

@@ -21,9 +21,9 @@ class Qwen3Attention(LlamaAttention):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         q, k, v = self.split_heads(qkv)
-        q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)     # per head: [T * Hq, D]
-        k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
-        return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb))   # [T, H]
+        # the head norms run in the rotary launch where the Triton path takes it (before rotary either way)
+        out = self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, head_norms=(self.q_norm, self.k_norm))
+        return self.o_proj(out)   # [T, H]
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):
