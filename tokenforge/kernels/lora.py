@@ -185,19 +185,23 @@ def _k_splits(programs: int, in_features: int, sms: int) -> tuple[int, int]:
     """(splits, split size) of the shrink's K: a power of two of splits (few kernel variants)
     until it has about two programs per SM (a decode batch has a tile or two), each split at least
     256 inputs."""
-    want, splits = -(-2 * sms // programs), 1
+    want, splits = _cdiv(2 * sms, programs), 1
     while splits < want and splits * 2 * 256 <= in_features:
         splits *= 2
-    split_size = -(-(-(-in_features // splits)) // 64) * 64
-    return -(-in_features // split_size), split_size
+    split_size = _cdiv(_cdiv(in_features, splits), 64) * 64
+    return _cdiv(in_features, split_size), split_size
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _variant(num_tokens: int, num_slots: int, packed_rank: int, in_features: int, sms: int) -> tuple[int, ...]:
     """The compile-time constants the kernels take for a step of `num_tokens` rows (BLOCK_M, SPLITS,
     SPLIT_SIZE): the shapes they depend on are T, the slots and the linear's, never the data."""
     block_m = lora_block_m(num_tokens)
-    tiles = -(-num_tokens // block_m) + min(num_slots, num_tokens)
-    rank_blocks = -(-packed_rank // min(64, next_power_of_2(packed_rank)))
+    tiles = _cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
+    rank_blocks = _cdiv(packed_rank, min(64, next_power_of_2(packed_rank)))
     return (block_m, *_k_splits(tiles * rank_blocks, in_features, sms))
 
 

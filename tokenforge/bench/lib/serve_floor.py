@@ -133,9 +133,6 @@ def simulate(arrivals: list[float], input_len: int, output_len: int, shape: Mode
     return floor
 
 
-
-
-
 _WEIGHT_BYTES = {"fp8": 1, "int8": 1, "w8a8": 1, "int4": 0.5, "awq": 0.5, "gptq": 0.5}
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "float16": 2, "half": 2, "auto": 2}
 
@@ -167,4 +164,6 @@ def floor_for_run(serve_words: list[str], model_config: dict | None, ceilings: d
     return {**result.summary(), "device": {"read_tbps": device.read_tbps, "matmul_tflops": device.matmul_tflops},
             "weight_bytes": weight, "kv_bytes": kv, "max_num_batched_tokens": engine.max_num_batched_tokens,
             "max_num_seqs": engine.max_num_seqs}
+
+
 __all__ = ["Device", "Engine", "Floor", "flag", "floor_for_run", "simulate", "step_seconds"]
