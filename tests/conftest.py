@@ -37,11 +37,26 @@ def _torch_threads_restored(_torch_default_threads):
     sets torch's thread count for the whole process: every later module then ran on one thread
     (the training tests took ~1.6x longer after them). Each module gets the default back at its
     end; inside a module nothing changes, so its engines keep the numerics they were built with."""
+    rss = _rss_bytes()
     yield
     torch = sys.modules.get("torch")
     if torch is not None and _torch_default_threads and torch.get_num_threads() != _torch_default_threads:
         torch.set_num_threads(_torch_default_threads)
-    _return_freed_memory()
+    if rss is None or _rss_bytes() - rss > _RETURN_AFTER_GROWTH:
+        _return_freed_memory()
+
+
+# A module that grew the process by less than this (most: no engine) skips the full collection,
+# ~0.15-0.3 s each with torch and transformers loaded; the next module that grows runs it for both.
+_RETURN_AFTER_GROWTH = 64 << 20
+
+
+def _rss_bytes() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):           # no procfs: collect after every module
+        return None
 
 
 def _return_freed_memory() -> None:
@@ -56,9 +71,30 @@ def _return_freed_memory() -> None:
 
 
 @pytest.fixture(scope="session")
-def hf_gguf_model():
-    """HF transformers' own load of the bundled GGUF (float32, eval). Dequantizing the GGUF in
-    Python takes ~15 s, so the engine and model tests share this one copy; none of them mutates it."""
+def once_per_run(tmp_path_factory):
+    """`once_per_run(name, build)`: `build()`'s result, built once for the whole run. Under
+    pytest-xdist the first worker to ask builds it and pickles it into the run's temporary folder
+    (the workers share it, above their popen-gwN), and the other unpickles that exact copy instead
+    of building it again; serially there is one process, which builds. For what is costly to build
+    and never mutated: HF's reference model, reference outputs."""
+    def get(name: str, build):
+        if not os.environ.get("PYTEST_XDIST_WORKER"):
+            return build()
+        import torch
+        from filelock import FileLock
+
+        path = tmp_path_factory.getbasetemp().parent / f"{name}.pt"
+        with FileLock(f"{path}.lock"):
+            if path.is_file():
+                return torch.load(path, weights_only=False)
+            obj = build()
+            torch.save(obj, f"{path}.part")
+            os.replace(f"{path}.part", path)        # whole or absent, should a worker die writing it
+            return obj
+    return get
+
+
+def _hf_gguf_model():
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -69,13 +105,26 @@ def hf_gguf_model():
     return model.eval()
 
 
-@pytest.fixture(scope="session")
-def hf_gguf_tokenizer():
-    """HF transformers' own tokenizer of the bundled GGUF (the reference the engine's tokenizer is
-    held to). Converting the GGUF vocabulary takes ~7 s, so the engine tests share this copy."""
+def _hf_gguf_tokenizer():
     from transformers import AutoTokenizer
 
     from tokenforge.model.loader import find_bundled_gguf
 
     gguf = find_bundled_gguf()
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(once_per_run):
+    """HF transformers' own load of the bundled GGUF (float32, eval). Dequantizing the GGUF in
+    Python takes ~15 s, so the engine and model tests share this one copy (and the xdist workers
+    one load: the other unpickles it in 0.3 s); none of them mutates it."""
+    return once_per_run("hf-gguf-model", _hf_gguf_model)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(once_per_run):
+    """HF transformers' own tokenizer of the bundled GGUF (the reference the engine's tokenizer is
+    held to). Converting the GGUF vocabulary takes ~5 s, so the engine tests share this copy (and
+    the xdist workers one conversion)."""
+    return once_per_run("hf-gguf-tokenizer", _hf_gguf_tokenizer)

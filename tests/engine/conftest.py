@@ -55,3 +55,41 @@ def hf_greedy(hf_reference):
 
 MAX_NEW = 20
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The speculative tests' prompts: input-grounded ones (the continuation quotes the prompt, so
+# n-gram drafts get accepted), and ordinary ones (drafts mostly rejected): both must come out unchanged.
+SPEC_PROMPTS = [
+    "Repeat the list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries, apples,",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+    "The capital of France is",
+    "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
+    ("The quick brown fox jumps over the lazy dog. " * 6).strip(),
+]
+SPEC_MAX_TOKENS = 40
+
+
+def spec_engine(model=None, **kw):
+    """The speculative tests' engine. float32 (the reference path): with GGUF-native 8-bit
+    activations a verify batch of 1 + K rows and a 1-row decode round differently, which can flip
+    a near tie."""
+    from tokenforge import LLM
+
+    return LLM(model, num_kv_blocks=256, max_model_len=1024, block_size=16, dtype="float32", **kw)
+
+
+def _greedy_without_speculation() -> list[list[int]]:
+    from tokenforge import SamplingParams
+
+    llm = spec_engine()
+    params = SamplingParams(temperature=0.0, max_tokens=SPEC_MAX_TOKENS, ignore_eos=True)
+    ids = [o.outputs[0].token_ids for o in llm.generate(SPEC_PROMPTS, params, use_tqdm=False)]
+    llm.shutdown()
+    return ids
+
+
+@pytest.fixture(scope="session")
+def greedy_without_speculation(once_per_run):
+    """SPEC_PROMPTS' greedy ids without speculation, all in one batch, 40 tokens each (ignore_eos):
+    the reference of the n-gram, draft and EAGLE tests. Those generating 24 tokens compare the
+    first 24 (greedy: the same batch steps give the same tokens). Computed once per run."""
+    return once_per_run("greedy-without-speculation", _greedy_without_speculation)

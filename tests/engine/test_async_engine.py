@@ -44,8 +44,16 @@ def _run(**kwargs):
 
 
 @pytest.fixture(scope="module")
-def sync_outputs():
-    return _run(async_scheduling=False)[1]
+def sync_run():
+    """The synchronous engine and its outputs: the reference of every async run here."""
+    llm, outputs, _ = _run(async_scheduling=False)
+    yield llm, outputs
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def sync_outputs(sync_run):
+    return sync_run[1]
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -63,14 +71,14 @@ def test_async_engine_matches_sync_engine(sync_outputs, kwargs):
     assert len(logprobs) == len(outs[3].outputs[0].token_ids) and all(len(p) >= 2 for p in logprobs)
 
 
-def test_async_engine_falls_back_to_sync_for_penalties_and_stays_correct(sync_outputs):
+def test_async_engine_falls_back_to_sync_for_penalties_and_stays_correct(sync_run):
+    sync_llm, sync_outputs = sync_run
     llm = LLM(max_model_len=512, dtype="float32", async_scheduling=True)
     mixed = _params() + [SamplingParams(max_tokens=8, temperature=0.0, repetition_penalty=1.3)]
     outs = llm.generate(PROMPTS + ["The capital of France is"], mixed, use_tqdm=False)
     got = [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in outs[:-1]]
     assert got == sync_outputs
-    ref = LLM(max_model_len=512, dtype="float32", async_scheduling=False).generate(
-        "The capital of France is", mixed[-1], use_tqdm=False)
+    ref = sync_llm.generate("The capital of France is", mixed[-1], use_tqdm=False)     # its prompt fills no block
     assert outs[-1].outputs[0].token_ids == ref[0].outputs[0].token_ids
     # a second call reuses the engine: nothing was left in flight
     again = llm.generate(PROMPTS, _params(), use_tqdm=False)
@@ -82,13 +90,13 @@ def test_a_prefix_computed_in_the_same_step_is_shared_and_correct():
     computes its prefix shares those blocks (the KV store of a layer precedes its attention)."""
     prompt = "The history of the printing press begins in the fifteenth century. " * 8
     params = SamplingParams(max_tokens=6, temperature=0.0)
-    alone = LLM(max_model_len=512, dtype="float32").generate(prompt, params, use_tqdm=False)[0]
+    reference = LLM(max_model_len=512, dtype="float32", enable_prefix_caching=False)     # each prompt alone
+    alone, longer = (reference.generate(p, params, use_tqdm=False)[0] for p in (prompt, prompt + " And"))
     llm = LLM(max_model_len=512, dtype="float32")
     first, second = llm.generate([prompt, prompt + " And"], params, use_tqdm=False)
     assert second.num_cached_tokens >= 64 and first.num_cached_tokens == 0
     assert first.outputs[0].token_ids == alone.outputs[0].token_ids
-    reference = LLM(max_model_len=512, dtype="float32", enable_prefix_caching=False).generate(prompt + " And", params, use_tqdm=False)
-    assert second.outputs[0].token_ids == reference[0].outputs[0].token_ids
+    assert second.outputs[0].token_ids == longer.outputs[0].token_ids
 
 
 def test_an_interrupted_async_generate_leaves_the_engine_clean(monkeypatch):

@@ -5,33 +5,19 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engine.conftest import SPEC_MAX_TOKENS, spec_engine
+from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
 from tokenforge import LLM, SamplingParams
-
-# Input-grounded prompts (the continuation quotes the prompt, so n-gram drafts get accepted),
-# and ordinary ones (drafts mostly rejected): both must come out unchanged.
-PROMPTS = [
-    "Repeat the list exactly: apples, pears, plums, cherries, apples, pears, plums, cherries, apples,",
-    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
-    "The capital of France is",
-    "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,",
-    ("The quick brown fox jumps over the lazy dog. " * 6).strip(),
-]
 
 
 @pytest.fixture(scope="module")
-def outputs():
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    results = {}
-    for method in (None, "ngram"):
-        kwargs = {"speculative_method": method, "num_speculative_tokens": 4} if method else {}
-        # float32 (the reference path): with GGUF-native 8-bit activations a verify batch of 1 + K
-        # rows and a 1-row decode round differently, which can flip a near tie
-        llm = LLM(num_kv_blocks=256, max_model_len=1024, block_size=16, dtype="float32", **kwargs)
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
-        results[method] = ([o.outputs[0].token_ids for o in outs], llm)
-    yield results
-    for _, llm in results.values():
-        llm.shutdown()
+def outputs(greedy_without_speculation):
+    """Per method (None: without speculation), the greedy ids of PROMPTS and the engine."""
+    params = SamplingParams(temperature=0.0, max_tokens=SPEC_MAX_TOKENS, ignore_eos=True)
+    llm = spec_engine(speculative_method="ngram", num_speculative_tokens=4)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    yield {None: (greedy_without_speculation, None), "ngram": ([o.outputs[0].token_ids for o in outs], llm)}
+    llm.shutdown()
 
 
 def test_greedy_output_is_unchanged(outputs):

@@ -10,7 +10,7 @@ import pytest
 from tokenforge import LLM, SamplingParams
 from tokenforge.source import find_bundled_gguf
 
-from tests.engine.test_speculative import PROMPTS
+from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
 
 VOCAB = 49152       # the bundled SmolLM2's
 
@@ -32,12 +32,9 @@ def _engine(**kw):
 
 
 @pytest.fixture(scope="module")
-def baseline():
-    llm = _engine()
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    ids = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    llm.shutdown()
-    return ids
+def baseline(greedy_without_speculation):
+    """PROMPTS' greedy ids without speculation, 24 tokens (`_run_draft`'s)."""
+    return [ids[:24] for ids in greedy_without_speculation]
 
 
 def _run_draft(draft_path: str):

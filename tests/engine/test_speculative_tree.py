@@ -13,7 +13,7 @@ import torch
 from tokenforge import LLM, SamplingParams
 from tokenforge.config.draft_tree import DraftTree
 
-from tests.engine.test_speculative import PROMPTS
+from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
 from tests.executor.spec.eagle_heads import write_eagle1, write_eagle3
 
 TREE = DraftTree.build(8)                # (-1, 0, 0, 1, 1, 3, 5, 6, 7): first choices 1-3-5-6-7-8
@@ -49,11 +49,11 @@ def head(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def baseline():
-    """Without speculation, per prompt: (its token ids, its greedy output); and the first two
-    prompts' seeded samples."""
+    """Without speculation, per prompt of the first three (the tests use no other): (its token
+    ids, its greedy output); and the first two prompts' seeded samples."""
     llm = _engine()
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    outs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
     seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SEEDED, use_tqdm=False)]
     llm.shutdown()
     return outs, seeded

@@ -51,8 +51,8 @@ def ours(cache_dir) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf(hf_reference):
-    return hf_reference[0]      # HF's own GGUF tokenizer (session fixture in tests/engine/conftest.py)
+def hf(hf_gguf_tokenizer):
+    return hf_gguf_tokenizer    # HF's own GGUF tokenizer (session fixture in tests/conftest.py), without its model
 
 
 def test_cached_load_is_fast_and_identical(ours, cache_dir, monkeypatch):

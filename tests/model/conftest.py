@@ -80,13 +80,26 @@ QUALITY_TEXT = Path(__file__).resolve().parents[1] / "data" / "quality_text.txt"
 QUALITY_WINDOW, QUALITY_STRIDE = 256, 128
 
 
-@pytest.fixture(scope="session")
-def quality_float32():
-    """The float32 baseline of the int8 and fp8-KV quality checks: the engine, the first 1,500
-    tokens of the quality text, and their sliding-window perplexity (windows of 256, stride 128)."""
+def quality_float32_llm():
+    """The float32 engine of the quality checks."""
     from tokenforge import LLM
+
+    return LLM(dtype="float32", num_kv_blocks=128, max_model_len=512)
+
+
+def _quality_float32() -> dict:
     from tokenforge.eval.perplexity import perplexity
 
-    llm = LLM(dtype="float32", num_kv_blocks=128, max_model_len=512)
+    llm = quality_float32_llm()
     ids = llm.tokenizer.encode(QUALITY_TEXT.read_text(encoding="utf-8"))[:1500]
-    return SimpleNamespace(llm=llm, ids=ids, perplexity=perplexity(llm, ids, QUALITY_WINDOW, QUALITY_STRIDE).perplexity)
+    result = {"ids": ids, "perplexity": perplexity(llm, ids, QUALITY_WINDOW, QUALITY_STRIDE).perplexity}
+    llm.shutdown()
+    return result
+
+
+@pytest.fixture(scope="session")
+def quality_float32(once_per_run):
+    """The float32 baseline of the int8 and fp8-KV quality checks: the first 1,500 tokens of the
+    quality text and their sliding-window perplexity (windows of 256, stride 128) by
+    `quality_float32_llm()`. ~10 s of a core: computed once per run, whichever worker asks first."""
+    return SimpleNamespace(**once_per_run("quality-float32", _quality_float32))

@@ -8,19 +8,18 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
-from transformers import (
-    GptOssConfig,
-    GptOssForCausalLM,
-    MixtralConfig,
-    MixtralForCausalLM,
-    Qwen2MoeConfig,
-    Qwen2MoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
-)
+
+if TYPE_CHECKING:
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+# transformers' model classes are read at call time (transformers.X): importing them here loaded
+# their modeling modules (~3 s, gpt-oss's most) in every pytest process that collects a module
+# importing this one, MoE tests or not.
 
 VOCAB = 331
 GPT_OSS_WINDOW = 6
@@ -40,14 +39,15 @@ def _save(hf: torch.nn.Module, path: Path) -> Path:
 
 def mixtral(path: Path):
     torch.manual_seed(0)
-    hf = MixtralForCausalLM(MixtralConfig(**_COMMON, intermediate_size=96, num_hidden_layers=3, num_local_experts=6,
-                                          num_experts_per_tok=2, rope_theta=1e6)).eval()
+    cfg = transformers.MixtralConfig(**_COMMON, intermediate_size=96, num_hidden_layers=3, num_local_experts=6,
+                                     num_experts_per_tok=2, rope_theta=1e6)
+    hf = transformers.MixtralForCausalLM(cfg).eval()
     return hf, _save(hf, path)
 
 
 def qwen3_moe(path: Path, norm_topk_prob: bool = True, decoder_sparse_step: int = 1):
     torch.manual_seed(0)
-    hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
         **_COMMON, intermediate_size=112, moe_intermediate_size=48, num_hidden_layers=4, head_dim=32, num_experts=8,
         num_experts_per_tok=3, norm_topk_prob=norm_topk_prob, decoder_sparse_step=decoder_sparse_step,
         mlp_only_layers=[2], rope_theta=1e6)).eval()
@@ -60,7 +60,7 @@ def qwen3_moe(path: Path, norm_topk_prob: bool = True, decoder_sparse_step: int 
 def qwen2_moe(path: Path):
     """Shared experts on the sparse layers (layer 2 dense), q/k/v bias."""
     torch.manual_seed(0)
-    hf = Qwen2MoeForCausalLM(Qwen2MoeConfig(
+    hf = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
         **_COMMON, intermediate_size=112, moe_intermediate_size=48, shared_expert_intermediate_size=80,
         num_hidden_layers=4, num_experts=8, num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[2],
         rope_theta=1e6)).eval()
@@ -76,9 +76,10 @@ def gpt_oss_config(**overrides) -> GptOssConfig:
     a SwiGLU limit low enough that the clamp acts."""
     rope = {"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
             "original_max_position_embeddings": 64, "rope_theta": 150000.0}
-    return GptOssConfig(**{**_COMMON, "intermediate_size": 64, "num_hidden_layers": 4, "head_dim": 16,
-                           "num_local_experts": 6, "num_experts_per_tok": 2, "sliding_window": GPT_OSS_WINDOW,
-                           "swiglu_limit": 0.5, "rope_parameters": rope, **overrides})
+    return transformers.GptOssConfig(**{**_COMMON, "intermediate_size": 64, "num_hidden_layers": 4, "head_dim": 16,
+                                        "num_local_experts": 6, "num_experts_per_tok": 2,
+                                        "sliding_window": GPT_OSS_WINDOW, "swiglu_limit": 0.5, "rope_parameters": rope,
+                                        **overrides})
 
 
 def _randomize_gpt_oss(hf: GptOssForCausalLM) -> None:
@@ -103,7 +104,7 @@ def honour_swiglu_constants(hf: GptOssForCausalLM) -> GptOssForCausalLM:
 
 def gpt_oss(path: Path):
     torch.manual_seed(0)
-    hf = honour_swiglu_constants(GptOssForCausalLM(gpt_oss_config()).eval())
+    hf = honour_swiglu_constants(transformers.GptOssForCausalLM(gpt_oss_config()).eval())
     _randomize_gpt_oss(hf)
     return hf, _save(hf, path)
 

@@ -26,6 +26,7 @@ from tokenforge.eval.perplexity import perplexity, sliding_windows
 
 from .conftest import QUALITY_STRIDE as STRIDE
 from .conftest import QUALITY_WINDOW as WINDOW
+from .conftest import quality_float32_llm
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +35,8 @@ def token_ids(quality_float32):
 
 
 @pytest.fixture(scope="module")
-def engines(quality_float32):
-    out = {"auto": quality_float32.llm,
+def engines():
+    out = {"auto": quality_float32_llm(),
            "fp8": LLM(dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=128, max_model_len=512)}
     yield out
     out.clear()

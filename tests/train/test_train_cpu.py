@@ -35,16 +35,22 @@ def _cfg(data_dir, out, **kw) -> TrainConfig:
     return TrainConfig(data=str(data_dir), output=str(out), **{**BASE, **kw})
 
 
+# The bundled model's run: 4 steps (2 of warm-up, 2 of decay, a checkpoint every 2) show what
+# BASE's 6 did (the loss falls by ~3 nats, both phases of the schedule, two checkpoints) in 2/3 of
+# the time: a step of its 135 M parameters (forward, backward, AdamW) is ~1.5 s of a core.
+BUNDLED = dict(max_steps=4, warmup_steps=2, save_every=2)
+
+
 @pytest.fixture(scope="module")
 def run_a(module_run_root, data_dir, tokenizer, bundled_model):
     out = module_run_root / "a"
-    result = train(_cfg(data_dir, out), tokenizer, model=copy.deepcopy(bundled_model))
+    result = train(_cfg(data_dir, out, **BUNDLED), tokenizer, model=copy.deepcopy(bundled_model))
     return out, result
 
 
 @pytest.fixture(scope="module")
 def run_tiny(module_run_root, tiny_data_dir, tiny_tokenizer):
-    """The same run as `run_a` on tiny-llama: the reference of the resume and DDP tests."""
+    """BASE's run on tiny-llama: the reference of the resume and DDP tests."""
     out = module_run_root / "tiny"
     result = train(_cfg(tiny_data_dir, out, **TINY), tiny_tokenizer)
     assert result.steps == 6 and (out / "checkpoints" / "step_00000003").is_dir()
@@ -57,17 +63,17 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def test_loss_falls_and_logs(run_a):
     out, result = run_a
-    assert result.steps == 6 and not result.interrupted
+    assert result.steps == 4 and not result.interrupted
     assert result.losses[-1] < result.losses[0] - 0.5, result.losses
     lines = _metrics(out)
     steps = [m for m in lines if "loss" in m]
-    assert [m["step"] for m in steps] == list(range(1, 7))
+    assert [m["step"] for m in steps] == list(range(1, 5))
     assert {"step", "loss", "lr", "tokens_per_s", "mfu", "grad_norm", "memory_gib"} <= set(steps[0])
     lrs = [m["lr"] for m in steps]
-    assert lrs[:3] == pytest.approx([3e-4 * k / 3 for k in range(1, 4)]) and lrs[3] > lrs[-1]
+    assert lrs[:2] == pytest.approx([3e-4 * k / 2 for k in range(1, 3)]) and lrs[2] > lrs[-1]
     assert any("val_loss" in m for m in lines)
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
-    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_00000003", "step_00000006"]
+    assert [p.name for p in sorted((out / "checkpoints").iterdir())] == ["step_00000002", "step_00000004"]
 
 
 def test_resume_reproduces_losses_bit_for_bit(run_tiny, run_root, tiny_data_dir, tiny_tokenizer):
