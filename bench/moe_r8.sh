@@ -15,7 +15,7 @@
 # (a dry run of the sweep on a CPU, Triton's interpreter: python3 bench/moe_gemv_sweep.py OUT --cpu-smoke)
 NAME=moe_r8; BUDGET=${BUDGET:-240}; STEP_TAIL=12
 source "$(dirname "$0")/device_steps.sh" "$@"
-step tests 30 python3 -m pytest -q -x --timeout 60 -p no:cacheprovider tests/kernels/test_moe.py \
+step tests 90 python3 -m pytest -q -x --timeout 90 -p no:cacheprovider tests/kernels/test_moe.py \
   tests/kernels/test_moe_fp8.py -k "decode_gemvs or mxfp4 or fp8_matches or host_sync" \
   tests/model/test_moe_no_host_sync.py
 step sweep 70 python3 bench/moe_gemv_sweep.py "$W/sweep" --write-tables
