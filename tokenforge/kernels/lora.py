@@ -76,6 +76,17 @@ def lora_block_m(num_tokens: int) -> int:
     return 16 if num_tokens <= 128 else (32 if num_tokens <= 1024 else 64)
 
 
+def plan_tiles(num_tokens: int, num_slots: int) -> int:
+    """The plan's fixed tile count for a step of `num_tokens` rows over `num_slots` slots (each
+    slot's rows may leave one tile part-filled)."""
+    return _cdiv(num_tokens, lora_block_m(num_tokens)) + min(num_slots, num_tokens)
+
+
+def rank_block(packed_rank: int) -> int:
+    """BLOCK_R: the shrink's rank columns a program."""
+    return min(64, next_power_of_2(packed_rank))
+
+
 def lora_plan(indices: torch.Tensor, num_slots: int) -> LoRAPlan:
     """The tiles of one step's rows (device ops only, no host sync; shapes depend on T and S alone)."""
     num_tokens = indices.shape[0]
@@ -86,7 +97,7 @@ def lora_plan(indices: torch.Tensor, num_slots: int) -> LoRAPlan:
     seg_end = torch.cumsum(counts, 0, dtype=torch.int32) + (num_tokens - counts.sum(dtype=torch.int32))
     tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
-    max_tiles = -(-num_tokens // block_m) + min(num_slots, num_tokens)
+    max_tiles = plan_tiles(num_tokens, num_slots)
     t = torch.arange(max_tiles, device=idx.device, dtype=torch.int32)
     slot = torch.searchsorted(tile_end, t, right=True).to(torch.int32)                # num_slots: unused
     valid = slot < num_slots
@@ -199,10 +210,8 @@ def _cdiv(a: int, b: int) -> int:
 def _variant(num_tokens: int, num_slots: int, packed_rank: int, in_features: int, sms: int) -> tuple[int, ...]:
     """The compile-time constants the kernels take for a step of `num_tokens` rows (BLOCK_M, SPLITS,
     SPLIT_SIZE): the shapes they depend on are T, the slots and the linear's, never the data."""
-    block_m = lora_block_m(num_tokens)
-    tiles = _cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
-    rank_blocks = _cdiv(packed_rank, min(64, next_power_of_2(packed_rank)))
-    return (block_m, *_k_splits(tiles * rank_blocks, in_features, sms))
+    programs = plan_tiles(num_tokens, num_slots) * _cdiv(packed_rank, rank_block(packed_rank))
+    return (lora_block_m(num_tokens), *_k_splits(programs, in_features, sms))
 
 
 def warm_up_token_counts(num_slots: int, packed_rank: int, in_features: int, max_tokens: int, sms: int) -> list[int]:
@@ -256,7 +265,7 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
         return y
     plan = plan if plan is not None else lora_plan(indices, num_slots)
     num_tiles, block_m = plan.tile_slot.shape[0], plan.block_m
-    block_r = min(64, next_power_of_2(packed_rank))
+    block_r = rank_block(packed_rank)
     rank_blocks = triton.cdiv(packed_rank, block_r)
     assert rank_blocks <= MAX_RANK_BLOCKS, f"a packed LoRA rank of {packed_rank} takes over {MAX_RANK_BLOCKS} blocks"
     splits, split_size = _k_splits(num_tiles * rank_blocks, in_features, _num_sms(x.device))
