@@ -6,6 +6,9 @@ not emulated there, so bf16 attention cases skip); otherwise they skip.
 """
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -72,3 +75,13 @@ def tol():
 @pytest.fixture
 def paged_problem():
     return random_paged_problem
+
+
+def run_interpreted(module: str, timeout: float) -> subprocess.CompletedProcess:
+    """`python -m module` from the repository root under Triton's interpreter (TRITON_INTERPRET=1 must
+    be set before Triton is imported, so in a fresh process); its output captured as text."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)}
+    return subprocess.run([sys.executable, "-m", module], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=timeout)

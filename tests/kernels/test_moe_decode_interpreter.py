@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.kernels.conftest import run_interpreted
+
 # (name, tokens, hidden, inter, experts, k, order, renormalize, format, dtype, bias+oai, first, num_local)
 CASES = [
     ("qwen3-t1", 1, 64, 48, 128, 8, "softmax_topk", True, "float", torch.float32, False, 0, None),
@@ -44,10 +42,7 @@ UNFOLDED = "gpt-oss-bf16"          # also with FOLD_DOWN off
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton installed (its interpreter)")
 def test_decode_gemvs_under_the_interpreter_match_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_moe_decode_interpreter"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=500)
+    proc = run_interpreted("tests.kernels.test_moe_decode_interpreter", timeout=500)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count(" ok ") == 2 * len(CASES) + 2, proc.stdout
 

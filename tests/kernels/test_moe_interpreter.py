@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.kernels.conftest import run_interpreted
 from tokenforge.kernels.moe import SHARED_MEMORY_BUDGET, _block_config, shared_memory_bytes
 
-ROOT = Path(__file__).resolve().parents[2]
 # (name, tokens, hidden, intermediate, experts, top_k, experts given no token, variant)
 CASES = [
     ("decode", 1, 64, 96, 6, 2, (), "plain"),
@@ -66,10 +63,7 @@ def test_shared_memory_estimate_matches_what_triton_asked_for():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton installed (its interpreter)")
 def test_fused_moe_under_the_interpreter_with_tf32_rounding_matches_reference():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.run([sys.executable, "-m", "tests.kernels.test_moe_interpreter"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_interpreted("tests.kernels.test_moe_interpreter", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     gemv_cases = sum(c[1] * c[5] <= GEMV_MAX_CASE_PAIRS for c in CASES)
     routed = sum(c[0] * c[2] <= GEMV_MAX_CASE_PAIRS for c in ROUTING_CASES)
