@@ -1,7 +1,8 @@
 """The scheduler's LoRA slots (core/lora_slots.py): a step never uses more adapters than slots,
 requests of a resident adapter share its slot, writes happen only for adapters not resident, a
-request refused too often gets the next free slot (one slot drains to it while the others go on
-serving their adapters), aborted
+request overtaken too often by later arrivals gets the next free slot (one slot drains to it
+while the others go on serving their adapters), a batch over more adapters than slots runs each
+adapter in one tenure, aborted
 and preempted requests give their slots back, and adapter-rooted block hashes keep adapters'
 KV apart. The fake runner checks every request's tokens against the reference model."""
 
@@ -62,41 +63,101 @@ def test_slots_bound_the_adapters_of_a_step_and_every_request_finishes():
     assert sched.loras.num_swaps == len(loads) and all(r == 0 for r in sched.loras.refs)
 
 
-def test_a_request_refused_too_often_gets_the_next_free_slot():
-    table = LoRASlotTable(1, patience=2)
-    req = lambda rid, key: type("R", (), {"request_id": rid, "lora_key": key, "lora_slot": -1, "lora": None})()  # noqa: E731
-    a1, b, a2 = req("a1", "A"), req("b", "B"), req("a2", "A")
-    table.acquire(a1)
-    assert not table.can_admit(b) and table.can_admit(a2)     # b waits; a resident adapter's request goes on
-    assert not table.can_admit(b)                             # refused twice: the slot now drains to b
-    assert not table.can_admit(a2) and table.can_admit(req("base", None))
-    table.release(a1)
+class _Arrivals:
+    """Requests for the table alone, stamped in arrival order as the scheduler stamps them."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, rid: str, key: str | None):
+        self.count += 1
+        return type("R", (), {"request_id": rid, "lora_key": key, "lora_slot": -1, "lora": None,
+                              "arrival_seq": self.count - 1})()
+
+
+def test_a_request_overtaken_too_often_gets_the_next_free_slot():
+    table, req = LoRASlotTable(1, patience=2), _Arrivals()
+    joined = [req("a1", "A")]
+    table.acquire(joined[0])
+    b = req("b", "B")
+    for n in range(2):       # each schedule: b is refused, then an A request that arrived later joins A's slot
+        table.begin_schedule((), req.count)
+        assert not table.can_admit(b)
+        joined.append(req(f"a{n + 2}", "A"))
+        assert table.can_admit(joined[-1])
+        table.acquire(joined[-1])
+    assert table._starving is b                               # overtaken twice: the slot drains to b
+    table.begin_schedule((), req.count)
+    assert not table.can_admit(req("a9", "A")) and table.can_admit(req("base", None))
+    for r in joined[:-1]:
+        table.release(r)
+    assert not table.can_admit(b)                             # the last A request still holds the slot
+    table.release(joined[-1])
     assert table.can_admit(b)
     table.acquire(b)
-    assert b.lora_slot == 0 and table.can_admit(req("c", "C")) is False and table.take_loads()[-1].key == "B"
+    assert b.lora_slot == 0 and table.take_loads()[-1].key == "B" and table._starving is None
     waiting = req("w", "W")
-    for _ in range(3):
-        table.can_admit(waiting)
-    table.release(waiting)                                    # aborted while waiting: nobody is starved for
-    assert table._starving is None and "w" not in table._refusals
+    table.begin_schedule((), req.count)
+    assert not table.can_admit(waiting)
+    table.release(waiting)                                    # aborted while waiting: nothing kept for it
+    assert "w" not in table._refusals and "w" not in table._since
+
+
+def test_refusals_nobody_later_overtakes_never_drain_a_slot():
+    """A batch queued at once: requests of a resident adapter that were already waiting when the
+    others were first refused join its slot for as long as they like (the slots free on their own)."""
+    table, req = LoRASlotTable(1, patience=1), _Arrivals()
+    queued = [req(f"a{i}", "A") for i in range(4)]
+    b = req("b", "B")
+    table.acquire(queued[0])
+    for r in queued[1:]:                                      # one admission a schedule, b refused each time
+        table.begin_schedule((), req.count)
+        assert not table.can_admit(b) and table.can_admit(r)
+        table.acquire(r)
+    assert table._starving is None and table._refusals == {}
+    for r in queued:
+        table.release(r)
+    table.begin_schedule((), req.count)
+    assert table.can_admit(b)
+    table.acquire(b)
+    assert b.lora_slot == 0 and [load.key for load in table.take_loads()] == ["A", "B"]
 
 
 def test_a_starving_request_drains_one_slot_and_the_others_keep_serving():
-    table = LoRASlotTable(3, patience=1)
-    req = lambda rid, key: type("R", (), {"request_id": rid, "lora_key": key, "lora_slot": -1, "lora": None})()  # noqa: E731
+    table, req = LoRASlotTable(3, patience=1), _Arrivals()
     held = {key: [req(f"{key}{i}", key) for i in range(n)] for key, n in (("A", 2), ("B", 1), ("C", 3))}
     for reqs in held.values():
         for r in reqs:
             table.acquire(r)
     d = req("d", "D")
-    assert not table.can_admit(d)                         # refused once: D starves, B's slot (1 request) drains
-    assert table.can_admit(req("a9", "A")) and table.can_admit(req("c9", "C"))   # the other slots go on
+    queued_c = req("c8", "C")                                 # waiting for C's slot: C is not drained
+    table.begin_schedule([queued_c], req.count)
+    assert not table.can_admit(d)
+    late_a = req("a8", "A")
+    assert table.can_admit(late_a)
+    table.acquire(late_a)                                     # overtaken once: D starves, B's slot (1 request) drains
+    assert table._starving is d and table._draining == table.slot_of["B"]
+    assert table.can_admit(req("a9", "A")) and table.can_admit(queued_c)   # the other slots go on
     assert not table.can_admit(req("b9", "B")) and not table.can_admit(req("e", "E"))
     table.release(held["B"][0])                           # B's slot is free: it waits for D, not for B or E
     assert not table.can_admit(req("b9", "B")) and not table.can_admit(req("e", "E")) and table.can_admit(d)
     table.acquire(d)
     assert d.lora_slot == 1 and table.take_loads()[-1].key == "D" and table._draining == -1
     assert table.can_admit(req("a9", "A")) and table.can_admit(req("d2", "D")) and not table.can_admit(req("b9", "B"))
+
+
+def test_a_batch_over_more_adapters_than_slots_runs_each_adapter_in_one_tenure():
+    """W2 over many adapters (all queued at once, the token budget admitting a few prompts a step):
+    each adapter is written to a slot once, and all its requests run while it holds it."""
+    sched = _lora_sched(2, num_blocks=256, max_num_seqs=16, max_num_batched_tokens=10)
+    sched.loras.patience = 1
+    for i in range(24):
+        sched.add_request(_req(f"{'abcdef'[i * 7 % 6]}-{i}", "abcdef"[i * 7 % 6], [i % 5 + 2] * 5, max_tokens=6))
+    result, loads = _run(sched)
+    assert sorted(key for _, key in loads) == [f"key-{a}" for a in "abcdef"] and sched.loras.num_swaps == 6
+    for rid, tokens in result.tokens.items():
+        i = int(rid.split("-")[1])
+        assert tokens == reference_generate([i % 5 + 2] * 5, 6)
 
 
 def test_preemption_and_abort_give_slots_back():

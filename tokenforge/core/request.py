@@ -77,6 +77,7 @@ class Request:
     num_tier_hit_tokens: int = 0                        # of num_computed_tokens, restored from a tier
     stop_token_id: int | None = None                    # the stop_token_ids member that ended it
     lora_slot: int = -1                                 # its adapter's device slot while running
+    arrival_seq: int = 0                                # requests the scheduler received before it
     hash_root: BlockHash | None = field(init=False)     # the first block's parent: the adapter's root
 
     # Wall-clock times (time.time()) for metrics; None until the event happens.

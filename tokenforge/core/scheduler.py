@@ -72,6 +72,7 @@ class Scheduler:
         self._busy: set[str] = set()               # pipelined: ids in a step still in flight
         self.drafts = drafts                       # speculative decoding (None: off)
         self.loras = LoRASlotTable(max_loras)      # LoRA adapters' device slots (0 without --enable-lora)
+        self.num_arrivals = 0                      # requests added so far (each one's arrival_seq)
         # CPU/disk/Redis tiers below the device cache; None (no per-step work) when none is set.
         self.tiers: KVTierPolicy | None = None
         if cache_config.kv_tiers_enabled:
@@ -89,6 +90,8 @@ class Scheduler:
         request.needs_sync = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
                               or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
         self._num_needs_sync += request.needs_sync
+        request.arrival_seq = self.num_arrivals
+        self.num_arrivals += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -256,6 +259,7 @@ class Scheduler:
         """Admit waiting requests FCFS: at most `room` of them and `budget` tokens."""
         now: float | None = None
         no_slot: list[Request] = []             # their adapter finds no free LoRA slot: they wait, others go
+        self.loras.begin_schedule(self.waiting, self.num_arrivals)
         while self.waiting and budget > 0 and room > 0:
             req = self.waiting[0]
             if not self.loras.can_admit(req) and not req.num_output_placeholders:
