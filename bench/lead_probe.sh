@@ -9,6 +9,8 @@
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without
 #   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
+#   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
+#   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
 NAME=lead_probe; BUDGET=${BUDGET:-540}; STEP_TAIL=${STEP_TAIL:-45}
 source "$(dirname "$0")/device_steps.sh" "$@"
@@ -48,6 +50,10 @@ PY
              --num-speculative-tokens 4 --replay-acceptance 0.8 --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1 ;;
   w4-16) step w4-16 420 python3 -m tokenforge.bench serve --launch "$M8 --log-level warning" --request-rate 16 \
            --num-prompts 300 --input-len 1024 --output-len 1024 --results-dir "$W/w4-16"; keep "$W/w4-16" w4-16 ;;
+  w4-prof) STEP_TAIL=60 step w4-prof 240 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts 300 \
+             --profile-at ${W4_AT:-12} --out "$W/w4-prof"; cp "$W/w4-prof/serve_step_profile.json" "$OUT/w4-prof.json" ;;
+  gpu-tests) step gpu-tests 150 python3 -m pytest -q --timeout 140 -p no:cacheprovider tests/kernels/test_fused_ops.py \
+               tests/model/test_moe_gpu.py ;;
   *) echo "unknown step $part" | tee -a "$LOG" ;;
 esac; done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"

@@ -1,0 +1,193 @@
+"""W4's load on the engine alone, and where its steps go (device diagnostic, not a test).
+
+The same Poisson arrivals as `bench serve` (random token prompts, forced output lengths), fed in
+real time to an in-process engine core (no HTTP, no detokenizer process): TTFT / TPOT as the
+engine gives them, the run's hardware floor (bench/lib/serve_floor.py) beside them, and a
+torch.profiler window of steps at --profile-at seconds: each step's composition (decodes, prefill
+tokens), wall time, how much of the window the device was busy, and the device time by kernel
+family. The difference to a served run's TPOT is what the server adds; the difference to the
+floor is the engine's.
+
+  python bench/serve_step_profile.py --rate 16 --num-prompts 300 --out DIR [--model ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from tokenforge import LLM, SamplingParams
+from tokenforge.bench.lib import ceilings as ceilings_lib, serve_floor, workloads
+
+FAMILIES = (   # first match wins: (family, substrings of the kernel name)
+    ("decode_attention", ("_decode_split", "_decode_reduce")),
+    ("prefill_attention", ("prefill",)),
+    ("gemm", ("gemm", "nvjet", "cutlass", "sm90", "_gemv", "matmul")),
+    ("rms_norm", ("rms",)),
+    ("rotary_kv_store", ("rotary", "kv_store", "_store")),
+    ("silu_mul", ("silu",)),
+    ("sampler", ("argmax", "sample", "softmax", "topk", "reduce_kernel")),
+    ("copies", ("copy", "memcpy", "memset", "fill", "index", "gather", "scatter", "cat")),
+)
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    return next((fam for fam, keys in FAMILIES if any(k in low for k in keys)), "other")
+
+
+def pct(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))] if ordered else None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="llama-3.1-8b")
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--rate", type=float, default=16.0)
+    p.add_argument("--num-prompts", type=int, default=300)
+    p.add_argument("--input-len", type=int, default=1024)
+    p.add_argument("--output-len", type=int, default=1024)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile-at", type=float, default=12.0, help="seconds into the run")
+    p.add_argument("--profile-steps", type=int, default=24)
+    p.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE passed to LLM (ints parsed)")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    extra = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
+
+    ceil = ceilings_lib.measure_ceilings("cuda") if torch.cuda.is_available() else None
+    llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len, **extra)
+    engine = llm.engine
+    cfg = workloads.load_config_dict(args.model)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(cfg["vocab_size"] // 8, cfg["vocab_size"] * 7 // 8) for _ in range(args.input_len)]
+               for _ in range(args.num_prompts)]
+    params = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0)
+    llm.generate([{"prompt_token_ids": prompts[0][:64]}] * 8, SamplingParams(max_tokens=16, ignore_eos=True),
+                 use_tqdm=False)
+    gaps, t = [], 0.0
+    for _ in range(args.num_prompts):
+        gaps.append(t)
+        t += rng.expovariate(args.rate)
+
+    composition: list[tuple[int, int]] = []          # per scheduled step: (decodes, prefill tokens)
+    schedule = engine._schedule
+
+    def recording_schedule():
+        so = schedule()
+        dec = sum(1 for s in so.sequences if s.num_tokens == 1)
+        composition.append((dec, so.total_num_tokens - dec))
+        return so
+
+    engine._schedule = recording_schedule
+    first, last, count, index = {}, {}, defaultdict(int), {}
+    steps: list[tuple[float, float, int]] = []       # (start, end, step index in composition)
+    prof, prof_steps, prof_span = None, [], None
+    nxt, done, start = 0, 0, time.perf_counter()
+    while done < args.num_prompts:
+        now = time.perf_counter() - start
+        while nxt < args.num_prompts and gaps[nxt] <= now:
+            req = llm.processor.process({"prompt_token_ids": prompts[nxt]}, params, f"r{nxt}")
+            for core in req.core_requests:
+                engine.add_request(core)
+                index[core.request_id] = nxt
+            nxt += 1
+        if not engine.has_unfinished_requests():
+            time.sleep(max(0.0, gaps[nxt] - now))
+            continue
+        if prof is None and now >= args.profile_at and not prof_steps:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+            prof_span = [time.perf_counter() - start, None]
+        t0 = time.perf_counter() - start
+        outs = engine.step()
+        t1 = time.perf_counter() - start
+        steps.append((t0, t1, len(composition)))
+        if prof is not None:
+            prof_steps.append(steps[-1])
+            if len(prof_steps) >= args.profile_steps:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                prof_span[1] = time.perf_counter() - start
+                prof.__exit__(None, None, None)
+                kept, prof = prof, None
+        for o in outs:
+            if o.new_token_ids:
+                first.setdefault(o.request_id, t1)
+                last[o.request_id] = t1
+                count[o.request_id] += len(o.new_token_ids)
+            if o.finished:
+                done += 1
+    engine.drain()
+    wall = time.perf_counter() - start
+
+    ttft = [(first[r] - gaps[index[r]]) * 1000 for r in first]
+    tpot = [(last[r] - first[r]) / (count[r] - 1) * 1000 for r in first if count[r] > 1]
+    result = {"args": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+              "wall_s": wall, "steps": len(steps), "output_tok_s": sum(count.values()) / wall,
+              "ttft_ms": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
+              "tpot_ms": {"p50": pct(tpot, 0.5), "p99": pct(tpot, 0.99)}, "ceilings": ceil,
+              "num_preemptions": engine.get_stats().num_preemptions}
+    if ceil:
+        floor = serve_floor.floor_for_run([], cfg, ceil, gaps, args.input_len, args.output_len)
+        result["floor"] = floor
+        if floor and floor.get("tpot_ms", {}).get("p50"):
+            result["tpot_p50_of_floor"] = floor["tpot_ms"]["p50"] / result["tpot_ms"]["p50"]
+    if prof_steps:
+        result["window"] = window_summary(kept, prof_steps, prof_span, composition, start)
+    (out / "serve_step_profile.json").write_text(json.dumps(result, indent=1, default=str))
+    print(json.dumps({k: v for k, v in result.items() if k != "window"}, indent=1, default=str))
+    print(json.dumps(result.get("window", {}), indent=1, default=str)[:6000])
+
+
+def window_summary(prof, prof_steps, span, composition, start) -> dict:
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    intervals = sorted((e.time_range.start, e.time_range.end) for e in events)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in intervals:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    dev_span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    by_family, by_name = defaultdict(float), defaultdict(lambda: [0.0, 0])
+    for e in events:
+        dur = e.time_range.end - e.time_range.start
+        by_family[family(e.name)] += dur
+        by_name[e.name[:90]][0] += dur
+        by_name[e.name[:90]][1] += 1
+    n = len(prof_steps)
+    lo, hi = prof_steps[0][2], prof_steps[-1][2]
+    comp = composition[max(0, lo - 1):hi]
+    walls = [(b - a) * 1000 for a, b, _ in prof_steps]
+    between = [(prof_steps[i + 1][0] - prof_steps[i][1]) * 1000 for i in range(n - 1)]
+    return {
+        "steps": n, "span_ms": (span[1] - span[0]) * 1000, "ms_per_step": (span[1] - span[0]) * 1000 / n,
+        "device_span_ms": dev_span / 1000, "device_busy_ms": busy / 1000,
+        "device_busy_share": busy / dev_span if dev_span else None,
+        "step_call_ms": {"p50": pct(walls, 0.5), "max": max(walls)}, "between_calls_ms": {"p50": pct(between, 0.5)},
+        "decodes_mean": sum(d for d, _ in comp) / max(1, len(comp)),
+        "prefill_tokens_mean": sum(p for _, p in comp) / max(1, len(comp)),
+        "composition": comp,
+        "device_ms_per_step_by_family": {k: v / 1000 / n for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+        "top_kernels": [{"name": k, "ms_per_step": v[0] / 1000 / n, "calls": v[1]}
+                        for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]],
+    }
+
+
+if __name__ == "__main__":
+    main()
