@@ -58,12 +58,25 @@ def main() -> None:
     p.add_argument("--profile-at", type=float, default=12.0, help="seconds into the run")
     p.add_argument("--profile-steps", type=int, default=24)
     p.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE passed to LLM (ints parsed)")
+    p.add_argument("--no-mixed-split", action="store_true",
+                   help="run mixed steps' decode rows through the prefill kernel (the attention before the split)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
 
+    if args.no_mixed_split:
+        from tokenforge.model.attention import triton_backend  # noqa: PLC0415
+        build = triton_backend.TritonAttentionBackend.build_metadata
+
+        def unsplit(self, batch, out=None, padded_batch_size=None):
+            meta = build(self, batch, out, padded_batch_size)
+            if not meta.is_decode_only:
+                meta.num_decode_rows = 0
+            return meta
+
+        triton_backend.TritonAttentionBackend.build_metadata = unsplit
     ceil = ceilings_lib.measure_ceilings("cuda") if torch.cuda.is_available() else None
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len, **extra)
     engine = llm.engine
@@ -150,6 +163,32 @@ def main() -> None:
     print(json.dumps(result.get("window", {}), indent=1, default=str)[:6000])
 
 
+def step_kinds(events) -> dict:
+    """The device timeline cut into steps at each step's argmax (greedy sampling ends a step);
+    per kind of step (decode-only, or mixed: a prefill kernel ran), the mean span from one
+    step's end to the next one's and the device time by kernel family."""
+    ordered = sorted(events, key=lambda e: e.time_range.start)
+    steps, cur = [], []
+    for e in ordered:
+        cur.append(e)
+        if "ArgMax" in e.name or "argmax" in e.name:
+            steps.append(cur)
+            cur = []
+    out: dict = {}
+    for prev, step in zip(steps, steps[1:]):
+        kind = "mixed" if any("_prefill_kernel" in e.name for e in step) else "decode"
+        rec = out.setdefault(kind, {"steps": 0, "span_ms": 0.0, "families": defaultdict(float)})
+        rec["steps"] += 1
+        rec["span_ms"] += (step[-1].time_range.end - prev[-1].time_range.end) / 1000
+        for e in step:
+            rec["families"][family(e.name)] += (e.time_range.end - e.time_range.start) / 1000
+    for rec in out.values():
+        k = rec["steps"]
+        rec["span_ms"] /= k
+        rec["families"] = {f: v / k for f, v in sorted(rec["families"].items(), key=lambda kv: -kv[1])}
+    return out
+
+
 def window_summary(prof, prof_steps, span, composition, start) -> dict:
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     intervals = sorted((e.time_range.start, e.time_range.end) for e in events)
@@ -171,6 +210,7 @@ def window_summary(prof, prof_steps, span, composition, start) -> dict:
         by_name[e.name[:90]][0] += dur
         by_name[e.name[:90]][1] += 1
     n = len(prof_steps)
+    kinds = step_kinds(events)
     lo, hi = prof_steps[0][2], prof_steps[-1][2]
     comp = composition[max(0, lo - 1):hi]
     walls = [(b - a) * 1000 for a, b, _ in prof_steps]
@@ -184,6 +224,7 @@ def window_summary(prof, prof_steps, span, composition, start) -> dict:
         "prefill_tokens_mean": sum(p for _, p in comp) / max(1, len(comp)),
         "composition": comp,
         "device_ms_per_step_by_family": {k: v / 1000 / n for k, v in sorted(by_family.items(), key=lambda kv: -kv[1])},
+        "by_step_kind": kinds,
         "top_kernels": [{"name": k, "ms_per_step": v[0] / 1000 / n, "calls": v[1]}
                         for k, v in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:30]],
     }
