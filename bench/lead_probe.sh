@@ -11,9 +11,7 @@
 #   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
-#   mixed       bench kernels --part mixed (a mixed step's attention: one prefill kernel vs the decode/prefill split)
-#   attn-tests  the attention backend / kernel GPU tests and no compile after Ready
-#   w4-ab       serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV), with and without the mixed split
+#   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
 NAME=lead_probe; BUDGET=${BUDGET:-540}; STEP_TAIL=${STEP_TAIL:-45}
 source "$(dirname "$0")/device_steps.sh" "$@"
@@ -57,13 +55,11 @@ PY
              --profile-at ${W4_AT:-12} --out "$W/w4-prof"; cp "$W/w4-prof/serve_step_profile.json" "$OUT/w4-prof.json" ;;
   gpu-tests) step gpu-tests 150 python3 -m pytest -q --timeout 140 -p no:cacheprovider tests/kernels/test_fused_ops.py \
                tests/model/test_moe_gpu.py ;;
-  mixed) STEP_TAIL=12 step mixed 120 python3 -m tokenforge.bench kernels --part mixed --out "$W/mixed"; cp "$W/mixed/kernels_mixed.json" "$OUT/" ;;
   attn-tests) step attn-tests 200 python3 -m pytest -q --timeout 180 -p no:cacheprovider tests/kernels/test_triton_backend.py \
                 tests/kernels/test_paged_attention.py tests/kernels/test_sliding_window.py tests/kernels/test_attention_sinks.py \
                 tests/kernels/test_fp8_kv.py tests/executor/test_compile_watch_gpu.py ;;
-  w4-ab) for v in split nosplit; do flag=; [ $v = nosplit ] && flag=--no-mixed-split
-           STEP_TAIL=30 step w4-$v 150 python3 bench/serve_step_profile.py --rate 16 --num-prompts 200 --profile-at ${W4_AT:-9} \
-             $flag --out "$W/w4-$v"; cp "$W/w4-$v/serve_step_profile.json" "$OUT/w4-$v.json"; done ;;
+  w4-steps) STEP_TAIL=60 step w4-steps 150 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts ${W4_N:-200} \
+               --out "$W/w4-steps"; cp "$W/w4-steps/serve_step_profile.json" "$OUT/w4-steps.json" ;;
   *) echo "unknown step $part" | tee -a "$LOG" ;;
 esac; done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"

@@ -55,29 +55,21 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=1024)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--profile-at", type=float, default=12.0, help="seconds into the run")
+    p.add_argument("--profile-at", type=float, default=1e9, help="seconds into the run (default: no profile)")
     p.add_argument("--profile-steps", type=int, default=24)
     p.add_argument("--engine-arg", action="append", default=[], help="KEY=VALUE passed to LLM (ints parsed)")
-    p.add_argument("--no-mixed-split", action="store_true",
-                   help="run mixed steps' decode rows through the prefill kernel (the attention before the split)")
+    p.add_argument("--ceilings", default=None, metavar="READ_TBPS,MATMUL_TFLOPS", help="default: measured (CUDA)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     extra = {k: (int(v) if v.lstrip("-").isdigit() else v) for k, v in (a.split("=", 1) for a in args.engine_arg)}
 
-    if args.no_mixed_split:
-        from tokenforge.model.attention import triton_backend  # noqa: PLC0415
-        build = triton_backend.TritonAttentionBackend.build_metadata
-
-        def unsplit(self, batch, out=None, padded_batch_size=None):
-            meta = build(self, batch, out, padded_batch_size)
-            if not meta.is_decode_only:
-                meta.num_decode_rows = 0
-            return meta
-
-        triton_backend.TritonAttentionBackend.build_metadata = unsplit
-    ceil = ceilings_lib.measure_ceilings("cuda") if torch.cuda.is_available() else None
+    if args.ceilings:
+        read, mm = (float(x) for x in args.ceilings.split(","))
+        ceil = {"read_bw_tbps": read, "matmul_tflops": mm}
+    else:
+        ceil = ceilings_lib.measure_ceilings("cuda") if torch.cuda.is_available() else None
     llm = LLM(model=args.model, load_format="dummy", dtype="bfloat16", max_model_len=args.max_model_len, **extra)
     engine = llm.engine
     cfg = workloads.load_config_dict(args.model)
@@ -93,12 +85,14 @@ def main() -> None:
         t += rng.expovariate(args.rate)
 
     composition: list[tuple[int, int]] = []          # per scheduled step: (decodes, prefill tokens)
+    shapes: list[tuple[list[int], list[tuple[int, int]]]] = []   # (decode contexts, (done, new) chunks)
     schedule = engine._schedule
 
     def recording_schedule():
         so = schedule()
-        dec = sum(1 for s in so.sequences if s.num_tokens == 1)
-        composition.append((dec, so.total_num_tokens - dec))
+        dec = [s.start_position + 1 for s in so.sequences if s.num_tokens == 1]
+        shapes.append((dec, [(s.start_position, s.num_tokens) for s in so.sequences if s.num_tokens > 1]))
+        composition.append((len(dec), so.total_num_tokens - len(dec)))
         return so
 
     engine._schedule = recording_schedule
@@ -156,11 +150,38 @@ def main() -> None:
         result["floor"] = floor
         if floor and floor.get("tpot_ms", {}).get("p50"):
             result["tpot_p50_of_floor"] = floor["tpot_ms"]["p50"] / result["tpot_ms"]["p50"]
+    if ceil:
+        result["steps_against_model"] = against_model(steps, shapes, cfg, ceil)
     if prof_steps:
         result["window"] = window_summary(kept, prof_steps, prof_span, composition, start)
     (out / "serve_step_profile.json").write_text(json.dumps(result, indent=1, default=str))
     print(json.dumps({k: v for k, v in result.items() if k != "window"}, indent=1, default=str))
     print(json.dumps(result.get("window", {}), indent=1, default=str)[:6000])
+
+
+def against_model(steps, shapes, cfg, ceil) -> dict:
+    """Each step's wall time (one engine.step() return to the next: with a step queued ahead,
+    the device time of a step when the device is the bottleneck) beside the ideal step of the
+    floor (serve_floor.step_seconds) for what that step held, by kind of step."""
+    shape = workloads.ModelShape.from_config(cfg)
+    device = serve_floor.Device(ceil["read_bw_tbps"], ceil["matmul_tflops"])
+    out: dict = {}
+    for (_, end0, _), (_, end1, k) in zip(steps, steps[1:]):
+        if k - 1 >= len(shapes) or k < 2:
+            continue
+        dec, chunks = shapes[k - 2]          # the step whose outputs this call returned (one queued ahead)
+        kind = "decode" if not chunks else ("mixed" if dec else "prefill")
+        rec = out.setdefault(kind, {"steps": 0, "wall_ms": 0.0, "model_ms": 0.0, "rows": 0, "prefill_tokens": 0})
+        rec["steps"] += 1
+        rec["wall_ms"] += (end1 - end0) * 1000
+        rec["model_ms"] += serve_floor.step_seconds(shape, device, 2, 2, dec, chunks) * 1000
+        rec["rows"] += len(dec)
+        rec["prefill_tokens"] += sum(n for _, n in chunks)
+    for rec in out.values():
+        n = rec["steps"]
+        rec.update(mean_wall_ms=rec["wall_ms"] / n, mean_model_ms=rec["model_ms"] / n, mean_decodes=rec["rows"] / n,
+                   mean_prefill_tokens=rec["prefill_tokens"] / n, model_of_wall=rec["model_ms"] / rec["wall_ms"])
+    return out
 
 
 def step_kinds(events) -> dict:

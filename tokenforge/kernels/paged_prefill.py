@@ -30,13 +30,13 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _find_sequence(query_start_loc_ptr, q_offset, pid, num_seqs, BLOCK_Q: tl.constexpr):
-    """Largest i with (query_start_loc[i] - q_offset) // BLOCK_Q + i <= pid."""
+def _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q: tl.constexpr):
+    """Largest i with query_start_loc[i] // BLOCK_Q + i <= pid."""
     lo = 0
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        start = (tl.load(query_start_loc_ptr + mid) - q_offset) // BLOCK_Q + mid
+        start = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
         if start <= pid:
             lo = mid + 1
         else:
@@ -81,11 +81,11 @@ def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d, w
 # The per-step counts and metadata pointers are not specialised (Triton would compile one variant per
 # "== 1" / "divisible by 16" / 16-byte-aligned combination of them: a request could meet a new
 # one after start-up). The data pointers and strides keep their specialisation (vector loads).
-@triton.jit(do_not_specialize=["num_seqs", "window", "q_offset", "stride_bt", "block_tables_ptr",
-                               "query_start_loc_ptr", "seq_lens_ptr"])
+@triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt", "block_tables_ptr", "query_start_loc_ptr",
+                               "seq_lens_ptr"])
 def _prefill_kernel(
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_ptr, sinks_ptr,
-    qk_scale, num_seqs, window, q_offset,
+    qk_scale, num_seqs, window,
     stride_qt, stride_qh, stride_c_kv, stride_c_block, stride_c_slot, stride_c_head,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -98,9 +98,9 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
     pid = tl.program_id(0)
     kvh = tl.program_id(1)
-    seq = _find_sequence(query_start_loc_ptr, q_offset, pid, num_seqs, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + seq) - q_offset
-    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_offset - q_start
+    seq = _find_sequence(query_start_loc_ptr, pid, num_seqs, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
     q_block = pid - (q_start // BLOCK_Q + seq)
     if q_block * BLOCK_Q >= q_len:                              # slack program of the upper bound
         return
@@ -171,12 +171,10 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
                       max_query_len: int | None = None, out: torch.Tensor | None = None,
                       config: tuple[int, int, int, int] | None = None,
                       kv_scales: torch.Tensor | None = None, sliding_window: int | None = None,
-                      sinks: torch.Tensor | None = None, q_offset: int = 0) -> torch.Tensor:
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for T new tokens of B sequences over their paged K/V; out [T, Hq, D].
     An fp8 cache needs the layer's kv_scales [4]; `sliding_window`: each query sees its last
-    that many keys (itself included); `sinks` [Hq] (fp32): the heads' sink logits. `q_offset`:
-    query_start_loc counts from that row of a larger batch (q and out start there): a mixed
-    step's prefill rows after its decode rows, without rebasing the offsets on the device."""
+    that many keys (itself included); `sinks` [Hq] (fp32): the heads' sink logits."""
     require_triton(q, kv_cache)
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, block_size = kv_cache.shape[3], kv_cache.shape[2]
@@ -194,7 +192,7 @@ def prefill_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: tor
     assert not fp8 or kv_scales is not None, "an fp8 KV cache needs its scales"
     _prefill_kernel[grid](
         q, kv_cache, out, block_tables, query_start_loc, seq_lens, kv_scales if fp8 else seq_lens,
-        seq_lens if sinks is None else sinks, scale * _LOG2E, num_seqs, sliding_window or 0, q_offset,
+        seq_lens if sinks is None else sinks, scale * _LOG2E, num_seqs, sliding_window or 0,
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,

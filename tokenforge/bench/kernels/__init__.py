@@ -8,9 +8,7 @@ GEMVs. quant (quant.py): the quantized GEMVs, into OUT/kernels_quant.json. quant
 the split-K decode kernels of the quantized linears against their peers on the 8B and 70B shapes at
 M = 1-16, into OUT/kernels_qsweep.json, and the measured kernel table OUT/quant_table.json. moe
 (moe.py): the fused MoE at decode batches 1-16 on real expert shapes, into OUT/kernels_moe.json;
-moe_tiles (moe_tiles.py): its tile candidates at batch 1 and 16, into OUT/kernels_moe_tiles.json. mixed
-(mixed.py): a mixed step's attention (decodes beside a prefill chunk), one prefill kernel over every
-row against the backend's decode/prefill split, into OUT/kernels_mixed.json. `--smoke` runs tiny
+moe_tiles (moe_tiles.py): its tile candidates at batch 1 and 16, into OUT/kernels_moe_tiles.json. `--smoke` runs tiny
 shapes on the CPU through Triton's interpreter (set TRITON_INTERPRET=1) to check the script.
 The torch and Triton imports wait until the bench runs (the parser is built by `tokenforge --help`).
 """
@@ -20,7 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep", "mixed")
+PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -3,12 +3,8 @@
 In: an `AttentionBatch` per step (plain lists from the model runner). Out: a
 `TritonAttentionMetadata` shared by every layer, and per layer `forward(q, k, v, kv_cache,
 metadata, scale)`, which stores the new k/v at `slot_mapping` and then runs either the split-KV
-decode kernel (every sequence has one new token) or the varlen prefill kernel (prefill,
-prefix-cache hits, chunked prefill). A mixed step runs both: its leading one-token rows (the
-scheduler puts decodes first) go to the decode kernel and the rest to the prefill kernel, since
-the prefill kernel's query tiles (16 queries x the group's heads) would spend 16 times a decode
-row's FLOPs on it (4 times in the decode kernel's 16-row tile): at W4's load (~300 decodes of
-~1.5k keys beside a 1k-token chunk) that made the mixed step's attention compute-bound.
+decode kernel (every sequence has one new token) or the varlen prefill kernel (anything else:
+prefill, prefix-cache hits, chunked prefill, mixed prefill + decode).
 
 CUDA graphs. Decode graphs replay kernels whose inputs must stay at fixed addresses, so the
 runner preallocates one `DecodeMetadataBuffers` (sized for its largest captured batch) and,
@@ -54,7 +50,6 @@ class TritonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool           # every row has one query: the split-KV decode kernel runs
-    num_decode_rows: int = 0       # leading rows with one query (decode kernel in a mixed step)
 
 
 def _pack_host(batch: AttentionBatch, num_rows: int, num_cols: int) -> np.ndarray:
@@ -117,7 +112,7 @@ class DecodeMetadataBuffers:
             slot_mapping=self.slot_mapping[:rows], query_start_loc=self.query_start_loc[: rows + 1],
             seq_lens=self.seq_lens[:rows], context_lens=self.context_lens[:rows],
             block_tables=self.block_tables[:rows], num_seqs=rows, num_tokens=rows, max_query_len=1,
-            max_seq_len=max(seq_lens, default=0), is_decode_only=True, num_decode_rows=rows,
+            max_seq_len=max(seq_lens, default=0), is_decode_only=True,
         )
 
 
@@ -147,8 +142,6 @@ class TritonAttentionBackend:
         num_tokens = sum(batch.query_lens)
         query_start_loc = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(batch.query_lens, out=query_start_loc[1:])
-        longer = np.flatnonzero(np.asarray(batch.query_lens) != 1)
-        num_decode_rows = int(longer[0]) if longer.size else n     # the leading one-query rows
         seq_lens = batch.seq_lens
         return TritonAttentionMetadata(
             slot_mapping=packed[:num_tokens],
@@ -156,7 +149,7 @@ class TritonAttentionBackend:
             seq_lens=packed[num_tokens: num_tokens + n], context_lens=packed[num_tokens + n: num_tokens + 2 * n],
             block_tables=packed[num_tokens + 2 * n:].view(n, cols), num_seqs=n, num_tokens=num_tokens,
             max_query_len=max(batch.query_lens, default=0), max_seq_len=max(seq_lens, default=0),
-            is_decode_only=n > 0 and num_decode_rows == n, num_decode_rows=num_decode_rows,
+            is_decode_only=n > 0 and all(q == 1 for q in batch.query_lens),
         )
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -174,15 +167,6 @@ class TritonAttentionBackend:
             assert q.shape[0] == metadata.num_seqs, "decode q rows must match the (padded) batch"
             return decode_attention(q, kv_cache, metadata.block_tables, metadata.seq_lens, scale,
                                     kv_scales=kv_scales, sliding_window=sliding_window, sinks=sinks)
-        n = metadata.num_decode_rows
-        if n == 0:
-            return prefill_attention(q, kv_cache, metadata.block_tables, metadata.query_start_loc,
-                                     metadata.seq_lens, scale, max_query_len=metadata.max_query_len,
-                                     kv_scales=kv_scales, sliding_window=sliding_window, sinks=sinks)
-        out = torch.empty_like(q)
-        decode_attention(q[:n], kv_cache, metadata.block_tables[:n], metadata.seq_lens[:n], scale, out=out[:n],
-                         kv_scales=kv_scales, sliding_window=sliding_window, sinks=sinks)
-        prefill_attention(q[n:], kv_cache, metadata.block_tables[n:], metadata.query_start_loc[n:],
-                          metadata.seq_lens[n:], scale, max_query_len=metadata.max_query_len, out=out[n:],
-                          kv_scales=kv_scales, sliding_window=sliding_window, sinks=sinks, q_offset=n)
-        return out
+        return prefill_attention(q, kv_cache, metadata.block_tables, metadata.query_start_loc,
+                                 metadata.seq_lens, scale, max_query_len=metadata.max_query_len,
+                                 kv_scales=kv_scales, sliding_window=sliding_window, sinks=sinks)
