@@ -3,10 +3,10 @@
 #   1. GPU tests of the MoE kernels (-k "decode_gemvs or mxfp4 or fp8_matches or host_sync": the decode GEMVs
 #      against the reference, a second call and a CUDA-graph replay bit for bit; MXFP4 and fp8 experts on both
 #      paths) in tests/kernels/test_moe.py and test_moe_fp8.py, and tests/model/test_moe_no_host_sync.py
-#   2. bench/moe_gemv_sweep.py: the MoE step, old against new path, T = 1, 2, 4, 8, 16, on gpt-oss-20b,
-#      gpt-oss-120b (MXFP4), qwen3-30b-a3b, mixtral-8x7b (bf16); it writes the tables its rows support
-#      (FOLD_DOWN, EARLY_DOWN, DOWN_TILES, GATE_UP_TILES, GEMV_PAIRS_BY_SHAPE, ROUTED_GEMV_EXPERTS) into
-#      tokenforge/kernels/ of this copy only
+#   2. bench/moe_gemv_sweep.py: the MoE step, grouped GEMMs against per-pair GEMVs, T = 1, 2, 4, 8, 16, on
+#      gpt-oss-20b, gpt-oss-120b (MXFP4), qwen3-30b-a3b, mixtral-8x7b (bf16); it writes the tables its rows
+#      support (GEMV_PAIRS_BY_SHAPE, ROUTED_GEMV_EXPERTS) into tokenforge/kernels/ of this copy only
+#      (round 8's folded down and 16-bit/fp8 gate-up GEMV, which this step measured, were removed afterwards)
 #   3. W1 of the four models with those tables (mixtral-8x7b needs > 100 GB: skipped on an 80 GB card)
 #   4. if budget is left (BUDGET=400): tests/model/test_moe_gpu.py -k fused (whole models, fused vs reference)
 # Out: $OUT/summary.txt (tests, tables, the sweep's T = 1 rows, W1), moe_gemv_sweep.json, W1-*.json, moe_r8.log,
@@ -19,8 +19,7 @@ step tests 90 python3 -m pytest -q -x --timeout 90 -p no:cacheprovider tests/ker
   tests/kernels/test_moe_fp8.py -k "decode_gemvs or mxfp4 or fp8_matches or host_sync" \
   tests/model/test_moe_no_host_sync.py
 step sweep 70 python3 bench/moe_gemv_sweep.py "$W/sweep" --write-tables
-grep -n "^FOLD_DOWN\|^EARLY_DOWN\|^DOWN_TILES\|^GEMV_PAIRS\|^ROUTED_GEMV\|^GATE_UP_TILES" \
-  tokenforge/kernels/moe_{down,gemv,routing,gemv_dense}.py | tee -a "$LOG"
+grep -n "^GEMV_PAIRS\|^ROUTED_GEMV" tokenforge/kernels/moe_{gemv,routing}.py | tee -a "$LOG"
 GPU_GB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
 W1="--load-format dummy --dtype bfloat16 --max-model-len 4096 --no-baseline --repeats 1 --quick-ceilings"
 for M in gpt-oss-20b gpt-oss-120b qwen3-30b-a3b mixtral-8x7b; do
@@ -46,11 +45,11 @@ try:
     print(f"HBM read {sweep['hbm_read_GBps']:.0f} GB/s; tables written: {json.dumps(sweep['tables'])}")
     rows = {(r["shape"], r["format"], r["tokens"], r["path"]): r for r in sweep["rows"] if "us" in r}
     for (shape, fmt, t, path), r in sorted(rows.items()):
-        if path in ("old", "new"):
-            print(f"  {shape:13s} {fmt:5s} T={t:<2d} {path:3s} {r['us']:8.1f} us {r['frac_of_read']:6.1%} of read"
+        if path in ("grouped", "gemv"):
+            print(f"  {shape:13s} {fmt:5s} T={t:<2d} {path:7s} {r['us']:8.1f} us {r['frac_of_read']:6.1%} of read"
                   f"  err {r['rel_err']:.1e}")
     for (shape, fmt, t, path), r in sorted(rows.items()):
-        if t == 1 and path not in ("old", "new"):
+        if t == 1 and path not in ("grouped", "gemv"):
             print(f"  {shape:13s} {fmt:5s} T=1  {path:26s} {r['us']:8.1f} us")
 except (OSError, KeyError, ValueError) as exc:
     print(f"sweep: no result ({exc!r})")

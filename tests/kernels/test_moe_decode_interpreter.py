@@ -1,6 +1,5 @@
-"""The MoE decode GEMVs (kernels/moe_decode.py: the 16-bit / fp8 gate-up GEMV of
-kernels/moe_gemv_dense.py, the MXFP4 per-pair gate-up, and the down GEMV with the sum over k folded
-in, kernels/moe_down.py) through Triton's interpreter on the CPU, against `moe_reference`.
+"""The MoE decode GEMVs (kernels/moe_decode.py: the per-pair gate-up and down GEMVs of
+kernels/moe_gemv.py and `topk_sum`) through Triton's interpreter on the CPU, against `moe_reference`.
 
 Each case runs the path twice: from expert ids and routing weights (`fused_moe(gemv=True)`, as
 after `route_align`), and routed in the kernels from the router logits (`_routed_gemv`, batch 1's
@@ -8,8 +7,7 @@ path). Routing: Qwen3-MoE's and Mixtral's softmax, top-k and renormalisation, gp
 softmax, and softmax-top-k without renormalisation; 8, 32 and 128 experts with k = 2, 4 and 8;
 16-bit (fp32 and bf16 activations), fp8 and MXFP4 experts (bf16 activations read as int32 words,
 as on the GPU), gpt-oss's biases and clamped SwiGLU, expert parallelism (another rank's experts
-masked off), partial row and K tiles. One MXFP4 case also runs with FOLD_DOWN off (the per-pair
-down GEMVs and `topk_sum`, the sweep's old path). A child process, as tests/kernels/test_moe_interpreter.py.
+masked off), partial row and K tiles. A child process, as tests/kernels/test_moe_interpreter.py.
 """
 
 from __future__ import annotations
@@ -37,23 +35,13 @@ CASES = [
     ("gpt-oss-120b-ep", 1, 64, 64, 128, 4, "topk_softmax", False, "mxfp4", torch.float32, True, 64, 64),
     ("mxfp4-k8", 2, 64, 32, 16, 8, "softmax_topk", True, "mxfp4", torch.float32, False, 0, None),
 ]
-UNFOLDED = "gpt-oss-bf16"          # also with FOLD_DOWN off
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton installed (its interpreter)")
 def test_decode_gemvs_under_the_interpreter_match_reference():
     proc = run_interpreted("tests.kernels.test_moe_decode_interpreter", timeout=500)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count(" ok ") == 2 * len(CASES) + 2, proc.stdout
-
-
-def test_down_tiles_split_over_the_slots():
-    from tokenforge.kernels.moe_down import down_block
-
-    assert down_block("mxfp4", 2880, 2880, 4) == (16, 8, 8)          # 4 slots x 8 groups = 32 group rows
-    assert down_block("float", 2048, 768, 8) == (4, 128, 4)          # Qwen3-MoE: [8, 4, 128]
-    assert down_block("float", 4096, 14336, 2) == (4, 512, 4)        # Mixtral: [2, 4, 512]
-    assert down_block("float", 64, 48, 2)[1] == 64                   # no wider than the next power of two of I
+    assert proc.stdout.count(" ok ") == 2 * len(CASES), proc.stdout
 
 
 # ---- the child process --------------------------------------------------------------------------
@@ -75,7 +63,7 @@ def _experts(fmt, e, h, i, gen):
 
 
 def _run_case(name, tokens, h, i, e, k, order, renorm, fmt, dtype, oai, first, num_local) -> int:
-    from tokenforge.kernels import moe, moe_down
+    from tokenforge.kernels import moe
     from tokenforge.kernels.moe_routing import _routed_gemv
     from tokenforge.model.layers.moe import swiglu_oai
 
@@ -99,19 +87,14 @@ def _run_case(name, tokens, h, i, e, k, order, renorm, fmt, dtype, oai, first, n
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     runs = [("ids", lambda: moe.fused_moe(x, w13, w2, weights, ids, b13, b2, gemv=True, **kwargs)),
             ("routed", lambda: _routed_gemv(x, logits, w13, w2, k, order, renorm, first, b13, b2, **kwargs))]
-    folds = (True, False) if name == UNFOLDED else (True,)
-    failed, default = 0, moe_down.FOLD_DOWN[fmt]
-    for fold in folds:
-        moe_down.FOLD_DOWN[fmt] = fold
-        for label, fn in runs:
-            out = fn()
-            err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-            good = err < tol and not out.isnan().any() and out.dtype == dtype
-            failed += not good
-            path = f"{label}{'' if fold else ' unfolded'}"
-            print(f"{name:16s} {fmt:5s} T={tokens} E={e:<3d} k={k} {path:16s} {' ok ' if good else ' FAILED '} "
-                  f"rel err {err:.1e}")
-        moe_down.FOLD_DOWN[fmt] = default
+    failed = 0
+    for label, fn in runs:
+        out = fn()
+        err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+        good = err < tol and not out.isnan().any() and out.dtype == dtype
+        failed += not good
+        print(f"{name:16s} {fmt:5s} T={tokens} E={e:<3d} k={k} {label:16s} {' ok ' if good else ' FAILED '} "
+              f"rel err {err:.1e}")
     return failed
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenforge.kernels import moe as kernels_moe
-from tokenforge.kernels import moe_decode, moe_down, moe_gemv, moe_gemv_dense, moe_routing
+from tokenforge.kernels import moe_decode, moe_gemv, moe_routing
 from tokenforge.model.arch_config import MoeConfig
 from tokenforge.model.layers import moe as moe_layer
 
@@ -34,11 +34,8 @@ def stubbed(monkeypatch):
     routing, gemm, gemv, topk_sum = _Launches(), _Launches(), _Launches(), _Launches()
     monkeypatch.setattr(moe_routing, "_route_align_kernel", routing)
     monkeypatch.setattr(kernels_moe, "_moe_gemm_kernel", gemm)
-    # decode batches: the gate-up GEMVs (MXFP4; 16-bit and fp8) and the down GEMV with the sum over k
-    monkeypatch.setattr(moe_gemv, "_moe_gemv_kernel", gemv)
-    monkeypatch.setattr(moe_gemv_dense, "_gate_up_kernel", gemv)
-    monkeypatch.setattr(moe_down, "_down_sum_kernel", gemv)
-    monkeypatch.setattr(moe_decode, "_topk_sum_kernel", topk_sum)          # the sum over k of the grouped GEMMs
+    monkeypatch.setattr(moe_gemv, "_moe_gemv_kernel", gemv)               # decode batches: per-pair GEMVs
+    monkeypatch.setattr(moe_decode, "_topk_sum_kernel", topk_sum)          # the sum over k, either path
     monkeypatch.setattr(moe_routing, "require_triton", lambda *t: None)
     monkeypatch.setattr(kernels_moe, "require_triton", lambda *t: None)
     return routing, gemm, gemv, topk_sum
@@ -75,7 +72,7 @@ def test_fused_moe_layer_needs_no_host_sync(stubbed, style, expert_parallel, tok
         block.moe.num_experts <= moe_routing.ROUTED_GEMV_EXPERTS                 # the GEMVs route their own pairs
     assert routing.calls == (1 if one_launch and not routed else 0)
     assert (gemv.calls, gemm.calls) == ((2, 0) if per_pair else (0, 2))
-    assert topk_sum.calls == (0 if per_pair and moe_down.FOLD_DOWN[fmt] else 1)     # folded into the down GEMV
+    assert topk_sum.calls == 1
 
 
 def test_the_check_catches_a_host_sync(stubbed):

@@ -289,7 +289,7 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing.
     `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the table's (the tile sweep of
     `tokenforge bench kernels --part moe_tiles`; the GEMV's own tile when it runs). `gemv`: run the
-    GEMV path (kernels/moe_decode.py: per-pair gate-up GEMVs, a down GEMV that sums the k experts);
+    GEMV path (kernels/moe_decode.py: per-pair gate-up and down GEMVs, then `topk_sum`);
     None decides by the weight format, the shape and the pair count (`gemv_pairs`)."""
     require_triton(x)
     tokens, hidden = x.shape

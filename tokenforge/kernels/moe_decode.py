@@ -1,13 +1,14 @@
-"""The fused MoE's GEMV path at decode: the gate-up GEMV per (token, slot) pair, then the down GEMV
-per token with the sum over k folded in (or, where FOLD_DOWN is off for the format, per-pair down
-GEMVs and `topk_sum`).
+"""The fused MoE's GEMV path at decode: the gate-up and the down GEMM as per-pair GEMVs
+(kernels/moe_gemv.py), then `topk_sum` adds each token's k rows.
 
 In: x [T, H], the two projections as kernels/moe.py `_weight_args` gives them, and either local
 expert ids and routing weights [T, k] or (route) the router logits [T, E], which each program
 routes itself. Out: [T, H] in x's dtype, this rank's partial sum of the token's k experts.
+No part reads back to the host.
 
-Gate-up: MXFP4 experts take kernels/moe_gemv.py's per-pair GEMV; 16-bit and fp8 experts
-kernels/moe_gemv_dense.py's. Down: kernels/moe_down.py. No part reads back to the host.
+Round 8's down GEMV that summed the k experts itself (no `topk_sum` launch) and its 16-bit/fp8
+gate-up GEMV were measured on an H100 and removed: 2x slower for MXFP4 at T = 1, no faster for
+16-bit, slower for every format at T >= 8 (BENCHMARKS.md, "MoE sweep").
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_power_of_2, tl, triton, use_pdl
-from . import moe_down, moe_gemv
-from .moe_down import launch_down_sum
+from . import moe_gemv
 from .moe_gemv import launch_gemv
-from .moe_gemv_dense import launch_gate_up
 
 
 def gemv_moe(x: torch.Tensor, w13_args: tuple, w2_args: tuple, top_k: int, ids: torch.Tensor,
@@ -26,30 +25,20 @@ def gemv_moe(x: torch.Tensor, w13_args: tuple, w2_args: tuple, top_k: int, ids: 
              alpha: float, limit: float, all_local: bool, tile=None, route=None) -> torch.Tensor:
     """`fused_moe` as GEMVs. `ids`/`weights`: local ids and routing weights [T, k]; or with `route`
     = (top_k, order, renormalize, first) the router logits [T, E] in `ids` (weights unused).
-    `tile`: the gate-up GEMV's (BLOCK_N, BLOCK_K, warps, stages) in place of its table's (and the
-    per-pair down's, where that runs)."""
+    `tile`: both GEMVs' (BLOCK_N, BLOCK_K, warps, stages) in place of GEMV_TILES'."""
     tokens, hidden = x.shape
-    fmt = w13_args[-1]
     pairs, inter = tokens * top_k, w13_args[0].shape[1] // 2
     if route is None:
         ids, weights = ids.reshape(-1).contiguous(), weights.reshape(-1).float().contiguous()
     else:
-        weights = None
+        weights = ids                                   # unused: each program takes its routing weight
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    if fmt == "mxfp4":
-        launch_gemv(x, w13_args, w13_bias, act, ids, ids if weights is None else weights, inter, hidden, top_k,
-                    swiglu=True, oai=oai, mul_weights=False, alpha=alpha, limit=limit, tile=tile, route=route)
-    else:
-        launch_gate_up(x, w13_args, w13_bias, act, ids, inter, top_k, oai=oai, alpha=alpha, limit=limit, tile=tile,
-                       route=route)
-    if moe_down.FOLD_DOWN[fmt]:
-        out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
-        launch_down_sum(act, w2_args, w2_bias, out, ids, weights, hidden, top_k, route=route)
-        return out
+    launch_gemv(x, w13_args, w13_bias, act, ids, weights, inter, hidden, top_k, swiglu=True, oai=oai,
+                mul_weights=False, alpha=alpha, limit=limit, tile=tile, route=route)
     # zeros: pairs of another rank's experts are never written, and the sum over k reads them
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
-    launch_gemv(act, w2_args, w2_bias, out, ids, ids if weights is None else weights, hidden, inter, 1,
-                swiglu=False, oai=False, mul_weights=True, alpha=alpha, limit=limit, tile=tile, route=route)
+    launch_gemv(act, w2_args, w2_bias, out, ids, weights, hidden, inter, 1, swiglu=False, oai=False,
+                mul_weights=True, alpha=alpha, limit=limit, tile=tile, route=route)
     return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
 
 

@@ -26,10 +26,9 @@ from .moe_topk import route_rows
 from .mxfp4 import GROUP, fp4_scale
 
 # format -> the most (token, slot) pairs the GEMV path takes: each pair reads its expert's rows itself,
-# so when several pairs share an expert the grouped GEMM's one read of it wins. 16-bit and fp8: the
-# gate-up GEMV of kernels/moe_gemv_dense.py and the folded down (kernels/moe_down.py), predicted to
-# beat the grouped GEMMs at batch 1 of Qwen3-MoE (8 pairs) and Mixtral (2; 8 at T = 4): round 8
-GEMV_PAIRS = {"mxfp4": 64, "fp8": 0, "float": 0}   # 16-bit / fp8: the grouped path until the round-8 sweep
+# so when several pairs share an expert the grouped GEMM's one read of it wins. 16-bit and fp8 take
+# the grouped GEMMs (`fused_moe(gemv=True)` still runs them here)
+GEMV_PAIRS = {"mxfp4": 64, "fp8": 0, "float": 0}
 # (format, hidden, intermediate, experts) -> pairs: a shape's measured limit in place of GEMV_PAIRS'
 # (bench/moe_gemv_sweep.py prints the entries its sweep supports)
 GEMV_PAIRS_BY_SHAPE: dict[tuple[str, int, int, int], int] = {}
@@ -218,7 +217,7 @@ def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, ids_ptr, weights_pt
     if ROUTE:
         token = pair // TOP_K
         w_row, sel, _ = route_rows(ids_ptr, token + tl.arange(0, 1), token + 1, E, stride_lt, TOP_K, E_PAD, K_PAD,
-                                   SOFTMAX_FIRST, RENORMALIZE, "")
+                                   SOFTMAX_FIRST, RENORMALIZE)
         pick = tl.arange(0, K_PAD)[None, :] == pair % TOP_K
         expert = (tl.sum(tl.where(pick, sel, 0)) - first).to(tl.int64)
         route_weight = tl.sum(tl.where(pick, w_row, 0.0))

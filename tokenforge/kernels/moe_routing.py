@@ -35,7 +35,7 @@ ROUTED_GEMV_TOKENS = 1
 # ... and at most this many experts: each gate-up program routes its token after griddepcontrol.wait,
 # so the top-k's cross-warp reductions over 128 logits (k of them) sit on the step's critical path
 # (gpt-oss-120b, 128 experts: routed 45.6 vs 46.5 us, a 0.9 us gain against 4.1 at 32 experts);
-# bench/moe_gemv_sweep.py's "new-route-align" row measures it for Qwen3-MoE's k = 8 of 128
+# bench/moe_gemv_sweep.py's "gemv-route-align" row measures it for Qwen3-MoE's k = 8 of 128
 ROUTED_GEMV_EXPERTS = 128
 
 
@@ -51,7 +51,7 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert
     rows = tl.arange(0, T_PAD)
     cols = tl.arange(0, E_PAD)
     kk = tl.arange(0, K_PAD)
-    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE, "")
+    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
     out = (rows < T)[:, None] & chosen
     offs = rows[:, None] * K + kk[None, :]
     tl.store(weights_ptr + offs, w, mask=out)

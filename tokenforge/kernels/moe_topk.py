@@ -12,15 +12,12 @@ from ._triton import tl, triton
 
 @triton.jit
 def route_rows(logits_ptr, rows, T, E, stride_lt, K: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-               SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr, CACHE: tl.constexpr):
+               SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Logit rows `rows` ([T_PAD] int, rows >= T masked) -> (routing weights [T_PAD, K_PAD] fp32,
-    global expert ids [T_PAD, K_PAD] int32, the live slots [1, K_PAD]: kk < K). CACHE: the logits'
-    load cache modifier ("" or ".cg", L2 only, for a program that reads them before its
-    griddepcontrol.wait: kernels/moe_down.py)."""
+    global expert ids [T_PAD, K_PAD] int32, the live slots [1, K_PAD]: kk < K)."""
     cols = tl.arange(0, E_PAD)
     live = (rows < T)[:, None] & (cols < E)[None, :]
-    s = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :], mask=live, other=float("-inf"),
-                cache_modifier=CACHE)
+    s = tl.load(logits_ptr + rows[:, None] * stride_lt + cols[None, :], mask=live, other=float("-inf"))
     s = s.to(tl.float32)
     if SOFTMAX_FIRST:                     # select on the probabilities, as torch does
         row_max = tl.max(s, 1)
