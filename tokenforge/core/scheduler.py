@@ -28,9 +28,9 @@ in flight stay balanced. Preempting or aborting a request in flight is safe as u
 scheduling: every stage runs the steps in order, so a freed block is written by the old step
 before the new one touches it.
 
-min_tokens: until a request has that many output tokens, its sequence carries the EOS ids
-(unless ignore_eos) and its stop_token_ids as `banned_token_ids`, which the sampler sets to -inf.
-LoRA: running requests hold their adapters' slots (core/lora_slots.py); a waiting one finding none waits.
+min_tokens: until a request has that many output tokens, its sequence carries the EOS ids (unless
+ignore_eos) and its stop_token_ids as `banned_token_ids`, which the sampler sets to -inf. LoRA:
+running requests hold their adapters' slots (core/lora_slots.py); a waiting one finding none waits.
 """
 
 from __future__ import annotations
@@ -90,8 +90,7 @@ class Scheduler:
         request.needs_sync = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
                               or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
         self._num_needs_sync += request.needs_sync
-        request.arrival_seq = self.num_arrivals
-        self.num_arrivals += 1
+        request.arrival_seq, self.num_arrivals = self.num_arrivals, self.num_arrivals + 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -118,8 +117,7 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if not r.is_finished)
 
     def has_unfinished_requests(self) -> bool:
-        # Tier loads in flight and saves not yet handed out (a completed request's write-through)
-        # keep the engine stepping until they are done.
+        # Tier loads in flight and unsent saves (a finished request's write-through) keep it stepping.
         return bool(self.running or self.waiting or (self.tiers is not None and self.tiers.has_work()))
 
     def has_unfinished_requests_besides_tiers(self) -> bool:
@@ -284,8 +282,8 @@ class Scheduler:
                 if holds_blocks:
                     self._release_restored(req)
                 elif self.tiers is not None and not self.running and not self.tiers.loading:
-                    # Restored requests behind the head hold the blocks it needs, and nothing
-                    # else will ever free any: they give theirs back (still in the prefix cache).
+                    # Restored requests behind the head hold the blocks it needs, and nothing else
+                    # will free any: they give theirs back (still in the prefix cache).
                     for other in self.waiting:
                         if other is not req and self.kv.block_table(other):
                             self._release_restored(other)
@@ -331,9 +329,8 @@ class Scheduler:
             banned_token_ids=banned_tokens(req) if sample else (), num_draft_tokens=len(drafts), lora_slot=req.lora_slot)
         req.num_computed_tokens = end
         req.num_output_placeholders += sample
-        # Register the blocks this step fills now, not at its update: a request scheduled next
-        # (possibly before this step's output is read back) can hit them, and the device runs
-        # its steps in order, so their KV is written before it is read.
+        # Register the blocks this step fills now, not at its update: a request scheduled next (maybe
+        # before this step's output is back) can hit them; steps run in order, so KV is written first.
         self.kv.cache_blocks(req)
         (decodes if n == 1 else prefills).append(seq)
 
