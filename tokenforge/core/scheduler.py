@@ -28,9 +28,8 @@ in flight stay balanced. Preempting or aborting a request in flight is safe as u
 scheduling: every stage runs the steps in order, so a freed block is written by the old step
 before the new one touches it.
 
-min_tokens: until a request has that many output tokens, its sequence carries the EOS ids (unless
-ignore_eos) and its stop_token_ids as `banned_token_ids`, which the sampler sets to -inf. LoRA:
-running requests hold their adapters' slots (core/lora_slots.py); a waiting one finding none waits.
+min_tokens: below it, a sequence bans its EOS ids (unless ignore_eos) and stop_token_ids (sampler:
+-inf). LoRA: running requests hold their adapters' slots (core/lora_slots.py); others wait.
 """
 
 from __future__ import annotations
