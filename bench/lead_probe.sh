@@ -11,11 +11,12 @@
 #   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
+#   w4-rates    one server (8B, dummy), bench serve at 16, 8 and 4 req/s, 300 x 1024/1024 each (the floor from ceilings measured first)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
 NAME=lead_probe; BUDGET=${BUDGET:-540}; STEP_TAIL=${STEP_TAIL:-45}
 source "$(dirname "$0")/device_steps.sh" "$@"
-M8="--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 4096"
+M8=${M8:-"--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 4096"}
 Q="--no-baseline --quick-ceilings"
 keep() { cp "$(ls "$1"/*.json 2>/dev/null | head -1)" "$OUT/$2.json" 2>/dev/null; [ -f "$1/prof/summary.txt" ] && cp "$1/prof/summary.txt" "$OUT/$2-prof.txt"; }
 for part in ${STEPS:-lora-w1 bare-w1 qwen3-w1 lora-64}; do case $part in
@@ -58,6 +59,19 @@ PY
   attn-tests) step attn-tests 200 python3 -m pytest -q --timeout 180 -p no:cacheprovider tests/kernels/test_triton_backend.py \
                 tests/kernels/test_paged_attention.py tests/kernels/test_sliding_window.py tests/kernels/test_attention_sinks.py \
                 tests/kernels/test_fp8_kv.py tests/executor/test_compile_watch_gpu.py ;;
+  w4-rates)
+    CEIL=$(python3 -c "from tokenforge.bench.lib.ceilings import measure_ceilings as m; c=m('cuda'); print(f\"{c['read_bw_tbps']:.3f},{c['matmul_tflops']:.1f}\")" 2>/dev/null | tail -1)
+    echo "ceilings $CEIL" | tee -a "$LOG"
+    python3 -m tokenforge.cli serve $M8 --log-level warning --port 8321 >"$W/w4-server.log" 2>&1 & SRV=$!
+    for i in $(seq 1 150); do python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:8321/health', timeout=2)" \
+      2>/dev/null && break; sleep 1; done
+    echo "server healthy after ${i}s" | tee -a "$LOG"
+    for r in ${W4_RATES:-16 8 4}; do
+      STEP_TAIL=14 step w4-r$r 200 python3 -m tokenforge.bench serve --url http://127.0.0.1:8321 --ceilings "$CEIL" \
+        --request-rate $r --num-prompts ${W4_N:-300} --input-len ${W4_IN:-1024} --output-len ${W4_OUT:-1024} ${W4_ARGS:-} --results-dir "$W/w4-r$r"
+      keep "$W/w4-r$r" w4-r$r
+    done
+    kill $SRV; wait $SRV 2>/dev/null ;;
   w4-steps) STEP_TAIL=60 step w4-steps 150 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts ${W4_N:-200} \
                --out "$W/w4-steps"; cp "$W/w4-steps/serve_step_profile.json" "$OUT/w4-steps.json" ;;
   *) echo "unknown step $part" | tee -a "$LOG" ;;
