@@ -188,3 +188,23 @@ def test_adapter_roots_keep_hash_chains_apart():
     sched.add_request(make_request("base-0", tokens + [1]))
     sched.schedule()
     assert sched.requests["a-0"].block_hashes[:4] == a and sched.requests["base-0"].block_hashes[:4] == base
+
+
+def test_a_request_behind_a_stream_of_later_arrivals_runs_in_bounded_time():
+    """Requests for a resident adapter keep arriving every step; the one waiting for another
+    adapter still gets the single slot once the stream has overtaken it `patience` times."""
+    sched = _lora_sched(1, num_blocks=256, max_num_seqs=8, max_num_batched_tokens=64)
+    sched.loras.patience = 3
+    runner, result = FakeRunner(sched.num_kv_blocks, sched.block_size, sched.kv.pool), RunResult()
+    sched.add_request(_req("a-0", "a", [2] * 5, max_tokens=4))
+    sched.add_request(_req("b-0", "b", [3] * 5, max_tokens=4))
+    for i in range(1, 40):                     # a new request of adapter a every step
+        sched.add_request(_req(f"a-{i}", "a", [i % 7 + 2] * 5, max_tokens=4))
+        step(sched, runner, result)
+        if "b-0" in result.tokens and len(result.tokens["b-0"]) == 4:
+            break
+    assert len(result.tokens.get("b-0", [])) == 4 and i <= 3 + 4 + 4, f"b waited {i} steps"
+    assert result.tokens["b-0"] == reference_generate([3] * 5, 4)
+    while sched.has_unfinished_requests():
+        step(sched, runner, result)
+    assert_pool_idle(sched)

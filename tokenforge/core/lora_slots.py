@@ -7,14 +7,14 @@ step's forward (`LoRASlotLoad`). A slot is held while any running request uses i
 the adapters of one step are at most the slot count (`--max-loras`); a request whose adapter
 finds no slot waits (`can_admit`) while others run, but not forever: once one has been overtaken
 in `patience` schedules (refused while a request that arrived after its first refusal joined a
-held slot), one
-slot drains to it (the one whose adapter has the fewest requests still waiting, then the fewest
-running: its adapter admits no new request until the slot is free and taken), while the other slots keep admitting their adapters' requests, and
-no new adapter takes a free slot before it (base requests still run). Only later arrivals count:
-requests already queued when it was refused are finite, so the held slots free on their own and
-in queue order; draining one for them would cut an adapter's queued requests off from their slot
-(a batch over many adapters split into an extra, nearly empty wave: W2 over 64 adapters and 16
-slots took 1,305 steps instead of 1,050). A released slot keeps its adapter: the next request of it reuses the slot without a
+held slot), one slot drains to it (the one whose adapter has the fewest requests still waiting,
+then the fewest running: its adapter admits no new request until the slot is free and taken),
+while the other slots keep admitting their adapters' requests, and no new adapter takes a free
+slot before it (base requests still run). Only later arrivals count: requests already queued when
+it was refused are finite, so the held slots free on their own and in queue order; draining one
+for them would cut an adapter's queued requests off from their slot (a batch over many adapters
+split into an extra, nearly empty wave: W2 over 64 adapters and 16 slots took 1,305 steps instead
+of 1,050). A released slot keeps its adapter: the next request of it reuses the slot without a
 write; a new adapter takes the least recently released.
 The device runs its steps in order, so a write queued for step N+1 lands after step N's forward
 read the slot's old adapter.
