@@ -11,6 +11,7 @@
 #   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
+#   moe-tests   the fused MoE kernel GPU tests (tests/kernels/test_moe.py)
 #   w4-rates    one server (8B, dummy), bench serve at 16, 8 and 4 req/s, 300 x 1024/1024 each (the floor from ceilings measured first)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
@@ -56,6 +57,7 @@ PY
              --profile-at ${W4_AT:-12} --out "$W/w4-prof"; cp "$W/w4-prof/serve_step_profile.json" "$OUT/w4-prof.json" ;;
   gpu-tests) step gpu-tests 150 python3 -m pytest -q --timeout 140 -p no:cacheprovider tests/kernels/test_fused_ops.py \
                tests/model/test_moe_gpu.py ;;
+  moe-tests) step moe-tests 150 python3 -m pytest -q --timeout 140 -p no:cacheprovider tests/kernels/test_moe.py ;;
   attn-tests) step attn-tests 200 python3 -m pytest -q --timeout 180 -p no:cacheprovider tests/kernels/test_triton_backend.py \
                 tests/kernels/test_paged_attention.py tests/kernels/test_sliding_window.py tests/kernels/test_attention_sinks.py \
                 tests/kernels/test_fp8_kv.py tests/executor/test_compile_watch_gpu.py ;;

@@ -31,10 +31,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._triton import require_triton, tl, triton
+from ._triton import require_triton, tl, triton, use_pdl
 from .moe_decode import gemv_moe, topk_sum
 from .moe_fp8 import Fp8Stack
-from .moe_gemv import gemv_pairs, swiglu
+from .moe_gemv import MOE_PDL, gemv_pairs, swiglu
 from .mxfp4 import Mxfp4Stack, fp4_weight_tiles
 
 ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
@@ -125,14 +125,20 @@ def _moe_gemm_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
                      stride_am, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      SWIGLU: tl.constexpr, OAI: tl.constexpr, HAS_BIAS: tl.constexpr, MXFP4: tl.constexpr,
-                     FP8: tl.constexpr, MUL_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     FP8: tl.constexpr, MUL_WEIGHTS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
     """out[pair] = a[row of pair] @ W[expert]^T (+ bias) for the pairs of each BLOCK_M block.
     W is [E, N (x2 with SWIGLU: gate rows, then up rows), K] in the activations' dtype, or (MXFP4)
     bytes [E, N, K / 2] with scales [E, N, K / 32], or (FP8) e4m3 [E, N, K] with fp32 scales [E, N]
     (one a row, so they scale the accumulators after the K loop). SWIGLU writes silu(gate) * up, or with OAI
     gpt-oss's clamped form; MUL_WEIGHTS scales each row by its routing weight. DOT_PRECISION is
     "ieee" for fp32 activations: Triton's default for fp32 dots on NVIDIA is TF32, whose 10-bit
-    inputs move a tiny model's router past a near-tie and change whole tokens."""
+    inputs move a tiny model's router past a near-tie and change whole tokens. USE_PDL: launched as
+    a programmatic dependent of the kernel before (the routing, or the gate-up GEMM), its programs
+    resident before that one ends; every input is read after the wait."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(valid_ptr):
@@ -305,6 +311,7 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
         return gemv_moe(x, w13_args, w2_args, top_k, ids, weights, w13_bias, w2_bias, oai=oai, alpha=alpha,
                         limit=limit, all_local=all_local, tile=tile)
     sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
+    pdl = MOE_PDL and use_pdl(x)
     w, s, swe, swn, sse, ssn, fmt = w13_args
     sms = _sm_count(x.device)
     block_n, block_k, warps, stages = tile or _tile(pairs, x.element_size(), fmt == "mxfp4", inter, num_experts, sms)
@@ -315,8 +322,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
                            alpha, limit, x.stride(0), swe, swn, sse, ssn, bias.stride(0), act.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=True, OAI=oai,
                            HAS_BIAS=w13_bias is not None, MXFP4=fmt == "mxfp4", FP8=fmt == "fp8", MUL_WEIGHTS=False,
-                           DOT_PRECISION=precision,
-                           num_warps=warps, num_stages=stages)
+                           DOT_PRECISION=precision, USE_PDL=pdl,
+                           num_warps=warps, num_stages=stages, launch_pdl=pdl)
     # zeros: pairs of another rank's experts are never written, and the sum over k reads them
     out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
     flat_weights = weights.reshape(-1).float().contiguous()
@@ -328,6 +335,6 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
                            alpha, limit, act.stride(0), swe, swn, sse, ssn, bias.stride(0), out.stride(0),
                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SWIGLU=False, OAI=False,
                            HAS_BIAS=w2_bias is not None, MXFP4=fmt == "mxfp4", FP8=fmt == "fp8", MUL_WEIGHTS=True,
-                           DOT_PRECISION=precision,
-                           num_warps=warps, num_stages=stages)
+                           DOT_PRECISION=precision, USE_PDL=pdl,
+                           num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
