@@ -22,6 +22,9 @@ PACED_STEP_MS = "TOKENFORGE_PACED_STEP_MS"      # bench frontend_cpu: its step t
 QUANT_KERNEL = "TOKENFORGE_QUANT_KERNEL"        # quantized linears: force one decode kernel (model/quant/kernel_plan.py)
 QUANT_TABLE = "TOKENFORGE_QUANT_TABLE"          # quantized linears: a kernel table JSON instead of the bundled one
 BYTECODE_CACHE = "TOKENFORGE_BYTECODE_CACHE"    # serve's core: "0" keeps Python's own bytecode rules (core_boot.py)
+DRAFT_PROPOSER = "TOKENFORGE_DRAFT_PROPOSER"    # bench serve: "module:factory", the n-gram method's host proposer
+REPLAY_ACCEPTANCE = "TOKENFORGE_REPLAY_ACCEPTANCE"  # bench serve: the served replay drafter's acceptance
+REPLAY_PROMPT_LEN = "TOKENFORGE_REPLAY_PROMPT_LEN"  # bench serve: its prompts' length (where outputs begin)
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -63,6 +66,15 @@ def paced_vocab() -> int:
 
 def paced_step_ms() -> float:
     return float(_get(PACED_STEP_MS, "25"))
+
+
+def draft_proposer() -> str | None:
+    return _get(DRAFT_PROPOSER) or None
+
+
+def replay_settings() -> tuple[float, int]:
+    """(acceptance, prompt length) of the served replay drafter."""
+    return float(_get(REPLAY_ACCEPTANCE, "0.8")), int(_get(REPLAY_PROMPT_LEN, "0"))
 
 
 # launchers (torchrun and the like)

@@ -21,7 +21,7 @@ directory; the committed records in bench/results only with an explicit --result
     parallel    W7: W1 and W2 at TP/PP layouts back to back, speed-up over the first layout
     coldstart   W10: cold start of `tokenforge serve` from a safetensors checkpoint written once
     tiers       W9: shared 4096-token prefixes, the CPU KV tier against the device cache alone
-    serve       W4: HTTP streaming load (tokenforge.bench.serving.serve)
+    serve       W4: HTTP streaming load (tokenforge.bench.serving.serve; --replay-acceptance: serve_spec)
     frontend    offline LLM vs the HTTP server back to back (server / offline), then W4 at several rates
     storm       1,000 concurrent streams through `tokenforge router`, a third disconnecting at random
     kernels     kernel micro-benchmarks (tokenforge.bench.kernels)
@@ -37,7 +37,7 @@ from __future__ import annotations
 MODULES: dict[str, str] = {
     "ceilings": "lib.ceilings", "cpu": "offline.cpu", "latency": "offline.latency", "throughput": "offline.throughput",
     "prefix": "offline.prefix", "parallel": "offline.parallel", "coldstart": "serving.coldstart",
-    "tiers": "offline.tiers", "serve": "serving.serve", "frontend": "serving.frontend", "storm": "serving.storm",
+    "tiers": "offline.tiers", "serve": "serving.serve_spec", "frontend": "serving.frontend", "storm": "serving.storm",
     "kernels": "kernels", "train": "offline.train", "structured": "offline.structured", "lora": "offline.lora",
     "spec": "offline.spec",
 }

@@ -7,11 +7,13 @@ in-process for the offline `LLM`, and in its own process behind the server.
 
 from __future__ import annotations
 
+import importlib
 import logging
 import time
 
 import msgspec
 
+from tokenforge import envs
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
@@ -79,6 +81,11 @@ def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_a
     cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
     if config.speculative_method in ("draft", "eagle"):     # the runner's draft model / head fills the slots
         return DraftPlanner(device_drafts, config.num_draft_tokens, cost, check=check, shape=shape)
+    factory = envs.draft_proposer()
+    if factory:     # a measuring device's host proposer in the n-gram method's place (bench serve's replay)
+        module, _, name = factory.partition(":")
+        return DraftPlanner(getattr(importlib.import_module(module), name)(), config.num_draft_tokens, cost,
+                            check=check)
     from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
 
     proposer = NgramProposer(config.ngram_min, config.ngram_max)

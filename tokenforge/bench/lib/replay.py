@@ -57,8 +57,12 @@ class ReplayDrafter:
         draft, missed = [], False
         for token in cont[done:done + k]:
             missed = missed or self.rng.random() >= self.acceptance
-            draft.append((token + 1) % self.vocab_size if missed else token)   # a miss: rejected
+            draft.append(self._miss(token) if missed else token)   # a miss: rejected
         return draft
+
+    def _miss(self, token: int) -> int:
+        """A token the target will not pick where it picks `token`."""
+        return (token + 1) % self.vocab_size
 
     def continuations(self, prompts: list[list[int]]) -> list[list[int]]:
         return [self.by_prompt[tuple(p)] for p in prompts]
@@ -79,3 +83,35 @@ def keep_rate(stats: dict) -> float | None:
     per_pos = stats.get("accepted_per_position") or []
     reached = stats["num_drafts"] + sum(per_pos[:-1])
     return sum(per_pos) / reached if reached else None
+
+
+class LearningReplay(ReplayDrafter):
+    """The replay drafter inside a server (`bench serve --replay-acceptance`), where the prompts
+    arrive over HTTP: a prompt never seen before (its first `prompt_len` tokens) starts an empty
+    continuation, which the engine's emitted tokens fill as it asks for drafts; so a first pass of
+    the load proposes nothing and learns every request's greedy path, a second learns the verify
+    path's own rounding (dummy weights' near ties, see above), and the timed pass replays it."""
+
+    def __init__(self, acceptance: float, prompt_len: int, seed: int = 0) -> None:
+        if prompt_len < 1:
+            raise ValueError("the served replay drafter needs the prompts' length")
+        super().__init__([], [], acceptance, 0, seed)
+        self.lengths = [prompt_len]
+
+    def _miss(self, token: int) -> int:
+        return token - 1 if token > 0 else token + 1         # a neighbour: in the vocabulary, not its size
+
+    def _continuation(self, history: list[int]) -> tuple[list[int], int] | None:
+        n = self.lengths[0]
+        if len(history) < n:
+            return None
+        cont = self.by_prompt.setdefault(tuple(history[:n]), [])
+        return cont, len(history) - n
+
+
+def served_proposer() -> LearningReplay:
+    """The factory `tokenforge serve` calls when TOKENFORGE_DRAFT_PROPOSER names it (set by the bench)."""
+    from tokenforge import envs  # noqa: PLC0415
+
+    acceptance, prompt_len = envs.replay_settings()
+    return LearningReplay(acceptance, prompt_len)

@@ -263,15 +263,17 @@ def _print(result: dict) -> None:
 
 
 @contextlib.contextmanager
-def _launched(flags: str | None, url: str, startup_timeout: float = 1800.0):
-    """Yield the URL to benchmark: `url`, or that of a server started with `flags` and stopped after."""
+def _launched(flags: str | None, url: str, startup_timeout: float = 1800.0, env: dict[str, str] | None = None):
+    """Yield the URL to benchmark: `url`, or that of a server started with `flags` (and `env`) and
+    stopped after."""
     if flags is None:
         yield url
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "tokenforge.cli", "serve", *shlex.split(flags), "--port", str(port)])
+    proc = subprocess.Popen([sys.executable, "-m", "tokenforge.cli", "serve", *shlex.split(flags), "--port", str(port)],
+                            env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout
@@ -356,11 +358,17 @@ def _bench(args: argparse.Namespace, url: str, ceilings: dict | None = None) -> 
     result = {"workload": "W4", "url": url, "served_model": model, "launch": getattr(args, "launch", None),
               "flags": launch_flags(getattr(args, "launch", None)), **measured, "ceilings": ceilings,
               "floor": _floor(args, model, measured, ceilings)}
+    save_and_print(args, model, result, f"rate-{_opt(args, 'request_rate'):g}")
+    return result
+
+
+def save_and_print(args: argparse.Namespace, model: str, result: dict, tail: str) -> None:
+    """The results JSON (with --out / --results-dir; its variant from the launch flags and `tail`),
+    then the table."""
     if getattr(args, "out", None) or getattr(args, "results_dir", None):
         from tokenforge.bench.lib import report  # noqa: PLC0415
 
         parts = [f"{k}-{v}" for k, v in result["flags"].items() if v not in (None, "auto")]
-        variant = "-".join([*parts, f"rate-{_opt(args, 'request_rate'):g}"])
-        report.save({**report.new_result("W4", model, "server"), **result, "variant": variant}, args)
-    _print(result)
-    return result
+        variant = "-".join([*parts, tail])
+        report.save({**report.new_result(result["workload"], model, "server"), **result, "variant": variant}, args)
+    _print(result.get("speculative", result))
