@@ -12,6 +12,7 @@
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
 #   moe-tests   the fused MoE kernel GPU tests (tests/kernels/test_moe.py)
+#   serving-step  bench kernels --part serving_step (the linears at M 1-512 and ragged decode attention against their floors)
 #   spec-serve  bench serve at 1 req/s, 30 x 1024/1024, the replay drafter (a = 0.8, K = 4) against no speculation
 #   w4-rates    one server (8B, dummy), bench serve at 16, 8 and 4 req/s, 300 x 1024/1024 each (the floor from ceilings measured first)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
@@ -62,6 +63,8 @@ PY
   attn-tests) step attn-tests 200 python3 -m pytest -q --timeout 180 -p no:cacheprovider tests/kernels/test_triton_backend.py \
                 tests/kernels/test_paged_attention.py tests/kernels/test_sliding_window.py tests/kernels/test_attention_sinks.py \
                 tests/kernels/test_fp8_kv.py tests/executor/test_compile_watch_gpu.py ;;
+  serving-step) STEP_TAIL=30 step serving-step 200 python3 -m tokenforge.bench kernels --part serving_step --out "$W/ss"
+                cp "$W/ss/kernels_serving_step.json" "$OUT/" ;;
   spec-serve) step spec-serve 400 python3 -m tokenforge.bench serve --launch "$M8 --log-level warning --speculative-method ngram \
                 --num-speculative-tokens 4" --replay-acceptance 0.8 --request-rate 1 --num-prompts ${SPEC_N:-30} --seed 7 \
                 --input-len 1024 --output-len 1024 --results-dir "$W/spec-serve"; keep "$W/spec-serve" spec-serve ;;

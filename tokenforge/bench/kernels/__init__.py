@@ -8,7 +8,10 @@ GEMVs. quant (quant.py): the quantized GEMVs, into OUT/kernels_quant.json. quant
 the split-K decode kernels of the quantized linears against their peers on the 8B and 70B shapes at
 M = 1-16, into OUT/kernels_qsweep.json, and the measured kernel table OUT/quant_table.json. moe
 (moe.py): the fused MoE at decode batches 1-16 on real expert shapes, into OUT/kernels_moe.json;
-moe_tiles (moe_tiles.py): its tile candidates at batch 1 and 16, into OUT/kernels_moe_tiles.json. `--smoke` runs tiny
+moe_tiles (moe_tiles.py): its tile candidates at batch 1 and 16, into OUT/kernels_moe_tiles.json. serving_step
+(serving_step.py): a decode step at serving batch sizes, a decoder layer's four linears as the
+engine runs them at M = 1-512 and decode attention over ragged contexts, against their floors,
+into OUT/kernels_serving_step.json. `--smoke` runs tiny
 shapes on the CPU through Triton's interpreter (set TRITON_INTERPRET=1) to check the script.
 The torch and Triton imports wait until the bench runs (the parser is built by `tokenforge --help`).
 """
@@ -18,7 +21,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep")
+PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep", "serving_step")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -103,9 +103,9 @@ def _git_commit() -> str | None:
         return None
 
 
-def save_result(out_dir: str, result: dict) -> None:
+def save_result(out_dir: str, result: dict, name: str = "kernels.json") -> None:
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    (Path(out_dir) / "kernels.json").write_text(json.dumps(result, indent=1))
+    (Path(out_dir) / name).write_text(json.dumps(result, indent=1))
 
 
 def print_table(r: dict) -> None:
