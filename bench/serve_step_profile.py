@@ -23,6 +23,7 @@ import torch
 
 from tokenforge import LLM, SamplingParams
 from tokenforge.bench.lib import ceilings as ceilings_lib, serve_floor, workloads
+from tokenforge.executor.executor import device_busy
 
 FAMILIES = (   # first match wins: (family, substrings of the kernel name)
     ("decode_attention", ("_decode_split", "_decode_reduce")),
@@ -39,11 +40,6 @@ FAMILIES = (   # first match wins: (family, substrings of the kernel name)
 def family(name: str) -> str:
     low = name.lower()
     return next((fam for fam, keys in FAMILIES if any(k in low for k in keys)), "other")
-
-
-def pct(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.5) - 1))] if ordered else None
 
 
 def main() -> None:
@@ -138,12 +134,11 @@ def main() -> None:
     engine.drain()
     wall = time.perf_counter() - start
 
-    ttft = [(first[r] - gaps[index[r]]) * 1000 for r in first]
-    tpot = [(last[r] - first[r]) / (count[r] - 1) * 1000 for r in first if count[r] > 1]
+    ttft = [first[r] - gaps[index[r]] for r in first]
+    tpot = [(last[r] - first[r]) / (count[r] - 1) for r in first if count[r] > 1]
     result = {"args": vars(args), "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "wall_s": wall, "steps": len(steps), "output_tok_s": sum(count.values()) / wall,
-              "ttft_ms": {"p50": pct(ttft, 0.5), "p99": pct(ttft, 0.99)},
-              "tpot_ms": {"p50": pct(tpot, 0.5), "p99": pct(tpot, 0.99)}, "ceilings": ceil,
+              "ttft_ms": serve_floor.latency_ms(ttft), "tpot_ms": serve_floor.latency_ms(tpot), "ceilings": ceil,
               "num_preemptions": engine.get_stats().num_preemptions}
     if ceil:
         floor = serve_floor.floor_for_run([], cfg, ceil, gaps, args.input_len, args.output_len)
@@ -212,18 +207,7 @@ def step_kinds(events) -> dict:
 
 def window_summary(prof, prof_steps, span, composition, start) -> dict:
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    intervals = sorted((e.time_range.start, e.time_range.end) for e in events)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in intervals:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    dev_span = (intervals[-1][1] - intervals[0][0]) if intervals else 0.0
+    busy = device_busy(events) or {"busy_ms": 0.0, "span_ms": 0.0, "busy_frac": None}
     by_family, by_name = defaultdict(float), defaultdict(lambda: [0.0, 0])
     for e in events:
         dur = e.time_range.end - e.time_range.start
@@ -238,9 +222,9 @@ def window_summary(prof, prof_steps, span, composition, start) -> dict:
     between = [(prof_steps[i + 1][0] - prof_steps[i][1]) * 1000 for i in range(n - 1)]
     return {
         "steps": n, "span_ms": (span[1] - span[0]) * 1000, "ms_per_step": (span[1] - span[0]) * 1000 / n,
-        "device_span_ms": dev_span / 1000, "device_busy_ms": busy / 1000,
-        "device_busy_share": busy / dev_span if dev_span else None,
-        "step_call_ms": {"p50": pct(walls, 0.5), "max": max(walls)}, "between_calls_ms": {"p50": pct(between, 0.5)},
+        "device_span_ms": busy["span_ms"], "device_busy_ms": busy["busy_ms"], "device_busy_share": busy["busy_frac"],
+        "step_call_ms": {"p50": serve_floor.latency_ms([w / 1000 for w in walls])["p50"], "max": max(walls)},
+        "between_calls_ms": {"p50": serve_floor.latency_ms([b / 1000 for b in between])["p50"]},
         "decodes_mean": sum(d for d, _ in comp) / max(1, len(comp)),
         "prefill_tokens_mean": sum(p for _, p in comp) / max(1, len(comp)),
         "composition": comp,

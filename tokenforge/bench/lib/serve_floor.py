@@ -56,19 +56,21 @@ class Floor:
     steps: int = 0
 
     def summary(self) -> dict:
-        return {"ttft_ms": _pcts(self.ttft_s), "tpot_ms": _pcts(self.tpot_s), "duration_s": self.duration_s,
+        return {"ttft_ms": latency_ms(self.ttft_s), "tpot_ms": latency_ms(self.tpot_s), "duration_s": self.duration_s,
                 "steps": self.steps}
 
 
-def _pcts(values: list[float]) -> dict:
+def latency_ms(values: list[float]) -> dict:
+    """Mean, p50 and p99 (nearest rank) of `values` in seconds, as milliseconds; None when empty.
+    The one percentile rule of the serving benches, so a run and its floor compare like for like."""
     ordered = sorted(values)
     if not ordered:
-        return {"p50": None, "p99": None}
+        return {"mean": None, "p50": None, "p99": None}
 
     def pct(q: float) -> float:
         return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000
 
-    return {"p50": pct(0.50), "p99": pct(0.99)}
+    return {"mean": sum(ordered) / len(ordered) * 1000, "p50": pct(0.50), "p99": pct(0.99)}
 
 
 def step_seconds(shape: ModelShape, device: Device, weight_bytes: float, kv_bytes: float,
@@ -166,4 +168,4 @@ def floor_for_run(serve_words: list[str], model_config: dict | None, ceilings: d
             "max_num_seqs": engine.max_num_seqs}
 
 
-__all__ = ["Device", "Engine", "Floor", "flag", "floor_for_run", "simulate", "step_seconds"]
+__all__ = ["Device", "Engine", "Floor", "flag", "floor_for_run", "latency_ms", "simulate", "step_seconds"]

@@ -28,7 +28,6 @@ import math
 import random
 import shlex
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from dataclasses import dataclass
 
 import httpx
 
+from tokenforge.bench.lib.serve_floor import latency_ms
 from tokenforge.bench.serving.sse_client import DEFAULT_TIMEOUT_S, Endpoint, RequestResult, _one
 
 DEFAULTS = {"url": "http://127.0.0.1:8000", "api_key": None, "model": None, "num_prompts": 300,
@@ -220,17 +220,6 @@ async def run_load(url: str, model: str, load: Load, warm_up: bool = True) -> di
             **summarize(results, duration, load.input_len)}
 
 
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {"mean": None, "p50": None, "p99": None}
-    ordered = sorted(values)
-
-    def pct(q: float) -> float:
-        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))] * 1000
-
-    return {"mean": statistics.fmean(ordered) * 1000, "p50": pct(0.50), "p99": pct(0.99)}
-
-
 def summarize(results: list[RequestResult], duration: float, input_len: int) -> dict:
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
@@ -241,8 +230,8 @@ def summarize(results: list[RequestResult], duration: float, input_len: int) -> 
         "duration_s": duration, "output_tokens": out_tokens,
         "request_per_s": len(done) / duration, "output_tok_per_s": out_tokens / duration,
         "total_tok_per_s": (out_tokens + input_len * len(done)) / duration,
-        "ttft_ms": _percentiles([r.ttft for r in done]), "tpot_ms": _percentiles(tpot),
-        "itl_ms": _percentiles([gap for r in done for gap in r.itl]), "e2e_ms": _percentiles([r.e2e for r in done]),
+        "ttft_ms": latency_ms([r.ttft for r in done]), "tpot_ms": latency_ms(tpot),
+        "itl_ms": latency_ms([gap for r in done for gap in r.itl]), "e2e_ms": latency_ms([r.e2e for r in done]),
     }
 
 
