@@ -108,3 +108,39 @@ def test_one_row_takes_the_fused_gemv_and_agrees_with_the_hook():
         use_gemv_kernels(True)
     for a, b in zip(fused, unfused):       # bf16, rounded at different points (the hook rounds y first)
         assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 3e-2
+
+
+@torch.no_grad()
+def test_deferred_deltas_reach_the_norm_and_the_swiglu():
+    """o_proj's and gate_up's one-row deltas left for the kernels after them (Linear.forward_deferred:
+    the post-attention norm and the SwiGLU add them) agree with the hook after cuBLAS, and really
+    were deferred (the hook is not called, a delta comes back)."""
+    with torch.device("cuda"):
+        o = _slotted(RowParallelLinear(512, 512, params_dtype=torch.bfloat16))
+        gate_up = _slotted(MergedColumnParallelLinear(512, [768, 768], params_dtype=torch.bfloat16))
+        down = _slotted(RowParallelLinear(768, 512, params_dtype=torch.bfloat16))
+        norm = RMSNorm(512, 1e-6, torch.bfloat16)
+        torch.nn.init.normal_(norm.weight, mean=1.0, std=0.1)
+        x, residual = torch.randn(1, 512, dtype=torch.bfloat16), torch.randn(1, 512, dtype=torch.bfloat16)
+
+    def run(expect_deferred: bool):
+        with set_forward_context(None, lora_indices=torch.tensor([1], device="cuda")):
+            h, pending = o.forward_deferred(x)
+            assert (pending is not None) == expect_deferred
+            g, r, pending = gate_up.forward_normed_deferred(norm, h, residual.clone(), pending)
+            assert (pending is not None) == expect_deferred
+            return r, down.forward_silu_mul(SiluAndMul(), g, pending)
+
+    hooks = [m.lora.forward for m in (o, gate_up, down)]
+    for m in (o, gate_up):
+        m.lora.forward = None                      # calling the hook would fail: the kernels add the delta
+    deferred = run(True)
+    for m, hook in zip((o, gate_up, down), hooks):
+        m.lora.forward = hook
+    use_gemv_kernels(False)
+    try:
+        unfused = run(False)
+    finally:
+        use_gemv_kernels(True)
+    for a, b in zip(deferred, unfused):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 3e-2

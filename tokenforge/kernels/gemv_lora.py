@@ -23,6 +23,11 @@ Measured and dropped:
   against 7.60 for these two launches in the same process, the GEMV itself 29% slower;
 - the expand launched without PDL (round 9): 7.87 against 7.43 ms a token.
 
+Deferred (`gemv_lora_deferred`): the GEMV launch alone, its delta left as a `LoRADelta` for the
+kernel after to add as it loads y (kernels/lora_delta.py: the norm after o_proj, the SwiGLU after
+gate_up), so the expand's launch and its place in the chain of dependent kernels go;
+`add_lora_delta` is the expand for a consumer that cannot.
+
 `gemv_lora_ref` is the torch computation (gemv.py's reference, then kernels/lora.py's).
 """
 
@@ -36,6 +41,7 @@ from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .activation import silu_and_mul_ref
 from .gemv import NORM, PLAIN, SILU_MUL, _fma, _row_rstd, _x_chunk, gemv_config
 from .lora import lora_reference
+from .lora_delta import LoRADelta
 from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 
 
@@ -175,8 +181,8 @@ def _expand_row_kernel(shrunk_ptr, lb_ptr, scale_ptr, idx_ptr, y_ptr, N, stride_
 
 
 def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA,
-            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+            defer: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, LoRADelta | None]:
     require_triton(x, weight, lora.lora_a, lora.lora_b)
     assert x.dim() == 2 and x.shape[0] == 1 and weight.stride(1) == 1
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -195,7 +201,6 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     shrink_programs = triton.cdiv(packed_rank, cfg.block_n)
     shrunk = torch.empty(packed_rank, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
-    bounds = [sum(lora.slices[:i + 1]) for i in range(len(lora.slices))] + [n] * 2
     _gemv_shrink_kernel[(triton.cdiv(n, cfg.block_n) + shrink_programs,)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight, weight,
         bias if bias is not None else weight, y, new_residual if new_residual is not None else x,
@@ -205,11 +210,24 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         launch_pdl=pdl,
     )
+    delta = LoRADelta(shrunk, lora.lora_b, lora.scale, lora.indices, lora.slices)
+    if defer:
+        return y, new_residual, delta
+    add_lora_delta(y, delta, pdl and EXPAND_PDL)
+    return y, new_residual, None
+
+
+def add_lora_delta(y: torch.Tensor, delta: LoRADelta, pdl: bool | None = None) -> torch.Tensor:
+    """The expand launch: y [1, N] += its deferred delta, in place (a consumer that cannot add it)."""
+    require_triton(y, delta.lora_b)
+    n, rank = y.shape[1], delta.lora_b.shape[2]
+    pdl = use_pdl(y) if pdl is None else pdl
+    slice1, slice2 = delta.bounds()
     block = max(32, 2048 // rank)
     _expand_row_kernel[(triton.cdiv(n, block),)](
-        shrunk, lora.lora_b, lora.scale, lora.indices, y, n, lora.lora_b.stride(0), RANK=rank, SLICE1=bounds[0],
-        SLICE2=bounds[1], BLOCK=block, USE_PDL=pdl and EXPAND_PDL, num_warps=4, launch_pdl=pdl and EXPAND_PDL)
-    return y, new_residual
+        delta.shrunk, delta.lora_b, delta.scale, delta.indices, y, n, delta.lora_b.stride(0), RANK=rank,
+        SLICE1=slice1, SLICE2=slice2, BLOCK=block, USE_PDL=pdl, num_warps=4, launch_pdl=pdl)
+    return y
 
 
 def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA) -> torch.Tensor:
@@ -217,11 +235,19 @@ def gemv_lora(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, 
     return _launch(PLAIN, x, weight, bias, lora)[0]
 
 
+def gemv_lora_deferred(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       lora: GemvLoRA, residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                       eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None, LoRADelta]:
+    """One launch: y without its delta, (the norm prologue's new residual), and the delta for the
+    kernel after to add (kernels/lora_delta.py; `add_lora_delta` where that kernel cannot)."""
+    return _launch(prologue, x, weight, bias, lora, residual, norm_weight, eps, defer=True)
+
+
 def add_rms_norm_gemv_lora(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            weight: torch.Tensor, bias: torch.Tensor | None, lora: GemvLoRA
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """gemv.add_rms_norm_gemv with the delta of the normed input added: (y [1, N], new residual)."""
-    y, new_residual = _launch(NORM, x, weight, bias, lora, residual, norm_weight, eps)
+    y, new_residual, _ = _launch(NORM, x, weight, bias, lora, residual, norm_weight, eps)
     return y, (new_residual if new_residual is not None else x)
 
 
@@ -231,4 +257,5 @@ def silu_mul_gemv_lora(gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.
     return _launch(SILU_MUL, gate_up, weight, bias, lora)[0]
 
 
-__all__ = ["GemvLoRA", "add_rms_norm_gemv_lora", "gemv_lora", "gemv_lora_ref", "silu_mul_gemv_lora"]
+__all__ = ["GemvLoRA", "add_lora_delta", "add_rms_norm_gemv_lora", "gemv_lora", "gemv_lora_deferred", "gemv_lora_ref",
+           "silu_mul_gemv_lora"]

@@ -6,7 +6,10 @@ positions [T] int, cos_sin_cache [max_pos, D] fp32 holding cos in [:, :D/2] and 
 Out: q and k rotated in place. Optionally the same launch also stores the rotated k and v into
 the paged KV cache (saves a kernel per layer in decode, where launches dominate), and first
 RMS-normalises each q and k head with its own weight (Qwen3's q_norm / k_norm: two launches a
-layer fewer), rounding as the separate RMSNorm kernel does.
+layer fewer), rounding as the separate RMSNorm kernel does. With `delta` (a one-row step's LoRA
+delta of the qkv projection, left by it: kernels/lora_delta.py) q, k and v are first the
+projection's output plus its delta (v written back too), one program per KV head then, so each
+holds only its heads' rows of B.
 """
 
 import math
@@ -16,6 +19,7 @@ import torch
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .kv_quant import is_fp8
 from .kv_store import fp8_code
+from .lora_delta import LoRADelta, add_delta_2d, delta_b_2d
 from .rms_norm import rms_norm_ref
 
 
@@ -107,27 +111,62 @@ def _head_norm(x1, x2, w_ptr, eps, HALF: tl.constexpr):
 
 
 @triton.jit
+def _head_delta_b(head0, lb_ptr, li_ptr, stride_lb, col0, n, HEADS_PAD: tl.constexpr, HALF: tl.constexpr,
+                  RANK: tl.constexpr):
+    """B rows of both halves of heads head0.. (their columns from col0 in the qkv output)."""
+    cols = col0 + (head0 + tl.arange(0, HEADS_PAD))[:, None] * (2 * HALF) + tl.arange(0, HALF)[None, :]
+    return delta_b_2d(cols, lb_ptr, li_ptr, stride_lb, n, RANK), delta_b_2d(cols + HALF, lb_ptr, li_ptr, stride_lb, n,
+                                                                           RANK), cols
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, pos_ptr, cache_ptr,
     v_ptr, kv_ptr, slot_ptr, scale_ptr, qw_ptr, kw_ptr, eps,
+    sh_ptr, lb_ptr, ls_ptr, li_ptr, stride_lb,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_cache,
     stride_vt, stride_vh, stride_c_kv, stride_c_slot, stride_c_head,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_PAD: tl.constexpr, KV_PAD: tl.constexpr,
     HALF: tl.constexpr, STORE_KV: tl.constexpr, KV_FP8: tl.constexpr, HEAD_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, HAS_DELTA: tl.constexpr, RANK: tl.constexpr, Q_TOTAL: tl.constexpr,
+    KV_TOTAL: tl.constexpr,
 ):
+    """Program (token, g): q heads g*NUM_Q_HEADS.. and kv heads g*NUM_KV_HEADS.. (g = 0: all of
+    them, unless a LoRA delta splits the heads by KV head)."""
+    qh0 = tl.program_id(1) * NUM_Q_HEADS
+    kh0 = tl.program_id(1) * NUM_KV_HEADS
+    if HAS_DELTA:    # B never depends on the kernels before: in flight while they drain
+        q_size = Q_TOTAL * 2 * HALF
+        kv_size = KV_TOTAL * 2 * HALF
+        n = q_size + 2 * kv_size
+        bq1, bq2, q_cols = _head_delta_b(qh0, lb_ptr, li_ptr, stride_lb, 0, n, Q_PAD, HALF, RANK)
+        bk1, bk2, k_cols = _head_delta_b(kh0, lb_ptr, li_ptr, stride_lb, q_size, n, KV_PAD, HALF, RANK)
+        bv1, bv2, v_cols = _head_delta_b(kh0, lb_ptr, li_ptr, stride_lb, q_size + kv_size, n, KV_PAD, HALF, RANK)
     if USE_PDL:  # programmatic dependent launch: wait for the producer, let the consumer launch
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     # independent loads first (q, k, position, slot), then the position-dependent cos/sin:
     # at decode sizes the kernel's time is its chain of memory round trips
-    q1, q2, q_p, q_mask = _load_halves(q_ptr + token * stride_qt, stride_qh, NUM_Q_HEADS, Q_PAD, HALF)
-    k1, k2, k_p, k_mask = _load_halves(k_ptr + token * stride_kt, stride_kh, NUM_KV_HEADS, KV_PAD, HALF)
+    q1, q2, q_p, q_mask = _load_halves(q_ptr + token * stride_qt + qh0 * stride_qh, stride_qh, NUM_Q_HEADS, Q_PAD,
+                                       HALF)
+    k1, k2, k_p, k_mask = _load_halves(k_ptr + token * stride_kt + kh0 * stride_kh, stride_kh, NUM_KV_HEADS, KV_PAD,
+                                       HALF)
     if STORE_KV:
-        v1, v2, _, _ = _load_halves(v_ptr + token * stride_vt, stride_vh, NUM_KV_HEADS, KV_PAD, HALF)
+        v1, v2, v_p, _ = _load_halves(v_ptr + token * stride_vt + kh0 * stride_vh, stride_vh, NUM_KV_HEADS, KV_PAD,
+                                      HALF)
         slot = tl.load(slot_ptr + token).to(tl.int64)
     pos = tl.load(pos_ptr + token).to(tl.int64)
+    if HAS_DELTA:
+        s1, s2 = Q_TOTAL * 2 * HALF, (Q_TOTAL + KV_TOTAL) * 2 * HALF
+        q1 = add_delta_2d(q1, bq1, q_cols, sh_ptr, ls_ptr, li_ptr, RANK, s1, s2)
+        q2 = add_delta_2d(q2, bq2, q_cols + HALF, sh_ptr, ls_ptr, li_ptr, RANK, s1, s2)
+        k1 = add_delta_2d(k1, bk1, k_cols, sh_ptr, ls_ptr, li_ptr, RANK, s1, s2)
+        k2 = add_delta_2d(k2, bk2, k_cols + HALF, sh_ptr, ls_ptr, li_ptr, RANK, s1, s2)
+        v1 = add_delta_2d(v1, bv1, v_cols, sh_ptr, ls_ptr, li_ptr, RANK, s1, s2)
+        v2 = add_delta_2d(v2, bv2, v_cols + HALF, sh_ptr, ls_ptr, li_ptr, RANK, s1, s2)
+        tl.store(v_p, v1, mask=k_mask)          # the v tensor itself holds the projection's output
+        tl.store(v_p + HALF, v2, mask=k_mask)
     if HEAD_NORM:
         q1, q2 = _head_norm(q1, q2, qw_ptr, eps, HALF)
         k1, k2 = _head_norm(k1, k2, kw_ptr, eps, HALF)
@@ -138,8 +177,8 @@ def _rotary_kernel(
     k1, k2 = _rotate_store(k1, k2, k_p, k_mask, cos, sin, HALF)
     if STORE_KV:
         if slot >= 0:
-            _store_rotated(kv_ptr + slot * stride_c_slot, k1, k2, v1, v2, k_mask, scale_ptr, stride_c_kv,
-                           stride_c_head, KV_PAD, HALF, KV_FP8)
+            _store_rotated(kv_ptr + slot * stride_c_slot + kh0 * stride_c_head, k1, k2, v1, v2, k_mask, scale_ptr,
+                           stride_c_kv, stride_c_head, KV_PAD, HALF, KV_FP8)
 
 
 @triton.jit
@@ -166,14 +205,15 @@ def _store_rotated(dst_ptr, k1, k2, v1, v2, mask, scale_ptr, stride_c_kv, stride
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                  v: torch.Tensor | None = None, kv_cache: torch.Tensor | None = None,
                  slot_mapping: torch.Tensor | None = None, kv_scales: torch.Tensor | None = None,
-                 head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 head_norms: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                 delta: LoRADelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place; returns (q, k).
 
     With v, kv_cache and slot_mapping given, also stores the rotated k and v into the cache
     (same contract as `kv_store.store_kv`, kv_scales included for an fp8 cache), so attention
     can skip its own store. `head_norms` (q weight [D], k weight [D], eps): each head is
-    RMS-normalised first (`head_norm_rotary_ref`).
+    RMS-normalised first (`head_norm_rotary_ref`). `delta`: the qkv projection's deferred LoRA
+    delta for its one row (q, k, v views of that [1, (Hq + 2 Hkv) D] output, the cache given).
     """
     require_triton(q, k, cos_sin_cache)
     num_tokens, num_q_heads, head_dim = q.shape
@@ -195,15 +235,23 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
     qw, kw, eps = head_norms if head_norms is not None else (positions, positions, 0.0)
     if num_tokens == 0:
         return q, k
-    _rotary_kernel[(num_tokens,)](
-        q, k, positions, cos_sin_cache, v, kv_cache, slot_mapping, kv_scales, qw, kw, eps,
+    groups = 1
+    if delta is not None:
+        assert store and num_tokens == 1 and num_q_heads % num_kv_heads == 0, "a qkv row's delta, the cache given"
+        assert sum(delta.slices) == (num_q_heads + 2 * num_kv_heads) * head_dim
+        groups = num_kv_heads
+    q_heads, kv_heads = num_q_heads // groups, num_kv_heads // groups
+    args = delta.kernel_args() if delta is not None else (q, q, q, q, 0)
+    _rotary_kernel[(num_tokens, groups)](
+        q, k, positions, cos_sin_cache, v, kv_cache, slot_mapping, kv_scales, qw, kw, eps, *args,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_sin_cache.stride(0),
         v.stride(0), v.stride(1),
         kv_cache.stride(0) if store else 0, kv_cache.stride(2) if store else 0,
         kv_cache.stride(3) if store else 0,
-        NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_PAD=next_power_of_2(num_q_heads),
-        KV_PAD=next_power_of_2(num_kv_heads), HALF=head_dim // 2, STORE_KV=store, KV_FP8=fp8,
-        HEAD_NORM=head_norms is not None, USE_PDL=use_pdl(q),
-        num_warps=4, launch_pdl=use_pdl(q),
+        NUM_Q_HEADS=q_heads, NUM_KV_HEADS=kv_heads, Q_PAD=next_power_of_2(q_heads),
+        KV_PAD=next_power_of_2(kv_heads), HALF=head_dim // 2, STORE_KV=store, KV_FP8=fp8,
+        HEAD_NORM=head_norms is not None, USE_PDL=use_pdl(q), HAS_DELTA=delta is not None,
+        RANK=delta.lora_b.shape[2] if delta is not None else 16, Q_TOTAL=num_q_heads, KV_TOTAL=num_kv_heads,
+        num_warps=4 if delta is None else 8, launch_pdl=use_pdl(q),
     )
     return q, k

@@ -10,9 +10,11 @@ from tokenforge.model.layers.kernel_dispatch import triton_ops
 
 
 class SiluAndMul(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pending=None) -> torch.Tensor:
+        """`pending`: a LoRA delta x still owes (kernels/lora_delta.py, left by the gate_up
+        projection, only on the Triton path), added as the kernel loads x."""
         ops = triton_ops(x.device)
         if ops is not None:
-            return ops.silu_and_mul(x)
+            return ops.silu_and_mul(x, delta=pending)
         gate, up = x.chunk(2, dim=-1)       # [T, I] each
         return F.silu(gate).mul_(up)        # one [T, I] temporary instead of two

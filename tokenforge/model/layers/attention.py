@@ -86,22 +86,31 @@ class Attention(nn.Module):
             amax = torch.stack([k.detach().abs().amax(), v.detach().abs().amax()]).float()
             torch.maximum(self.kv_amax, amax, out=self.kv_amax)
 
+    def rotary_fused(self, q: torch.Tensor) -> bool:
+        """Whether forward_with_rotary takes the one-kernel path (Triton: head norms, rotary and the
+        cache store in one launch; the only one that can add a pending LoRA delta)."""
+        return (triton_ops(q.device) is not None and get_forward_context().attn_metadata is not None
+                and getattr(self.backend, "name", "") == "triton" and self.head_dim & (self.head_dim - 1) == 0
+                and self.kv_rotation is None)
+
     def forward_with_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            rotary: nn.Module, head_norms: tuple[nn.Module, nn.Module] | None = None) -> torch.Tensor:
+                            rotary: nn.Module, head_norms: tuple[nn.Module, nn.Module] | None = None,
+                            pending=None) -> torch.Tensor:
         """Rotary then attention, each q and k head RMS-normalised first when `head_norms` (q_norm,
         k_norm: Qwen3) are given. On the Triton path one kernel normalises, rotates q/k and stores
-        k/v into the cache, so attention skips its own store: up to three launches a layer fewer."""
+        k/v into the cache, so attention skips its own store: up to three launches a layer fewer.
+        `pending`: the qkv projection's deferred LoRA delta (only where rotary_fused), added there."""
         metadata = get_forward_context().attn_metadata
-        ops = triton_ops(q.device)
-        if (ops is not None and metadata is not None and getattr(self.backend, "name", "") == "triton"
-                and self.head_dim & (self.head_dim - 1) == 0 and self.kv_rotation is None):
+        if self.rotary_fused(q):
             norms = None if head_norms is None else (head_norms[0].weight, head_norms[1].weight, head_norms[0].eps)
-            ops.apply_rotary(q, k, positions, rotary.cos_sin_cache, v=v, kv_cache=self.kv_cache,
-                             slot_mapping=metadata.slot_mapping, kv_scales=self.kv_scales, head_norms=norms)
+            triton_ops(q.device).apply_rotary(q, k, positions, rotary.cos_sin_cache, v=v, kv_cache=self.kv_cache,
+                                              slot_mapping=metadata.slot_mapping, kv_scales=self.kv_scales,
+                                              head_norms=norms, delta=pending)
             self._observe(k, v)
             out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, kv_stored=True,
                                        **self._per_call())
             return out.reshape(q.shape[0], self.num_heads * self.head_dim)
+        assert pending is None, "a pending LoRA delta needs the fused rotary path"
         if head_norms is not None:
             q = head_norms[0](q.reshape(-1, self.head_dim)).view(q.shape)     # per head: [T * Hq, D]
             k = head_norms[1](k.reshape(-1, self.head_dim)).view(k.shape)

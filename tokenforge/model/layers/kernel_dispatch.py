@@ -63,6 +63,9 @@ def _load_triton_ops() -> SimpleNamespace | None:
         gemv_lora=gemv_lora.gemv_lora,
         add_rms_norm_gemv_lora=gemv_lora.add_rms_norm_gemv_lora,
         silu_mul_gemv_lora=gemv_lora.silu_mul_gemv_lora,
+        gemv_lora_deferred=gemv_lora.gemv_lora_deferred,
+        add_lora_delta=gemv_lora.add_lora_delta,
+        prologues=SimpleNamespace(plain=gemv.PLAIN, norm=gemv.NORM, silu_mul=gemv.SILU_MUL),
     )
 
 

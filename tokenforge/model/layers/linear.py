@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenforge.model.layers.kernel_dispatch import triton_ops
 from tokenforge.model.layers.parallel import all_reduce, divide, new_parameter
 
 
@@ -118,10 +119,29 @@ class LinearBase(nn.Module):
         return fused[0] if fused is not None else self.lora(x, self.quant_method.apply(self, x, bias))
 
     def _apply_lora(self, x: torch.Tensor, bias: torch.Tensor | None, norm: nn.Module | None = None,
-                    residual: torch.Tensor | None = None, silu_mul: bool = False):
-        """The method's own kernels for the (prologue +) product + the hook's delta, or None."""
+                    residual: torch.Tensor | None = None, silu_mul: bool = False, defer: bool = False):
+        """The method's own kernels for the (prologue +) product + the hook's delta: (y, new
+        residual, delta left for the consumer or None), or None."""
         lora = self.lora.fused_operand()
-        return None if lora is None else self.quant_method.apply_lora(self, x, bias, lora, norm, residual, silu_mul)
+        return None if lora is None else self.quant_method.apply_lora(self, x, bias, lora, norm, residual, silu_mul,
+                                                                      defer)
+
+    def forward_deferred(self, x: torch.Tensor):
+        """(self(x), None), or (y, delta) where the method's kernels left y's LoRA delta for the kernel
+        that reads y next to add (kernels/lora_delta.py: RMSNorm and SiluAndMul take it as `pending`;
+        anything else must first call `add_pending`). Never deferred across a row-parallel all-reduce."""
+        if self.lora is not None and not (self.input_is_parallel and self.tp_size > 1):
+            fused = self._apply_lora(x, self.bias if self.tp_rank == 0 else None, defer=True)
+            if fused is not None:
+                return fused[0], fused[2]
+        return self(x), None
+
+
+def add_pending(y: torch.Tensor, pending) -> torch.Tensor:
+    """y with a deferred LoRA delta added (its expand launch), for a consumer that cannot fuse it."""
+    if pending is None:
+        return y
+    return triton_ops(y.device).add_lora_delta(y, pending)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -157,11 +177,30 @@ class ColumnParallelLinear(LinearBase):
         fused = (self.quant_method.apply_normed(self, x, residual, norm, self.bias) if self.lora is None
                  else self._apply_lora(x, self.bias, norm, residual))
         if fused is not None:
-            return fused
+            return fused[:2]
         if residual is None:
             return self(norm(x)), x
         h, residual = norm(x, residual)
         return self(h), residual
+
+    def forward_normed_deferred(self, norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, pending
+                                ) -> tuple[torch.Tensor, torch.Tensor, object | None]:
+        """forward_normed where x may still owe a LoRA delta (`pending`, from its producer's
+        forward_deferred: the norm adds it) and y's own delta may be left to its consumer: (y, new
+        residual, delta or None)."""
+        if pending is None and self.lora is None:
+            return (*self.forward_normed(norm, x, residual), None)
+        if pending is None:
+            fused = self._apply_lora(x, self.bias, norm, residual, defer=True)
+            if fused is not None:
+                return fused[0], (fused[1] if fused[1] is not None else x), fused[2]
+        if residual is None:                   # x is the residual stream: it takes the delta itself
+            x = add_pending(x, pending)
+            h, residual = norm(x), x
+        else:
+            h, residual = norm(x, residual, pending=pending)
+        y, delta = self.forward_deferred(h)
+        return y, residual, delta
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -252,9 +291,12 @@ class RowParallelLinear(LinearBase):
         y = self._project(x, self.bias if self.tp_rank == 0 else None)    # [T, out]
         return all_reduce(y) if self.tp_size > 1 else y
 
-    def forward_silu_mul(self, act_fn: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(self, act_fn: nn.Module, gate_up: torch.Tensor, pending=None) -> torch.Tensor:
         """self(act_fn(gate_up)) for gate_up [T, 2 * in_per_rank] = [gate | up] and act_fn a
-        SiluAndMul; one fused kernel where the method has one."""
+        SiluAndMul; one fused kernel where the method has one. `pending`: gate_up's LoRA delta,
+        left by its projection (forward_deferred) for the activation to add."""
+        if pending is not None:
+            return self(act_fn(gate_up, pending=pending))
         bias = self.bias if self.tp_rank == 0 else None
         if self.lora is None:
             y = self.quant_method.apply_silu_mul(self, gate_up, bias)

@@ -19,13 +19,15 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = new_parameter(hidden_size, dtype=params_dtype, weight_loader=default_weight_loader)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, pending=None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`pending`: a LoRA delta x still owes (kernels/lora_delta.py, left by the projection that
+        made x, only on the Triton path), added as the kernel loads x."""
         ops = triton_ops(x.device)
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps) if ops else self._norm(x)
+            return ops.rms_norm(x, self.weight, self.eps, delta=pending) if ops else self._norm(x)
         if ops is not None:
-            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return ops.fused_add_rms_norm(x, residual, self.weight, self.eps, delta=pending)
         x = x + residual                        # [T, H] the new residual stream
         return self._norm(x), x
 

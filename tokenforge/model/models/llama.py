@@ -22,6 +22,7 @@ from tokenforge.model.layers import (
     RowParallelLinear,
     SiluAndMul,
 )
+from tokenforge.model.layers.linear import add_pending
 from tokenforge.model.models.decoder import CheckpointedLayer, DecoderForCausalLM
 from tokenforge.model.registry import register
 
@@ -56,8 +57,20 @@ class LlamaAttention(nn.Module):
 
     def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
         """qkv [T, (Hq + 2 Hkv) * D], the projection's output -> o_proj output [T, H]."""
+        return self.o_proj(self.attention(positions, qkv))
+
+    def attend_deferred(self, positions: torch.Tensor, qkv: torch.Tensor, pending=None):
+        """attend, where qkv may still owe its LoRA delta (`pending`, added in the rotary launch) and
+        o_proj's may be left for the norm after (Linear.forward_deferred): (o_proj output [T, H],
+        delta or None)."""
+        if pending is not None and not self.attn.rotary_fused(qkv):
+            qkv, pending = add_pending(qkv, pending), None
+        return self.o_proj.forward_deferred(self.attention(positions, qkv, pending))
+
+    def attention(self, positions: torch.Tensor, qkv: torch.Tensor, pending=None) -> torch.Tensor:
+        """qkv [T, (Hq + 2 Hkv) * D] -> the heads' attention output [T, Hq * D] (o_proj's input)."""
         q, k, v = self.split_heads(qkv)
-        return self.o_proj(self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb))   # [T, H]
+        return self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, pending=pending)
 
 
 class LlamaMLP(nn.Module):
@@ -72,9 +85,10 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(self.gate_up_proj(x))
 
-    def down(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up [T, 2I] -> down_proj(silu(gate) * up) [T, H], fused at decode sizes."""
-        return self.down_proj.forward_silu_mul(self.act_fn, gate_up)
+    def down(self, gate_up: torch.Tensor, pending=None) -> torch.Tensor:
+        """gate_up [T, 2I] -> down_proj(silu(gate) * up) [T, H], fused at decode sizes; `pending`:
+        gate_up's LoRA delta, left by its projection for the activation to add."""
+        return self.down_proj.forward_silu_mul(self.act_fn, gate_up, pending)
 
 
 class LlamaDecoderLayer(CheckpointedLayer):
@@ -92,10 +106,13 @@ class LlamaDecoderLayer(CheckpointedLayer):
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [T, H] and the residual stream (None before the first layer) -> both after the layer."""
         attn = self.self_attn
-        qkv, residual = attn.qkv_proj.forward_normed(self.input_layernorm, hidden, residual)
-        hidden = attn.attend(positions, qkv)
-        gate_up, residual = self.mlp.gate_up_proj.forward_normed(self.post_attention_layernorm, hidden, residual)
-        return self.mlp.down(gate_up), residual
+        # a one-row step's LoRA deltas of qkv, o_proj and gate_up are added by the kernels after
+        # them (rotary, the norm, the SwiGLU: kernels/lora_delta.py), not by launches of their own
+        qkv, residual, pending = attn.qkv_proj.forward_normed_deferred(self.input_layernorm, hidden, residual, None)
+        hidden, pending = attn.attend_deferred(positions, qkv, pending)
+        gate_up, residual, pending = self.mlp.gate_up_proj.forward_normed_deferred(
+            self.post_attention_layernorm, hidden, residual, pending)
+        return self.mlp.down(gate_up, pending), residual
 
 
 @register("LlamaForCausalLM", model_type="llama")

@@ -19,11 +19,11 @@ class Qwen3Attention(LlamaAttention):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, dtype)
 
-    def attend(self, positions: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+    def attention(self, positions: torch.Tensor, qkv: torch.Tensor, pending=None) -> torch.Tensor:
         q, k, v = self.split_heads(qkv)
         # the head norms run in the rotary launch where the Triton path takes it (before rotary either way)
-        out = self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, head_norms=(self.q_norm, self.k_norm))
-        return self.o_proj(out)   # [T, H]
+        return self.attn.forward_with_rotary(positions, q, k, v, self.rotary_emb, head_norms=(self.q_norm, self.k_norm),
+                                             pending=pending)
 
 
 class Qwen3DecoderLayer(LlamaDecoderLayer):

@@ -64,11 +64,13 @@ class QuantMethod:
         return None
 
     def apply_lora(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None, lora,
-                   norm: nn.Module | None = None, residual: torch.Tensor | None = None, silu_mul: bool = False
-                   ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """(y, new residual) from the method's own kernels, or None: y = apply(prologue(x)) + the LoRA delta of
-        prologue(x), where the prologue is norm (as apply_normed: the new residual is returned,
-        else None), SiLU-and-mul (silu_mul) or nothing; `lora` a GemvLoRA."""
+                   norm: nn.Module | None = None, residual: torch.Tensor | None = None, silu_mul: bool = False,
+                   defer: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, object | None] | None:
+        """(y, new residual, delta) from the method's own kernels, or None: y = apply(prologue(x)) + the
+        LoRA delta of prologue(x), where the prologue is norm (as apply_normed: the new residual is
+        returned, else None), SiLU-and-mul (silu_mul) or nothing; `lora` a GemvLoRA. With `defer`
+        the method may leave the delta out of y and return it (a kernels/lora_delta.LoRADelta) for
+        the kernel after to add; else delta is None."""
         return None
 
 

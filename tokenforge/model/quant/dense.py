@@ -64,16 +64,20 @@ class DenseMethod(QuantMethod):
             return None
         return ops.silu_mul_gemv(gate_up, layer.weight, bias)
 
-    def apply_lora(self, layer, x, bias, lora, norm=None, residual=None, silu_mul=False):
+    def apply_lora(self, layer, x, bias, lora, norm=None, residual=None, silu_mul=False, defer=False):
         ops = gemv_ops(x, layer.weight) if layer.mkl_weight is None else None
         if ops is None or x.shape[0] != 1 or lora.indices.shape[0] != 1:
             return None
         if (norm is not None or silu_mul) and not ops.fuses_prologue(*layer.weight.shape):
             return None           # as apply_normed / apply_silu_mul: the layer runs the prologue first
+        if defer:
+            kind = ops.prologues.norm if norm is not None else (ops.prologues.silu_mul if silu_mul else ops.prologues.plain)
+            return ops.gemv_lora_deferred(kind, x, layer.weight, bias, lora, residual,
+                                          norm.weight if norm is not None else None, norm.eps if norm is not None else 0.0)
         if norm is not None:
-            return ops.add_rms_norm_gemv_lora(x, residual, norm.weight, norm.eps, layer.weight, bias, lora)
+            return (*ops.add_rms_norm_gemv_lora(x, residual, norm.weight, norm.eps, layer.weight, bias, lora), None)
         fn = ops.silu_mul_gemv_lora if silu_mul else ops.gemv_lora
-        return fn(x, layer.weight, bias, lora), None
+        return fn(x, layer.weight, bias, lora), None, None
 
 
 DENSE = DenseMethod()

@@ -110,7 +110,7 @@ class Fp8SimMethod(DenseMethod):
     def apply_silu_mul(self, layer, gate_up, bias):
         return None
 
-    def apply_lora(self, layer, x, bias, lora, norm=None, residual=None, silu_mul=False):
+    def apply_lora(self, layer, x, bias, lora, norm=None, residual=None, silu_mul=False, defer=False):
         return None         # the dense GEMV would skip the simulated activation quantization
 
 
