@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._triton import cdiv, require_triton, tl, triton
+from ._triton import cdiv, next_power_of_2, require_triton, tl, triton
 
 SHARED_MEMORY_BUDGET = 227 * 1024       # an H100 block's opt-in limit
 
@@ -80,7 +80,7 @@ def row_use(cfg: GemmConfig, m: int) -> float:
 def default_config(m: int, n: int, k: int) -> GemmConfig:
     """A reasonable tile without a measured table: swapped wgmma tiles for small batches."""
     if m <= 32:
-        return GemmConfig(max(16, triton.next_power_of_2(m)), 128, 128, num_stages=4, swap_ab=True)
+        return GemmConfig(max(16, next_power_of_2(m)), 128, 128, num_stages=4, swap_ab=True)
     if m <= 64:
         return GemmConfig(64, 128, 128, num_stages=3, swap_ab=True)
     return GemmConfig(128, 128, 64, num_warps=8, num_stages=4)
