@@ -159,7 +159,7 @@ def test_tiers_smoke(tmp_path):
         assert sorted(p[:8] for p in prompts[r0 * 4:(r0 + 1) * 4]) == sorted(p[:8] for p in prompts[:4])
 
 
-@pytest.mark.parametrize("part", ["attention", "gemv", "quant", "quant_sweep", "serving_step"])
+@pytest.mark.parametrize("part", ["attention", "gemv", "quant", "quant_sweep", "serving_step", "mid_gemm"])
 def test_kernels_bench_gets_its_output_folder_through_the_cli(part, tmp_path, monkeypatch):
     """`tokenforge bench kernels` used to hand its argparse Namespace to a main(out_dir) as the folder."""
     import importlib

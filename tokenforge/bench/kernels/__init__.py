@@ -1,6 +1,6 @@
 """`tokenforge bench kernels`: the Triton kernel micro-benchmarks, against their torch references.
 
-    tokenforge bench kernels --out OUT [--part attention|gemv|quant|moe] [--smoke]
+    tokenforge bench kernels --out OUT [--part attention|gemv|quant|moe|...|mid_gemm] [--smoke]
 
 attention (attention.py): decode and prefill attention, the fused ops and a whole batch-1 decode
 step, into OUT/kernels.json. gemv (gemv.py): the small-M GEMV table and the decode step with our
@@ -11,7 +11,9 @@ M = 1-16, into OUT/kernels_qsweep.json, and the measured kernel table OUT/quant_
 moe_tiles (moe_tiles.py): its tile candidates at batch 1 and 16, into OUT/kernels_moe_tiles.json. serving_step
 (serving_step.py): a decode step at serving batch sizes, a decoder layer's four linears as the
 engine runs them at M = 1-512 and decode attention over ragged contexts, against their floors,
-into OUT/kernels_serving_step.json. `--smoke` runs tiny
+into OUT/kernels_serving_step.json. mid_gemm (mid_gemm.py): the four 8B linears at M = 16-512
+through cuBLAS, cuBLASLt, the Triton GEMM's tile candidates (kernels/gemm.py) and cuBLAS on padded
+rows, each against its floor, into OUT/kernels_mid_gemm.json. `--smoke` runs tiny
 shapes on the CPU through Triton's interpreter (set TRITON_INTERPRET=1) to check the script.
 The torch and Triton imports wait until the bench runs (the parser is built by `tokenforge --help`).
 """
@@ -21,7 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep", "serving_step")
+PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep", "serving_step", "mid_gemm")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
