@@ -8,9 +8,6 @@ p tokens before it, with the sequence's block table. Every row's KV is stored be
 reads it, so row j sees the drafts before it exactly as a causal prefill would, through the same
 decode kernel the 1-token steps use. With K drafts per step, buckets of (1 + K) x 1, 2, 4, 8 rows
 are captured besides the decode sizes. All graphs share one memory pool.
-On one GPU the buckets from 16 rows up are planned first (gemm_buckets.py): one layer's linears
-are timed at each size under cuBLAS and cuBLASLt, a bucket slower than a larger one is dropped
-(its batches pad up) and each graph is captured under the faster library.
 Capture is staged (graph_stages.py): with `defer`, the small buckets before Ready and the rest
 one at a time while the engine is idle (`capture_next`); a decode batch whose bucket is not
 captured yet runs eagerly. Padded rows carry slot -1 (the KV store writes nowhere) and a
@@ -24,12 +21,10 @@ the step's block tables and lengths without any allocation or host sync.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from tokenforge.executor.compile_watch import WATCH
-from tokenforge.executor.gemm_buckets import BucketPlan, blas_library, first_layer_linears, measure_layer, plan_buckets
 from tokenforge.executor.graph_stages import StagedCapture
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.attention.triton_backend import DecodeMetadataBuffers
@@ -62,8 +57,6 @@ class CudaGraphRunner:
         self.runner = runner
         cfg = runner.config
         self.sizes = capture_sizes(cfg.scheduler.max_num_seqs, cfg.scheduler.num_draft_tokens)
-        self.plan = self._plan(cfg.scheduler.num_draft_tokens)
-        self.sizes = self.plan.sizes
         self.max_batch = self.sizes[-1]
         self.stages = StagedCapture(self.sizes, self._capture_one, defer)
         max_blocks = -(-cfg.scheduler.max_model_len // runner.block_size)
@@ -80,20 +73,6 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
         self._serving = False       # True once deferred captures begin: other threads may use CUDA then
         self.verify_replays = 0          # verify steps replayed (tests read it)
-
-    def _plan(self, num_draft_tokens: int) -> BucketPlan:
-        """The buckets kept and each one's BLAS library (one GPU only: tensor-parallel ranks must
-        capture the same buckets, and their measurements would differ)."""
-        linears = first_layer_linears(self.runner.model)
-        if self.runner.rank.tp_size > 1 or self.runner.rank.pp_size > 1 or not linears:
-            return BucketPlan(self.sizes)
-        verify = set(capture_sizes(1024, num_draft_tokens)) - set(capture_sizes(1024)) if num_draft_tokens else set()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            plan = plan_buckets(self.sizes, measure_layer(linears, self.runner.device, linears[0].params_dtype),
-                                keep=verify)
-        logger.info("decode graph buckets planned in %.2f s: %s", time.perf_counter() - start, plan.describe())
-        return plan
 
     def can_run(self, inputs) -> bool:
         """A batch of decode rows (a decode step, or a verify step as decode rows) whose bucket has a
@@ -123,7 +102,7 @@ class CudaGraphRunner:
         empty = AttentionBatch([], [], [], self.runner.block_size, self.runner.device)
         metadata = self.buffers.fill(empty, padded_batch_size=size)   # all padding rows
         lora = self.lora_indices[:size] if self.lora_indices is not None else None
-        with set_forward_context(metadata, lora), blas_library(self.plan.library.get(size)):
+        with set_forward_context(metadata, lora):
             for _ in range(2):   # warm up: Triton autotuning and lazy init happen outside capture
                 model(self.input_ids[:size], self.positions[:size])
             torch.cuda.synchronize()
