@@ -21,6 +21,9 @@
 NAME=lead_probe; BUDGET=${BUDGET:-540}; STEP_TAIL=${STEP_TAIL:-45}
 source "$(dirname "$0")/device_steps.sh" "$@"
 M8=${M8:-"--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 4096"}
+# W4's 300 x 2,048 tokens of KV fit an H200, not an H100: 200 prompts there unless W4_N says
+MEM_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+[ -z "${W4_N:-}" ] && [ "${MEM_MIB:-0}" -lt 100000 ] && W4_N=200
 Q="--no-baseline --quick-ceilings"
 keep() { cp "$(ls "$1"/*.json 2>/dev/null | head -1)" "$OUT/$2.json" 2>/dev/null; [ -f "$1/prof/summary.txt" ] && cp "$1/prof/summary.txt" "$OUT/$2-prof.txt"; }
 for part in ${STEPS:-lora-w1 bare-w1 qwen3-w1 lora-64}; do case $part in
