@@ -127,3 +127,17 @@ def test_rotary_adds_the_qkv_delta(device, head_norms, slot):
     for got, want in zip(results[0], results[1]):
         assert _rel_err(got, want) <= 1e-5
     assert results[0][3].abs().sum() > 0
+
+
+def test_one_slot_reads_slot_zero_without_the_index(device):
+    """With one slot (--max-loras 1) the shrink programs read slot 0's A whatever the index says; a row
+    of -1 still gets the bare product (nobody adds the delta), a row of 0 the adapter's."""
+    from tokenforge.kernels.gemv_lora import gemv_lora_ref    # noqa: PLC0415
+
+    for dtype in _dtypes():
+        w, lora, x = _problem((80, 48), 320, 0, dtype, device, slots=1)
+        for slot in (0, -1):
+            lora.indices.fill_(slot)
+            for y in (gemv_lora(x, w, None, lora), lora_delta_ref(*gemv_lora_deferred(PLAIN, x, w, None, lora)[::2])):
+                assert _rel_err(y, gemv_lora_ref(x, w, None, lora)[0]) <= _tol(dtype)
+        assert _rel_err(gemv_lora(x, w, None, lora), x @ w.t()) <= _tol(dtype)

@@ -129,20 +129,23 @@ def _gemv_shrink_kernel(
     N, K, stride_wn, stride_as, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_RANK: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr, EVEN_K: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, ONE_SLOT: tl.constexpr,
 ):
     """The first cdiv(PACKED_RANK, BLOCK_N) programs: shrunk[rows] = p(x) A[slot][rows]^T in fp32
     (slot -1 reads slot 0's rows; nobody adds them); the rest: gemv.py's, y[rows] = p(x) W[rows]^T
     (+ b). The shrink programs come first: their rows' address waits for the slot's load, a latency
     the first wave hides and the last wave would add to the kernel's end (wave 3 round 9: ~2 us a
-    linear with them last)."""
+    linear with them last). With ONE_SLOT (--max-loras 1) their rows are slot 0's, with no wait for
+    the index (a row without an adapter computes them too; nobody adds them)."""
     pid = tl.program_id(0)
     shrink_programs = tl.cdiv(PACKED_RANK, BLOCK_N)
     is_shrink = pid < shrink_programs
     if is_shrink:
-        slot = tl.load(idx_ptr)                   # written before the step, not by the last kernels
         rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ptrs = a_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_as + tl.minimum(rows, PACKED_RANK - 1) * K
+        row_ptrs = a_ptr + tl.minimum(rows, PACKED_RANK - 1).to(tl.int64) * K
+        if not ONE_SLOT:
+            slot = tl.load(idx_ptr)               # written before the step, not by the last kernels
+            row_ptrs += tl.maximum(slot, 0).to(tl.int64) * stride_as
     else:
         rows = (pid - shrink_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
@@ -207,8 +210,8 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         lora.lora_a, lora.indices, shrunk, n, k, weight.stride(0), lora.lora_a.stride(0), eps,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None, PACKED_RANK=packed_rank,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, NORM_BLOCK=min(next_power_of_2(k), max(cfg.block_k, 8192)),
-        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        launch_pdl=pdl,
+        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, ONE_SLOT=num_slots == 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     delta = LoRADelta(shrunk, lora.lora_b, lora.scale, lora.indices, lora.slices)
     if defer:
