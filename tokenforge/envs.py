@@ -25,6 +25,7 @@ BYTECODE_CACHE = "TOKENFORGE_BYTECODE_CACHE"    # serve's core: "0" keeps Python
 DRAFT_PROPOSER = "TOKENFORGE_DRAFT_PROPOSER"    # bench serve: "module:factory", the n-gram method's host proposer
 REPLAY_ACCEPTANCE = "TOKENFORGE_REPLAY_ACCEPTANCE"  # bench serve: the served replay drafter's acceptance
 REPLAY_PROMPT_LEN = "TOKENFORGE_REPLAY_PROMPT_LEN"  # bench serve: its prompts' length (where outputs begin)
+STABLE_DUMMY = "TOKENFORGE_STABLE_DUMMY"        # bench serve: dummy weights whose greedy tokens no batch shape changes
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -70,6 +71,10 @@ def paced_step_ms() -> float:
 
 def draft_proposer() -> str | None:
     return _get(DRAFT_PROPOSER) or None
+
+
+def stable_dummy() -> bool:
+    return _truthy(STABLE_DUMMY)
 
 
 def replay_settings() -> tuple[float, int]:

@@ -45,3 +45,27 @@ def test_served_replay_at_acceptance_one_accepts_every_draft(tmp_path):
 def test_replay_acceptance_needs_a_launched_ngram_server(capsys):
     assert main(["serve", "--launch", "--max-model-len 512", "--replay-acceptance", "0.8", "--num-prompts", "1"]) == 2
     assert "give --launch with --speculative-method ngram" in capsys.readouterr().err
+
+
+def test_stable_dummy_weights_give_the_same_greedy_tokens_in_any_batch(monkeypatch):
+    """TOKENFORGE_STABLE_DUMMY (what bench serve --replay-acceptance sets for its servers): greedy
+    decoding repeats each prompt's last token, alone or batched with others, in bf16; plain dummy
+    weights do not (their tokens are the model's random path)."""
+    from tokenforge import LLM, SamplingParams, envs        # noqa: PLC0415
+
+    prompts = [{"prompt_token_ids": [5, 17, 99, 3, 250]}, {"prompt_token_ids": [7, 8, 9]},
+               {"prompt_token_ids": list(range(30, 70))}]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+    def tokens(stable: bool) -> tuple[list, list]:
+        monkeypatch.setenv(envs.STABLE_DUMMY, "1" if stable else "0")
+        llm = LLM("tiny-llama", load_format="dummy", max_model_len=256, dtype="bfloat16")
+        batched = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+        llm.shutdown()
+        return batched, alone
+
+    batched, alone = tokens(stable=True)
+    assert batched == alone == [[p["prompt_token_ids"][-1]] * 12 for p in prompts]
+    plain, _ = tokens(stable=False)
+    assert plain != batched

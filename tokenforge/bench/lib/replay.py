@@ -13,7 +13,9 @@ holds the tokens the engine emitted so far, which overwrite the stored ones. On 
 the logits are near ties everywhere, and a verify batch of 1 + k rows (cuBLAS over several rows)
 can round a tie differently from the 1-row decode that made the first continuation; after one
 untimed pass the drafter replays the verify path's own greedy tokens, so the measured acceptance
-is the chosen one. Greedy output with it equals that continuation; on weights without near ties
+is the chosen one. That holds at batch 1 (the same shapes every pass); a served load's batches
+change from pass to pass, so the served bench also draws weights without near ties
+(TOKENFORGE_STABLE_DUMMY, model/loader/dummy_loader.py). Greedy output with it equals that continuation; on weights without near ties
 (and on the CPU's float32) also the run without speculation: what the bench checks and reports.
 It lives in the bench (DESIGN.md): it is a measuring device, not a speculative method.
 """

@@ -5,7 +5,10 @@ at a chosen acceptance: `bench serve --replay-acceptance A`.
         --num-speculative-tokens 4" --replay-acceptance 0.8 --request-rate 1 --num-prompts 30
 
 On dummy weights no real drafter agrees with the target, so the launched server's n-gram method
-gets the replay drafter in its place (bench/lib/replay.py `LearningReplay`, named to the server by
+gets the replay drafter in its place, and both servers draw dummy weights on which greedy decoding
+does not depend on the batch (TOKENFORGE_STABLE_DUMMY: on plain ones a served load's changing batches
+round near-tie logits differently each pass, and the learnt path is not the one taken: acceptance
+0.017 where 0.8 was asked, H100, wave 3 round 11) (bench/lib/replay.py `LearningReplay`, named to the server by
 TOKENFORGE_DRAFT_PROPOSER): every pass of the load uses the same seed, so the same prompts and
 arrivals; the first `--replay-passes` passes (untimed) teach the drafter each request's greedy
 path, then the timed pass proposes it back with each token kept with probability A. The same load
@@ -95,8 +98,10 @@ def run_speculative(args: argparse.Namespace, ceilings: dict | None) -> dict:
                          "--launch with --speculative-method ngram")
     acceptance = args.replay_acceptance
     load = serve.Load.from_args(args)          # one seed: every pass sends the same prompts at the same times
-    env = envs.child_env(**{envs.DRAFT_PROPOSER: "tokenforge.bench.lib.replay:served_proposer",
-                            envs.REPLAY_ACCEPTANCE: str(acceptance), envs.REPLAY_PROMPT_LEN: str(load.input_len)})
+    # dummy weights whose greedy path no batch shape changes (model/loader/dummy_loader.py), in both servers
+    stable = {envs.STABLE_DUMMY: "1"}
+    env = envs.child_env(**stable, **{envs.DRAFT_PROPOSER: "tokenforge.bench.lib.replay:served_proposer",
+                                      envs.REPLAY_ACCEPTANCE: str(acceptance), envs.REPLAY_PROMPT_LEN: str(load.input_len)})
     with serve._launched(shlex.join(words), serve._opt(args, "url"), env=env) as url:
         model = getattr(args, "model", None) or serve.served_model(url, load.api_key)
         for _ in range(args.replay_passes):    # the drafter learns the greedy path, then the verify path's
@@ -104,7 +109,8 @@ def run_speculative(args: argparse.Namespace, ceilings: dict | None) -> dict:
         before = spec_counters(url, load.api_key)
         spec = serve.run(serve.run_load(url, model, load))
         stats = counters_between(before, spec_counters(url, load.api_key))
-    with serve._launched(shlex.join(without_flags(words, SPEC_FLAGS)), serve._opt(args, "url")) as url:
+    with serve._launched(shlex.join(without_flags(words, SPEC_FLAGS)), serve._opt(args, "url"),
+                         env=envs.child_env(**stable)) as url:
         base = serve.run(serve.run_load(url, model, load))
     k = int(flag(words, "--num-speculative-tokens") or 4)
     ratio = (base["tpot_ms"]["p50"] / spec["tpot_ms"]["p50"]) if spec["tpot_ms"]["p50"] else None

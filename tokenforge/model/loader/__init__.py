@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tokenforge import envs
 from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.loader.dummy_loader import initialize_dummy_weights, read_config_json
 from tokenforge.model.loader.gguf_file import GGUFFile
@@ -136,7 +137,7 @@ def _fill_from_source(net: nn.Module, source: ModelSource, gguf: GGUFFile | None
     """Fill `net` from the checkpoint (but the GGUF tensors `computed_as_stored`); returns the
     checkpoint's per-layer fp8 KV scales (all layers, whichever stage this rank is), or None."""
     if source.kind == "dummy":
-        initialize_dummy_weights(net, seed)
+        initialize_dummy_weights(net, seed, stable_greedy=envs.stable_dummy())
     elif gguf is not None:
         net.load_weights(gguf_weights(gguf, config, net.wants_weight, computed_as_stored))
     else:

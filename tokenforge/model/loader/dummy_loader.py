@@ -2,6 +2,13 @@
 parameters (MXFP4 expert codes) get uniform random values in their `dummy_range` (default: every
 byte), so MXFP4 scales stay where the values come out near that same 0.02 (layers/moe.py).
 
+With `stable_greedy` (TOKENFORGE_STABLE_DUMMY, set by `bench serve --replay-acceptance`) each token's
+own embedding dominates its logits, so greedy decoding repeats the last token by a margin no
+rounding reaches and a batch of any shape gives the same tokens: on plain random weights the logits
+are near ties everywhere, and a served load's changing batches round them differently from pass to
+pass (the served replay drafter then proposes a path the engine no longer takes: acceptance 0.017
+where 0.8 was asked, H100, wave 3 round 11). Shapes, bytes and kernels are the plain ones.
+
 Weights are drawn in place, on the target device and in the target dtype, so an 8B model
 initialises in seconds on a GPU (nothing is built on the CPU first). Configs come from a
 config.json path or a shipped name (`tokenforge/model/configs/<name>.json`).
@@ -27,7 +34,7 @@ def read_config_json(path: Path) -> ArchConfig:
 
 
 @torch.no_grad()
-def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
+def initialize_dummy_weights(model: nn.Module, seed: int, stable_greedy: bool = False) -> None:
     device = next(model.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, param in model.named_parameters():
@@ -40,3 +47,23 @@ def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
             param.random_(low, high, generator=generator)
         else:
             param.normal_(0.0, INIT_STD, generator=generator)
+    if stable_greedy:
+        _embedding_dominates(model)
+
+
+LAYER_SCALE = 0.05       # decoder layers' float weights: their outputs ~1/300 of the embedding's scale
+EMBED_SCALE = 50.0       # the embedding to std 1
+
+
+def _embedding_dominates(model: nn.Module) -> None:
+    """The residual stream stays its token's embedding (the layers' outputs are small beside it) and
+    the LM head is that embedding: the token's own logit is ~|e| sqrt(H) above the rest's spread."""
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        if ".layers." in name and param.is_floating_point() and not name.endswith("norm.weight"):
+            param.mul_(LAYER_SCALE)
+    embed, head = params.get("model.embed_tokens.weight"), params.get("lm_head.weight")
+    if embed is not None:
+        embed.mul_(EMBED_SCALE)
+        if head is not None and head is not embed and head.shape == embed.shape:
+            head.copy_(embed)
