@@ -93,13 +93,18 @@ class Attention(nn.Module):
                 and getattr(self.backend, "name", "") == "triton" and self.head_dim & (self.head_dim - 1) == 0
                 and self.kv_rotation is None)
 
+    def adds_qkv_delta(self, q: torch.Tensor) -> bool:
+        """Whether forward_with_rotary can take the qkv projection's deferred LoRA delta (the fused
+        path with a cache to store into)."""
+        return self.kv_cache is not None and self.rotary_fused(q)
+
     def forward_with_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             rotary: nn.Module, head_norms: tuple[nn.Module, nn.Module] | None = None,
                             pending=None) -> torch.Tensor:
         """Rotary then attention, each q and k head RMS-normalised first when `head_norms` (q_norm,
         k_norm: Qwen3) are given. On the Triton path one kernel normalises, rotates q/k and stores
         k/v into the cache, so attention skips its own store: up to three launches a layer fewer.
-        `pending`: the qkv projection's deferred LoRA delta (only where rotary_fused), added there."""
+        `pending`: the qkv projection's deferred LoRA delta (only where adds_qkv_delta), added there."""
         metadata = get_forward_context().attn_metadata
         if self.rotary_fused(q):
             norms = None if head_norms is None else (head_norms[0].weight, head_norms[1].weight, head_norms[0].eps)

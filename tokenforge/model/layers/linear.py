@@ -131,7 +131,9 @@ class LinearBase(nn.Module):
         that reads y next to add (kernels/lora_delta.py: RMSNorm and SiluAndMul take it as `pending`;
         anything else must first call `add_pending`). Never deferred across a row-parallel all-reduce."""
         if self.lora is not None and not (self.input_is_parallel and self.tp_size > 1):
-            fused = self._apply_lora(x, self.bias if self.tp_rank == 0 else None, defer=True)
+            # a row-parallel bias is added once, by rank 0; a column-parallel one is each rank's shard
+            bias = self.bias if not self.input_is_parallel or self.tp_rank == 0 else None
+            fused = self._apply_lora(x, bias, defer=True)
             if fused is not None:
                 return fused[0], fused[2]
         return self(x), None

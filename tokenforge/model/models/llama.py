@@ -63,7 +63,7 @@ class LlamaAttention(nn.Module):
         """attend, where qkv may still owe its LoRA delta (`pending`, added in the rotary launch) and
         o_proj's may be left for the norm after (Linear.forward_deferred): (o_proj output [T, H],
         delta or None)."""
-        if pending is not None and not self.attn.rotary_fused(qkv):
+        if pending is not None and not self.attn.adds_qkv_delta(qkv):
             qkv, pending = add_pending(qkv, pending), None
         return self.o_proj.forward_deferred(self.attention(positions, qkv, pending))
 
