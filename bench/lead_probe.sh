@@ -41,7 +41,7 @@ PY
       --lora-rank 16 --repeats 1 --results-dir "$W/lora-w1-waitfirst"; keep "$W/lora-w1-waitfirst" lora-w1-waitfirst
     cp /tmp/gemv_lora.py.keep tokenforge/kernels/gemv_lora.py ;;
   lora-tests) step lora-tests 200 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
-                tests/kernels/test_lora_delta.py tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py \
+                tests/kernels/test_lora_delta.py tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py \
                 tests/kernels/test_fused_ops.py tests/kernels/test_gemm.py tests/executor/test_compile_watch_gpu.py ;;
   mid-gemm) STEP_TAIL=60 step mid-gemm 200 python3 -m tokenforge.bench kernels --part mid_gemm --out "$W/mg"
             cp "$W/mg/kernels_mid_gemm.json" "$OUT/" ;;

@@ -22,6 +22,9 @@ Measured and dropped:
   programs and adding the delta in their epilogue (round 8, measured in round 9): 8.80 ms a token
   against 7.60 for these two launches in the same process, the GEMV itself 29% slower;
 - the expand launched without PDL (round 9): 7.87 against 7.43 ms a token.
+Found in round 11 (tests/kernels/test_gemv_lora_codegen.py): with the programs' row pointers taken
+from the two arms of a branch, the merge lost their alignment and every weight load was one bf16
+(the bare GEMV: 16-byte loads), ~3 us a linear; the rows are now a select of both.
 
 Deferred (`gemv_lora_deferred`): the GEMV launch alone, its delta left as a `LoRADelta` for the
 kernel after to add as it loads y (kernels/lora_delta.py: the norm after o_proj, the SwiGLU after
@@ -140,15 +143,17 @@ def _gemv_shrink_kernel(
     pid = tl.program_id(0)
     shrink_programs = tl.cdiv(PACKED_RANK, BLOCK_N)
     is_shrink = pid < shrink_programs
-    if is_shrink:
-        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ptrs = a_ptr + tl.minimum(rows, PACKED_RANK - 1).to(tl.int64) * K
-        if not ONE_SLOT:
-            slot = tl.load(idx_ptr)               # written before the step, not by the last kernels
-            row_ptrs += tl.maximum(slot, 0).to(tl.int64) * stride_as
-    else:
-        rows = (pid - shrink_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ptrs = w_ptr + tl.minimum(rows, N - 1).to(tl.int64) * stride_wn
+    # both programs' rows, then a select: a branch's merge would lose the rows' alignment, and with
+    # it the 16-byte weight loads (every load one bf16, the GEMV ~3 us a linear slower: round 11)
+    a_rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = (pid - shrink_programs) * BLOCK_N + tl.arange(0, BLOCK_N)
+    a_ptrs = a_ptr + tl.minimum(a_rows, PACKED_RANK - 1).to(tl.int64) * K
+    if not ONE_SLOT:
+        slot = tl.load(idx_ptr)                   # written before the step, not by the last kernels
+        a_ptrs += tl.maximum(slot, 0).to(tl.int64) * stride_as
+    w_ptrs = w_ptr + tl.maximum(tl.minimum(w_rows, N - 1), 0).to(tl.int64) * stride_wn
+    row_ptrs = tl.where(is_shrink, a_ptrs, w_ptrs)
+    rows = tl.where(is_shrink, a_rows, w_rows)
     y, rstd = _waited_rows(row_ptrs, x_ptr, r_ptr, s_ptr, nw_ptr, K, eps, pid == 0, PROLOGUE, HAS_RESIDUAL, BLOCK_N,
                            BLOCK_K, NORM_BLOCK, EVEN_K, USE_PDL)
     if is_shrink:

@@ -1,0 +1,57 @@
+"""The batch-1 LoRA GEMV streams its weights with the bare GEMV's 16-byte loads (kernels/gemv_lora.py).
+
+Until wave 3 round 11 the shrink and GEMV programs took their row pointers from the two arms of a
+branch; the merge lost the rows' alignment, so every weight load was one bf16 (32 `ld.global.b16`
+a tile where the bare GEMV issues 4 `v4.b32`), and the launch ran ~3 us a linear slower (W1 with
+one adapter stuck at 88-90% of bare). This compiles both kernels for sm_90 with the arguments'
+runtime specialisation (16-aligned pointers, sizes divisible by 16), no GPU needed, and compares
+their global-load widths. Skipped where Triton is not installed (the CPU install)."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from tokenforge.kernels import gemv, gemv_lora  # noqa: E402
+
+P = "*bf16"
+COMMON = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, "b_ptr": P, "y_ptr": P, "s_ptr": P}
+BARE = {**COMMON, "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_rm": "i32", "stride_sm": "i32",
+        "stride_wn": "i32", "stride_ym": "i32", "eps": "fp32"}
+LORA = {**COMMON, "a_ptr": P, "idx_ptr": "*i64", "shrunk_ptr": "*fp32", "N": "i32", "K": "i32", "stride_wn": "i32",
+        "stride_as": "i32", "eps": "fp32"}
+ALIGNED = {name for name in {**BARE, **LORA} if name.endswith("_ptr") or name in ("N", "K") or name.startswith("stride")}
+
+
+def _loads(fn, args: dict, consts: dict, warps: int) -> Counter:
+    from triton.backends.compiler import GPUTarget   # noqa: PLC0415
+    from triton.compiler import ASTSource             # noqa: PLC0415
+
+    signature = {**args, **dict.fromkeys(consts, "constexpr")}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in ALIGNED}
+    src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
+    try:
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": warps, "num_stages": 1, "launch_pdl": True})
+    except Exception as exc:  # noqa: BLE001 - a Triton build without the NVIDIA backend
+        pytest.skip(f"cannot compile for sm_90 here: {exc!r}"[:200])
+    return Counter(re.findall(r"ld\.global\S*", kernel.asm["ptx"]))
+
+
+@pytest.mark.parametrize("one_slot", [True, False], ids=["one-slot", "slots"])
+@pytest.mark.parametrize("shape", [(4, 512, 4, 0, 16), (8, 1024, 8, 1, 48), (2, 1024, 8, 0, 32)],
+                         ids=["o-down", "qkv-norm", "gate_up"])
+def test_lora_gemv_loads_weights_as_wide_as_the_bare_gemv(shape, one_slot):
+    block_n, block_k, warps, prologue, packed_rank = shape
+    common = {"PROLOGUE": prologue, "HAS_RESIDUAL": prologue == 1, "HAS_BIAS": False, "BLOCK_N": block_n,
+              "BLOCK_K": block_k, "NORM_BLOCK": 4096, "EVEN_K": True, "USE_PDL": True}
+    bare = _loads(gemv._gemv_kernel, BARE, {**common, "BLOCK_M": 1}, warps)
+    lora = _loads(gemv_lora._gemv_shrink_kernel, LORA, {**common, "PACKED_RANK": packed_rank, "ONE_SLOT": one_slot},
+                  warps)
+    weight = [op for op in bare if "evict_first" in op]
+    assert weight and all(".v4." in op for op in weight), bare        # the bare GEMV's 16-byte weight loads
+    assert {op: n for op, n in lora.items() if "evict_first" in op} == {op: bare[op] for op in weight}, (lora, bare)
