@@ -96,7 +96,7 @@ class Attention(nn.Module):
     def adds_qkv_delta(self, q: torch.Tensor) -> bool:
         """Whether forward_with_rotary can take the qkv projection's deferred LoRA delta (the fused
         path with a cache to store into)."""
-        return self.kv_cache is not None and self.rotary_fused(q)
+        return self.kv_cache.numel() > 0 and self.rotary_fused(q)
 
     def forward_with_rotary(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             rotary: nn.Module, head_norms: tuple[nn.Module, nn.Module] | None = None,
