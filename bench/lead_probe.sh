@@ -2,7 +2,7 @@
 # The lead's device probes (one call, BUDGET seconds, default 540): STEPS picks, in order, from
 #   lora-w1     bench lora W1, 1 adapter, with the profiled pass (kernel table, device-busy)
 #   lora-w1-waitfirst  the same, the expand kernel waiting before it lets the next linear start
-#   lora-tests  the LoRA GPU tests (and rotary/norm, the Triton GEMM);  lora-diag  bench/lora_diag.py (DIAG: bare, lora, lora-noexpand, lora-expand-nopdl, lora-nopdl)
+#   lora-tests  the LoRA GPU tests (and rotary/norm);  lora-diag  bench/lora_diag.py (DIAG: bare, lora, lora-noexpand, lora-expand-nopdl, lora-nopdl)
 #   bare-w1     bench latency W1 bare with --profile-dir (kernel table, device-busy)
 #   lora-64     bench lora W2, 64 adapters through 16 slots;  lora-64-prof  the same with a profiled pass
 #   lora-w2     bench lora W2, 8 adapters through 8 slots
@@ -12,7 +12,7 @@
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
 #   moe-tests   the fused MoE kernel GPU tests (tests/kernels/test_moe.py)
-#   mid-gemm    bench kernels --part mid_gemm (the 8B linears at M 16-512: cuBLAS, cuBLASLt, Triton tiles, padded rows)
+#   mid-gemm    bench kernels --part mid_gemm (the 8B linears at M 16-512: cuBLAS, cuBLASLt, padded rows)
 #   serving-step  bench kernels --part serving_step (the linears at M 1-512 and ragged decode attention against their floors)
 #   spec-serve  bench serve at 1 req/s, 30 x 1024/1024, the replay drafter (a = 0.8, K = 4) against no speculation
 #   w4-rates    one server (8B, dummy), bench serve at 16, 8 and 4 req/s, 300 x 1024/1024 each (the floor from ceilings measured first)
@@ -42,7 +42,7 @@ PY
     cp /tmp/gemv_lora.py.keep tokenforge/kernels/gemv_lora.py ;;
   lora-tests) step lora-tests 200 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
                 tests/kernels/test_lora_delta.py tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py \
-                tests/kernels/test_fused_ops.py tests/kernels/test_gemm.py tests/executor/test_compile_watch_gpu.py ;;
+                tests/kernels/test_fused_ops.py tests/executor/test_compile_watch_gpu.py ;;
   mid-gemm) STEP_TAIL=60 step mid-gemm 200 python3 -m tokenforge.bench kernels --part mid_gemm --out "$W/mg"
             cp "$W/mg/kernels_mid_gemm.json" "$OUT/" ;;
   lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-noexpand lora-expand-nopdl}; cp "$W/lora-diag.log" "$OUT/" ;;
