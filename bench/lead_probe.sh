@@ -2,12 +2,13 @@
 # The lead's device probes (one call, BUDGET seconds, default 540): STEPS picks, in order, from
 #   lora-w1     bench lora W1, 1 adapter, with the profiled pass (kernel table, device-busy)
 #   lora-w1-waitfirst  the same, the expand kernel waiting before it lets the next linear start
+#   lora-gemv-tests  the batch-1 LoRA GEMV GPU tests and its sm_90 codegen test
 #   lora-tests  the LoRA GPU tests (and rotary/norm);  lora-diag  bench/lora_diag.py (DIAG: bare, lora, lora-noexpand, lora-expand-nopdl, lora-nopdl)
 #   bare-w1     bench latency W1 bare with --profile-dir (kernel table, device-busy)
 #   lora-64     bench lora W2, 64 adapters through 16 slots;  lora-64-prof  the same with a profiled pass
 #   lora-w2     bench lora W2, 8 adapters through 8 slots
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
-#   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without
+#   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without, each with a profiled pass
 #   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
@@ -43,6 +44,8 @@ PY
   lora-tests) step lora-tests 200 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
                 tests/kernels/test_lora_delta.py tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py \
                 tests/kernels/test_fused_ops.py tests/executor/test_compile_watch_gpu.py ;;
+  lora-gemv-tests) step lora-gemv-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
+                tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py ;;
   mid-gemm) STEP_TAIL=60 step mid-gemm 200 python3 -m tokenforge.bench kernels --part mid_gemm --out "$W/mg"
             cp "$W/mg/kernels_mid_gemm.json" "$OUT/" ;;
   lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-noexpand lora-expand-nopdl}; cp "$W/lora-diag.log" "$OUT/" ;;
@@ -59,7 +62,7 @@ PY
               --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --profile-dir "$W/qwen3-w1/prof" \
               --results-dir "$W/qwen3-w1"; keep "$W/qwen3-w1" qwen3-w1 ;;
   spec-w1) step spec-w1 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
-             --num-speculative-tokens 4 --replay-acceptance 0.8 --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1 ;;
+             --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1/prof" --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1 ;;
   w4-16) step w4-16 420 python3 -m tokenforge.bench serve --launch "$M8 --log-level warning" --request-rate ${W4_RATE:-16} \
            --num-prompts ${W4_N:-300} --input-len 1024 --output-len 1024 --results-dir "$W/w4-16"; keep "$W/w4-16" w4-16 ;;
   w4-prof) STEP_TAIL=60 step w4-prof 240 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts 300 \
