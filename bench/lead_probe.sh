@@ -62,7 +62,8 @@ PY
               --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --profile-dir "$W/qwen3-w1/prof" \
               --results-dir "$W/qwen3-w1"; keep "$W/qwen3-w1" qwen3-w1 ;;
   spec-w1) step spec-w1 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
-             --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1/prof" --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1 ;;
+             --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1/prof" --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1
+           grep -vE "it/s\]|INFO" "$W/spec-w1.log" >"$OUT/spec-w1.log" ;;
   w4-16) step w4-16 420 python3 -m tokenforge.bench serve --launch "$M8 --log-level warning" --request-rate ${W4_RATE:-16} \
            --num-prompts ${W4_N:-300} --input-len 1024 --output-len 1024 --results-dir "$W/w4-16"; keep "$W/w4-16" w4-16 ;;
   w4-prof) STEP_TAIL=60 step w4-prof 240 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts 300 \
