@@ -13,6 +13,9 @@
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
 #   moe-tests   the fused MoE kernel GPU tests (tests/kernels/test_moe.py)
+#   gemv-tests  the GEMV GPU tests (1 row, 2-16 rows on the tensor cores, 17)
+#   gemv-kernels  bench kernels --part gemv (M = 1, 2, 5, 8, 16 against cuBLAS, config sweep; the B=1 decode step)
+#   spec-w1-dot  spec-w1 with the model's GEMV taking up to 16 rows (GEMV_MAX_TOKENS = 16: the verify's 5 rows)
 #   mid-gemm    bench kernels --part mid_gemm (the 8B linears at M 16-512: cuBLAS, cuBLASLt, padded rows)
 #   serving-step  bench kernels --part serving_step (the linears at M 1-512 and ragged decode attention against their floors)
 #   spec-serve  bench serve at 1 req/s, 30 x 1024/1024, the replay drafter (a = 0.8, K = 4) against no speculation
@@ -46,6 +49,17 @@ PY
                 tests/kernels/test_fused_ops.py tests/executor/test_compile_watch_gpu.py ;;
   lora-gemv-tests) step lora-gemv-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
                 tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py ;;
+  gemv-tests) step gemv-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv.py ;;
+  gemv-kernels) STEP_TAIL=80 step gemv-kernels 200 python3 -m tokenforge.bench kernels --part gemv --out "$W/gk"
+                cp "$W/gk/kernels.json" "$OUT/kernels_gemv.json" ;;
+  spec-w1-dot)
+    cp tokenforge/model/layers/kernel_dispatch.py /tmp/kernel_dispatch.py.keep
+    sed -i 's/^GEMV_MAX_TOKENS = 1 /GEMV_MAX_TOKENS = 16 /' tokenforge/model/layers/kernel_dispatch.py
+    grep -n "^GEMV_MAX_TOKENS" tokenforge/model/layers/kernel_dispatch.py | tee -a "$LOG"
+    step spec-w1-dot 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
+      --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1-dot/prof" --results-dir "$W/spec-w1-dot"
+    keep "$W/spec-w1-dot" spec-w1-dot; grep -vE "it/s\]|INFO" "$W/spec-w1-dot.log" >"$OUT/spec-w1-dot.log"
+    cp /tmp/kernel_dispatch.py.keep tokenforge/model/layers/kernel_dispatch.py ;;
   mid-gemm) STEP_TAIL=60 step mid-gemm 200 python3 -m tokenforge.bench kernels --part mid_gemm --out "$W/mg"
             cp "$W/mg/kernels_mid_gemm.json" "$OUT/" ;;
   lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-noexpand lora-expand-nopdl}; cp "$W/lora-diag.log" "$OUT/" ;;
