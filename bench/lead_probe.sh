@@ -13,6 +13,7 @@
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
 #   moe-tests   the fused MoE kernel GPU tests (tests/kernels/test_moe.py)
+#   spec-host   bench/spec_host_timing.py: a synchronous speculative step's host time, piece by piece (8B, replay a = 0.8)
 #   gemv-tests  the GEMV GPU tests (1 row, 2-16 rows on the tensor cores, 17)
 #   gemv-kernels  bench kernels --part gemv (M = 1, 2, 5, 8, 16 against cuBLAS, config sweep; the B=1 decode step)
 #   spec-w1-dot  spec-w1 with the model's GEMV taking up to 16 rows (GEMV_MAX_TOKENS = 16: the verify's 5 rows)
@@ -49,6 +50,7 @@ PY
                 tests/kernels/test_fused_ops.py tests/executor/test_compile_watch_gpu.py ;;
   lora-gemv-tests) step lora-gemv-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
                 tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py ;;
+  spec-host) STEP_TAIL=30 step spec-host 120 python3 bench/spec_host_timing.py --out "$OUT/spec-host.json" ;;
   gemv-tests) step gemv-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv.py ;;
   gemv-kernels) STEP_TAIL=80 step gemv-kernels 200 python3 -m tokenforge.bench kernels --part gemv --out "$W/gk"
                 cp "$W/gk/kernels.json" "$OUT/kernels_gemv.json" ;;
