@@ -57,6 +57,7 @@ def main() -> None:
     drafts.proposer = replay.ReplayDrafter([prompt], [list(base)], 0.8, vocab, 0)
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)        # learn the verify path's tokens
     drafts.adaptive = True
+    drafts.reset_counters()
 
     core = llm.engine
     ex = core.executor
