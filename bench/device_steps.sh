@@ -16,7 +16,13 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 LOG="$OUT/$NAME.log"
-git log -1 --format='commit %H %s' >"$LOG" 2>/dev/null || echo "commit unknown" >"$LOG"
+# The device's copy of .git can be older than the tree it runs: the caller writes the tree's commit
+# (`git log -1 --format='%H %s' >.device_commit`) and carries it; results record it (TOKENFORGE_COMMIT).
+if [ -s .device_commit ]; then
+  echo "commit $(cat .device_commit)" >"$LOG"; export TOKENFORGE_COMMIT=$(cut -d' ' -f1 .device_commit)
+else
+  git log -1 --format='commit %H %s' >"$LOG" 2>/dev/null || echo "commit unknown" >"$LOG"
+fi
 step() {   # name limit_s cmd...
   local name=$1 limit=$2; shift 2
   local left=$(( BUDGET - ($(date +%s) - START) ))

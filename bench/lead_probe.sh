@@ -14,15 +14,16 @@
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
 #   moe-tests   the fused MoE kernel GPU tests (tests/kernels/test_moe.py)
 #   spec-host   bench/spec_host_timing.py: a synchronous speculative step's host time, piece by piece (8B, replay a = 0.8)
-#   gemv-tests  the GEMV GPU tests (1 row, 2-16 rows on the tensor cores, 17)
-#   gemv-kernels  bench kernels --part gemv (M = 1, 2, 5, 8, 16 against cuBLAS, config sweep; the B=1 decode step)
-#   spec-w1-dot  spec-w1 with the model's GEMV taking up to 16 rows (GEMV_MAX_TOKENS = 16: the verify's 5 rows)
+#   gemv-tests  the GEMV GPU tests
+#   gemv-kernels  bench kernels --part gemv (M = 1, 2, 4 against cuBLAS, config sweep; the B=1 decode step)
 #   mid-gemm    bench kernels --part mid_gemm (the 8B linears at M 16-512: cuBLAS, cuBLASLt, padded rows)
 #   serving-step  bench kernels --part serving_step (the linears at M 1-512 and ragged decode attention against their floors)
 #   spec-serve  bench serve at 1 req/s, 30 x 1024/1024, the replay drafter (a = 0.8, K = 4) against no speculation
 #   w4-rates    one server (8B, dummy), bench serve at 16, 8 and 4 req/s, 300 x 1024/1024 each (the floor from ceilings measured first)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
+# Before the call: git log -1 --format='%H %s' >.device_commit, and carry [".whl", ".device_commit"]
+# (the device's .git can be older than the tree it runs; results then record the right commit).
 NAME=lead_probe; BUDGET=${BUDGET:-540}; STEP_TAIL=${STEP_TAIL:-45}
 source "$(dirname "$0")/device_steps.sh" "$@"
 M8=${M8:-"--model llama-3.1-8b --load-format dummy --dtype bfloat16 --max-model-len 4096"}
@@ -54,14 +55,6 @@ PY
   gemv-tests) step gemv-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv.py ;;
   gemv-kernels) STEP_TAIL=80 step gemv-kernels 200 python3 -m tokenforge.bench kernels --part gemv --out "$W/gk"
                 cp "$W/gk/kernels.json" "$OUT/kernels_gemv.json" ;;
-  spec-w1-dot)
-    cp tokenforge/model/layers/kernel_dispatch.py /tmp/kernel_dispatch.py.keep
-    sed -i 's/^GEMV_MAX_TOKENS = 1 /GEMV_MAX_TOKENS = 16 /' tokenforge/model/layers/kernel_dispatch.py
-    grep -n "^GEMV_MAX_TOKENS" tokenforge/model/layers/kernel_dispatch.py | tee -a "$LOG"
-    step spec-w1-dot 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
-      --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1-dot/prof" --results-dir "$W/spec-w1-dot"
-    keep "$W/spec-w1-dot" spec-w1-dot; grep -vE "it/s\]|INFO" "$W/spec-w1-dot.log" >"$OUT/spec-w1-dot.log"
-    cp /tmp/kernel_dispatch.py.keep tokenforge/model/layers/kernel_dispatch.py ;;
   mid-gemm) STEP_TAIL=60 step mid-gemm 200 python3 -m tokenforge.bench kernels --part mid_gemm --out "$W/mg"
             cp "$W/mg/kernels_mid_gemm.json" "$OUT/" ;;
   lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-noexpand lora-expand-nopdl}; cp "$W/lora-diag.log" "$OUT/" ;;

@@ -49,8 +49,7 @@ def test_lora_gemv_loads_weights_as_wide_as_the_bare_gemv(shape, one_slot):
     block_n, block_k, warps, prologue, packed_rank = shape
     common = {"PROLOGUE": prologue, "HAS_RESIDUAL": prologue == 1, "HAS_BIAS": False, "BLOCK_N": block_n,
               "BLOCK_K": block_k, "NORM_BLOCK": 4096, "EVEN_K": True, "USE_PDL": True}
-    bare_only = {"DOT": False}
-    bare = _loads(gemv._gemv_kernel, BARE, {**common, **bare_only, "BLOCK_M": 1}, warps)
+    bare = _loads(gemv._gemv_kernel, BARE, {**common, "BLOCK_M": 1}, warps)
     lora = _loads(gemv_lora._gemv_shrink_kernel, LORA, {**common, "PACKED_RANK": packed_rank, "ONE_SLOT": one_slot},
                   warps)
     weight = [op for op in bare if "evict_first" in op]

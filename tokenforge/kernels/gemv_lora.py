@@ -100,11 +100,11 @@ def _dot_rows(w, row_ptrs, x_ptr, r_ptr, nw_ptr, K, rstd, PROLOGUE: tl.constexpr
         else:
             w_next = tl.load(w_ptrs + k0, mask=(k0 + ks < K)[None, :], other=0.0, eviction_policy="evict_first")
         xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0 - BLOCK_K + ks, K, 0, 0, rstd, PROLOGUE, HAS_RESIDUAL)
-        acc = _fma(acc, w, xk, 1, False)
+        acc = _fma(acc, w, xk, 1)
         w = w_next
     last = (K - 1) // BLOCK_K * BLOCK_K
     xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, last + ks, K, 0, 0, rstd, PROLOGUE, HAS_RESIDUAL)
-    acc = _fma(acc, w, xk, 1, False)
+    acc = _fma(acc, w, xk, 1)
     return tl.sum(acc, axis=1)
 
 

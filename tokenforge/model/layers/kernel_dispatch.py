@@ -22,7 +22,8 @@ from tokenforge.model.forward_context import is_training
 
 logger = logging.getLogger(__name__)
 
-GEMV_MAX_TOKENS = 1       # measured on an H200: faster than cuBLAS at M = 1, slower at M = 2-4
+GEMV_MAX_TOKENS = 1       # measured on an H200: faster than cuBLAS at M = 1, slower at M = 2-4; a tensor-core
+                          # (tl.dot) variant for 2-16 rows lost too (a verify's 5 rows, H100: BENCHMARKS.md round 12)
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 _enabled = True
