@@ -15,6 +15,7 @@ from tests.model.gguf_builder import K_QUANTS, K_SHAPE, TinyLlama, write_tiny_gg
 from tokenforge.model.attention.spec import AttentionSpec
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.loader import load_model
+from tokenforge.kernels import gguf_decode
 from tokenforge.kernels.gguf_decode import ThreadChoice
 from tokenforge.model.native_decode import NativeDecoder
 
@@ -94,6 +95,18 @@ def test_vector_attention_head_sizes_and_window(tmp_path, paged_driver, heads):
     _compare(model, paged_driver)
 
 
+@pytest.mark.parametrize("window", [None, 7])
+def test_attention_in_chunks_follows_the_per_op_forward(tmp_path, paged_driver, monkeypatch, window):
+    """A row's keys cut into chunks of 5 positions (the threads' work items; 256 in use) and merged:
+    the 8- and 30-token prompts take 2-8 chunks a row, ragged last ones, and with a window a first
+    chunk that starts inside the sequence."""
+    monkeypatch.setattr(gguf_decode, "ATTENTION_CHUNK", 5)
+    model = _native_model(tmp_path, "Q4_K_M-like")
+    if window is not None:
+        model.model.layers[1].self_attn.attn.spec = AttentionSpec(sliding_window=window)
+    _compare(model, paged_driver)
+
+
 def test_models_the_step_does_not_take_say_why(tmp_path, paged_driver):
     path = write_tiny_gguf(tmp_path / "q8.gguf", "Q8_0", TinyLlama())
     dequantized = load_model(path, "auto", torch.float32, "cpu").model
@@ -123,9 +136,12 @@ def test_bad_block_tables_and_positions_are_refused(tmp_path, paged_driver):
         decoder.forward(ids, batch)
 
 
-def test_the_team_size_changes_no_number(tmp_path, paged_driver):
-    """Each output of the step has one owner whatever the thread count, so 1 and 2 threads (the
-    counts ThreadChoice picks between) give bit-identical hidden states and caches."""
+@pytest.mark.parametrize("chunk", [256, 5])
+def test_the_team_size_changes_no_number(tmp_path, paged_driver, monkeypatch, chunk):
+    """Each output of the step has one owner whatever the thread count, and attention's chunks are
+    cut by position, not by thread, so 1 and 2 threads (the counts ThreadChoice picks between) give
+    bit-identical hidden states and caches, also when a row's attention spans several chunks."""
+    monkeypatch.setattr(gguf_decode, "ATTENTION_CHUNK", chunk)
     model = _native_model(tmp_path, "Q4_K_M-like")
     driver = paged_driver(model, block_size=4)
     decoder, _ = NativeDecoder.of(model)

@@ -59,6 +59,7 @@ struct TfStep {
     const int32_t* seq_lens;        // [M] context + 1
     int64_t rows, max_blocks;
     int64_t threads;                // the team's size (gguf_decode.py picks it; results do not depend on it)
+    int64_t attention_chunk;        // positions per attention work item (fixed: results do not depend on threads)
 };
 
 }  // extern "C"
@@ -72,15 +73,17 @@ struct Acts {               // activations quantized for one projection (gguf_cp
 };
 
 struct Shared {             // what the threads write for each other: projection and attention outputs
-    std::vector<float> qkv, attn, out, gate_up;
+    std::vector<float> qkv, out, gate_up;
+    std::vector<float> partial;     // attention chunks' [Hq, top | sum | D], merged by each thread after
 
     void fit(const TfModel& md, int64_t M) {
         const int64_t q_size = md.num_heads * md.head_dim, kv_size = md.num_kv_heads * md.head_dim;
         qkv.resize(M * (q_size + 2 * kv_size));
-        attn.resize(M * q_size);
         out.resize(M * md.hidden);
         gate_up.resize(M * 2 * md.intermediate);
     }
+
+    void fit_chunks(const TfModel& md, int64_t chunks) { partial.resize(chunks * md.num_heads * (2 + md.head_dim)); }
 };
 
 // Each thread's own copy of the residual stream and of the quantized activations: every thread
@@ -90,7 +93,7 @@ struct Private {
     std::vector<float> residual, row, dx, scores, q, k;
     std::vector<int8_t> xq;
     std::vector<int32_t> xs;
-    std::vector<int64_t> offsets;
+    std::vector<int64_t> offsets, chunks;     // chunks: each row's first chunk (rows + 1), then (row, first position) each
     Acts acts{};
 
     void fit(const TfModel& md, int64_t M) {
@@ -213,23 +216,26 @@ float dot_head(const float* a, const float* b, int64_t D) {
     return dot_f32(a, b, D);
 }
 
-// Row m's attention, all heads: every query head rotated and scaled, then softmax attention over
-// the sequence's keys, read in place through the block table (every row's new k/v is stored
-// before any row attends, so rows of one sequence -- a speculative verify as decode rows -- see the
-// rows before them), only the last `window` with a sliding window -> out [Hq, D]. Why a whole row
-// at a time: the KV cache outgrows the CPU caches, so attention streams it from memory; a
-// position's keys (and values) for every KV head are one contiguous run, read once, prefetched
-// kAhead positions early (per KV head, strided, it ran at a third of the read rate).
-void attend_row(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, const float* row, float* out,
-                Private& p) {
+// Row m's attention over its positions [lo, hi), all heads: every query head rotated and scaled,
+// then softmax attention over those keys, read in place through the block table (every row's new k/v
+// is stored before any row attends, so rows of one sequence -- a speculative verify as decode rows --
+// see the rows before them) -> part [Hq, 2 + D]: each head's top score, its sum of exp(score - top)
+// and the values weighted by those, unnormalised. A row's positions (the last `window` with a sliding
+// window) are cut into chunks of attention_chunk from its first, so the work spreads over the threads
+// even at batch 1, and the numbers do not depend on how many there are. The KV cache outgrows the
+// CPU caches, so attention streams it from memory; a position's keys (and values) for every KV head
+// are one contiguous run, read once, prefetched kAhead positions early (per KV head, strided, it ran
+// at a third of the read rate).
+void attend_chunk(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, int64_t lo, int64_t hi,
+                  const float* row, float* part, Private& p) {
     constexpr int64_t kAhead = 4;
     const int64_t D = md.head_dim, Hq = md.num_heads, group = Hq / md.num_kv_heads, width = md.num_kv_heads * D;
-    const int64_t len = st.seq_lens[m], start = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0, n = len - start;
+    const int64_t len = st.seq_lens[m], n = hi - lo;
     const int32_t* table = st.block_tables + m * st.max_blocks;
     const int64_t bs = md.block_size;
     p.offsets.resize(n + kAhead);
-    for (int64_t pos = start; pos < len; ++pos)       // float offset of the position's keys
-        p.offsets[pos - start] = (pos == len - 1 ? st.slots[m] : table[pos / bs] * bs + pos % bs) * width;
+    for (int64_t pos = lo; pos < hi; ++pos)           // float offset of the position's keys
+        p.offsets[pos - lo] = (pos == len - 1 ? st.slots[m] : table[pos / bs] * bs + pos % bs) * width;
     std::fill(p.offsets.begin() + n, p.offsets.end(), p.offsets[n - 1]);
     const float* keys = L.kv_cache;
     const float* values = L.kv_cache + L.num_slots * width;
@@ -247,30 +253,81 @@ void attend_row(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m
         const float* k = keys + off[i];
         for (int64_t h = 0; h < Hq; ++h) s[h * n + i] = dot_head(q + h * D, k + (h / group) * D, D);
     }
-    for (int64_t h = 0; h < Hq; ++h) p.k[h] = 1.f / softmax_unnormalised(s + h * n, n);
-    std::fill(out, out + Hq * D, 0.f);
+    for (int64_t h = 0; h < Hq; ++h) {
+        float top = -INFINITY;
+        for (int64_t i = 0; i < n; ++i) top = std::max(top, s[h * n + i]);
+        part[h * (2 + D)] = top;
+        part[h * (2 + D) + 1] = softmax_unnormalised(s + h * n, n);
+        std::fill(part + h * (2 + D) + 2, part + (h + 1) * (2 + D), 0.f);
+    }
     for (int64_t i = 0; i < n; ++i) {
         for (int64_t b = 0; b < width; b += 16) _mm_prefetch(reinterpret_cast<const char*>(values + off[i + kAhead] + b), _MM_HINT_T0);
         const float* v = values + off[i];
         for (int64_t h = 0; h < Hq; ++h) {
             const float w = s[h * n + i];
             const float* vh = v + (h / group) * D;
-            float* o = out + h * D;
+            float* o = part + h * (2 + D) + 2;
             for (int64_t d = 0; d < D; ++d) o[d] += w * vh[d];
         }
     }
-    for (int64_t h = 0; h < Hq; ++h)
-        for (int64_t d = 0; d < D; ++d) out[h * D + d] *= p.k[h];
 }
 
-// Every (row, KV head)'s store, then every row's attention, each split over the threads with a
-// barrier after.
-void attention(const TfModel& md, const TfLayer& L, const TfStep& st, const float* qkv, float* attn, Private& p) {
+// A row's chunks [first, first + count) merged in order -> out [Hq, D]. One chunk: its values times
+// 1 / its sum, as a single pass over the row computes them.
+void merge_chunks(const float* parts, int64_t count, int64_t Hq, int64_t D, float* out) {
+    for (int64_t h = 0; h < Hq; ++h) {
+        float* o = out + h * D;
+        const float* first = parts + h * (2 + D);
+        if (count == 1) {
+            const float inv = 1.f / first[1];
+            for (int64_t d = 0; d < D; ++d) o[d] = first[2 + d] * inv;
+            continue;
+        }
+        float top = -INFINITY, total = 0.f;
+        for (int64_t c = 0; c < count; ++c) top = std::max(top, parts[(c * Hq + h) * (2 + D)]);
+        std::fill(o, o + D, 0.f);
+        for (int64_t c = 0; c < count; ++c) {
+            const float* part = parts + (c * Hq + h) * (2 + D);
+            const float w = std::exp(part[0] - top);
+            total += part[1] * w;
+            for (int64_t d = 0; d < D; ++d) o[d] += part[2 + d] * w;
+        }
+        const float inv = 1.f / total;
+        for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+}
+
+// The layer's attention chunks, the same list in every thread: per row the index of its first chunk
+// (rows + 1 entries), then (row, first position) per chunk.
+void attention_chunks(const TfLayer& L, const TfStep& st, int64_t chunk, std::vector<int64_t>& out) {
+    out.assign(st.rows + 1, 0);
+    for (int64_t m = 0; m < st.rows; ++m) {
+        const int64_t len = st.seq_lens[m], lo = L.window > 0 ? std::max<int64_t>(0, len - L.window) : 0;
+        out[m + 1] = out[m] + (len - lo + chunk - 1) / chunk;
+        for (int64_t pos = lo; pos < len; pos += chunk) {
+            out.push_back(m);
+            out.push_back(pos);
+        }
+    }
+}
+
+// Every (row, KV head)'s store, then every (row, chunk of positions)'s attention, each split over the
+// threads with a barrier after; each thread then merges every row's chunks itself (`merge_chunks`,
+// in decode_layer), as it computes the other activations it quantizes.
+void attention(const TfModel& md, const TfLayer& L, const TfStep& st, const float* qkv, Shared& sh, Private& p) {
     const int64_t D = md.head_dim, Hq = md.num_heads, Hkv = md.num_kv_heads, width = (Hq + 2 * Hkv) * D;
+    const int64_t chunk = std::max<int64_t>(1, st.attention_chunk);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < st.rows * Hkv; ++i) store_kv(md, L, st, i / Hkv, i % Hkv, qkv + (i / Hkv) * width, p);
+    attention_chunks(L, st, chunk, p.chunks);
+    const int64_t num_chunks = p.chunks[st.rows];
+    const int64_t* items = p.chunks.data() + st.rows + 1;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t m = 0; m < st.rows; ++m) attend_row(md, L, st, m, qkv + m * width, attn + m * Hq * D, p);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+        const int64_t m = items[2 * c], lo = items[2 * c + 1];
+        attend_chunk(md, L, st, m, lo, std::min(lo + chunk, static_cast<int64_t>(st.seq_lens[m])), qkv + m * width,
+                     sh.partial.data() + c * Hq * (2 + D), p);
+    }
 }
 
 void silu_mul_quantize(const float* gate_up, int64_t M, int64_t K, Private& p) {
@@ -290,8 +347,13 @@ void decode_layer(const TfModel& md, const TfLayer& L, const TfStep& st, float* 
     const int64_t M = st.rows, H = md.hidden, I = md.intermediate, q_size = md.num_heads * md.head_dim;
     add_norm_quantize(hidden, first, L.attn_norm, md.eps, M, H, p);
     linear(L.qkv, p.acts, M, s.qkv.data());
-    attention(md, L, st, s.qkv.data(), s.attn.data(), p);
-    for (int64_t m = 0; m < M; ++m) quantize_row(s.attn.data() + m * q_size, q_size, m, p.acts);
+    attention(md, L, st, s.qkv.data(), s, p);
+    for (int64_t m = 0; m < M; ++m) {
+        const int64_t first = p.chunks[m], D = md.head_dim;
+        merge_chunks(s.partial.data() + first * md.num_heads * (2 + D), p.chunks[m + 1] - first, md.num_heads, D,
+                     p.row.data());
+        quantize_row(p.row.data(), q_size, m, p.acts);
+    }
     linear(L.o, p.acts, M, s.out.data());
     add_norm_quantize(s.out.data(), false, L.ffn_norm, md.eps, M, H, p);
     linear(L.gate_up, p.acts, M, s.gate_up.data());
@@ -316,6 +378,10 @@ void tf_decode_step(const TfModel* model, const TfStep* step, float* hidden) {
     thread_local Shared per_caller;
     Shared& shared = per_caller;        // the calling thread's, shared by the team (a thread_local
     shared.fit(md, M);                  // named inside the region would be each thread's own)
+    int64_t chunks = 0;                 // the most attention chunks a layer can have (no window)
+    for (int64_t m = 0; m < M; ++m)
+        chunks += (step->seq_lens[m] + std::max<int64_t>(1, step->attention_chunk) - 1) / std::max<int64_t>(1, step->attention_chunk);
+    shared.fit_chunks(md, chunks);
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, step->threads)))
     {
         Private& p = private_scratch(md, M);

@@ -25,6 +25,10 @@ from tokenforge.kernels.gguf_cpu import native_library, weight_pointers
 from tokenforge.kernels.gguf_repack import PackedWeight
 
 MAX_PARTS = 4               # gguf_decode.cpp's TfLinear::parts
+# Positions per attention work item: a row's keys are cut into chunks of this many from its first, so
+# even one row's attention spreads over the threads (a row of <= this many is one chunk, computed as
+# before chunks existed); fixed, so no number depends on the thread count.
+ATTENTION_CHUNK = 256
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -50,7 +54,7 @@ class _Model(ctypes.Structure):
 
 class _Step(ctypes.Structure):
     _fields_ = [("positions", _ptr), ("slots", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr), ("rows", _i64),
-                ("max_blocks", _i64), ("threads", _i64)]
+                ("max_blocks", _i64), ("threads", _i64), ("attention_chunk", _i64)]
 
 
 class ThreadChoice:
@@ -141,6 +145,7 @@ class DecodeStep:
             raise RuntimeError("the native decode step needs the compiled GGUF CPU kernel (no C++ compiler found)")
         self.shape = shape
         self.choice = ThreadChoice()
+        self.attention_chunk = ATTENTION_CHUNK
         self.max_positions = cos_sin.shape[0]
         self._keep = (layers, final_norm, cos_sin)          # the structures point into these tensors
         self._layers = (_Layer * len(layers))(*[self._layer(w) for w in layers])
@@ -161,7 +166,7 @@ class DecodeStep:
         block_tables int32 [M, max_blocks]; seq_lens int32 [M]."""
         threads = self.choice.threads(torch.get_num_threads())
         step = _Step(positions.data_ptr(), slots.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-                     hidden.shape[0], block_tables.shape[1], threads)
+                     hidden.shape[0], block_tables.shape[1], threads, self.attention_chunk)
         start = time.perf_counter()
         self.lib.tf_decode_step(ctypes.addressof(self._model), ctypes.addressof(step), hidden.data_ptr())
         self.choice.record(threads, time.perf_counter() - start)
