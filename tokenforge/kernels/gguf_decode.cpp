@@ -72,7 +72,7 @@ struct Acts {               // activations quantized for one projection (gguf_cp
     int32_t* xs;            // sums of codes per 16
 };
 
-struct Shared {             // what the threads write for each other: projection and attention outputs
+struct Shared {             // what the threads write for each other: projection outputs, attention chunks
     std::vector<float> qkv, out, gate_up;
     std::vector<float> partial;     // attention chunks' [Hq, top | sum | D], merged by each thread after
 
@@ -378,9 +378,9 @@ void tf_decode_step(const TfModel* model, const TfStep* step, float* hidden) {
     thread_local Shared per_caller;
     Shared& shared = per_caller;        // the calling thread's, shared by the team (a thread_local
     shared.fit(md, M);                  // named inside the region would be each thread's own)
+    const int64_t chunk = std::max<int64_t>(1, step->attention_chunk);
     int64_t chunks = 0;                 // the most attention chunks a layer can have (no window)
-    for (int64_t m = 0; m < M; ++m)
-        chunks += (step->seq_lens[m] + std::max<int64_t>(1, step->attention_chunk) - 1) / std::max<int64_t>(1, step->attention_chunk);
+    for (int64_t m = 0; m < M; ++m) chunks += (step->seq_lens[m] + chunk - 1) / chunk;
     shared.fit_chunks(md, chunks);
 #pragma omp parallel num_threads(static_cast<int>(std::max<int64_t>(1, step->threads)))
     {
