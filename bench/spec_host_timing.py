@@ -79,7 +79,6 @@ def main() -> None:
     timed(core, "_finish", "  _finish")
     timed(ex, "collect", "    executor.collect")
     timed(core.scheduler, "update_from_output", "    update_from_output")
-    import tokenforge.executor.input_batch as ib  # noqa: PLC0415
     import tokenforge.executor.model_runner as mr  # noqa: PLC0415
     orig = mr.build_inputs
 
@@ -91,7 +90,6 @@ def main() -> None:
             TIMES["      build_inputs"] += time.perf_counter() - t
             COUNTS["      build_inputs"] += 1
     mr.build_inputs = build
-    del ib
     TIMES.clear(); COUNTS.clear()
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -183,9 +183,11 @@ void store_kv(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t m, 
 }
 
 
-// One head's scores [n] -> their softmax weights, unnormalised; returns their sum.
-float softmax_unnormalised(float* s, int64_t n) {
-    float top = -INFINITY, total = 0.f;
+// One head's scores [n] -> their softmax weights, unnormalised (exp(score - top)); returns their
+// sum, and the top score in `top`.
+float softmax_unnormalised(float* s, int64_t n, float& top) {
+    float total = 0.f;
+    top = -INFINITY;
     for (int64_t i = 0; i < n; ++i) top = std::max(top, s[i]);
     int64_t i = 0;
 #if TF_AVX512
@@ -254,10 +256,7 @@ void attend_chunk(const TfModel& md, const TfLayer& L, const TfStep& st, int64_t
         for (int64_t h = 0; h < Hq; ++h) s[h * n + i] = dot_head(q + h * D, k + (h / group) * D, D);
     }
     for (int64_t h = 0; h < Hq; ++h) {
-        float top = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) top = std::max(top, s[h * n + i]);
-        part[h * (2 + D)] = top;
-        part[h * (2 + D) + 1] = softmax_unnormalised(s + h * n, n);
+        part[h * (2 + D) + 1] = softmax_unnormalised(s + h * n, n, part[h * (2 + D)]);
         std::fill(part + h * (2 + D) + 2, part + (h + 1) * (2 + D), 0.f);
     }
     for (int64_t i = 0; i < n; ++i) {
