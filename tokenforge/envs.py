@@ -26,6 +26,7 @@ DRAFT_PROPOSER = "TOKENFORGE_DRAFT_PROPOSER"    # bench serve: "module:factory",
 REPLAY_ACCEPTANCE = "TOKENFORGE_REPLAY_ACCEPTANCE"  # bench serve: the served replay drafter's acceptance
 REPLAY_PROMPT_LEN = "TOKENFORGE_REPLAY_PROMPT_LEN"  # bench serve: its prompts' length (where outputs begin)
 STABLE_DUMMY = "TOKENFORGE_STABLE_DUMMY"        # bench serve: dummy weights whose greedy tokens no batch shape changes
+SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chained on the device ("0": off; any device)
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -75,6 +76,12 @@ def draft_proposer() -> str | None:
 
 def stable_dummy() -> bool:
     return _truthy(STABLE_DUMMY)
+
+
+def spec_burst() -> int | None:
+    """Verify iterations an n-gram burst chains (None: the engine's default where bursts apply)."""
+    value = _get(SPEC_BURST)
+    return int(value) if value not in (None, "") else None
 
 
 def replay_settings() -> tuple[float, int]:

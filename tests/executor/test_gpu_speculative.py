@@ -36,7 +36,8 @@ def _free(llm) -> None:
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 8])
-def test_graphed_verify_is_exact_and_frees_blocks(max_num_seqs):
+def test_graphed_verify_is_exact_and_frees_blocks(max_num_seqs, monkeypatch):
+    monkeypatch.setenv("TOKENFORGE_SPEC_BURST", "0")      # every verify a step of its own (bursts: below)
     base, base_ids = _generate(max_num_seqs=max_num_seqs)
     _free(base)
     llm, ids = _generate(max_num_seqs=max_num_seqs, speculative_method="ngram", num_speculative_tokens=4)
@@ -56,6 +57,28 @@ def test_graphed_verify_is_exact_and_frees_blocks(max_num_seqs):
         assert all(len(o.outputs[0].token_ids) == 32 for o in outs)
         kv = llm.get_stats()
         assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked after sampled verification"
+    finally:
+        _free(llm)
+
+
+def test_bursts_replay_their_graph_and_stay_exact():
+    """Batch 1 with the n-gram method runs in bursts (on by default on a GPU): greedy output equal to
+    greedy without speculation, a stop inside a burst where it is without, every block back."""
+    base, base_ids = _generate(max_num_seqs=1)
+    short = SamplingParams(temperature=0.0, max_tokens=13)
+    base_short = [o.outputs[0].token_ids for o in base.generate(PROMPTS, short, use_tqdm=False)]
+    _free(base)
+    llm, ids = _generate(max_num_seqs=1, speculative_method="ngram", num_speculative_tokens=4)
+    try:
+        burst = llm.engine.executor.runner.burst
+        assert burst.graph is not None and burst.launches > 0, "no burst replayed its CUDA graph"
+        for i, (a, b) in enumerate(zip(base_ids, ids)):
+            assert a == b, f"prompt {i}: {a} != {b}"
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, short, use_tqdm=False)] == base_short
+        stats = llm.engine.scheduler.drafts.stats()
+        assert 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+        kv = llm.get_stats()
+        assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
     finally:
         _free(llm)
 

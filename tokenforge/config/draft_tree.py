@@ -9,7 +9,8 @@ breadth first (depth, then parent, then rank), so the first m + 1 nodes are a tr
 cut by max_tokens (its depth) or by the token budget (its node count) is a prefix of it.
 
 Read by the scheduler's planner (how many nodes fit) and by the runner (each node's position and
-ancestors: its attention mask), so it lives here, beside the config both import.
+ancestors: its attention mask), so it lives here, beside the config both import; so does
+`burst_steps`, the other draft shape both sides must agree on (n-gram bursts at batch 1).
 """
 
 from __future__ import annotations
@@ -96,3 +97,24 @@ def tree_drafts_apply(config) -> bool:
     if backend == "auto":
         backend = "triton" if config.device.resolved_device() == "cuda" else "torch"
     return backend == "torch"
+
+
+BURST_STEPS = 8     # iterations a burst chains: ~45 ms of the 8B shape's verify steps, ~5 ms of a 135M model's
+
+
+def burst_steps(config, forced: int | None = None, host_proposer: bool = False) -> int:
+    """Verify iterations an n-gram burst chains on the device for a lone greedy request
+    (executor/spec/burst.py; 0: no bursts). Where they apply by default: the n-gram method on one
+    GPU with CUDA graphs, no LoRA, no offloaded layers. `forced` (TOKENFORGE_SPEC_BURST) overrides
+    that: 0 off, N > 0 on any device, eager where there are no graphs (the CPU tests). None where a
+    bench's host proposer drafts in the n-gram method's place (`host_proposer`)."""
+    s = config.scheduler
+    if s.speculative_method != "ngram" or host_proposer:
+        return 0
+    if forced is not None:
+        return max(0, forced)
+    backend = config.device.attention_backend
+    on_graphs = (config.device.resolved_device() == "cuda" and not config.device.enforce_eager
+                 and backend in ("auto", "triton"))
+    single = config.parallel.world_size == 1 and not config.load.cpu_offload_gb
+    return BURST_STEPS if on_graphs and single and not config.lora.enable_lora else 0

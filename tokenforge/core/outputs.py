@@ -119,3 +119,5 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[PositionLogprobs]] = field(default_factory=dict)  # per chunk position
+    # n-gram bursts (executor/spec/burst.py): per request, (drafts found, accepted) of each iteration
+    verify_counts: dict[str, list[int]] = field(default_factory=dict)

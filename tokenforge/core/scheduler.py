@@ -343,11 +343,11 @@ class Scheduler:
         token the step sampled for it: the token is valid, only its KV was dropped.
         """
         outputs: list[EngineCoreOutput] = []
-        now = time.time()
-        finished_running = finished_waiting = False
+        now, finished_running, finished_waiting = time.time(), False, False
         if self.pipeline_steps > 1:
             self._busy.difference_update(s.request_id for s in scheduler_output.sequences)
-        sampled, logprobs = model_runner_output.sampled_token_ids, model_runner_output.logprobs
+        out = model_runner_output
+        sampled, logprobs, bursts = out.sampled_token_ids, out.logprobs, out.verify_counts
         for seq in scheduler_output.sequences:
             req = self.requests.get(seq.request_id)
             if req is None:
@@ -359,7 +359,7 @@ class Scheduler:
                 req.num_output_placeholders -= 1
                 tokens, status = append_until_stop(req, sampled[req.request_id], self.max_len)
                 if seq.num_draft_tokens and running and status is None:   # rejected drafts' KV goes
-                    self.drafts.after_verify(req, seq.num_draft_tokens, len(tokens))
+                    self.drafts.after_verify(req, seq.num_draft_tokens, len(tokens), bursts.get(req.request_id))
                     self.kv.truncate(req, cdiv(req.num_tokens, self.block_size))
                 if not tokens and running and not req.num_output_placeholders:
                     req.num_computed_tokens -= 1   # nothing sampled: the next step samples its last token again

@@ -23,6 +23,12 @@ be checked, so constrained requests get drafts from host proposers only). Seeded
 draft too: the verifier draws each row from the request's own generator and rewinds it to the
 tokens emitted, so their output is what it is without speculation.
 
+Bursts (`burst_slots` > 0, the n-gram method on one GPU: executor/spec/burst.py): a lone greedy
+request that needs nothing from the host per token (`burst_serves`) gets device draft slots for
+several verify iterations at once, which the runner chains on the device; its KV is allocated for
+all of them, and what comes back (the emitted tokens, each iteration's drafts found and accepted)
+is cut and rolled back as after one verify.
+
 The shape of a draft is a component chosen at start-up: `ChainShape` (d tokens, each after the one
 before) or `TreeShape` (--speculative-tree: the first d nodes of the static DraftTree, whose depth
 the step's k and max_tokens cap; only for requests the tree verify serves, those without
@@ -89,6 +95,14 @@ class TreeShape:
                 and p.frequency_penalty == 0.0 and not banned_tokens(req))
 
 
+def burst_serves(req: Request) -> bool:
+    """A request a burst may serve: greedy, and nothing per token that the host computes (logprobs,
+    penalties, banned ids, a grammar)."""
+    p = req.params
+    return (p.is_greedy and p.logprobs is None and p.grammar is None and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not banned_tokens(req))
+
+
 def device_drafts(history: list[int], k: int) -> list[int]:
     """The proposer of methods that draft on the device (a draft model): k slots the runner fills."""
     return [DRAFT_TOKEN_ID] * k
@@ -107,8 +121,10 @@ class DraftPlanner:
 
     def __init__(self, proposer: Proposer, num_draft_tokens: int, cost: StepCost | None = None,
                  probe_every: int = 64, probe_requests: int = 8, check: DraftCheck = allow_all,
-                 shape: ChainShape | TreeShape | None = None) -> None:
+                 shape: ChainShape | TreeShape | None = None, burst_slots: int = 0) -> None:
         self.proposer = proposer
+        self.burst_slots = burst_slots       # device draft slots of a burst (0: no bursts)
+        self._batch = 0                      # running requests this step
         self.check = check
         self.shape = shape or ChainShape()
         self.k = num_draft_tokens
@@ -165,7 +181,7 @@ class DraftPlanner:
         k = 0 if ahead else self.choose_k(batch)     # a step ahead drafts nothing, probes neither
         if k == 0 and not ahead and (self._idle_steps >= self.probe_every or self._probe_due()):
             self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
-        self.step_k = k
+        self.step_k, self._batch = k, batch
 
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
@@ -175,6 +191,12 @@ class DraftPlanner:
         room = self.shape.size(depth, min(budget - 1, max_len - req.num_tokens - 1))
         if room <= 0 or not self.shape.serves(req):
             return []
+        if self.burst_slots and self._batch == 1 and self._quota is None and burst_serves(req):
+            slots = min(self.burst_slots, req.params.max_tokens - req.num_output_tokens - 1,
+                        budget - 1, max_len - req.num_tokens - 1)
+            if slots >= self.k:       # at least one iteration of K drafts
+                self.drafted_in_flight = True
+                return [DRAFT_TOKEN_ID] * slots
         if self._quota is not None:
             self._quota -= 1            # a probe asks this many proposals (found or not), no more
         drafts = self.proposer(req.all_token_ids, room)[:room]
@@ -183,10 +205,20 @@ class DraftPlanner:
         self.drafted_in_flight |= bool(drafts)
         return drafts
 
-    def after_verify(self, req: Request, num_drafts: int, num_new_tokens: int) -> None:
+    def after_verify(self, req: Request, num_drafts: int, num_new_tokens: int,
+                     burst: list[int] | None = None) -> None:
         """Roll the request back to the tokens whose KV is valid: every token but the last one
-        emitted (rejected drafts' slots are recomputed or freed)."""
-        accepted = min(num_drafts, max(0, num_new_tokens - 1))
+        emitted (rejected drafts' slots are recomputed or freed). `burst`: a burst's (drafts found,
+        accepted) per iteration, counted instead of the slots it was given."""
+        if burst is None:
+            self._count(num_drafts, min(num_drafts, max(0, num_new_tokens - 1)))
+        else:
+            for found, accepted in zip(burst[::2], burst[1::2]):
+                if found:
+                    self._count(found, accepted)
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+
+    def _count(self, num_drafts: int, accepted: int) -> None:
         self.num_drafted += num_drafts
         self.num_accepted += accepted
         self.num_verify_steps += 1
@@ -195,7 +227,6 @@ class DraftPlanner:
         # drafts reached: up to and including the first rejected one
         self._accepted = self._accepted * self.DECAY + accepted
         self._reached = self._reached * self.DECAY + min(accepted + 1, num_drafts)
-        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
 
     def snapshot(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_verify_steps, self.num_drafted, self.num_accepted,

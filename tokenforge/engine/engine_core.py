@@ -17,7 +17,7 @@ from tokenforge import envs
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
-from tokenforge.config.draft_tree import DraftTree, tree_drafts_apply
+from tokenforge.config.draft_tree import DraftTree, burst_steps, tree_drafts_apply
 from tokenforge.core.speculation import (ChainShape, DraftCheck, DraftPlanner, StepCost, TreeShape, allow_all,
                                          device_drafts)
 from tokenforge.engine.core_boot import process_start_time
@@ -71,11 +71,12 @@ def draft_shape(config: EngineConfig) -> ChainShape | TreeShape:
 
 
 def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_all,
-                       shape: ChainShape | TreeShape | None = None) -> DraftPlanner | None:
+                       shape: ChainShape | TreeShape | None = None, burst: int = 0) -> DraftPlanner | None:
     """The speculative method's proposer, chosen once (None without speculative decoding). The
     adaptive rule's step cost: on a GPU a forward costs about the same up to ~a hundred rows (the
     weights' read dominates) and a synchronous step loses the overlap of async scheduling.
-    `check`: the grammar matchers' cut of a constrained request's drafts."""
+    `check`: the grammar matchers' cut of a constrained request's drafts. `burst`: the verify
+    iterations of the runner's n-gram bursts (config.draft_tree.burst_steps; 0: none)."""
     if config.speculative_method is None:
         return None
     cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
@@ -89,7 +90,8 @@ def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_a
     from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
 
     proposer = NgramProposer(config.ngram_min, config.ngram_max)
-    return DraftPlanner(proposer.propose_one, config.num_draft_tokens, cost, check=check)
+    slots = burst * (config.num_draft_tokens + 1) - 1 if burst else 0
+    return DraftPlanner(proposer.propose_one, config.num_draft_tokens, cost, check=check, burst_slots=slots)
 
 
 def check_draft_tokenizer(config, tokenizer=None) -> None:
@@ -133,7 +135,8 @@ class EngineCore:
                                         self.vocab_size)
         lora = self.config.lora
         drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
-                                    draft_shape(self.config))
+                                    draft_shape(self.config),
+                                    burst_steps(self.config, envs.spec_burst(), bool(envs.draft_proposer())))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
                                    lora.max_loras if lora.enable_lora else 0)
         self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read

@@ -24,6 +24,7 @@ from tokenforge.executor.kv_cache import (allocate_kv_caches, finish_calibration
                                           rotate_keys, start_calibration)
 from tokenforge.executor.pipeline import PipelinedSteps, StageComm
 from tokenforge.executor.roles import StepInFlight, make_role
+from tokenforge.executor.spec.burst import NoBurst, make_burst
 from tokenforge.executor.spec.components import make_drafter, make_speculative_role
 from tokenforge.executor.warmup import warm_up
 from tokenforge.kernels.kv_quant import FP8_DTYPE, cache_dtype
@@ -66,6 +67,7 @@ class ModelRunner:
         speculative = config.scheduler.speculative_method is not None and self.rank.is_first_stage
         self.role = make_speculative_role(self) if speculative else make_role(self)
         self.drafter = make_drafter(self)        # a draft model or head that fills draft slots (draft, eagle)
+        self.burst = NoBurst()                   # n-gram bursts at batch 1 (made with the KV cache: spec/burst.py)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: CudaGraphRunner | CpuDecodeRunner | None = None
 
@@ -169,6 +171,8 @@ class ModelRunner:
             self.graphs.capture()
         elif self.device.type == "cpu":
             self.graphs = CpuDecodeRunner.for_runner(self)     # GGUF blocks: a decode step per native call
+        if self.rank.is_first_stage and self.config.scheduler.speculative_method is not None:
+            self.burst = make_burst(self)
         if self.device.type == "cuda" and self.rank.pp_size == 1:
             self.warmup_seconds = warm_up(self, num_blocks)     # prefill/mixed shapes compile now
 
@@ -189,6 +193,9 @@ class ModelRunner:
             return step
         if sched.lora_loads:
             self.loras.apply(sched.lora_loads)       # queued before this step's forward reads the slots
+        if self.burst.takes(sched):
+            self.burst.launch(step)                  # verify iterations chained on the device
+            return step
         step.inputs = build_inputs(sched.sequences, self.block_size, self.device, self.config.cache.pin_memory,
                                    self.previous.rows, lora=self.loras is not None)
         if self.rank.is_first_stage:
@@ -229,7 +236,7 @@ class ModelRunner:
     def collect(self, step: StepInFlight) -> ModelRunnerOutput:
         """Wait for a launched step and turn its results into lists (the one host sync)."""
         out = ModelRunnerOutput()
-        if step.inputs is None:
+        if step.inputs is None and step.verify is None:     # an empty step (a burst has no inputs)
             return out
         if step.sample_pending:
             raise RuntimeError("a step launched with defer_sampling was collected before `sample`")

@@ -22,6 +22,9 @@ def release_runner(runner) -> None:
     if graphs is not None:
         graphs.release()
         runner.graphs = None
+    burst = getattr(runner, "burst", None)
+    if burst is not None:
+        burst.release()
     drafter = getattr(runner, "drafter", None)
     if drafter is not None:
         drafter.release()

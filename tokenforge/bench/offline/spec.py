@@ -5,7 +5,7 @@ In: `--workload grounded,chat` (bench/lib/text_prompts.py: rewrite / summarize a
 or held-out chat prompts; each engine runs every workload listed), `--methods
 none,ngram,eagle,eagle-eager,draft` (each an engine of its own, built in turn; `eagle` and `draft`
 take --speculative-model; `eagle-eager` is eagle with the head's CUDA graphs off, to see what
-they save), `--num-prompts` (per workload), `--output-len` (the
+they save; `ngram-stepwise` is ngram with its batch-1 bursts off, every verify a step of its own), `--num-prompts` (per workload), `--output-len` (the
 max_tokens cap; answers end at EOS as a user's would). Each request runs alone (batch 1), one
 after another, greedy, after one untimed pass over the prompts (graphs, caches, the drafter's
 catch-up all warm; its drafts counters reset after it).
@@ -17,13 +17,16 @@ per verify step), and whether the greedy output equals `none`'s token for token.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 
+from tokenforge import envs
 from tokenforge.bench.lib import harness, report, text_prompts
 
 ENGINE_FLAGS = True     # cli/bench.py adds the engine flags
-METHODS = ("none", "ngram", "eagle", "eagle-eager", "draft")
+METHODS = ("none", "ngram", "ngram-stepwise", "eagle", "eagle-eager", "draft")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -48,10 +51,25 @@ def _methods(args: argparse.Namespace) -> list[str]:
 def _overrides(args: argparse.Namespace, method: str) -> dict:
     if method == "none":
         return {"speculative_method": None, "num_speculative_tokens": None, "speculative_model": None}
-    out = {"speculative_method": "eagle" if method == "eagle-eager" else method}
-    if method == "ngram":
+    out = {"speculative_method": {"eagle-eager": "eagle", "ngram-stepwise": "ngram"}.get(method, method)}
+    if out["speculative_method"] == "ngram":
         out["speculative_model"] = None
     return out
+
+
+@contextlib.contextmanager
+def _bursts(on: bool):
+    """The engine built inside runs n-gram bursts where they apply (on) or none."""
+    before = os.environ.get(envs.SPEC_BURST)
+    if not on:
+        os.environ[envs.SPEC_BURST] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(envs.SPEC_BURST, None)
+        else:
+            os.environ[envs.SPEC_BURST] = before
 
 
 def _pass(llm, prompts: list[str], params) -> tuple[list[list[int]], float, list[float]]:
@@ -71,7 +89,8 @@ def measure(args: argparse.Namespace, method: str, workloads: dict[str, list[str
     """{workload: (row, greedy ids)} of one engine."""
     from tokenforge import SamplingParams  # noqa: PLC0415
 
-    llm = harness.build_llm(args, **_overrides(args, method))
+    with _bursts(method != "ngram-stepwise"):
+        llm = harness.build_llm(args, **_overrides(args, method))
     try:
         drafter = getattr(llm.engine.executor.runner, "drafter", None)
         if method == "eagle-eager" and getattr(drafter, "graphs", None) is not None:
@@ -99,6 +118,7 @@ def measure(args: argparse.Namespace, method: str, workloads: dict[str, list[str
             row = {"method": method, "output_tokens": tokens, "runs_s": runs, "median_s": median,
                    "output_tok_s": tokens / median, "ms_per_token": median / tokens * 1e3, "spec_decode": stats,
                    "head_graph_replays": getattr(getattr(drafter, "graphs", None), "replays", 0) - replays0,
+                   "bursts": getattr(llm.engine.executor.runner.burst, "launches", 0),
                    "engine_steps": steps, "engine": dict(args.resolved_engine)}
             if getattr(args, "profile_dir", None):
                 row["profile"] = _profiled(llm, prompts[:2], params, args.profile_dir)

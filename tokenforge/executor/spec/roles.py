@@ -106,6 +106,9 @@ class VerifyInFlight:
     rewinds: list = field(default_factory=list)   # (index in seqs, its generator, its state before the verify)
     vocab_size: int = 0
 
+    def take(self, out) -> None:
+        take_verified(self, out)
+
 
 class SpeculativeDriver(Driver):
     def after_forward(self, step: StepInFlight, defer_sampling: bool) -> None:
@@ -150,11 +153,11 @@ class SpeculativeDriver(Driver):
 
     def collect(self, step: StepInFlight, out) -> None:
         verified, step.verify = step.verify, None
-        if verified is not None and verified.host.copied is not None:
+        if isinstance(verified, VerifyInFlight) and verified.host.copied is not None:
             verified.host.copied.synchronize()      # recorded after the plain rows' copies: one wait
         super().collect(step, out)
         if verified is not None:
-            take_verified(verified, out)
+            verified.take(out)
 
 
 def take_verified(verified: VerifyInFlight, out) -> None:

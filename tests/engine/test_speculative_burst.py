@@ -1,0 +1,150 @@
+"""N-gram bursts (executor/spec/burst.py): the device lookup equals the host's, and an engine
+whose lone greedy requests run in bursts emits exactly the tokens it emits without speculation,
+stops where it would, and gives every KV block back. The bursts run eagerly here (CPU); the
+graphed path is tests/executor/test_gpu_speculative.py's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.engine.conftest import SPEC_MAX_TOKENS, spec_engine
+from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
+from tokenforge import SamplingParams
+from tokenforge.executor.spec.burst import DeviceNgram, NoBurst, SpeculativeBurst
+from tokenforge.executor.spec.ngram import NgramProposer
+
+
+@pytest.mark.parametrize("ngram_min,ngram_max,k", [(1, 4, 4), (2, 4, 4), (1, 2, 7), (3, 3, 2)])
+def test_device_lookup_equals_the_host_lookup(ngram_min, ngram_max, k):
+    rng = random.Random(ngram_min * 100 + ngram_max * 10 + k)
+    capacity = 96
+    device, host = DeviceNgram(ngram_min, ngram_max, k, capacity, torch.device("cpu")), NgramProposer(ngram_min, ngram_max)
+    found = 0
+    for trial in range(300):
+        length = rng.randint(1, capacity)
+        vocab = rng.choice([2, 3, 5, 20])
+        history = [rng.randrange(vocab) for _ in range(length)]
+        hist = torch.tensor(history + [rng.randrange(50) for _ in range(capacity + k + 1 - length)])
+        drafts, count = device(hist, torch.tensor([length]))
+        want = host.propose_one(history, k)
+        assert drafts[:int(count)].tolist() == want, (trial, history)
+        found += bool(want)
+    assert 50 < found < 300       # both outcomes were exercised
+
+
+@pytest.fixture(scope="module")
+def burst_llm():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENFORGE_SPEC_BURST", "3")
+        llm = spec_engine(speculative_method="ngram", num_speculative_tokens=4)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_llm():
+    llm = spec_engine()
+    yield llm
+    llm.shutdown()
+
+
+def _ids(llm, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def _assert_no_leak(llm):
+    kv = llm.get_stats()
+    assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+    assert kv.num_running == kv.num_waiting == 0
+
+
+def test_a_lone_greedy_request_runs_in_bursts_and_emits_the_greedy_tokens(burst_llm, greedy_without_speculation):
+    runner = burst_llm.engine.executor.runner
+    assert isinstance(runner.burst, SpeculativeBurst) and runner.burst.graph is None     # eager on the CPU
+    params = SamplingParams(temperature=0.0, max_tokens=SPEC_MAX_TOKENS, ignore_eos=True)
+    drafts = burst_llm.engine.scheduler.drafts
+    drafts.reset_counters()
+    for i, prompt in enumerate(PROMPTS):
+        before = runner.burst.launches
+        assert _ids(burst_llm, [prompt], params)[0] == greedy_without_speculation[i], f"prompt {i}"
+        assert runner.burst.launches > before
+    stats = drafts.stats()
+    assert stats["num_accepted_tokens"] > 0 and stats["num_draft_tokens"] >= stats["num_accepted_tokens"]
+    per_pos = stats["accepted_per_position"]
+    assert sum(per_pos) == stats["num_accepted_tokens"] and per_pos == sorted(per_pos, reverse=True)
+    _assert_no_leak(burst_llm)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 6, 13])
+def test_a_burst_stops_where_the_plain_engine_stops(burst_llm, plain_llm, max_tokens):
+    """max_tokens inside a burst, EOS (not ignored), a stop id and a stop string: the emitted tokens
+    past the stop are dropped, and their blocks come back."""
+    prompt = PROMPTS[0]
+    base = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    assert _ids(burst_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0] == base
+    full = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    stop_id = full[9]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
+    assert _ids(burst_llm, [prompt], params)[0] == _ids(plain_llm, [prompt], params)[0]
+    text = plain_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2: len(text) // 2 + 4]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
+    want = plain_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    got = burst_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+    _assert_no_leak(burst_llm)
+
+
+def test_requests_a_burst_cannot_serve_take_the_plain_verify(burst_llm, greedy_without_speculation):
+    """Logprobs, penalties, sampling, and a batch of several: no burst, and the same output as
+    before bursts (greedy rows equal, one logprobs entry per token)."""
+    runner = burst_llm.engine.executor.runner
+    before = runner.burst.launches
+    out = burst_llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=2),
+                             use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == greedy_without_speculation[3][:20] and len(out.logprobs) == 20
+    burst_llm.generate([PROMPTS[3]], SamplingParams(temperature=0.7, seed=1, max_tokens=12), use_tqdm=False)
+    burst_llm.generate([PROMPTS[3]], SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.2),
+                       use_tqdm=False)
+    assert runner.burst.launches == before
+    params = SamplingParams(temperature=0.0, max_tokens=SPEC_MAX_TOKENS, ignore_eos=True)
+    assert _ids(burst_llm, PROMPTS, params) == greedy_without_speculation      # batches: per-step verify
+    _assert_no_leak(burst_llm)
+
+
+def test_bursts_are_off_unless_asked_for_on_the_cpu(plain_llm, monkeypatch):
+    monkeypatch.delenv("TOKENFORGE_SPEC_BURST", raising=False)
+    llm = spec_engine(speculative_method="ngram", num_speculative_tokens=2)
+    try:
+        assert isinstance(llm.engine.executor.runner.burst, NoBurst)
+        assert llm.engine.scheduler.drafts.burst_slots == 0
+    finally:
+        llm.shutdown()
+
+
+def test_the_device_replay_drafts_the_continuation_at_the_chosen_acceptance():
+    """bench/lib/replay_device.py: acceptance 1 drafts the continuation, 0 misses every token, the
+    count stops at the end of what is known, and a launch learns the tokens emitted so far."""
+    from tokenforge.bench.lib.replay import ReplayDrafter
+    from tokenforge.bench.lib.replay_device import DeviceReplay
+
+    prompt, cont = [5, 6, 7], [8, 9, 10, 11, 12, 13]
+    cpu = torch.device("cpu")
+    sure = DeviceReplay(ReplayDrafter([prompt], [list(cont)], 1.0, 100), 4, 32, cpu)
+    sure.begin(prompt + [8, 3])                 # the engine emitted 8, then 3 where the guess was 9
+    hist = torch.zeros(37, dtype=torch.long)
+    drafts, count = sure(hist, torch.tensor([5]))
+    assert drafts.tolist() == [10, 11, 12, 13] and int(count) == 4
+    assert sure.host.continuations([prompt])[0][:2] == [8, 3]
+    drafts, count = sure(hist, torch.tensor([7]))
+    assert drafts[:2].tolist() == [12, 13] and int(count) == 2
+    never = DeviceReplay(ReplayDrafter([prompt], [list(cont)], 0.0, 100), 4, 32, cpu)
+    never.begin(prompt)
+    drafts, _ = never(hist, torch.tensor([3]))
+    assert drafts.tolist() == [7, 8, 9, 10]     # every token one below the continuation's
+    never.begin([1, 2])                         # no known prompt: nothing to draft
+    assert int(never(hist, torch.tensor([2]))[1]) == 0 and never.host.num_unknown == 1

@@ -1,0 +1,246 @@
+"""N-gram bursts: at batch 1, several verify steps chained on the device, the host out of the loop.
+
+Why: a verify step is synchronous (its drafts read the tokens of the step before), so between two
+of them the device waits while the host reads the step back, schedules, builds the inputs, fills
+the graph's metadata and launches it: ~1 ms of a 6.7 ms step for the 8B shape on an H100
+(bench/spec_host_timing.py), more than the device's own step on the bundled 135M model. A burst
+keeps the request's history on the device and runs S iterations there, each:
+  propose (the n-gram lookup of spec/ngram.py over the device history) -> the last token and K
+  drafts forwarded as K + 1 decode rows -> greedy verify against the target's argmax -> the
+  accepted drafts and the bonus token appended to the history and to the burst's output;
+one CUDA graph replay an iteration, S replays queued back to back, one read-back at the end.
+
+The scheduler (core/speculation.py) grants a burst to a lone greedy request that needs nothing from
+the host per token: D device draft slots, its KV allocated for 1 + D tokens. S = (D + 1) // (K + 1)
+iterations always fit, whatever is accepted: an iteration writes K + 1 positions from the end of
+the history, which grows by at most K + 1. The step returns every emitted token and each
+iteration's (drafts found, accepted); the scheduler cuts the tokens at a stop and frees the slots
+past the last kept one, as after a plain verify. The tokens are a plain verify step's (the same
+K + 1 rows through the same graph kernels and argmax). Without CUDA graphs (forced by
+TOKENFORGE_SPEC_BURST, the CPU tests) each iteration runs eagerly, with one host read per
+iteration for the attention metadata.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenforge import envs
+from tokenforge.config.draft_tree import burst_steps
+from tokenforge.core.outputs import DRAFT_TOKEN_ID
+from tokenforge.executor.cuda_graph import CudaGraphRunner
+from tokenforge.model.attention.backend import AttentionBatch
+from tokenforge.model.forward_context import set_forward_context
+
+
+class DeviceNgram:
+    """spec/ngram.py's lookup over a device history `hist` whose first `length` tokens are known:
+    the tokens after the latest earlier occurrence of the longest suffix of n = ngram_max down to
+    ngram_min tokens, at most k. Fixed shapes (a CUDA graph replays it): window ends e over the
+    whole buffer, m[t, e] = hist[e - t] == hist[length - 1 - t], the windows of n tokens being the
+    ends where rows 0..n-1 all match."""
+
+    def __init__(self, ngram_min: int, ngram_max: int, k: int, capacity: int, device: torch.device) -> None:
+        self.ngram_min, self.k, self.capacity = ngram_min, k, capacity
+        ends = torch.arange(capacity, device=device)
+        self.t = torch.arange(ngram_max, device=device)                  # row t: the window's (t+1)-th token from its end
+        back = ends[None, :] - self.t[:, None]
+        self.back = back.clamp(min=0)                                    # [nmax, capacity]
+        self.back_ok = back >= 0
+        self.ends = ends
+        self.ks = torch.arange(k, device=device)
+
+    def begin(self, history: list[int]) -> None:
+        """A burst starts (host side): the n-gram lookup needs nothing more than the history."""
+
+    def __call__(self, hist: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """hist [>= capacity] long, length [1] long -> (drafts [k] long, how many are valid [] long)."""
+        suffix = hist[(length - 1 - self.t).clamp(min=0)]                                   # [nmax]
+        match = (hist[self.back] == suffix[:, None]) & self.back_ok
+        match = match.to(torch.int32).cumprod(0).bool()                 # [t, e]: the last t + 1 tokens match
+        match &= (self.ends <= length - 2)[None, :] & (self.t <= length - 2)[:, None]   # a token follows; n < length
+        last = torch.where(match, self.ends, -1).amax(1)                # [nmax]: the latest end for n = t + 1
+        usable = (last >= 0) & (self.t >= self.ngram_min - 1)
+        best = torch.where(usable, self.t, -1).amax()                   # the longest n found (-1: none)
+        start = last.gather(0, best.clamp(min=0).view(1)) + 1           # [1]: the first token after the window
+        count = torch.where(best >= 0, torch.minimum(length - start, torch.full_like(start, self.k)), 0)[0]
+        return hist[(start + self.ks).clamp(max=self.capacity - 1)], count
+
+
+@dataclass(slots=True)
+class BurstInFlight:
+    """A burst's results on their way to the host: [emitted, (found, accepted) x steps, tokens...]."""
+
+    request_id: str
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+    steps: int
+
+    def take(self, out) -> None:
+        if self.copied is not None:
+            self.copied.synchronize()
+        values = self.host.tolist()
+        emitted, pairs = values[0], 2 * self.steps
+        out.sampled_token_ids[self.request_id] = values[1 + pairs:1 + pairs + emitted]
+        out.verify_counts[self.request_id] = values[1:1 + pairs]
+
+
+class NoBurst:
+    """Bursts off (another method, batch limits, no graphs): every step runs as scheduled."""
+
+    def takes(self, sched) -> bool:
+        return False
+
+    def release(self) -> None:
+        pass
+
+
+def configured_steps(config) -> int:
+    """burst_steps with the environment's say (TOKENFORGE_SPEC_BURST, a bench's host proposer)."""
+    return burst_steps(config, envs.spec_burst(), bool(envs.draft_proposer()))
+
+
+def make_burst(runner):
+    steps = configured_steps(runner.config)
+    return SpeculativeBurst(runner, steps) if steps and runner.rank.is_driver else NoBurst()
+
+
+class SpeculativeBurst:
+    def __init__(self, runner, max_steps: int) -> None:
+        cfg = runner.config.scheduler
+        self.model, self.device, self.block_size = runner.model, runner.device, runner.block_size
+        self.backend = runner.backend
+        self.k, self.max_steps = cfg.num_draft_tokens, max_steps
+        k1, device = self.k + 1, runner.device
+        capacity = cfg.max_model_len
+        self.rows = torch.arange(k1, device=device)
+        self.proposer = DeviceNgram(cfg.ngram_min, cfg.ngram_max, self.k, capacity, device)
+        # the history, then K + 1 scratch slots that rows past the accepted ones write into
+        self.hist = torch.zeros(capacity + k1, dtype=torch.long, device=device)
+        self.hist_scratch = capacity + self.rows
+        self.out = torch.zeros(max_steps * k1 + k1, dtype=torch.long, device=device)
+        self.out_scratch = max_steps * k1 + self.rows
+        self.counts = torch.zeros(1 + 2 * max_steps, dtype=torch.long, device=device)   # [emitted, (found, accepted)...]
+        # [length, iteration, live]: live 0 while capturing (the KV store writes nowhere then)
+        self.state = torch.zeros(3, dtype=torch.long, device=device)
+        self.block_table = torch.zeros(-(-capacity // self.block_size), dtype=torch.int32, device=device)
+        self._request, self._on_device = None, 0     # whose history the device holds, how much of it
+        self.launches = 0                            # bursts run (tests and benches read it)
+        self.graphs = runner.graphs if isinstance(runner.graphs, CudaGraphRunner) else None
+        self.graph: torch.cuda.CUDAGraph | None = None
+        if self.graphs is not None:
+            self._capture()
+
+    # ---- one iteration --------------------------------------------------------------------------
+    def _iterate(self, forward) -> None:
+        length = self.state[0:1]
+        drafts, found = self.proposer(self.hist, length)
+        positions = length - 1 + self.rows                                              # [K + 1]
+        ids = torch.cat([self.hist[length - 1], drafts])
+        pred = self.model.compute_logits(forward(ids, positions)).argmax(dim=-1)       # [K + 1]
+        accepted = ((pred[:-1] == drafts) & (self.rows[:-1] < found)).to(torch.int32).cumprod(0).sum()
+        keep = self.rows <= accepted
+        emitted = self.counts[0:1]
+        self.hist.index_copy_(0, torch.where(keep, length + self.rows, self.hist_scratch), pred)
+        self.out.index_copy_(0, torch.where(keep, emitted + self.rows, self.out_scratch), pred)
+        self.counts.index_copy_(0, 1 + 2 * self.state[1:2] + self.rows[:2], torch.stack([found, accepted]))
+        emitted += accepted + 1
+        self.state[:2] += torch.stack([accepted + 1, torch.ones_like(accepted)])
+
+    def _graph_forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The rows written into the decode graphs' inputs and metadata, then the model (captured)."""
+        g, n = self.graphs, self.k + 1
+        g.input_ids[:n].copy_(ids)
+        g.positions[:n].copy_(positions)
+        bufs = g.buffers
+        slots = self.block_table[positions // self.block_size] * self.block_size + positions % self.block_size
+        bufs.slot_mapping[:n].copy_(torch.where(self.state[2] > 0, slots, -1))
+        bufs.seq_lens[:n].copy_(positions + 1)
+        bufs.context_lens[:n].copy_(positions)
+        return self.model(g.input_ids[:n], g.positions[:n])
+
+    def _eager_forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """No graphs: the K + 1 rows as one causal chunk after the history's first tokens."""
+        start = int(positions[0])
+        table = self.block_table[: -(-(start + self.k + 1) // self.block_size)].tolist()
+        batch = AttentionBatch([self.k + 1], [start], [table], self.block_size, self.device)
+        with set_forward_context(self.backend.build_metadata(batch), None):
+            return self.model(ids, positions)
+
+    def _capture(self) -> None:
+        g, n = self.graphs, self.k + 1
+        empty = AttentionBatch([], [], [], self.block_size, self.device)
+        metadata = g.buffers.fill(empty, padded_batch_size=n)
+        self.state.zero_()
+        self.state[0] = 1
+        with torch.inference_mode(), set_forward_context(metadata, None):
+            self._iterate(self._graph_forward)          # warm-up: lazy init outside the capture
+            self.counts.zero_()
+            self.state[:2] = torch.tensor([1, 0])
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=g.pool, capture_error_mode="thread_local"):
+                self._iterate(self._graph_forward)
+        torch.cuda.synchronize()
+
+    # ---- a step ---------------------------------------------------------------------------------
+    def takes(self, sched) -> bool:
+        """A step of one sequence that the scheduler gave burst slots (device drafts past K)."""
+        seqs = sched.sequences
+        return (len(seqs) == 1 and seqs[0].sample and seqs[0].num_draft_tokens >= self.k
+                and seqs[0].token_ids[-1] == DRAFT_TOKEN_ID)
+
+    def launch(self, step) -> None:
+        seq = step.sched.sequences[0]
+        length = seq.start_position + 1
+        steps = min(self.max_steps, (seq.num_draft_tokens + 1) // (self.k + 1))
+        self.launches += 1
+        self._upload(seq, length)
+        self.counts.zero_()
+        self.state.copy_(torch.tensor([length, 0, 1]), non_blocking=False)
+        if self.graph is not None:
+            table = self.graphs.buffers.block_tables
+            table[: self.k + 1].copy_(self.block_table[None, : table.shape[1]].expand(self.k + 1, -1))
+            for _ in range(steps):
+                self.graph.replay()
+        else:
+            for _ in range(steps):
+                self._iterate(self._eager_forward)
+        result = torch.cat([self.counts[: 1 + 2 * steps], self.out[: steps * (self.k + 1)]])
+        copied = None
+        if self.device.type == "cuda":
+            result, copied = result.to("cpu", non_blocking=True), torch.cuda.Event()
+            copied.record()
+        step.verify = BurstInFlight(seq.request_id, result, copied, steps)
+
+    def _upload(self, seq, length: int) -> None:
+        """The request's known tokens and block table to the device (only the tokens the device does
+        not hold yet when the last burst was this request's)."""
+        have = self._on_device if self._request == seq.request_id else 0
+        history = seq.prompt_token_ids + seq.output_token_ids
+        assert len(history) == length, f"burst history {len(history)} tokens, position {length - 1}"
+        self.proposer.begin(history)
+        have = min(have, length)
+        if have < length:
+            self.hist[have:length].copy_(torch.tensor(history[have:], dtype=torch.long), non_blocking=True)
+        self.block_table.zero_()
+        table = torch.tensor(seq.block_table, dtype=torch.int32)
+        self.block_table[: table.numel()].copy_(table, non_blocking=True)
+        # what the burst appends is the request's next tokens unless a stop cuts them (it then ends)
+        self._request, self._on_device = seq.request_id, length
+
+    def use_proposer(self, proposer) -> None:
+        """Draft with `proposer` from now on (a bench's replay drafter: bench/lib/replay_device.py):
+        (hist, length) -> (drafts [K], how many are valid), `begin(history)` at each launch. The
+        iteration's graph is captured again around it."""
+        self.proposer = proposer
+        if self.graph is not None:
+            self.graph.reset()
+            self._capture()
+
+    def release(self) -> None:
+        if self.graph is not None:
+            self.graph.reset()
+        self.graph = self.graphs = self.model = None
