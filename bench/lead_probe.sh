@@ -23,7 +23,7 @@
 #   spec-w1-stepwise  spec-w1 with the batch-1 bursts off (TOKENFORGE_SPEC_BURST=0): every verify a step of its own
 #   gguf-keep / gguf-join  the bundled GGUF over several calls (the carry limit): each keeps the carried .gpu/part.*
 #               in /tmp/gguf; gguf-join then joins them where tokenforge finds the bundled model
-#   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-b)
+#   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-join)
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
