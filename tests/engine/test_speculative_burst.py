@@ -17,20 +17,24 @@ from tokenforge.executor.spec.burst import DeviceNgram, NoBurst, SpeculativeBurs
 from tokenforge.executor.spec.ngram import NgramProposer
 
 
+def _lookup(ngram_min, ngram_max, hist, length, k, capacity):
+    drafts, found = torch.zeros(k, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    DeviceNgram(ngram_min, ngram_max, capacity)(hist, torch.tensor([length, 0, 1]), drafts, found)
+    return drafts[:int(found)].tolist()
+
+
 @pytest.mark.parametrize("ngram_min,ngram_max,k", [(1, 4, 4), (2, 4, 4), (1, 2, 7), (3, 3, 2)])
 def test_device_lookup_equals_the_host_lookup(ngram_min, ngram_max, k):
     rng = random.Random(ngram_min * 100 + ngram_max * 10 + k)
-    capacity = 96
-    device, host = DeviceNgram(ngram_min, ngram_max, k, capacity, torch.device("cpu")), NgramProposer(ngram_min, ngram_max)
+    capacity, host = 96, NgramProposer(ngram_min, ngram_max)
     found = 0
     for trial in range(300):
         length = rng.randint(1, capacity)
         vocab = rng.choice([2, 3, 5, 20])
         history = [rng.randrange(vocab) for _ in range(length)]
         hist = torch.tensor(history + [rng.randrange(50) for _ in range(capacity + k + 1 - length)])
-        drafts, count = device(hist, torch.tensor([length]))
         want = host.propose_one(history, k)
-        assert drafts[:int(count)].tolist() == want, (trial, history)
+        assert _lookup(ngram_min, ngram_max, hist, length, k, capacity) == want, (trial, history)
         found += bool(want)
     assert 50 < found < 300       # both outcomes were exercised
 
@@ -134,17 +138,21 @@ def test_the_device_replay_drafts_the_continuation_at_the_chosen_acceptance():
 
     prompt, cont = [5, 6, 7], [8, 9, 10, 11, 12, 13]
     cpu = torch.device("cpu")
+    hist = torch.zeros(37, dtype=torch.long)
+
+    def draft(replay, length):
+        drafts, found = torch.zeros(4, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+        replay(hist, torch.tensor([length, 0, 1]), drafts, found)
+        return drafts.tolist(), int(found)
+
     sure = DeviceReplay(ReplayDrafter([prompt], [list(cont)], 1.0, 100), 4, 32, cpu)
     sure.begin(prompt + [8, 3])                 # the engine emitted 8, then 3 where the guess was 9
-    hist = torch.zeros(37, dtype=torch.long)
-    drafts, count = sure(hist, torch.tensor([5]))
-    assert drafts.tolist() == [10, 11, 12, 13] and int(count) == 4
+    assert draft(sure, 5) == ([10, 11, 12, 13], 4)
     assert sure.host.continuations([prompt])[0][:2] == [8, 3]
-    drafts, count = sure(hist, torch.tensor([7]))
-    assert drafts[:2].tolist() == [12, 13] and int(count) == 2
+    drafts, count = draft(sure, 7)
+    assert drafts[:2] == [12, 13] and count == 2
     never = DeviceReplay(ReplayDrafter([prompt], [list(cont)], 0.0, 100), 4, 32, cpu)
     never.begin(prompt)
-    drafts, _ = never(hist, torch.tensor([3]))
-    assert drafts.tolist() == [7, 8, 9, 10]     # every token one below the continuation's
+    assert draft(never, 3)[0] == [7, 8, 9, 10]  # every token one below the continuation's
     never.begin([1, 2])                         # no known prompt: nothing to draft
-    assert int(never(hist, torch.tensor([2]))[1]) == 0 and never.host.num_unknown == 1
+    assert draft(never, 2)[1] == 0 and never.host.num_unknown == 1

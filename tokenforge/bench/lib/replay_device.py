@@ -34,9 +34,9 @@ class DeviceReplay:
         self.ref[: len(ref)].copy_(torch.tensor(ref[: self.capacity], dtype=torch.long))
         self.known.fill_(min(len(ref), self.capacity))
 
-    def __call__(self, hist: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        drafts = self.ref[(length + self.ks).clamp(max=self.capacity - 1)]
-        missed = (torch.rand(self.k, device=drafts.device) >= self.host.acceptance).cumsum(0) > 0
-        drafts = torch.where(missed, torch.where(drafts > 0, drafts - 1, drafts + 1), drafts)
-        count = (self.known - length).clamp(min=0, max=self.k)[0]
-        return drafts, count
+    def __call__(self, hist: torch.Tensor, state: torch.Tensor, drafts: torch.Tensor, found: torch.Tensor) -> None:
+        length = state[0:1]
+        ref = self.ref[(length + self.ks).clamp(max=self.capacity - 1)]
+        missed = (torch.rand(self.k, device=ref.device) >= self.host.acceptance).cumsum(0) > 0
+        drafts.copy_(torch.where(missed, torch.where(ref > 0, ref - 1, ref + 1), ref))
+        found.copy_((self.known - length).clamp(min=0, max=self.k))

@@ -31,42 +31,22 @@ from tokenforge import envs
 from tokenforge.config.draft_tree import burst_steps
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
 from tokenforge.executor.cuda_graph import CudaGraphRunner
+from tokenforge.kernels.spec_burst import accept_update, ngram_propose, prepare_rows
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
 
 
 class DeviceNgram:
-    """spec/ngram.py's lookup over a device history `hist` whose first `length` tokens are known:
-    the tokens after the latest earlier occurrence of the longest suffix of n = ngram_max down to
-    ngram_min tokens, at most k. Fixed shapes (a CUDA graph replays it): window ends e over the
-    whole buffer, m[t, e] = hist[e - t] == hist[length - 1 - t], the windows of n tokens being the
-    ends where rows 0..n-1 all match."""
+    """spec/ngram.py's lookup over the device history (kernels/spec_burst.py `ngram_propose`)."""
 
-    def __init__(self, ngram_min: int, ngram_max: int, k: int, capacity: int, device: torch.device) -> None:
-        self.ngram_min, self.k, self.capacity = ngram_min, k, capacity
-        ends = torch.arange(capacity, device=device)
-        self.t = torch.arange(ngram_max, device=device)                  # row t: the window's (t+1)-th token from its end
-        back = ends[None, :] - self.t[:, None]
-        self.back = back.clamp(min=0)                                    # [nmax, capacity]
-        self.back_ok = back >= 0
-        self.ends = ends
-        self.ks = torch.arange(k, device=device)
+    def __init__(self, ngram_min: int, ngram_max: int, capacity: int) -> None:
+        self.ngram_min, self.ngram_max, self.capacity = ngram_min, ngram_max, capacity
 
     def begin(self, history: list[int]) -> None:
         """A burst starts (host side): the n-gram lookup needs nothing more than the history."""
 
-    def __call__(self, hist: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """hist [>= capacity] long, length [1] long -> (drafts [k] long, how many are valid [] long)."""
-        suffix = hist[(length - 1 - self.t).clamp(min=0)]                                   # [nmax]
-        match = (hist[self.back] == suffix[:, None]) & self.back_ok
-        match = match.to(torch.int32).cumprod(0).bool()                 # [t, e]: the last t + 1 tokens match
-        match &= (self.ends <= length - 2)[None, :] & (self.t <= length - 2)[:, None]   # a token follows; n < length
-        last = torch.where(match, self.ends, -1).amax(1)                # [nmax]: the latest end for n = t + 1
-        usable = (last >= 0) & (self.t >= self.ngram_min - 1)
-        best = torch.where(usable, self.t, -1).amax()                   # the longest n found (-1: none)
-        start = last.gather(0, best.clamp(min=0).view(1)) + 1           # [1]: the first token after the window
-        count = torch.where(best >= 0, torch.minimum(length - start, torch.full_like(start, self.k)), 0)[0]
-        return hist[(start + self.ks).clamp(max=self.capacity - 1)], count
+    def __call__(self, hist: torch.Tensor, state: torch.Tensor, drafts: torch.Tensor, found: torch.Tensor) -> None:
+        ngram_propose(hist, state, drafts, found, self.ngram_min, self.ngram_max, self.capacity)
 
 
 @dataclass(slots=True)
@@ -115,17 +95,18 @@ class SpeculativeBurst:
         self.k, self.max_steps = cfg.num_draft_tokens, max_steps
         k1, device = self.k + 1, runner.device
         capacity = cfg.max_model_len
-        self.rows = torch.arange(k1, device=device)
-        self.proposer = DeviceNgram(cfg.ngram_min, cfg.ngram_max, self.k, capacity, device)
+        self.proposer = DeviceNgram(cfg.ngram_min, cfg.ngram_max, capacity)
         # the history, then K + 1 scratch slots that rows past the accepted ones write into
         self.hist = torch.zeros(capacity + k1, dtype=torch.long, device=device)
-        self.hist_scratch = capacity + self.rows
         self.out = torch.zeros(max_steps * k1 + k1, dtype=torch.long, device=device)
-        self.out_scratch = max_steps * k1 + self.rows
         self.counts = torch.zeros(1 + 2 * max_steps, dtype=torch.long, device=device)   # [emitted, (found, accepted)...]
         # [length, iteration, live]: live 0 while capturing (the KV store writes nowhere then)
         self.state = torch.zeros(3, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(self.k, dtype=torch.long, device=device)
+        self.found = torch.zeros(1, dtype=torch.long, device=device)
         self.block_table = torch.zeros(-(-capacity // self.block_size), dtype=torch.int32, device=device)
+        # the rows' inputs and metadata: the decode graphs' buffers, or (eager) these
+        self._eager_rows = (torch.zeros(2, k1, dtype=torch.long, device=device), torch.zeros(3, k1, dtype=torch.int32, device=device))
         self._request, self._on_device = None, 0     # whose history the device holds, how much of it
         self.launches = 0                            # bursts run (tests and benches read it)
         self.graphs = runner.graphs if isinstance(runner.graphs, CudaGraphRunner) else None
@@ -135,31 +116,25 @@ class SpeculativeBurst:
 
     # ---- one iteration --------------------------------------------------------------------------
     def _iterate(self, forward) -> None:
-        length = self.state[0:1]
-        drafts, found = self.proposer(self.hist, length)
-        positions = length - 1 + self.rows                                              # [K + 1]
-        ids = torch.cat([self.hist[length - 1], drafts])
+        self.proposer(self.hist, self.state, self.drafts, self.found)
+        ids, positions, slots, seq_lens, context_lens = self._row_buffers()
+        prepare_rows(self.hist, self.state, self.drafts, self.block_table, self.block_size, ids, positions, slots,
+                     seq_lens, context_lens)
         pred = self.model.compute_logits(forward(ids, positions)).argmax(dim=-1)       # [K + 1]
-        accepted = ((pred[:-1] == drafts) & (self.rows[:-1] < found)).to(torch.int32).cumprod(0).sum()
-        keep = self.rows <= accepted
-        emitted = self.counts[0:1]
-        self.hist.index_copy_(0, torch.where(keep, length + self.rows, self.hist_scratch), pred)
-        self.out.index_copy_(0, torch.where(keep, emitted + self.rows, self.out_scratch), pred)
-        self.counts.index_copy_(0, 1 + 2 * self.state[1:2] + self.rows[:2], torch.stack([found, accepted]))
-        emitted += accepted + 1
-        self.state[:2] += torch.stack([accepted + 1, torch.ones_like(accepted)])
+        accept_update(pred, self.drafts, self.found, self.state, self.counts, self.hist, self.out)
+
+    def _row_buffers(self):
+        """(ids, positions, slot mapping, seq lens, context lens) of the K + 1 rows."""
+        n = self.k + 1
+        if self.graphs is None:
+            (ids, positions), meta = self._eager_rows
+            return ids, positions, meta[0], meta[1], meta[2]
+        g = self.graphs
+        b = g.buffers
+        return g.input_ids[:n], g.positions[:n], b.slot_mapping[:n], b.seq_lens[:n], b.context_lens[:n]
 
     def _graph_forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The rows written into the decode graphs' inputs and metadata, then the model (captured)."""
-        g, n = self.graphs, self.k + 1
-        g.input_ids[:n].copy_(ids)
-        g.positions[:n].copy_(positions)
-        bufs = g.buffers
-        slots = self.block_table[positions // self.block_size] * self.block_size + positions % self.block_size
-        bufs.slot_mapping[:n].copy_(torch.where(self.state[2] > 0, slots, -1))
-        bufs.seq_lens[:n].copy_(positions + 1)
-        bufs.context_lens[:n].copy_(positions)
-        return self.model(g.input_ids[:n], g.positions[:n])
+        return self.model(ids, positions)          # the metadata: the decode graphs' buffers, captured
 
     def _eager_forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """No graphs: the K + 1 rows as one causal chunk after the history's first tokens."""
@@ -233,7 +208,8 @@ class SpeculativeBurst:
 
     def use_proposer(self, proposer) -> None:
         """Draft with `proposer` from now on (a bench's replay drafter: bench/lib/replay_device.py):
-        (hist, length) -> (drafts [K], how many are valid), `begin(history)` at each launch. The
+        `proposer(hist, state, drafts, found)` writes an iteration's drafts [K] and how many are valid
+        [1] on the device (state[0]: the tokens known), `begin(history)` runs at each launch. The
         iteration's graph is captured again around it."""
         self.proposer = proposer
         if self.graph is not None:

@@ -1,0 +1,79 @@
+"""The burst iteration's kernels (kernels/spec_burst.py) against their torch references: the n-gram
+lookup over random histories (matches found and not, lengths across the 1,024-position chunks), the
+rows and metadata (live and capturing), and the greedy accept with its counters, over several
+iterations. GPU, or Triton's interpreter on the CPU; the references themselves are checked against
+the host lookup and the engine in tests/engine/test_speculative_burst.py."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenforge.kernels import spec_burst as sb
+
+
+@pytest.mark.parametrize("ngram_min,ngram_max,k", [(1, 4, 4), (2, 3, 7), (3, 3, 1)])
+def test_the_ngram_kernel_equals_the_reference(device, ngram_min, ngram_max, k):
+    rng = random.Random(k)
+    capacity = 2100                      # ends past one chunk of 1,024
+    for trial in range(12):
+        length = rng.choice([1, 2, 5, 300, 1500, capacity])
+        vocab = rng.choice([3, 7, 50])
+        hist = torch.randint(vocab, (capacity + k + 1,), generator=torch.Generator().manual_seed(trial)).to(device)
+        state = torch.tensor([length, 0, 1], device=device)
+        got = (torch.zeros(k, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device))
+        want = (torch.zeros(k, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        sb.ngram_propose(hist, state, *got, ngram_min, ngram_max, capacity)
+        sb.ngram_propose_ref(hist.cpu(), state.cpu(), *want, ngram_min, ngram_max, capacity)
+        n = int(want[1])
+        assert int(got[1]) == n, (trial, length)
+        assert got[0][:n].tolist() == want[0][:n].tolist(), (trial, length)
+
+
+@pytest.mark.parametrize("live", [1, 0])
+def test_the_rows_kernel_equals_the_reference(device, live):
+    k, block_size = 4, 16
+    hist = torch.arange(100, 300, device=device)
+    table = torch.tensor([7, 3, 9, 1], dtype=torch.int32, device=device)
+    drafts = torch.tensor([11, 12, 13, 14], device=device)
+    state = torch.tensor([30, 0, live], device=device)         # rows at positions 29..33 cross a block
+
+    def run(fn, dev):
+        out = [torch.zeros(k + 1, dtype=torch.long, device=dev) for _ in range(2)]
+        out += [torch.zeros(k + 1, dtype=torch.int32, device=dev) for _ in range(3)]
+        fn(hist.to(dev), state.to(dev), drafts.to(dev), table.to(dev), block_size, *out)
+        return [t.cpu().tolist() for t in out]
+
+    got, want = run(sb.prepare_rows, device), run(sb.prepare_rows_ref, torch.device("cpu"))
+    assert got == want
+    assert want[0] == [129, 11, 12, 13, 14] and want[1] == [29, 30, 31, 32, 33]
+    assert want[2] == ([3 * 16 + 13, 3 * 16 + 14, 3 * 16 + 15, 9 * 16, 9 * 16 + 1] if live else [-1] * 5)
+
+
+def test_the_accept_kernel_equals_the_reference_over_iterations(device):
+    k, steps, capacity = 4, 5, 64
+    rng = random.Random(3)
+
+    def fresh(dev):
+        hist = torch.arange(capacity + k + 1, device=dev) % 7
+        return (torch.tensor([10, 0, 1], device=dev), torch.zeros(1 + 2 * steps, dtype=torch.long, device=dev),
+                hist, torch.zeros(steps * (k + 1) + k + 1, dtype=torch.long, device=dev))
+
+    got, want = fresh(device), fresh(torch.device("cpu"))
+    for _ in range(steps):
+        pred = torch.tensor([rng.randrange(5) for _ in range(k + 1)])
+        drafts = pred[:k].clone()
+        miss = rng.randrange(k + 1)                    # drafts agree up to here
+        if miss < k:
+            drafts[miss] = 9
+        found = torch.tensor([rng.randrange(k + 1)])
+        sb.accept_update(pred.to(device), drafts.to(device), found.to(device), *got)
+        sb.accept_update_ref(pred, drafts, found, *want)
+        # the references write rejected rows into the scratch tails; the kernel writes nothing there
+        cut = (None, None, capacity, steps * (k + 1))
+        assert [t.cpu()[:c].tolist() for t, c in zip(got, cut)] == [t[:c].tolist() for t, c in zip(want, cut)]
+    state, counts = want[0].tolist(), want[1].tolist()
+    assert state[1] == steps and state[0] == 10 + counts[0]
+    assert counts[0] == sum(a + 1 for a in counts[2::2])

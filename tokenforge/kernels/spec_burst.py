@@ -1,0 +1,185 @@
+"""The device steps of an n-gram burst iteration (executor/spec/burst.py), one launch each.
+
+A burst iteration around the model's forward: `ngram_propose` (the n-gram lookup over the history),
+`prepare_rows` (the K + 1 decode rows' ids, positions and attention metadata written into the CUDA
+graphs' inputs), then after the LM head's argmax `accept_update` (the greedy verify, the emitted
+tokens appended to the history and the burst's output, the counters advanced). The same steps as
+~85 torch ops cost ~170 us an iteration on an H100 in launches alone; each kernel here is one
+program, so an iteration adds four launches (with the argmax) to the model's.
+
+State, all device tensors: hist [capacity + K + 1] int64 (the history, then scratch); state [3]
+int64 = (length: tokens known, iteration, live: 0 while capturing, when the KV store must write
+nowhere); counts [1 + 2 * steps] int64 = (emitted, then (drafts found, accepted) per iteration).
+Each function has a torch reference (`*_ref`) with the same effect, used without Triton (the CPU)
+and by the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._triton import HAS_TRITON, _interpreting, next_power_of_2, tl, triton
+
+# ---- torch references -------------------------------------------------------------------------
+
+
+def ngram_propose_ref(hist: torch.Tensor, state: torch.Tensor, drafts: torch.Tensor, found: torch.Tensor,
+                      ngram_min: int, ngram_max: int, capacity: int) -> None:
+    """drafts [K] <- the tokens after the latest earlier occurrence of the longest suffix of n =
+    ngram_max..ngram_min tokens of hist[:length]; found [1] <- how many of them are real (0: none)."""
+    k, device = drafts.shape[0], hist.device
+    length = state[0:1]
+    ends = torch.arange(capacity, device=device)
+    t = torch.arange(ngram_max, device=device)
+    back = ends[None, :] - t[:, None]
+    suffix = hist[(length - 1 - t).clamp(min=0)]
+    match = (hist[back.clamp(min=0)] == suffix[:, None]) & (back >= 0)
+    match = match.to(torch.int32).cumprod(0).bool()                 # [t, e]: the last t + 1 tokens match
+    match &= (ends <= length - 2)[None, :] & (t <= length - 2)[:, None]   # a token follows; n < length
+    last = torch.where(match, ends, -1).amax(1)                     # the latest end for n = t + 1
+    best = torch.where((last >= 0) & (t >= ngram_min - 1), t, -1).amax()
+    start = last.gather(0, best.clamp(min=0).view(1)) + 1
+    found.copy_(torch.where(best >= 0, torch.minimum(length - start, torch.full_like(start, k)), 0))
+    drafts.copy_(hist[(start + torch.arange(k, device=device)).clamp(max=capacity - 1)])
+
+
+def prepare_rows_ref(hist: torch.Tensor, state: torch.Tensor, drafts: torch.Tensor, block_table: torch.Tensor,
+                     block_size: int, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     seq_lens: torch.Tensor, context_lens: torch.Tensor) -> None:
+    """Rows j = 0..K: the last known token then the drafts, at positions length - 1 + j, each a
+    decode whose context is the tokens before it (slot -1 while not live)."""
+    length = state[0:1]
+    pos = length - 1 + torch.arange(drafts.shape[0] + 1, device=hist.device)
+    ids.copy_(torch.cat([hist[length - 1], drafts]))
+    positions.copy_(pos)
+    slot = block_table[pos // block_size].long() * block_size + pos % block_size
+    slots.copy_(torch.where(state[2] > 0, slot, -1))
+    seq_lens.copy_(pos + 1)
+    context_lens.copy_(pos)
+
+
+def accept_update_ref(pred: torch.Tensor, drafts: torch.Tensor, found: torch.Tensor, state: torch.Tensor,
+                      counts: torch.Tensor, hist: torch.Tensor, out: torch.Tensor) -> None:
+    """pred [K + 1] (the target's argmax per row): accept the drafts while they equal it, append
+    the accepted ones and the next token to hist and out, record (found, accepted), advance."""
+    k1 = pred.shape[0]
+    rows = torch.arange(k1, device=pred.device)
+    accepted = ((pred[:-1] == drafts) & (rows[:-1] < found)).to(torch.int32).cumprod(0).sum()
+    keep = rows <= accepted
+    length, emitted = state[0:1], counts[0:1]
+    hist.index_copy_(0, torch.where(keep, length + rows, hist.shape[0] - k1 + rows), pred)
+    out.index_copy_(0, torch.where(keep, emitted + rows, out.shape[0] - k1 + rows), pred)
+    counts.index_copy_(0, 1 + 2 * state[1:2] + rows[:2], torch.cat([found.view(1), accepted.view(1)]))
+    emitted += accepted + 1
+    state[:2] += torch.stack([accepted + 1, torch.ones_like(accepted)])
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+
+@triton.jit
+def _ngram_kernel(hist_ptr, state_ptr, drafts_ptr, found_ptr, capacity,
+                  NGRAM_MIN: tl.constexpr, NGRAM_MAX: tl.constexpr, NMAX_P: tl.constexpr,
+                  K: tl.constexpr, K_P: tl.constexpr, BLOCK: tl.constexpr):
+    length = tl.load(state_ptr)
+    offs = tl.arange(0, BLOCK)
+    t_idx = tl.arange(0, NMAX_P)
+    lasts = tl.full([NMAX_P], -1, tl.int64)
+    for start in range(0, length - 1, BLOCK):          # window ends e <= length - 2
+        e = start + offs
+        run = e <= length - 2
+        for t in tl.static_range(NGRAM_MAX):
+            back = e - t
+            ok = run & (back >= 0)
+            tok = tl.load(hist_ptr + back, mask=ok, other=-1)
+            suf = tl.load(hist_ptr + tl.maximum(length - 1 - t, 0))
+            run = ok & (tok == suf) & (length - 2 >= t)
+            m = tl.max(tl.where(run, e, -1), axis=0)
+            lasts = tl.where(t_idx == t, tl.maximum(lasts, m), lasts)
+    usable = (lasts >= 0) & (t_idx >= NGRAM_MIN - 1) & (t_idx < NGRAM_MAX)
+    best = tl.max(tl.where(usable, t_idx, -1), axis=0)
+    last = tl.sum(tl.where(t_idx == best, lasts, 0), axis=0)
+    first = last + 1
+    count = tl.where(best >= 0, tl.minimum(length - first, K), 0)
+    ks = tl.arange(0, K_P)
+    d = tl.load(hist_ptr + tl.minimum(first + ks, capacity - 1), mask=ks < K, other=0)
+    tl.store(drafts_ptr + ks, d, mask=ks < K)
+    tl.store(found_ptr, count)
+
+
+@triton.jit
+def _prepare_kernel(hist_ptr, state_ptr, drafts_ptr, table_ptr, block_size, ids_ptr, pos_ptr, slot_ptr,
+                    seq_ptr, ctx_ptr, K: tl.constexpr, K1_P: tl.constexpr):
+    length = tl.load(state_ptr)
+    live = tl.load(state_ptr + 2)
+    r = tl.arange(0, K1_P)
+    rows = r < K + 1
+    d = tl.load(drafts_ptr + tl.maximum(r - 1, 0), mask=rows & (r >= 1), other=0)
+    last = tl.load(hist_ptr + length - 1)
+    pos = length - 1 + r
+    block = tl.load(table_ptr + pos // block_size, mask=rows, other=0).to(tl.int64)
+    slot = tl.where(live > 0, block * block_size + pos % block_size, -1)
+    tl.store(ids_ptr + r, tl.where(r == 0, last, d), mask=rows)
+    tl.store(pos_ptr + r, pos, mask=rows)
+    tl.store(slot_ptr + r, slot.to(tl.int32), mask=rows)
+    tl.store(seq_ptr + r, (pos + 1).to(tl.int32), mask=rows)
+    tl.store(ctx_ptr + r, pos.to(tl.int32), mask=rows)
+
+
+@triton.jit
+def _accept_kernel(pred_ptr, drafts_ptr, found_ptr, state_ptr, counts_ptr, hist_ptr, out_ptr,
+                   K: tl.constexpr, K1_P: tl.constexpr):
+    r = tl.arange(0, K1_P)
+    rows = r < K + 1
+    pred = tl.load(pred_ptr + r, mask=rows, other=0)
+    d = tl.load(drafts_ptr + r, mask=r < K, other=-1)
+    found = tl.load(found_ptr)
+    length = tl.load(state_ptr)
+    it = tl.load(state_ptr + 1)
+    emitted = tl.load(counts_ptr)
+    match = (pred == d) & (r < found) & (r < K)
+    accepted = tl.min(tl.where(match, K1_P, r), axis=0)      # the first row that does not match
+    accepted = tl.minimum(accepted, K)
+    keep = rows & (r <= accepted)
+    tl.store(hist_ptr + length + r, pred, mask=keep)
+    tl.store(out_ptr + emitted + r, pred, mask=keep)
+    tl.debug_barrier()                  # every thread has read the counters before any is advanced
+    tl.store(counts_ptr + 1 + 2 * it, found)
+    tl.store(counts_ptr + 2 + 2 * it, accepted.to(tl.int64))
+    tl.store(counts_ptr, emitted + accepted + 1)
+    tl.store(state_ptr, length + accepted + 1)
+    tl.store(state_ptr + 1, it + 1)
+
+
+# ---- launch -----------------------------------------------------------------------------------
+
+
+def use_kernels(device: torch.device) -> bool:
+    """The kernels on a GPU (and under Triton's interpreter, for the tests); the references elsewhere."""
+    return HAS_TRITON and (device.type == "cuda" or _interpreting())
+
+
+def ngram_propose(hist, state, drafts, found, ngram_min: int, ngram_max: int, capacity: int) -> None:
+    if not use_kernels(hist.device):
+        return ngram_propose_ref(hist, state, drafts, found, ngram_min, ngram_max, capacity)
+    k = drafts.shape[0]
+    _ngram_kernel[(1,)](hist, state, drafts, found, capacity, NGRAM_MIN=ngram_min, NGRAM_MAX=ngram_max,
+                        NMAX_P=next_power_of_2(ngram_max), K=k, K_P=next_power_of_2(k), BLOCK=1024, num_warps=4)
+
+
+def prepare_rows(hist, state, drafts, block_table, block_size: int, ids, positions, slots, seq_lens,
+                 context_lens) -> None:
+    if not use_kernels(hist.device):
+        return prepare_rows_ref(hist, state, drafts, block_table, block_size, ids, positions, slots, seq_lens,
+                                context_lens)
+    k = drafts.shape[0]
+    _prepare_kernel[(1,)](hist, state, drafts, block_table, block_size, ids, positions, slots, seq_lens,
+                          context_lens, K=k, K1_P=next_power_of_2(k + 1), num_warps=1)
+
+
+def accept_update(pred, drafts, found, state, counts, hist, out) -> None:
+    if not use_kernels(pred.device):
+        return accept_update_ref(pred, drafts, found, state, counts, hist, out)
+    k = drafts.shape[0]
+    _accept_kernel[(1,)](pred, drafts, found, state, counts, hist, out, K=k, K1_P=next_power_of_2(k + 1),
+                         num_warps=1)
