@@ -28,9 +28,8 @@ in flight stay balanced. Preempting or aborting a request in flight is safe as u
 scheduling: every stage runs the steps in order, so a freed block is written by the old step
 before the new one touches it.
 
-min_tokens: below it, a sequence bans its EOS ids (unless ignore_eos) and stop_token_ids (sampler:
--inf). LoRA: running requests hold their adapters' slots (core/lora_slots.py); others wait.
-"""
+min_tokens: below it, a sequence bans EOS (unless ignore_eos) and stop ids. LoRA: running requests
+hold their adapters' slots (core/lora_slots.py). Drafts take free KV slots only, never preempting."""
 
 from __future__ import annotations
 
@@ -194,7 +193,8 @@ class Scheduler:
                 i += 1                 # waits for its tokens in flight, or they are its last
                 continue
             n = min(n, budget)
-            drafts = self.drafts.drafts(req, budget, self.max_len) if self.drafts is not None and n == 1 else []
+            free = min(budget, self.kv.pool.num_free_blocks * self.block_size)
+            drafts = self.drafts.drafts(req, free, self.max_len) if self.drafts is not None and n == 1 else []
             n += len(drafts)
             if not self._allocate_or_preempt(req, n, preempted):
                 break
