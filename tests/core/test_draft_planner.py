@@ -136,3 +136,37 @@ def test_drafts_are_cut_where_the_check_says_and_sampling_features_draft():
         got[rid] = planner.drafts(req, budget=64, max_len=256)
     assert got == {"lp": [9] * 4, "pen": [9] * 4, "g": [9], "min": [9] * 4, "seed": [9] * 4}
     assert [rid for rid, _ in cuts] == ["lp", "pen", "g", "min", "seed"]
+
+
+def test_bursts_go_to_a_lone_greedy_request_with_nobody_waiting():
+    """burst_slots: S (K + 1) - 1 device draft slots for one greedy request that needs nothing per
+    token from the host, capped by max_tokens, the budget and the length cap; otherwise the host's
+    drafts (a batch, a request waiting to join the step, logprobs, penalties, sampling, a grammar)."""
+    from tokenforge.core.outputs import DRAFT_TOKEN_ID
+    from tokenforge.core.request import Request
+
+    planner = DraftPlanner(lambda history, k: [9] * k, 4, burst_slots=39)
+    planner.adaptive = False
+
+    def drafts(batch=1, waiting=False, max_tokens=100, budget=64, max_len=4096, **params):
+        planner.begin_step(batch, waiting)
+        req = Request.from_engine_core_request(make_request("r", [1, 2, 3], max_tokens=max_tokens,
+                                                            **{"temperature": 0.0, **params}))
+        req.append_output_token(5)
+        req.num_computed_tokens = req.num_tokens - 1
+        return planner.drafts(req, budget=budget, max_len=max_len)
+
+    assert drafts() == [DRAFT_TOKEN_ID] * 39
+    assert drafts(max_tokens=12) == [DRAFT_TOKEN_ID] * 10       # max_tokens: 11 more tokens at most
+    assert drafts(budget=20) == [DRAFT_TOKEN_ID] * 19
+    assert drafts(max_len=20) == [DRAFT_TOKEN_ID] * 15
+    assert drafts(max_tokens=5) == [9] * 3                       # room for less than one iteration
+    for kw in ({"batch": 2}, {"waiting": True}, {"logprobs": 1}, {"repetition_penalty": 1.1},
+               {"temperature": 0.7}, {"grammar": "start: /a+/"}):
+        assert drafts(**kw) == [9] * 4, kw
+    req = Request.from_engine_core_request(make_request("r", [1, 2, 3], max_tokens=100, temperature=0.0))
+    req.num_computed_tokens = 40
+    planner.after_verify(req, 39, 12, burst=[4, 3, 0, 0, 4, 4])  # 3 iterations; the second found nothing
+    assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (2, 8, 7)
+    assert planner.accepted_per_position == [2, 2, 2, 1]
+    assert req.num_computed_tokens == req.num_tokens - 1         # rolled back to the valid KV

@@ -159,7 +159,7 @@ class Scheduler:
         out = SchedulerOutput(finished_request_ids=self._finished_ids)
         self._finished_ids = []
         if self.drafts is not None:
-            self.drafts.begin_step(len(self.running))     # this step's k (speculative decoding)
+            self.drafts.begin_step(len(self.running), bool(self.waiting))     # this step's k (speculative decoding)
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
         if self.pipeline_steps == 1:

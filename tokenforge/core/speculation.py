@@ -175,13 +175,14 @@ class DraftPlanner:
         self._idle_steps += 1
         return self._idle_steps >= self.probe_every
 
-    def begin_step(self, batch: int) -> None:
-        """Pick this step's k for `batch` running requests (called as the scheduler starts a step)."""
+    def begin_step(self, batch: int, waiting: bool = False) -> None:
+        """Pick this step's k for `batch` running requests (called as the scheduler starts a step);
+        `waiting`: requests wait, so this step may admit one (no burst: it holds the step alone)."""
         ahead, self._ahead, self.drafted_in_flight, self._quota = self._ahead, False, False, None
         k = 0 if ahead else self.choose_k(batch)     # a step ahead drafts nothing, probes neither
         if k == 0 and not ahead and (self._idle_steps >= self.probe_every or self._probe_due()):
             self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
-        self.step_k, self._batch = k, batch
+        self.step_k, self._batch = k, batch + waiting
 
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
