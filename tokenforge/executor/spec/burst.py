@@ -174,7 +174,7 @@ class SpeculativeBurst:
         self.launches += 1
         self._upload(seq, length)
         self.counts.zero_()
-        self.state.copy_(torch.tensor([length, 0, 1]), non_blocking=False)
+        self.state.copy_(torch.tensor([length, 0, 1]), non_blocking=True)   # pageable: staged before return
         if self.graph is not None:
             table = self.graphs.buffers.block_tables
             table[: self.k + 1].copy_(self.block_table[None, : table.shape[1]].expand(self.k + 1, -1))
