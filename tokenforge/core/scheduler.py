@@ -156,10 +156,10 @@ class Scheduler:
     # ---- schedule ------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(finished_request_ids=self._finished_ids)
-        self._finished_ids = []
+        out, self._finished_ids = SchedulerOutput(finished_request_ids=self._finished_ids), []
         if self.drafts is not None:
-            self.drafts.begin_step(len(self.running), bool(self.waiting))     # this step's k (speculative decoding)
+            # this step's k; whether a waiting request may join it (then no burst: core/speculation.py)
+            self.drafts.begin_step(len(self.running), bool(self.waiting) and len(self.running) < self.config.max_num_seqs)
         decodes: list[ScheduledSequence] = []
         prefills: list[ScheduledSequence] = []
         if self.pipeline_steps == 1:

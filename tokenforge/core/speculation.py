@@ -177,7 +177,7 @@ class DraftPlanner:
 
     def begin_step(self, batch: int, waiting: bool = False) -> None:
         """Pick this step's k for `batch` running requests (called as the scheduler starts a step);
-        `waiting`: requests wait, so this step may admit one (no burst: it holds the step alone)."""
+        `waiting`: a waiting request may join this step (no burst: a burst holds a step alone)."""
         ahead, self._ahead, self.drafted_in_flight, self._quota = self._ahead, False, False, None
         k = 0 if ahead else self.choose_k(batch)     # a step ahead drafts nothing, probes neither
         if k == 0 and not ahead and (self._idle_steps >= self.probe_every or self._probe_due()):
