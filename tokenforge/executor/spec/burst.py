@@ -70,6 +70,8 @@ class BurstInFlight:
 class NoBurst:
     """Bursts off (another method, batch limits, no graphs): every step runs as scheduled."""
 
+    launches = 0
+
     def takes(self, sched) -> bool:
         return False
 
