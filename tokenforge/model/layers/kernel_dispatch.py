@@ -5,8 +5,8 @@ Triton available, the layers call its fused kernels instead. The choice is made 
 tensor's device (a dict lookup), so one model object works on either device, and tests can force
 the torch path with `use_triton_kernels(False)`.
 
-Linears take the Triton GEMVs (`gemv_ops`) only at decode sizes (<= GEMV_MAX_TOKENS rows, up to
-SMALL_GEMV_MAX_TOKENS for small weights) with 16-bit weights and no autograd; everything else keeps cuBLAS (or the CPU's packed weights).
+Linears take the Triton GEMVs (`gemv_ops`) only at decode sizes (<= GEMV_MAX_TOKENS rows) with
+16-bit weights and no autograd; everything else keeps cuBLAS (or the CPU's packed weights).
 `use_gemv_kernels(False)` turns off just the GEMVs.
 """
 
@@ -24,10 +24,6 @@ logger = logging.getLogger(__name__)
 
 GEMV_MAX_TOKENS = 1       # measured on an H200: faster than cuBLAS at M = 1, slower at M = 2-4; a tensor-core
                           # (tl.dot) variant for 2-16 rows lost too (a verify's 5 rows, H100: BENCHMARKS.md round 12)
-# Small weights (the bundled 135M model's linears: under 2 M elements each) leave every kernel of a
-# step latency-bound: there the GEMV's fused norm / SwiGLU prologues (fewer launches) and PDL (launch
-# overlap) pay up to a verify's rows too (BENCHMARKS.md round 13).
-SMALL_WEIGHT, SMALL_GEMV_MAX_TOKENS = 1 << 22, 8
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 _enabled = True
@@ -84,8 +80,7 @@ def triton_ops(device: torch.device) -> SimpleNamespace | None:
 
 def gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> SimpleNamespace | None:
     """The Triton namespace when x [T, in] @ weight^T should run as a GEMV, else None (cuBLAS/CPU)."""
-    rows = SMALL_GEMV_MAX_TOKENS if weight.numel() <= SMALL_WEIGHT else GEMV_MAX_TOKENS
-    if (not _gemv_enabled or x.dim() != 2 or x.shape[0] > rows or weight.dtype not in _GEMV_DTYPES
+    if (not _gemv_enabled or x.dim() != 2 or x.shape[0] > GEMV_MAX_TOKENS or weight.dtype not in _GEMV_DTYPES
             or x.dtype != weight.dtype or weight.stride(-1) != 1
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):   # no backward
         return None
