@@ -1,5 +1,6 @@
-"""Kernel micro-benchmark: the 8B linears at serving batch sizes (M = 16-512) through cuBLAS, cuBLASLt
-and cuBLAS on padded rows, to find what runs fastest per (shape, M).
+"""Kernel micro-benchmark: the 8B linears at serving batch sizes (M = 16-512) and a batch-1 verify's
+rows (M = 5, 9, 17; M = 1 for reference) through cuBLAS, cuBLASLt and cuBLAS on padded rows, to find
+what runs fastest per (shape, M).
 
 In: an output folder. Out: `kernels_mid_gemm.json` there (saved after each shape) and one table
 line per (shape, M). Run: `tokenforge bench kernels --part mid_gemm --out OUT` (under a minute on an
@@ -26,7 +27,8 @@ from tokenforge.bench.kernels.common import DT, guarded, save_result, start_run,
 from tokenforge.bench.kernels.serving_step import SHAPES
 from tokenforge.bench.lib.ceilings import gpu_matmul_tflops
 
-MS = (16, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 384, 448, 512)
+# 1, 5, 9, 17: a decode row and the verify rows of one sequence with K = 4, 8, 16 drafts
+MS = (1, 5, 9, 17, 32, 64, 96, 128, 160, 192, 224, 256, 288, 320, 384, 448, 512)
 COPIES = 4                      # 4 x 436 MB of a layer's weights: well past the L2
 REPEATS = 10
 
