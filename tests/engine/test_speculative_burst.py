@@ -12,7 +12,7 @@ import torch
 
 from tests.engine.conftest import SPEC_MAX_TOKENS, spec_engine
 from tests.engine.conftest import SPEC_PROMPTS as PROMPTS
-from tokenforge import SamplingParams
+from tokenforge import LLM, SamplingParams
 from tokenforge.executor.spec.burst import DeviceNgram, NoBurst, SpeculativeBurst
 from tokenforge.executor.spec.ngram import NgramProposer
 
@@ -156,3 +156,24 @@ def test_the_device_replay_drafts_the_continuation_at_the_chosen_acceptance():
     assert draft(never, 3)[0] == [7, 8, 9, 10]  # every token one below the continuation's
     never.begin([1, 2])                         # no known prompt: nothing to draft
     assert draft(never, 2)[1] == 0 and never.host.num_unknown == 1
+
+
+def test_a_burst_near_the_length_cap_and_a_full_kv_cache_stays_exact(plain_llm, monkeypatch):
+    """A burst's slots capped by the context length (the request ends at max_model_len), in a large
+    cache and in one of exactly the sequence's blocks: the plain engine's output, no preemption."""
+    long_prompt = {"prompt_token_ids": ([11, 22, 33, 44, 55, 66, 77] * 200)[:1000]}
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    want = plain_llm.generate([long_prompt], params, use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "length" and len(want.token_ids) == 24       # 1,024 - 1,000
+    monkeypatch.setenv("TOKENFORGE_SPEC_BURST", "3")
+    for blocks in (256, 64):            # 64 blocks x 16 = 1,024 slots: one block free past the prompt
+        llm = LLM(None, num_kv_blocks=blocks, max_model_len=1024, block_size=16, dtype="float32",
+                  speculative_method="ngram", num_speculative_tokens=4)
+        try:
+            got = llm.generate([long_prompt], params, use_tqdm=False)[0].outputs[0]
+            assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason), blocks
+            assert llm.engine.executor.runner.burst.launches > 0
+            assert llm.get_stats().num_preemptions == 0
+            _assert_no_leak(llm)
+        finally:
+            llm.shutdown()
