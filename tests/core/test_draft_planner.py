@@ -170,3 +170,23 @@ def test_bursts_go_to_a_lone_greedy_request_with_nobody_waiting():
     assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (2, 8, 7)
     assert planner.accepted_per_position == [2, 2, 2, 1]
     assert req.num_computed_tokens == req.num_tokens - 1         # rolled back to the valid KV
+
+
+def test_drafts_take_only_free_slots_and_never_preempt():
+    """Five blocks of four for a request that ends at 16 tokens and one that ends at 8 and drafts
+    nothing: without drafts the short one finishes before the long one needs its last blocks.
+    The long one's drafts shrink to the free slots instead of taking those blocks early (which
+    would preempt the short request)."""
+    sched = make_scheduler(num_blocks=5, block_size=4, max_num_seqs=4, max_num_batched_tokens=64)
+    planner = DraftPlanner(lambda history, k: [] if history[0] == 4 else _oracle(history, k), 4)
+    planner.adaptive = False
+    sched.drafts = planner
+    lengths, prompts = {"long": 13, "short": 5}, {"long": [3, 5, 7], "short": [4, 6, 8]}
+    for rid, prompt in prompts.items():
+        sched.add_request(make_request(rid, prompt, max_tokens=lengths[rid]))
+    runner = VerifyingRunner(sched.num_kv_blocks, sched.block_size, sched.kv.pool)
+    result = run_async_to_completion(sched, runner)
+    for rid, prompt in prompts.items():
+        assert result.tokens[rid] == reference_generate(prompt, lengths[rid]), rid
+    assert sched.num_preemptions == 0 and planner.num_drafted > 0
+    assert_pool_idle(sched)
