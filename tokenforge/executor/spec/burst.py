@@ -5,9 +5,10 @@ of them the device waits while the host reads the step back, schedules, builds t
 the graph's metadata and launches it: ~1 ms of a 6.7 ms step for the 8B shape on an H100
 (bench/spec_host_timing.py), more than the device's own step on the bundled 135M model. A burst
 keeps the request's history on the device and runs S iterations there, each:
-  propose (the n-gram lookup of spec/ngram.py over the device history, n down to 1) -> the last token and K
-  drafts forwarded as K + 1 decode rows -> greedy verify against the target's argmax -> the
-  accepted drafts and the bonus token appended to the history and to the burst's output;
+  propose (the n-gram lookup of spec/ngram.py over the device history, n down to 1: the rows
+  cost the same drafted or not) -> the last token and K drafts forwarded as K + 1 decode rows ->
+  greedy verify against the target's argmax -> the accepted drafts and the bonus token appended
+  to the history and to the burst's output;
 one CUDA graph replay an iteration, S replays queued back to back, one read-back at the end.
 
 The scheduler (core/speculation.py) grants a burst to a lone greedy request that needs nothing from
