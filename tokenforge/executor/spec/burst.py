@@ -105,14 +105,16 @@ class SpeculativeBurst:
         # the history, then K + 1 scratch slots that rows past the accepted ones write into
         self.hist = torch.zeros(capacity + k1, dtype=torch.long, device=device)
         self.out = torch.zeros(max_steps * k1 + k1, dtype=torch.long, device=device)
-        self.counts = torch.zeros(1 + 2 * max_steps, dtype=torch.long, device=device)   # [emitted, (found, accepted)...]
+        # [emitted, then (found, accepted) per iteration]
+        self.counts = torch.zeros(1 + 2 * max_steps, dtype=torch.long, device=device)
         # [length, iteration, live]: live 0 while capturing (the KV store writes nowhere then)
         self.state = torch.zeros(3, dtype=torch.long, device=device)
         self.drafts = torch.zeros(self.k, dtype=torch.long, device=device)
         self.found = torch.zeros(1, dtype=torch.long, device=device)
         self.block_table = torch.zeros(-(-capacity // self.block_size), dtype=torch.int32, device=device)
         # the rows' inputs and metadata: the decode graphs' buffers, or (eager) these
-        self._eager_rows = (torch.zeros(2, k1, dtype=torch.long, device=device), torch.zeros(3, k1, dtype=torch.int32, device=device))
+        self._eager_rows = (torch.zeros(2, k1, dtype=torch.long, device=device),
+                            torch.zeros(3, k1, dtype=torch.int32, device=device))
         self._request, self._on_device = None, 0     # whose history the device holds, how much of it
         self.launches = 0                            # bursts run (tests and benches read it)
         self.graphs = runner.graphs if isinstance(runner.graphs, CudaGraphRunner) else None
