@@ -64,9 +64,13 @@ def test_latency_at_a_fixed_batch_records_it_and_the_quant_kernels(tmp_path):
     assert r["tokenforge"]["decode_tok_s"] > 0 and r["quant_kernels"] == {}    # dense float: no plans
 
 
-def test_latency_replay_drafter_at_full_and_zero_acceptance(tmp_path):
+@pytest.mark.parametrize("bursts", ["off", "on"])
+def test_latency_replay_drafter_at_full_and_zero_acceptance(tmp_path, monkeypatch, bursts):
     """The replay drafter proposes the greedy continuation back: at acceptance 1 every draft is
-    accepted (K + 1 tokens a step), at 0 none is; greedy output equals the run without."""
+    accepted (K + 1 tokens a step), at 0 none is; greedy output equals the run without. With bursts
+    (forced here, eager) its device twin drafts (bench/lib/replay_device.py), to the same counts."""
+    if bursts == "on":
+        monkeypatch.setenv("TOKENFORGE_SPEC_BURST", "3")
     for acceptance, rate in (("1.0", 1.0), ("0.0", 0.0)):
         r = _run(tmp_path / acceptance, "latency", "--model", TINY, "--input-len", "8", "--output-len", "11", "--no-baseline",
                  "--speculative-method", "ngram", "--num-speculative-tokens", "3",

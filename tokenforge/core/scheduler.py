@@ -193,8 +193,8 @@ class Scheduler:
                 i += 1                 # waits for its tokens in flight, or they are its last
                 continue
             n = min(n, budget)
-            free = min(budget, self.kv.pool.num_free_blocks * self.block_size)
-            drafts = self.drafts.drafts(req, free, self.max_len) if self.drafts is not None and n == 1 else []
+            drafts = (self.drafts.drafts(req, min(budget, self.kv.pool.num_free_blocks * self.block_size), self.max_len)
+                      if self.drafts is not None and n == 1 else [])      # drafts take free slots only
             n += len(drafts)
             if not self._allocate_or_preempt(req, n, preempted):
                 break

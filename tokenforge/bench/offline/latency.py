@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], proposer=None, *
         if hasattr(burst, "use_proposer"):                      # batch-1 bursts draft on the device
             from tokenforge.bench.lib.replay_device import DeviceReplay  # noqa: PLC0415
 
-            burst.use_proposer(DeviceReplay(proposer, burst.k, burst.hist.shape[0] - burst.k - 1, burst.device))
+            burst.use_proposer(DeviceReplay(proposer, burst.k, burst.capacity, burst.device))
         llm.generate([{"prompt_token_ids": p} for p in prompts],
                      harness.sampling_params(args.output_len, cache_salt="replay-calibration"), use_tqdm=False)
         drafts.adaptive = True

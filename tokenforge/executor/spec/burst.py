@@ -97,7 +97,7 @@ class SpeculativeBurst:
         self.backend = runner.backend
         self.k, self.max_steps = cfg.num_draft_tokens, max_steps
         k1, device = self.k + 1, runner.device
-        capacity = cfg.max_model_len
+        self.capacity = capacity = cfg.max_model_len           # the longest history
         # n down to 1 (below --ngram-min): an iteration's K + 1 rows cost the same drafted or not, so
         # a short match's drafts are free tokens when they hold (bundled model, grounded, K = 8:
         # 2.54 -> 3.01 tokens an iteration; bench/NOTES.md round 13)
