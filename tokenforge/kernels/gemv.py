@@ -22,9 +22,12 @@ Measurements and the configs tried: bench/NOTES.md, "Small-M GEMVs".
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
+
+from tokenforge import envs
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .activation import silu_and_mul_ref
@@ -173,15 +176,35 @@ def _gemv_kernel(
 
 # ---- launch -----------------------------------------------------------------------------------
 
+# Weights of at most this many elements (the bundled 135M model's linears: 0.3-1.8 M) take up to
+# SMALL_WEIGHT_ROWS rows (a speculative verify of K <= 16 drafts) as row programs: the M = 1 kernel
+# once per row, the weights re-read from L2. Every kernel of such a step is latency-bound, so the
+# fused norm / SwiGLU prologues (two launches a layer fewer) and PDL beat cuBLAS's own launches.
+# Larger weights keep cuBLAS past M = 1 (a GEMV re-reading them per row costs their bandwidth).
+SMALL_WEIGHT, SMALL_WEIGHT_ROWS = 1 << 21, 17
+
+
+@functools.cache
+def small_weight_rows() -> int:
+    """SMALL_WEIGHT_ROWS, or TOKENFORGE_SMALL_GEMV_ROWS where set (1: the GEMV at M = 1 only)."""
+    return envs.small_gemv_rows(SMALL_WEIGHT_ROWS)
+
+
+def gemv_rows(weight: torch.Tensor) -> int:
+    """The most rows x may have for x @ weight^T to run as a GEMV."""
+    return small_weight_rows() if weight.numel() <= SMALL_WEIGHT else 1
+
+
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     """Static block sizes (no autotuning: these calls are captured in CUDA graphs).
 
     M = 1 entries are the fastest of a 10-config sweep on an H200 (bench/NOTES.md): [4, 512]
     tiles for N = 4096 (o_proj, down_proj: 1024 programs), [8, 1024] for qkv (768 programs, one
-    wave), [2, 1024] for the wide gate_up and lm_head. For M > 1 the K tile shrinks so the fp32
-    accumulator stays at ~32 registers per thread (correct, but slower than cuBLAS there).
+    wave), [2, 1024] for the wide gate_up and lm_head; small weights (SMALL_WEIGHT) take them at any M,
+    a row a program. For M > 1 otherwise the K tile shrinks so the fp32 accumulator stays at ~32
+    registers per thread (correct, but slower than cuBLAS there).
     """
-    if m == 1:
+    if m == 1 or n * k <= SMALL_WEIGHT:       # small weights: one row a program (the grid's second axis)
         if n <= 4096:
             return GemvConfig(1, 4, 512)
         return GemvConfig(1, 8, 1024) if n <= 8192 else GemvConfig(1, 2, 1024)
