@@ -92,7 +92,12 @@ PY
         --model smollm2-135m --load-format dummy --dtype bfloat16 --max-model-len 2048 $Q --repeats 2 \
         --speculative-method ngram --num-speculative-tokens $k --replay-acceptance 0.8 --results-dir "$W/sg-k$k-r$rows"
       keep "$W/sg-k$k-r$rows" sg-k$k-r$rows
-    done; done ;;
+    done; done
+    for rows in 1 17; do        # plain decode at batch 8: the same GEMVs without a verify
+      TOKENFORGE_SMALL_GEMV_ROWS=$rows STEP_TAIL=2 step sg-b8-r$rows 90 python3 -m tokenforge.bench latency \
+        --model smollm2-135m --load-format dummy --dtype bfloat16 --max-model-len 2048 $Q --repeats 2 \
+        --batch-size 8 --results-dir "$W/sg-b8-r$rows"; keep "$W/sg-b8-r$rows" sg-b8-r$rows
+    done ;;
   spec-w1) step spec-w1 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
              --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1/prof" --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1
            grep -vE "it/s\]|INFO" "$W/spec-w1.log" >"$OUT/spec-w1.log" ;;
