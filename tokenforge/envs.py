@@ -8,6 +8,7 @@ the writes are found here too. Imports nothing from tokenforge.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -145,6 +146,20 @@ def hf_hub_cache() -> str | None:
 
 def hf_hub_offline() -> bool:
     return _truthy("HF_HUB_OFFLINE")
+
+
+@contextlib.contextmanager
+def override(name: str, value: str):
+    """`name` set to `value` inside the block, as it was (or unset) after it."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def set_default(name: str, value: str) -> None:

@@ -17,7 +17,7 @@ from tokenforge import envs
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
-from tokenforge.config.draft_tree import DraftTree, burst_steps, tree_drafts_apply
+from tokenforge.config.draft_tree import DraftTree, configured_burst_steps, tree_drafts_apply
 from tokenforge.core.speculation import (ChainShape, DraftCheck, DraftPlanner, StepCost, TreeShape, allow_all,
                                          device_drafts)
 from tokenforge.engine.core_boot import process_start_time
@@ -136,7 +136,7 @@ class EngineCore:
         lora = self.config.lora
         drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
                                     draft_shape(self.config),
-                                    burst_steps(self.config, envs.spec_burst(), bool(envs.draft_proposer())))
+                                    configured_burst_steps(self.config))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
                                    lora.max_loras if lora.enable_lora else 0)
         self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import time
 
@@ -57,19 +56,9 @@ def _overrides(args: argparse.Namespace, method: str) -> dict:
     return out
 
 
-@contextlib.contextmanager
 def _bursts(on: bool):
     """The engine built inside runs n-gram bursts where they apply (on) or none."""
-    before = os.environ.get(envs.SPEC_BURST)
-    if not on:
-        os.environ[envs.SPEC_BURST] = "0"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(envs.SPEC_BURST, None)
-        else:
-            os.environ[envs.SPEC_BURST] = before
+    return contextlib.nullcontext() if on else envs.override(envs.SPEC_BURST, "0")
 
 
 def _pass(llm, prompts: list[str], params) -> tuple[list[list[int]], float, list[float]]:

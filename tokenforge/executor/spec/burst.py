@@ -28,8 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenforge import envs
-from tokenforge.config.draft_tree import burst_steps
+from tokenforge.config.draft_tree import configured_burst_steps
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.kernels.spec_burst import accept_update, ngram_propose, prepare_rows
@@ -80,13 +79,8 @@ class NoBurst:
         pass
 
 
-def configured_steps(config) -> int:
-    """burst_steps with the environment's say (TOKENFORGE_SPEC_BURST, a bench's host proposer)."""
-    return burst_steps(config, envs.spec_burst(), bool(envs.draft_proposer()))
-
-
 def make_burst(runner):
-    steps = configured_steps(runner.config)
+    steps = configured_burst_steps(runner.config)
     return SpeculativeBurst(runner, steps) if steps and runner.rank.is_driver else NoBurst()
 
 
