@@ -19,8 +19,6 @@ import heapq
 from bisect import bisect_right
 from dataclasses import dataclass
 
-from tokenforge import envs
-
 RANK_PRIOR = (0.7, 0.15, 0.08, 0.04)     # a rank-r child's chance of acceptance, relative to its parent
 
 
@@ -121,8 +119,3 @@ def burst_steps(config, forced: int | None = None, host_proposer: bool = False) 
     single = config.parallel.world_size == 1 and not config.load.cpu_offload_gb
     return BURST_STEPS if on_graphs and single and not config.lora.enable_lora else 0
 
-
-def configured_burst_steps(config) -> int:
-    """burst_steps with the environment's say (TOKENFORGE_SPEC_BURST, a bench's host proposer): what
-    the engine's planner and the runner both use, so they agree."""
-    return burst_steps(config, envs.spec_burst(), bool(envs.draft_proposer()))

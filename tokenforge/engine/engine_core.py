@@ -17,7 +17,7 @@ from tokenforge import envs
 from tokenforge.config import EngineConfig
 from tokenforge.core.outputs import SchedulerOutput
 from tokenforge.core.scheduler import Scheduler
-from tokenforge.config.draft_tree import DraftTree, configured_burst_steps, tree_drafts_apply
+from tokenforge.config.draft_tree import DraftTree, tree_drafts_apply
 from tokenforge.core.speculation import (ChainShape, DraftCheck, DraftPlanner, StepCost, TreeShape, allow_all,
                                          device_drafts)
 from tokenforge.engine.core_boot import process_start_time
@@ -27,6 +27,7 @@ from tokenforge.engine.structured_output import GrammarMatchers
 from tokenforge.engine.tokenization import load_engine_tokenizer, with_calibration_ids
 from tokenforge.executor.compile_watch import WATCH
 from tokenforge.executor.factory import create_executor
+from tokenforge.executor.spec.burst import configured_burst_steps
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats, LoRARequest
 
 logger = logging.getLogger(__name__)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenforge.config.draft_tree import configured_burst_steps
+from tokenforge import envs
+from tokenforge.config.draft_tree import burst_steps
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.kernels.spec_burst import accept_update, ngram_propose, prepare_rows
@@ -77,6 +78,12 @@ class NoBurst:
 
     def release(self) -> None:
         pass
+
+
+def configured_burst_steps(config) -> int:
+    """burst_steps with the environment's say (TOKENFORGE_SPEC_BURST, a bench's host proposer): what
+    the engine's draft planner and the runner both use, so they agree."""
+    return burst_steps(config, envs.spec_burst(), bool(envs.draft_proposer()))
 
 
 def make_burst(runner):
