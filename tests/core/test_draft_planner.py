@@ -170,6 +170,16 @@ def test_bursts_go_to_a_lone_greedy_request_with_nobody_waiting():
     assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (2, 8, 7)
     assert planner.accepted_per_position == [2, 2, 2, 1]
     assert req.num_computed_tokens == req.num_tokens - 1         # rolled back to the valid KV
+    # a burst that a stop ended: counted up to the stop (5 kept tokens: the first iteration's 4 and one
+    # more), the iterations past it not at all, and no rollback of the finished request
+    planner.reset_counters()
+    req.num_computed_tokens = 40
+    assert not planner.after_verify(req, 39, 5, burst=[4, 3, 0, 0, 4, 4], rollback=False)
+    assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (1, 4, 3)
+    assert req.num_computed_tokens == 40
+    planner.reset_counters()
+    planner.after_verify(req, 39, 6, burst=[4, 3, 0, 0, 4, 4], rollback=False)     # one token into the third
+    assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (2, 8, 3)
 
 
 def test_drafts_take_only_free_slots_and_never_preempt():

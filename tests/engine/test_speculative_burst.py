@@ -88,7 +88,14 @@ def test_a_burst_stops_where_the_plain_engine_stops(burst_llm, plain_llm, max_to
     past the stop are dropped, and their blocks come back."""
     prompt = PROMPTS[0]
     base = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
+    drafts = burst_llm.engine.scheduler.drafts
+    drafts.reset_counters()
     assert _ids(burst_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0] == base
+    # the burst that ends the request is counted (/metrics), as far as the stop: accepted drafts and
+    # the one token each verify adds never exceed what was emitted
+    stats = drafts.stats()
+    assert (stats["num_drafts"] >= 1) == (max_tokens > 1)
+    assert stats["num_accepted_tokens"] + stats["num_drafts"] <= len(base)
     full = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     stop_id = full[9]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])

@@ -358,8 +358,8 @@ class Scheduler:
             if seq.sample:
                 req.num_output_placeholders -= 1
                 tokens, status = append_until_stop(req, sampled[req.request_id], self.max_len)
-                if seq.num_draft_tokens and running and status is None:   # rejected drafts' KV goes
-                    self.drafts.after_verify(req, seq.num_draft_tokens, len(tokens), bursts.get(req.request_id))
+                if seq.num_draft_tokens and self.drafts.after_verify(   # counted; rejected drafts' KV goes
+                        req, seq.num_draft_tokens, len(tokens), bursts.get(req.request_id), running and status is None):
                     self.kv.truncate(req, cdiv(req.num_tokens, self.block_size))
                 if not tokens and running and not req.num_output_placeholders:
                     req.num_computed_tokens -= 1   # nothing sampled: the next step samples its last token again
