@@ -95,6 +95,9 @@ def test_small_weights_take_row_programs():
     row blocks, and only they are limited to one row by `gemv_rows`."""
     assert 530 * 4000 > SMALL_WEIGHT >= 3072 * 576                  # the bundled model's largest linear fits
     for m in (2, 5, 9, 17):
-        assert gemv_config(m, 3072, 576) == gemv_config(1, 3072, 576)
+        cfg = gemv_config(m, 3072, 576)
+        assert cfg.block_m == 1
+        assert m * 3072 // cfg.block_n <= 2.2 * 3072 // gemv_config(1, 3072, 576).block_n    # programs
+        assert cfg.block_n * cfg.block_k <= 8192                    # the accumulator's registers
         assert gemv_config(m, 530, 4000).block_m > 1
     assert gemv_rows(torch.empty(3072, 576)) == 17 and gemv_rows(torch.empty(530, 4000)) == 1

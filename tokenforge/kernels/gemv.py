@@ -201,10 +201,16 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     M = 1 entries are the fastest of a 10-config sweep on an H200 (bench/NOTES.md): [4, 512]
     tiles for N = 4096 (o_proj, down_proj: 1024 programs), [8, 1024] for qkv (768 programs, one
     wave), [2, 1024] for the wide gate_up and lm_head; small weights (SMALL_WEIGHT) take them at any M,
-    a row a program. For M > 1 otherwise the K tile shrinks so the fp32 accumulator stays at ~32
-    registers per thread (correct, but slower than cuBLAS there).
+    a row a program, with taller tiles as M grows (4-32 rows of N; 32 with a 256 K tile, so the
+    accumulator stays at 64 registers a thread) so a verify's 5-17 rows launch about as many
+    programs as one row does at most twice. For M > 1 otherwise the K tile
+    shrinks so the fp32 accumulator stays at ~32 registers per thread (correct, but slower than
+    cuBLAS there).
     """
-    if m == 1 or n * k <= SMALL_WEIGHT:       # small weights: one row a program (the grid's second axis)
+    if m > 1 and n * k <= SMALL_WEIGHT:       # small weights: one row a program (the grid's second axis)
+        block_n = min(32, 4 * next_power_of_2(-(-m // 2)))
+        return GemvConfig(1, block_n, 512 if block_n <= 16 else 256)
+    if m == 1:
         if n <= 4096:
             return GemvConfig(1, 4, 512)
         return GemvConfig(1, 8, 1024) if n <= 8192 else GemvConfig(1, 2, 1024)
