@@ -118,4 +118,3 @@ def burst_steps(config, forced: int | None = None, host_proposer: bool = False) 
                  and backend in ("auto", "triton"))
     single = config.parallel.world_size == 1 and not config.load.cpu_offload_gb
     return BURST_STEPS if on_graphs and single and not config.lora.enable_lora else 0
-

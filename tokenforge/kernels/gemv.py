@@ -200,12 +200,11 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
 
     M = 1 entries are the fastest of a 10-config sweep on an H200 (bench/NOTES.md): [4, 512]
     tiles for N = 4096 (o_proj, down_proj: 1024 programs), [8, 1024] for qkv (768 programs, one
-    wave), [2, 1024] for the wide gate_up and lm_head; small weights (SMALL_WEIGHT) take them at any M,
-    a row a program, with taller tiles as M grows (4-32 rows of N; 32 with a 256 K tile, so the
-    accumulator stays at 64 registers a thread) so a verify's 5-17 rows launch about as many
-    programs as one row does at most twice. For M > 1 otherwise the K tile
-    shrinks so the fp32 accumulator stays at ~32 registers per thread (correct, but slower than
-    cuBLAS there).
+    wave), [2, 1024] for the wide gate_up and lm_head. Small weights (SMALL_WEIGHT) at M > 1 run a
+    row a program, with taller tiles as M grows (4-32 rows of N; 32 with a 256 K tile, so the
+    accumulator stays at 64 registers a thread): a verify's 5-17 rows launch at most ~2x the
+    programs of one row. Other weights at M > 1 take row blocks, the K tile shrunk so the fp32
+    accumulator stays at ~32 registers per thread (correct, but slower than cuBLAS there).
     """
     if m > 1 and n * k <= SMALL_WEIGHT:       # small weights: one row a program (the grid's second axis)
         block_n = min(32, 4 * next_power_of_2(-(-m // 2)))
