@@ -195,6 +195,16 @@ def gemv_rows(weight: torch.Tensor) -> int:
     return small_weight_rows() if weight.numel() <= SMALL_WEIGHT else 1
 
 
+def row_programs_variant(m: int) -> tuple | None:
+    """What compiles a separate small-weight GEMV for m rows: its tile and Triton's specialisation
+    of the integer M (== 1, divisible by 16). None where small weights take no GEMV (m past the
+    rows). The warm-up runs one eager batch per value (executor/warmup.py)."""
+    if m > small_weight_rows():
+        return None
+    cfg = gemv_config(m, 1, 1)
+    return cfg.block_n, cfg.block_k, m == 1, m % 16 == 0
+
+
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     """Static block sizes (no autotuning: these calls are captured in CUDA graphs).
 
