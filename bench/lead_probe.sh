@@ -16,7 +16,7 @@
 #   gpu-tests   the rotary/norm and MoE model GPU tests (Qwen3's head norms in the rotary launch)
 #   moe-tests   the fused MoE kernel GPU tests (tests/kernels/test_moe.py)
 #   spec-host   bench/spec_host_timing.py: a synchronous speculative step's host time, piece by piece (8B, replay a = 0.8)
-#   gemv-tests  the GEMV GPU tests
+#   gemv-tests  the GEMV GPU tests and the compile watch on the GPU (tiny-llama: small weights, row programs)
 #   gemv-kernels  bench kernels --part gemv (M = 1, 2, 4 against cuBLAS, config sweep; the B=1 decode step)
 #   mid-gemm    bench kernels --part mid_gemm (the 8B linears at M 16-512: cuBLAS, cuBLASLt, padded rows)
 #   serving-step  bench kernels --part serving_step (the linears at M 1-512 and ragged decode attention against their floors)
@@ -62,7 +62,8 @@ PY
   lora-gemv-tests) step lora-gemv-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
                 tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py ;;
   spec-host) STEP_TAIL=30 step spec-host 120 python3 bench/spec_host_timing.py --out "$OUT/spec-host.json" ;;
-  gemv-tests) step gemv-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv.py ;;
+  gemv-tests) step gemv-tests 200 python3 -m pytest -q --timeout 150 -p no:cacheprovider tests/kernels/test_gemv.py \
+               tests/executor/test_compile_watch_gpu.py ;;
   gemv-kernels) STEP_TAIL=80 step gemv-kernels 200 python3 -m tokenforge.bench kernels --part gemv --out "$W/gk"
                 cp "$W/gk/kernels.json" "$OUT/kernels_gemv.json" ;;
   mid-gemm) STEP_TAIL=60 step mid-gemm 200 python3 -m tokenforge.bench kernels --part mid_gemm --out "$W/mg"
