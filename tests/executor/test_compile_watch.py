@@ -59,31 +59,6 @@ def test_deferred_buckets_get_one_eager_decode_per_kernel_variant():
     assert deferred_decode_batches(pending, splits, 512, 8, 15) == []
 
 
-def test_small_weights_add_the_gemv_row_variants_to_the_deferred_decodes():
-    """A model with small weights runs decode batches up to a verify's rows as GEMV row programs,
-    whose tile follows the batch: the deferred buckets 2..16 then need an eager batch per tile even
-    where the attention's split count is one for all of them."""
-    from tokenforge.kernels.gemv import row_programs_variant
-
-    pending = [2, 4, 8, 16, 24, 32]
-    assert [len(q) for q, _ in deferred_decode_batches(pending, lambda b: 64, 512, 4096, 15)] == [2]
-    batches = deferred_decode_batches(pending, lambda b: (64, row_programs_variant(b)), 512, 4096, 15)
-    assert [len(q) for q, _ in batches] == [2, 4, 8, 16, 24]
-    assert {row_programs_variant(len(q)) for q, _ in batches} == {row_programs_variant(b) for b in pending}
-
-
-def test_short_prompts_warm_every_gemv_row_variant_once():
-    from tokenforge.executor.warmup import row_program_prefills
-    from tokenforge.kernels.gemv import row_programs_variant
-
-    base = warm_up_batches(16, 8192, 4096, 256, 4096)                 # has the 17-token prefill
-    extra = row_program_prefills(8192, 4096, base)
-    variants = {row_programs_variant(m) for m in range(2, 18)}
-    assert {row_programs_variant(q[0]) for q, _ in extra} | {row_programs_variant(17)} == variants
-    assert len(extra) == len(variants) - 1 and all(c == [0] for _, c in extra)
-    assert row_program_prefills(8192, 4, []) == [([2], [0]), ([3], [0])]      # the length cap
-
-
 def test_warm_up_runs_on_a_real_runner_and_the_engine_still_answers():
     llm = LLM(model="tiny-llama", load_format="dummy", dtype="float32", num_kv_blocks=64, max_model_len=512,
               max_num_batched_tokens=256)

@@ -4,21 +4,18 @@ import pytest
 import torch
 
 from tokenforge.kernels.gemv import (
-    SMALL_WEIGHT,
     GemvConfig,
     add_rms_norm_gemv,
     add_rms_norm_gemv_ref,
     gemv,
     gemv_config,
     gemv_ref,
-    gemv_rows,
     silu_mul_gemv,
     silu_mul_gemv_ref,
 )
 
-# (M, N, K): batch 1-5, N and K off the block multiples, Llama-like widths; small weights (SMALL_WEIGHT)
-# run a row a program, the last shape's (over it) [BLOCK_M, ...] row blocks: 5 rows take two
-SHAPES = [(1, 256, 512), (2, 300, 1000), (3, 37, 4096), (4, 1030, 96), (17, 129, 576), (5, 530, 4000)]
+# (M, N, K): batch 1-5 (5 takes two row blocks), N and K off the block multiples, Llama-like widths
+SHAPES = [(1, 256, 512), (2, 300, 1000), (3, 37, 4096), (4, 1030, 96), (5, 129, 576)]
 DTYPES = [torch.bfloat16, torch.float32]
 
 
@@ -88,16 +85,3 @@ def test_config_table_covers_llama_shapes():
             cfg = gemv_config(m, n, k)
             assert cfg.block_m <= 4 and cfg.block_n * cfg.block_k * cfg.block_m <= 8192
             assert -(-n // cfg.block_n) >= 4 * 132 or n <= 1024
-
-
-def test_small_weights_take_row_programs():
-    """Small weights run any M as row programs (BLOCK_M 1, the M = 1 tiles); larger ones at M > 1 take
-    row blocks, and only they are limited to one row by `gemv_rows`."""
-    assert 530 * 4000 > SMALL_WEIGHT >= 3072 * 576                  # the bundled model's largest linear fits
-    for m in (2, 5, 9, 17):
-        cfg = gemv_config(m, 3072, 576)
-        assert cfg.block_m == 1
-        assert m * 3072 // cfg.block_n <= 2.2 * 3072 // gemv_config(1, 3072, 576).block_n    # programs
-        assert cfg.block_n * cfg.block_k <= 8192                    # the accumulator's registers
-        assert gemv_config(m, 530, 4000).block_m > 1
-    assert gemv_rows(torch.empty(3072, 576)) == 17 and gemv_rows(torch.empty(530, 4000)) == 1

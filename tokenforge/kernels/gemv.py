@@ -22,12 +22,9 @@ Measurements and the configs tried: bench/NOTES.md, "Small-M GEMVs".
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
-
-from tokenforge import envs
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .activation import silu_and_mul_ref
@@ -176,49 +173,14 @@ def _gemv_kernel(
 
 # ---- launch -----------------------------------------------------------------------------------
 
-# Weights of at most this many elements (the bundled 135M model's linears: 0.3-1.8 M) take up to
-# SMALL_WEIGHT_ROWS rows (a speculative verify of K <= 16 drafts) as row programs: the M = 1 kernel
-# once per row, the weights re-read from L2. Every kernel of such a step is latency-bound, so the
-# fused norm / SwiGLU prologues (two launches a layer fewer) and PDL beat cuBLAS's own launches.
-# Larger weights keep cuBLAS past M = 1 (a GEMV re-reading them per row costs their bandwidth).
-SMALL_WEIGHT, SMALL_WEIGHT_ROWS = 1 << 21, 17
-
-
-@functools.cache
-def small_weight_rows() -> int:
-    """SMALL_WEIGHT_ROWS, or TOKENFORGE_SMALL_GEMV_ROWS where set (1: the GEMV at M = 1 only)."""
-    return envs.small_gemv_rows(SMALL_WEIGHT_ROWS)
-
-
-def gemv_rows(weight: torch.Tensor) -> int:
-    """The most rows x may have for x @ weight^T to run as a GEMV."""
-    return small_weight_rows() if weight.numel() <= SMALL_WEIGHT else 1
-
-
-def row_programs_variant(m: int) -> tuple | None:
-    """What compiles a separate small-weight GEMV for m rows: its tile and Triton's specialisation
-    of the integer M (== 1, divisible by 16). None where small weights take no GEMV (m past the
-    rows). The warm-up runs one eager batch per value (executor/warmup.py)."""
-    if m > small_weight_rows():
-        return None
-    cfg = gemv_config(m, 1, 1)
-    return cfg.block_n, cfg.block_k, m == 1, m % 16 == 0
-
-
 def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     """Static block sizes (no autotuning: these calls are captured in CUDA graphs).
 
     M = 1 entries are the fastest of a 10-config sweep on an H200 (bench/NOTES.md): [4, 512]
     tiles for N = 4096 (o_proj, down_proj: 1024 programs), [8, 1024] for qkv (768 programs, one
-    wave), [2, 1024] for the wide gate_up and lm_head. Small weights (SMALL_WEIGHT) at M > 1 run a
-    row a program, with taller tiles as M grows (4-32 rows of N; 32 with a 256 K tile, so the
-    accumulator stays at 64 registers a thread): a verify's 5-17 rows launch at most ~2x the
-    programs of one row. Other weights at M > 1 take row blocks, the K tile shrunk so the fp32
+    wave), [2, 1024] for the wide gate_up and lm_head. For M > 1 the K tile shrinks so the fp32
     accumulator stays at ~32 registers per thread (correct, but slower than cuBLAS there).
     """
-    if m > 1 and n * k <= SMALL_WEIGHT:       # small weights: one row a program (the grid's second axis)
-        block_n = min(32, 4 * next_power_of_2(-(-m // 2)))
-        return GemvConfig(1, block_n, 512 if block_n <= 16 else 256)
     if m == 1:
         if n <= 4096:
             return GemvConfig(1, 4, 512)

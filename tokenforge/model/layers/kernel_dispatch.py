@@ -5,9 +5,8 @@ Triton available, the layers call its fused kernels instead. The choice is made 
 tensor's device (a dict lookup), so one model object works on either device, and tests can force
 the torch path with `use_triton_kernels(False)`.
 
-Linears take the Triton GEMVs (`gemv_ops`) only at decode sizes (<= GEMV_MAX_TOKENS rows; small
-weights up to a verify's rows, `gemv.gemv_rows`) with 16-bit weights and no autograd; everything
-else keeps cuBLAS (or the CPU's packed weights).
+Linears take the Triton GEMVs (`gemv_ops`) only at decode sizes (<= GEMV_MAX_TOKENS rows) with
+16-bit weights and no autograd; everything else keeps cuBLAS (or the CPU's packed weights).
 `use_gemv_kernels(False)` turns off just the GEMVs.
 """
 
@@ -25,8 +24,6 @@ logger = logging.getLogger(__name__)
 
 GEMV_MAX_TOKENS = 1       # measured on an H200: faster than cuBLAS at M = 1, slower at M = 2-4; a tensor-core
                           # (tl.dot) variant for 2-16 rows lost too (a verify's 5 rows, H100: BENCHMARKS.md round 12)
-# ... except small weights (kernels/gemv.py SMALL_WEIGHT: the bundled 135M model's linears), which
-# take up to `gemv_rows` rows as row programs: a verify step there is latency-bound, kernel by kernel
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 _enabled = True
@@ -64,7 +61,6 @@ def _load_triton_ops() -> SimpleNamespace | None:
         add_rms_norm_gemv=gemv.add_rms_norm_gemv,
         silu_mul_gemv=gemv.silu_mul_gemv,
         fuses_prologue=gemv.fuses_prologue,
-        gemv_rows=gemv.gemv_rows,
         gemv_lora=gemv_lora.gemv_lora,
         add_rms_norm_gemv_lora=gemv_lora.add_rms_norm_gemv_lora,
         silu_mul_gemv_lora=gemv_lora.silu_mul_gemv_lora,
@@ -84,9 +80,8 @@ def triton_ops(device: torch.device) -> SimpleNamespace | None:
 
 def gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> SimpleNamespace | None:
     """The Triton namespace when x [T, in] @ weight^T should run as a GEMV, else None (cuBLAS/CPU)."""
-    if (not _gemv_enabled or x.dim() != 2 or weight.dtype not in _GEMV_DTYPES
+    if (not _gemv_enabled or x.dim() != 2 or x.shape[0] > GEMV_MAX_TOKENS or weight.dtype not in _GEMV_DTYPES
             or x.dtype != weight.dtype or weight.stride(-1) != 1
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):   # no backward
         return None
-    ops = triton_ops(x.device)
-    return ops if ops is not None and x.shape[0] <= max(GEMV_MAX_TOKENS, ops.gemv_rows(weight)) else None
+    return triton_ops(x.device)
