@@ -112,3 +112,4 @@ def test_small_weights_take_the_dot_path_up_to_32_rows():
         assert gemv_config(m, 530, 4000).block_m <= 4                # a large weight: row blocks (cuBLAS in models)
     assert gemv_config(33, 3072, 576).block_m <= 4
     assert gemv_rows(torch.empty(3072, 576)) == DOT_MAX_ROWS and gemv_rows(torch.empty(530, 4000)) == 1
+    assert gemv_rows(torch.empty(4096, 512)) == 1                    # the 8B's o_proj shard under TP = 8

@@ -90,7 +90,7 @@ def warm_up(runner, num_blocks: int) -> float:
     variant = getattr(runner.backend, "decode_variant", None)
     # small weights run their GEMVs up to 32 rows, a config per row class (kernels/gemv.py):
     # a short prompt meets them as much as a decode batch does
-    small = runner.device.type == "cuda" and any(p.dim() == 2 and p.numel() <= SMALL_WEIGHT
+    small = runner.device.type == "cuda" and any(p.dim() == 2 and p.numel() < SMALL_WEIGHT
                                                  for p in runner.model.parameters())
     if small:
         batches += row_program_prefills(sched.max_num_batched_tokens, sched.max_model_len, batches)

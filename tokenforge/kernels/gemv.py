@@ -34,7 +34,7 @@ from .activation import silu_and_mul_ref
 from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 
 PLAIN, NORM, SILU_MUL = 0, 1, 2
-# Small weights (at most SMALL_WEIGHT elements: the bundled 135M model's linears) take 2..DOT_MAX_ROWS
+# Small weights (under SMALL_WEIGHT elements: the bundled 135M model's linears, not an 8B shard under TP = 8) take 2..DOT_MAX_ROWS
 # rows too, as one tl.dot per tile over the rows padded to 16 or 32 (each weight read once): a
 # verify step there is ~300 latency-bound launches, and the GEMV's fused norm / SwiGLU prologues
 # and PDL save launches and gaps that cuBLAS cannot. Larger weights keep cuBLAS past one row (this
@@ -196,7 +196,7 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
     wave), [2, 1024] for the wide gate_up and lm_head. For M > 1 the K tile shrinks so the fp32
     accumulator stays at ~32 registers per thread (correct, but slower than cuBLAS there).
     """
-    if 1 < m <= DOT_MAX_ROWS and n * k <= SMALL_WEIGHT:     # one tl.dot per tile, rows padded to 16 / 32
+    if 1 < m <= DOT_MAX_ROWS and n * k < SMALL_WEIGHT:     # one tl.dot per tile, rows padded to 16 / 32
         if m <= 16:
             return GemvConfig(16, 16, min(256, max(16, next_power_of_2(k))))
         return GemvConfig(32, 16, min(128, max(16, next_power_of_2(k))), 8)   # 4 warps spilled (norm prologue)
@@ -226,7 +226,7 @@ def row_programs_variant(m: int) -> tuple | None:
 
 def gemv_rows(weight: torch.Tensor) -> int:
     """The most rows x may have for x @ weight^T to run as a GEMV."""
-    return small_weight_rows() if weight.numel() <= SMALL_WEIGHT else 1
+    return small_weight_rows() if weight.numel() < SMALL_WEIGHT else 1
 
 
 def fuses_prologue(n: int, k: int) -> bool:
