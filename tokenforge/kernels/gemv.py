@@ -34,11 +34,12 @@ from .activation import silu_and_mul_ref
 from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 
 PLAIN, NORM, SILU_MUL = 0, 1, 2
-# Small weights (under SMALL_WEIGHT elements: the bundled 135M model's linears, not an 8B shard under TP = 8) take 2..DOT_MAX_ROWS
-# rows too, as one tl.dot per tile over the rows padded to 16 or 32 (each weight read once): a
-# verify step there is ~300 latency-bound launches, and the GEMV's fused norm / SwiGLU prologues
-# and PDL save launches and gaps that cuBLAS cannot. Larger weights keep cuBLAS past one row (this
-# path lost to cuBLAS's split-K on the 8B shape at 5 rows, BENCHMARKS.md round 12).
+# Small weights (under SMALL_WEIGHT elements: the bundled 135M model's linears; not an 8B shard
+# under TP = 8) take 2..DOT_MAX_ROWS rows too, as one tl.dot per tile over the rows padded to 16
+# or 32 (each weight read once): a verify step there is ~300 latency-bound launches, and the
+# GEMV's fused norm / SwiGLU prologues and PDL save launches and gaps that cuBLAS cannot. Larger
+# weights keep cuBLAS past one row (this path lost to cuBLAS's split-K on the 8B shape at 5 rows,
+# BENCHMARKS.md round 12).
 SMALL_WEIGHT, DOT_MAX_ROWS = 1 << 21, 32
 
 
