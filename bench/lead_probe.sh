@@ -87,7 +87,7 @@ PY
         --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --results-dir "$W/moe-w1-$m"; keep "$W/moe-w1-$m" moe-w1-$m
     done ;;
   small-dot)    # the 135M shape, dummy: W1 with the replay drafter (a = 0.8) at K = SG_KS and batch-8 decode, small
-                # weights' GEMV for 2-32 rows (tl.dot; default) against cuBLAS past one row (TOKENFORGE_SMALL_GEMV_ROWS=1)
+                # weights' GEMV for 2-32 rows (tl.dot; TOKENFORGE_SMALL_GEMV_ROWS=32) against cuBLAS past one row (=1, the default)
     for k in ${SG_KS:-4 8 16}; do for rows in 1 32; do
       TOKENFORGE_SMALL_GEMV_ROWS=$rows STEP_TAIL=2 step sd-k$k-r$rows 90 python3 -m tokenforge.bench latency \
         --model smollm2-135m --load-format dummy --dtype bfloat16 --max-model-len 2048 $Q --repeats 2 \

@@ -28,7 +28,7 @@ REPLAY_ACCEPTANCE = "TOKENFORGE_REPLAY_ACCEPTANCE"  # bench serve: the served re
 REPLAY_PROMPT_LEN = "TOKENFORGE_REPLAY_PROMPT_LEN"  # bench serve: its prompts' length (where outputs begin)
 STABLE_DUMMY = "TOKENFORGE_STABLE_DUMMY"        # bench serve: dummy weights whose greedy tokens no batch shape changes
 SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chained on the device ("0": off; any device)
-SMALL_GEMV_ROWS = "TOKENFORGE_SMALL_GEMV_ROWS"  # GEMVs: most rows a small weight takes ("1": one row, as large ones)
+SMALL_GEMV_ROWS = "TOKENFORGE_SMALL_GEMV_ROWS"  # GEMVs: most rows (<= 32) a small weight takes (default 1, as large ones)
 
 
 def _get(name: str, default: str | None = None) -> str | None:

@@ -59,7 +59,19 @@ def test_deferred_buckets_get_one_eager_decode_per_kernel_variant():
     assert deferred_decode_batches(pending, splits, 512, 8, 15) == []
 
 
-def test_small_weights_add_the_gemv_variants_to_the_deferred_decodes():
+@pytest.fixture
+def small_gemv_on(monkeypatch):
+    """Small weights through the GEMV up to 32 rows (TOKENFORGE_SMALL_GEMV_ROWS; off by default)."""
+    from tokenforge.kernels.gemv import small_weight_rows
+
+    monkeypatch.setenv("TOKENFORGE_SMALL_GEMV_ROWS", "32")
+    small_weight_rows.cache_clear()
+    yield
+    monkeypatch.delenv("TOKENFORGE_SMALL_GEMV_ROWS")
+    small_weight_rows.cache_clear()
+
+
+def test_small_weights_add_the_gemv_variants_to_the_deferred_decodes(small_gemv_on):
     """A model with small weights runs decode batches up to 32 rows through the GEMV, whose config
     (16- or 32-row blocks) and Triton's specialisation of M follow the batch: deferred buckets 2..32
     then need an eager batch per variant even where the attention's split count is the same."""
@@ -72,7 +84,7 @@ def test_small_weights_add_the_gemv_variants_to_the_deferred_decodes():
     assert {row_programs_variant(len(q)) for q, _ in batches} == {row_programs_variant(b) for b in pending}
 
 
-def test_short_prompts_warm_every_small_gemv_variant_once():
+def test_short_prompts_warm_every_small_gemv_variant_once(small_gemv_on):
     from tokenforge.executor.warmup import row_program_prefills
     from tokenforge.kernels.gemv import row_programs_variant
 

@@ -18,6 +18,7 @@ from tokenforge.kernels.gemv import (
     gemv_config,
     gemv_ref,
     gemv_rows,
+    small_weight_rows,
     silu_mul_gemv,
     silu_mul_gemv_ref,
 )
@@ -105,11 +106,19 @@ def test_config_table_covers_llama_shapes():
             assert -(-n // cfg.block_n) >= 4 * 132 or n <= 1024
 
 
-def test_small_weights_take_the_dot_path_up_to_32_rows():
+def test_small_weights_take_the_dot_path_up_to_32_rows(monkeypatch):
     assert 530 * 4000 > SMALL_WEIGHT >= 3072 * 576                  # the bundled model's largest linear fits
     for m in (2, 5, 16, 17, 32):
         assert gemv_config(m, 3072, 576).block_m == (16 if m <= 16 else 32)
         assert gemv_config(m, 530, 4000).block_m <= 4                # a large weight: row blocks (cuBLAS in models)
     assert gemv_config(33, 3072, 576).block_m <= 4
-    assert gemv_rows(torch.empty(3072, 576)) == DOT_MAX_ROWS and gemv_rows(torch.empty(530, 4000)) == 1
-    assert gemv_rows(torch.empty(4096, 512)) == 1                    # the 8B's o_proj shard under TP = 8
+    small_weight_rows.cache_clear()
+    assert gemv_rows(torch.empty(3072, 576)) == 1                     # off by default: not yet measured
+    monkeypatch.setenv("TOKENFORGE_SMALL_GEMV_ROWS", "32")
+    small_weight_rows.cache_clear()
+    try:
+        assert gemv_rows(torch.empty(3072, 576)) == DOT_MAX_ROWS and gemv_rows(torch.empty(530, 4000)) == 1
+        assert gemv_rows(torch.empty(4096, 512)) == 1                # the 8B's o_proj shard under TP = 8
+    finally:
+        monkeypatch.delenv("TOKENFORGE_SMALL_GEMV_ROWS")
+        small_weight_rows.cache_clear()

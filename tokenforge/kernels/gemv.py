@@ -35,7 +35,7 @@ from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 
 PLAIN, NORM, SILU_MUL = 0, 1, 2
 # Small weights (under SMALL_WEIGHT elements: the bundled 135M model's linears; not an 8B shard
-# under TP = 8) take 2..DOT_MAX_ROWS rows too, as one tl.dot per tile over the rows padded to 16
+# under TP = 8) can take 2..DOT_MAX_ROWS rows too (`small_weight_rows`, off by default), as one tl.dot per tile over the rows padded to 16
 # or 32 (each weight read once): a verify step there is ~300 latency-bound launches, and the
 # GEMV's fused norm / SwiGLU prologues and PDL save launches and gaps that cuBLAS cannot. Larger
 # weights keep cuBLAS past one row (this path lost to cuBLAS's split-K on the 8B shape at 5 rows,
@@ -211,18 +211,20 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
 
 @functools.cache
 def small_weight_rows() -> int:
-    """DOT_MAX_ROWS, or TOKENFORGE_SMALL_GEMV_ROWS where set (1: small weights too take the GEMV at
-    one row only)."""
-    return envs.small_gemv_rows(DOT_MAX_ROWS)
+    """The most rows small weights take through the GEMV: 1 (as large ones) unless
+    TOKENFORGE_SMALL_GEMV_ROWS says more (at most DOT_MAX_ROWS). Off by default: built and tested,
+    not yet measured on a GPU (`bash bench/lead_probe.sh` step small-dot measures it against cuBLAS)."""
+    return max(1, min(DOT_MAX_ROWS, envs.small_gemv_rows(1)))
 
 
 def row_programs_variant(m: int) -> tuple | None:
-    """What compiles a separate small-weight GEMV for m rows: its config and Triton's specialisation
-    of the integer M (== 1, divisible by 16). None where small weights take no GEMV (m past
-    `small_weight_rows`). The warm-up runs one batch per value (executor/warmup.py)."""
-    if m > small_weight_rows():
+    """What compiles a separate small-weight GEMV for m >= 2 rows: its config and Triton's
+    specialisation of the integer M (divisible by 16). None for one row and where small weights
+    take no GEMV (m past `small_weight_rows`). The warm-up runs one batch per value
+    (executor/warmup.py)."""
+    if m == 1 or m > small_weight_rows():       # one row: every model's own GEMV, warmed with the rest
         return None
-    return gemv_config(m, 1, 1024), m == 1, m % 16 == 0
+    return gemv_config(m, 1, 1024), m % 16 == 0
 
 
 def gemv_rows(weight: torch.Tensor) -> int:
