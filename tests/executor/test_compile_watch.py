@@ -75,25 +75,25 @@ def test_small_weights_add_the_gemv_variants_to_the_deferred_decodes(small_gemv_
     """A model with small weights runs decode batches up to 32 rows through the GEMV, whose config
     (16- or 32-row blocks) and Triton's specialisation of M follow the batch: deferred buckets 2..32
     then need an eager batch per variant even where the attention's split count is the same."""
-    from tokenforge.kernels.gemv import row_programs_variant
+    from tokenforge.kernels.gemv import small_gemv_variant
 
     pending = [2, 4, 8, 16, 24, 32, 48]
     assert [len(q) for q, _ in deferred_decode_batches(pending, lambda b: 64, 512, 4096, 15)] == [2]
-    batches = deferred_decode_batches(pending, lambda b: (64, row_programs_variant(b)), 512, 4096, 15)
+    batches = deferred_decode_batches(pending, lambda b: (64, small_gemv_variant(b)), 512, 4096, 15)
     assert [len(q) for q, _ in batches] == [2, 16, 24, 32, 48]
-    assert {row_programs_variant(len(q)) for q, _ in batches} == {row_programs_variant(b) for b in pending}
+    assert {small_gemv_variant(len(q)) for q, _ in batches} == {small_gemv_variant(b) for b in pending}
 
 
 def test_short_prompts_warm_every_small_gemv_variant_once(small_gemv_on):
-    from tokenforge.executor.warmup import row_program_prefills
-    from tokenforge.kernels.gemv import row_programs_variant
+    from tokenforge.executor.warmup import small_gemv_prefills
+    from tokenforge.kernels.gemv import small_gemv_variant
 
     base = warm_up_batches(16, 8192, 4096, 256, 4096)                 # has the 17-token prefill
-    extra = row_program_prefills(8192, 4096, base)
-    variants = {row_programs_variant(m) for m in range(2, 33)}
+    extra = small_gemv_prefills(8192, 4096, base)
+    variants = {small_gemv_variant(m) for m in range(2, 33)}
     assert [q for q, _ in extra] == [[2], [16], [32]] and all(c == [0] for _, c in extra)
-    assert {row_programs_variant(q[0]) for q, _ in extra} | {row_programs_variant(17)} == variants
-    assert row_program_prefills(8192, 4, []) == [([2], [0])]                  # the length cap
+    assert {small_gemv_variant(q[0]) for q, _ in extra} | {small_gemv_variant(17)} == variants
+    assert small_gemv_prefills(8192, 4, []) == [([2], [0])]                  # the length cap
 
 
 def test_warm_up_runs_on_a_real_runner_and_the_engine_still_answers():

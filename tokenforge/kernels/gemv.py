@@ -35,11 +35,11 @@ from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 
 PLAIN, NORM, SILU_MUL = 0, 1, 2
 # Small weights (under SMALL_WEIGHT elements: the bundled 135M model's linears; not an 8B shard
-# under TP = 8) can take 2..DOT_MAX_ROWS rows too (`small_weight_rows`, off by default), as one tl.dot per tile over the rows padded to 16
-# or 32 (each weight read once): a verify step there is ~300 latency-bound launches, and the
-# GEMV's fused norm / SwiGLU prologues and PDL save launches and gaps that cuBLAS cannot. Larger
-# weights keep cuBLAS past one row (this path lost to cuBLAS's split-K on the 8B shape at 5 rows,
-# BENCHMARKS.md round 12).
+# under TP = 8) can take 2..DOT_MAX_ROWS rows too (`small_weight_rows`, off by default), as one
+# tl.dot per tile over the rows padded to 16 or 32 (each weight read once): a verify step there is
+# ~300 latency-bound launches, and the GEMV's fused norm / SwiGLU prologues and PDL save launches
+# and gaps that cuBLAS cannot. Larger weights keep cuBLAS past one row (this path lost to cuBLAS's
+# split-K on the 8B shape at 5 rows, BENCHMARKS.md round 12).
 SMALL_WEIGHT, DOT_MAX_ROWS = 1 << 21, 32
 
 
@@ -194,8 +194,10 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
 
     M = 1 entries are the fastest of a 10-config sweep on an H200 (bench/NOTES.md): [4, 512]
     tiles for N = 4096 (o_proj, down_proj: 1024 programs), [8, 1024] for qkv (768 programs, one
-    wave), [2, 1024] for the wide gate_up and lm_head. For M > 1 the K tile shrinks so the fp32
-    accumulator stays at ~32 registers per thread (correct, but slower than cuBLAS there).
+    wave), [2, 1024] for the wide gate_up and lm_head. Small weights at 2-32 rows take the
+    tensor-core tiles ([16 | 32 rows, 16, 256 | 128]; no spills for sm_90 with any prologue). For
+    M > 1 otherwise the K tile shrinks so the fp32 accumulator stays at ~32 registers per thread
+    (correct, but slower than cuBLAS there).
     """
     if 1 < m <= DOT_MAX_ROWS and n * k < SMALL_WEIGHT:     # one tl.dot per tile, rows padded to 16 / 32
         if m <= 16:
@@ -217,12 +219,12 @@ def small_weight_rows() -> int:
     return max(1, min(DOT_MAX_ROWS, envs.small_gemv_rows(1)))
 
 
-def row_programs_variant(m: int) -> tuple | None:
+def small_gemv_variant(m: int) -> tuple | None:
     """What compiles a separate small-weight GEMV for m >= 2 rows: its config and Triton's
     specialisation of the integer M (divisible by 16). None for one row and where small weights
     take no GEMV (m past `small_weight_rows`). The warm-up runs one batch per value
     (executor/warmup.py)."""
-    if m == 1 or m > small_weight_rows():       # one row: every model's own GEMV, warmed with the rest
+    if m == 1 or m > small_weight_rows():       # one row: every model's own GEMV, warmed anyway
         return None
     return gemv_config(m, 1, 1024), m % 16 == 0
 
