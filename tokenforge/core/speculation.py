@@ -145,6 +145,7 @@ class DraftPlanner:
         self.num_drafted = 0
         self.num_accepted = 0
         self.num_verify_steps = 0       # sequences verified with at least one draft
+        self.num_reached = 0            # draft positions reached: up to and including the first rejected
         self.accepted_per_position = [0] * self.k
 
     @property
@@ -231,6 +232,7 @@ class DraftPlanner:
         self.num_drafted += num_drafts
         self.num_accepted += accepted
         self.num_verify_steps += 1
+        self.num_reached += min(accepted + 1, num_drafts)
         for i in range(accepted):
             self.accepted_per_position[i] += 1
         # drafts reached: up to and including the first rejected one
@@ -247,4 +249,5 @@ class DraftPlanner:
                 "num_accepted_tokens": self.num_accepted,
                 "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 "mean_acceptance_length": 1 + self.num_accepted / steps if steps else 0.0,
-                "accepted_per_position": list(self.accepted_per_position)}
+                "accepted_per_position": list(self.accepted_per_position),
+                "num_reached_draft_tokens": self.num_reached}

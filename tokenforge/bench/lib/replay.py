@@ -80,10 +80,13 @@ class ReplayDrafter:
 def keep_rate(stats: dict) -> float | None:
     """The measured chance that a draft token is accepted given that the ones before it were (the
     replay's a): accepted drafts over the positions reached (a draft's first, and each one after
-    an accepted one). Every replay draft has k tokens, so position j is reached as often as j - 1
-    was accepted."""
+    an accepted one), as the engine counts them (`num_reached_draft_tokens`). Without that count
+    (/metrics) every draft is taken to have k tokens, so position j is reached as often as j - 1
+    was accepted: a request's last draft, cut short by max_tokens, then counts one position too many."""
     per_pos = stats.get("accepted_per_position") or []
-    reached = stats["num_drafts"] + sum(per_pos[:-1])
+    reached = stats.get("num_reached_draft_tokens")
+    if reached is None:
+        reached = stats["num_drafts"] + sum(per_pos[:-1])
     return sum(per_pos) / reached if reached else None
 
 
