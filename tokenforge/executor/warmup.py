@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from tokenforge.kernels.gemv import SMALL_WEIGHT, small_gemv_variant
+from tokenforge.kernels.gemv import SMALL_WEIGHT, small_gemv_variant, small_weight_rows
 from tokenforge.kernels.lora import warm_up_lora_kernels
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
@@ -88,10 +88,10 @@ def warm_up(runner, num_blocks: int) -> float:
                               sched.max_num_seqs, num_blocks)
     stages = getattr(getattr(runner, "graphs", None), "stages", None)
     variant = getattr(runner.backend, "decode_variant", None)
-    # small weights run their GEMVs up to 32 rows, a config per row class (kernels/gemv.py):
+    # small weights run their GEMVs up to 32 rows where turned on, a config per row class (kernels/gemv.py):
     # a short prompt meets them as much as a decode batch does
-    small = runner.device.type == "cuda" and any(p.dim() == 2 and p.numel() < SMALL_WEIGHT
-                                                 for p in runner.model.parameters())
+    small = (runner.device.type == "cuda" and small_weight_rows() > 1
+             and any(p.dim() == 2 and p.numel() < SMALL_WEIGHT for p in runner.model.parameters()))
     if small:
         batches += small_gemv_prefills(sched.max_num_batched_tokens, sched.max_model_len, batches)
     if stages is not None and stages.pending and variant is not None:
