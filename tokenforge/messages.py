@@ -39,10 +39,17 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str | None = None          # a compiled llguidance grammar (its text is its identity)
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids ascending
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def shapes_logits(self) -> bool:
+        """A penalty or a logit bias changes the logits before sampling: the raw argmax is not the token."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias))
 
 
 class LoRARequest(msgspec.Struct, frozen=True):

@@ -60,6 +60,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     cache_salt: str | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit, in [-100, 100] (OpenAI)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +68,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _logit_bias(self.logit_bias)
         self.validate()
 
     def validate(self) -> None:
@@ -110,3 +112,25 @@ class SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _logit_bias(bias: dict | None) -> dict[int, float] | None:
+    """{token id: bias} with int ids (OpenAI's JSON sends them as strings) and float biases in
+    [-100, 100]; zero biases dropped; None when nothing is left."""
+    if not bias:
+        return None
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        try:
+            token = int(key) if not isinstance(key, (bool, float)) else None
+        except (TypeError, ValueError):
+            token = None
+        if token is None or token < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+        if value:
+            out[token] = float(value)
+    return out or None

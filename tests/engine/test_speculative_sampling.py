@@ -205,3 +205,17 @@ def test_seeded_requests_draft_and_keep_their_output(engines):
     assert len(set(map(tuple, first))) == 2
     kv = spec.get_stats()
     assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+
+
+def test_logit_bias_on_every_verify_row(engines):
+    """A logit bias applies to each verify row as to a decode: greedy output equals the output
+    without speculation (and the bias changes it: a verify that took the raw argmax would not)."""
+    base, _ = engines
+    plain = base.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                             logit_bias={p.outputs[0].token_ids[6]: 4.0, p.outputs[0].token_ids[2]: -100.0})
+              for p in plain]
+    want, got = generate_both(engines, PROMPTS, params)
+    for p, w, g in zip(plain, want, got):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert w.outputs[0].token_ids != p.outputs[0].token_ids

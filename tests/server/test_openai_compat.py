@@ -205,6 +205,26 @@ def test_echo_logprobs_match_offline_prompt_logprobs(client, live):
     assert math.isclose(entries[1][str(ids[1])]["logprob"], offline.prompt_logprobs[1][ids[1]].logprob, abs_tol=1e-4)
 
 
+def _token_ids(live, text: str) -> list[int]:
+    reply = httpx.post(live.url + "/tokenize", json={"prompt": text, "add_special_tokens": False})
+    return reply.json()["tokens"]
+
+
+def test_logit_bias_bans_and_forces_tokens(client, live):
+    """OpenAI's logit_bias through the SDK: -100 bans the greedy continuation's first token (on the
+    completions and chat routes), +100 on one token makes every sampled token that token."""
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+    first = _token_ids(live, plain)[0]
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                       logit_bias={str(first): -100}).choices[0].text
+    assert _token_ids(live, banned)[0] != first and banned != plain
+    forced_id = _token_ids(live, " Paris")[0]
+    forced = client.chat.completions.create(model=MODEL, messages=_ask("Say hello."), max_tokens=5,
+                                            temperature=1.0, seed=3, logit_bias={str(forced_id): 100})
+    assert _token_ids(live, forced.choices[0].message.content) == [forced_id] * 5
+
+
 def test_tokenizer_info_and_open_routes(live):
     info = httpx.get(live.url + "/tokenizer_info").json()
     assert info["eos_token"] == "<|im_end|>" and info["chat_template"] and info["tokenizer_class"]

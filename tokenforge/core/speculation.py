@@ -82,7 +82,7 @@ class ChainShape:
 class TreeShape:
     """The first d nodes of a static tree (breadth first): those within the depth, as many as the
     slots allow. Its verify samples each node as a fresh decode (argmax or draw): for requests
-    whose rows need no history of their own (no penalties, banned ids) and no logprobs."""
+    whose rows need no history of their own (no penalties, banned ids), no logit bias and no logprobs."""
 
     tree: DraftTree
 
@@ -91,16 +91,14 @@ class TreeShape:
 
     def serves(self, req: Request) -> bool:
         p = req.params
-        return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                and p.frequency_penalty == 0.0 and not banned_tokens(req))
+        return p.logprobs is None and not p.shapes_logits and not banned_tokens(req)
 
 
 def burst_serves(req: Request) -> bool:
     """A request a burst may serve: greedy, and nothing per token that the host computes (logprobs,
-    penalties, banned ids, a grammar)."""
+    penalties, a logit bias, banned ids, a grammar)."""
     p = req.params
-    return (p.is_greedy and p.logprobs is None and p.grammar is None and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and not banned_tokens(req))
+    return p.is_greedy and p.logprobs is None and p.grammar is None and not p.shapes_logits and not banned_tokens(req)
 
 
 def device_drafts(history: list[int], k: int) -> list[int]:

@@ -75,6 +75,9 @@ class Processor:
         for t in params.stop_token_ids:
             if t >= self.runtime.vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {self.runtime.vocab_size})")
+        for t in params.logit_bias or ():
+            if t >= self.runtime.vocab_size:
+                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {self.runtime.vocab_size})")
         if lora_request is not None and not self.config.lora.enable_lora:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine serves no LoRA adapters "
                              "(start it with enable_lora=True / --enable-lora)")
@@ -101,6 +104,7 @@ class Processor:
             max_tokens=max_tokens, min_tokens=min(params.min_tokens, max_tokens),
             stop_token_ids=tuple(params.stop_token_ids), ignore_eos=params.ignore_eos,
             logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+            logit_bias=tuple(sorted(params.logit_bias.items())) if params.logit_bias else (),
             # Cached per spec; the AsyncEngine compiles in a thread first (compile_grammar).
             grammar=compile_grammar(params.structured_outputs) if params.structured_outputs else None)
 

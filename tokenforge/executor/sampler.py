@@ -1,6 +1,6 @@
 """Sampler: logits [N, V] + SamplingBatch -> one token id per row (+ optional logprobs).
 
-Order: penalties -> token masks (min_tokens bans, grammar bitmask) -> greedy argmax |
+Order: penalties -> logit bias -> token masks (min_tokens bans, grammar bitmask) -> greedy argmax |
 (temperature -> top-k -> top-p -> min-p -> sample).
 Everything stays on the device; the only host reads are the caller's `.tolist()` calls.
 
@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from tokenforge.core.outputs import PositionLogprobs
-from tokenforge.executor.sampling_batch import PenaltyTensors, SamplingBatch, TokenMasks
+from tokenforge.executor.sampling_batch import LogitBias, PenaltyTensors, SamplingBatch, TokenMasks
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "SamplingBatch", "apply_min_p",
-           "apply_penalties", "apply_token_masks", "apply_top_k_top_p", "compute_prompt_logprobs",
+           "apply_logit_bias", "apply_penalties", "apply_token_masks", "apply_top_k_top_p", "compute_prompt_logprobs",
            "gather_logprobs", "processed_logits", "sampling_probs"]
 
 
@@ -89,13 +89,15 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """logits [N, V] -> (float32 logits after penalties and token masks, the raw log_softmax
+    """logits [N, V] -> (float32 logits after penalties, logit bias and token masks, the raw log_softmax
     [N, V] when a row asked for logprobs, else None): what greedy takes the argmax of and
     temperature / top-k / top-p / min-p start from. Speculative verification uses it per draft row."""
     logits = logits.float()
     raw_logprobs = torch.log_softmax(logits, dim=-1) if batch.max_num_logprobs is not None else None
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
+    if batch.logit_bias is not None:
+        logits = apply_logit_bias(logits, batch.logit_bias)
     if batch.masks is not None:
         logits = apply_token_masks(logits, batch.masks)
     return logits, raw_logprobs
@@ -113,6 +115,11 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> torch.Tensor:
     if pen.rows is None:
         return rows
     return logits.index_copy(0, pen.rows, rows)
+
+
+def apply_logit_bias(logits: torch.Tensor, bias: LogitBias) -> torch.Tensor:
+    """Add each row's biases to its logits (a row's token ids are distinct)."""
+    return logits.index_put((bias.rows, bias.token_ids), bias.values, accumulate=True)
 
 
 def apply_token_masks(logits: torch.Tensor, masks: TokenMasks) -> torch.Tensor:

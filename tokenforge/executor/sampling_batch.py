@@ -34,6 +34,15 @@ class PenaltyTensors:
 
 
 @dataclass(slots=True)
+class LogitBias:
+    """OpenAI's logit_bias: `values` added to the logits at (`rows`, `token_ids`), each [B]."""
+
+    rows: torch.Tensor                     # [B] int64
+    token_ids: torch.Tensor                # [B] int64
+    values: torch.Tensor                   # [B] float32
+
+
+@dataclass(slots=True)
 class TokenMasks:
     """Tokens that must not be sampled this step, as device tensors (-inf before sampling)."""
 
@@ -61,6 +70,7 @@ class SamplingBatch:
     num_logprobs: list[int | None]         # per row: top-N requested, None = no logprobs
     max_num_logprobs: int | None           # None when no row asked for logprobs
     masks: TokenMasks | None = None        # min_tokens and grammar constraints; None when unused
+    logit_bias: LogitBias | None = None    # None when no row has a bias
 
     @classmethod
     def build(cls, params: list[WireSamplingParams], prompt_ids: list[list[int]],
@@ -97,13 +107,14 @@ class SamplingBatch:
             num_logprobs=num_logprobs,
             max_num_logprobs=max(requested) if requested else None,
             masks=_build_masks(banned, grammar_rows, grammar_bitmask, device),
+            logit_bias=_build_logit_bias(params, device),
         )
 
     @property
     def argmax_only(self) -> bool:
-        """All greedy, with no penalties, masks or logprobs: the raw logits' argmax is the answer."""
+        """All greedy, with no penalties, bias, masks or logprobs: the raw logits' argmax is the answer."""
         return (self.all_greedy and self.penalties is None and self.max_num_logprobs is None
-                and self.masks is None)
+                and self.masks is None and self.logit_bias is None)
 
     @property
     def needs_masks(self) -> bool:
@@ -124,6 +135,15 @@ def _build_masks(banned: list[tuple[int, ...]] | None, grammar_rows: list[int] |
         # The engine fills the executor's pinned slot (grammar_bitmask_buffer): one async copy.
         bitmask = upload(torch.from_numpy(grammar_bitmask), device, pinned=True)
     return TokenMasks(banned_rows, banned_ids, rows, bitmask)
+
+
+def _build_logit_bias(params: list[WireSamplingParams], device: torch.device | str) -> LogitBias | None:
+    triples = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
+    if not triples:
+        return None
+    ids = upload(torch.tensor([(row, t) for row, t, _ in triples], dtype=torch.long).T.contiguous(), device)  # [2, B]
+    values = upload(torch.tensor([b for _, _, b in triples], dtype=torch.float32), device)
+    return LogitBias(ids[0], ids[1], values)
 
 
 def upload(cpu: torch.Tensor, device: torch.device | str, pinned: bool = False) -> torch.Tensor:

@@ -94,6 +94,7 @@ def from_value_error(err: ValueError, default_param: str | None = None) -> APIEr
 _PARAM_NAMES = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "max_tokens", "min_tokens", "stop", "stop_token_ids", "logprobs", "prompt_logprobs",
+    "logit_bias",
 })
 
 

@@ -105,8 +105,6 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
     limits = ctx.settings
     if req.n > limits.max_n:
         raise bad_request(f"n must be <= {limits.max_n} (the server's --max-n), got {req.n}", param="n")
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
     if max_tokens is not None and limits.max_tokens_limit is not None and max_tokens > limits.max_tokens_limit:
         raise bad_request(f"max_tokens must be <= {limits.max_tokens_limit} (the server's --max-tokens-limit), "
                           f"got {max_tokens}", param="max_tokens")
@@ -141,7 +139,7 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
             repetition_penalty=repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,
             stop=req.stop, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens)
+            prompt_logprobs=prompt_logprobs, skip_special_tokens=req.skip_special_tokens, logit_bias=req.logit_bias)
     except ValueError as err:
         raise from_value_error(err) from err
 

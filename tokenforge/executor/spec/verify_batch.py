@@ -92,10 +92,9 @@ def verify_sampling_batch(seqs: list, drafts: torch.Tensor, k: int, vocab_size: 
 
 
 def _takes_raw_argmax(seq) -> bool:
-    """Greedy, with no penalty, logprobs or banned ids (grammar masks are the step's)."""
+    """Greedy, with no penalty, logit bias, logprobs or banned ids (grammar masks are the step's)."""
     p = seq.params
-    return (p.is_greedy and p.logprobs is None and not seq.banned_token_ids and p.repetition_penalty == 1.0
-            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+    return p.is_greedy and p.logprobs is None and not seq.banned_token_ids and not p.shapes_logits
 
 
 def add_draft_history(pen: PenaltyTensors, drafts: torch.Tensor, k: int) -> PenaltyTensors:
