@@ -59,6 +59,9 @@ def test_too_long_prompt_names_both_lengths(llm):
     (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(n=0), "n must"),
     (dict(max_tokens=0), "max_tokens"), (dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
     (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={-1: 1}), "logit_bias keys"),
+    (dict(logit_bias={5: 101}), "logit_bias values"), (dict(logit_bias={5: float("nan")}), "logit_bias values"),
+    (dict(logit_bias=[5]), "logit_bias must"),
 ])
 def test_invalid_sampling_params(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
