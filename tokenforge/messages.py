@@ -39,6 +39,7 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     grammar: str | None = None          # a compiled llguidance grammar (its text is its identity)
+    grammar_after: tuple[int, ...] = ()  # the grammar starts once these ids appear in the output
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias) pairs, ids ascending
 
     @property

@@ -22,6 +22,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    # The constraint starts once these token ids have appeared, in order, in the output (a reasoning
+    # block's end marker: the server sets it from --reasoning-parser); None: from the first token.
+    after_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
@@ -31,6 +34,11 @@ class StructuredOutputsParams:
                              f"grammar; got {given or 'none'}")
         if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
             raise ValueError(f"structured_outputs.choice must be a non-empty list of strings, got {self.choice!r}")
+        if self.after_token_ids is not None and (
+                not self.after_token_ids
+                or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.after_token_ids)):
+            raise ValueError("structured_outputs.after_token_ids must be a non-empty list of token ids, "
+                             f"got {self.after_token_ids!r}")
 
     @property
     def kind(self) -> str:

@@ -11,6 +11,9 @@ the whole path runs: sampling, detokenization with the markers kept, the parser,
   through chat_template_kwargs (the template's empty block reaches the prompt).
 - start-up: a parser for a model without its format, and an unknown name, are one line each,
   before the engine loads.
+
+These servers run with --structured-outputs-in-reasoning (the forcing grammar covers the thinking);
+by default a grammar constrains only the answer, after the parser's marker: the qwen3_answer server.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def checkpoints(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def harmony(checkpoints):
-    server = ServerProcess([*SERVE, str(checkpoints["gpt_oss"]), "--reasoning-parser", "gpt_oss"])
+    server = ServerProcess([*SERVE, str(checkpoints["gpt_oss"]), "--reasoning-parser", "gpt_oss",
+                            "--structured-outputs-in-reasoning"])
     server.wait_healthy(300)
     yield server
     server.stop()
@@ -61,6 +65,16 @@ def harmony(checkpoints):
 
 @pytest.fixture(scope="module")
 def qwen3(checkpoints):
+    server = ServerProcess([*SERVE, str(checkpoints["qwen3"]), "--reasoning-parser", "qwen3",
+                            "--trust-request-chat-template", "--structured-outputs-in-reasoning"])
+    server.wait_healthy(300)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def qwen3_answer(checkpoints):
+    """The default: a grammar starts after </think>."""
     server = ServerProcess([*SERVE, str(checkpoints["qwen3"]), "--reasoning-parser", "qwen3",
                             "--trust-request-chat-template"])
     server.wait_healthy(300)
@@ -192,6 +206,50 @@ def test_qwen3_prefilled_think_and_enable_thinking_false(qwen3, checkpoints):
     tokenizer = load_tokenizer(checkpoints["qwen3"])
     block = len(tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
     assert off.usage.prompt_tokens == on.usage.prompt_tokens + block        # the template got the kwarg
+
+
+ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}},
+                 "required": ["answer"], "additionalProperties": False}
+
+
+def test_by_default_a_schema_constrains_only_the_answer(qwen3_answer, checkpoints):
+    """A template that opens <think>: the thinking runs free (a random model never closes it, so the
+    schema never starts and the reply is all reasoning); +100 on </think> closes it at once, and the
+    answer after it follows the schema, streamed or not; with the block closed in the prompt
+    (enable_thinking=false) the schema holds from the first token."""
+    end = _think_ids(checkpoints)[1]
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER_SCHEMA}}
+    client, prefill = _client(qwen3_answer), {"chat_template": QWEN3_PREFILL_TEMPLATE}
+    model = client.models.list().data[0].id
+    free = client.chat.completions.create(model=model, messages=ASK, max_tokens=12, temperature=1.0, seed=1,
+                                          response_format=fmt, extra_body=prefill).choices[0]
+    assert free.finish_reason == "length" and free.message.content is None
+    assert free.message.reasoning_content and not free.message.reasoning_content.startswith("{")
+    closed = client.chat.completions.create(model=model, messages=ASK, max_tokens=40, temperature=0,
+                                            response_format=fmt, logit_bias={str(end): 100}, extra_body=prefill)
+    message = closed.choices[0].message
+    assert closed.choices[0].finish_reason == "stop" and message.reasoning_content is None
+    assert set(json.loads(message.content)) == {"answer"} and isinstance(json.loads(message.content)["answer"], int)
+    chunks = client.chat.completions.create(model=model, messages=ASK, max_tokens=40, temperature=0, stream=True,
+                                            response_format=fmt, logit_bias={str(end): 100}, extra_body=prefill)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == message.content
+    off = client.chat.completions.create(model=model, messages=ASK, max_tokens=40, temperature=0, response_format=fmt,
+                                         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    assert off.choices[0].finish_reason == "stop" and set(json.loads(off.choices[0].message.content)) == {"answer"}
+
+
+def test_answer_markers(checkpoints):
+    """Each parser's marker: qwen3 `</think>` (none once the prompt closed the block), gpt_oss the
+    final channel's header (none once the prompt opened the final message)."""
+    qwen3 = load_tokenizer(checkpoints["qwen3"])
+    parser = get_reasoning_parser("qwen3", qwen3)
+    assert parser.answer_marker("<|im_start|>assistant\n") == qwen3.encode("</think>", add_special_tokens=False)
+    assert parser.answer_marker("<|im_start|>assistant\n<think>\n\n</think>\n\n") is None
+    harmony = load_tokenizer(checkpoints["gpt_oss"])
+    parser = get_reasoning_parser("gpt_oss", harmony)
+    marker = parser.answer_marker("<|start|>assistant")
+    assert marker == harmony.encode("<|channel|>final<|message|>", add_special_tokens=False) and len(marker) == 3
+    assert parser.answer_marker("<|start|>assistant<|channel|>final<|message|>") is None
 
 
 def _serve_fails(*argv: str) -> tuple[int, str]:

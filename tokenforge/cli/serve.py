@@ -147,6 +147,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(streamed as delta.reasoning_content), as vLLM does: qwen3 for <think> ... </think> "
                         "(Qwen3, QwQ, DeepSeek-R1 style), gpt_oss for OpenAI's harmony channels (gpt-oss; its "
                         "tool calls become tool_calls). Checked against the model's tokenizer at start-up")
+    g.add_argument("--structured-outputs-in-reasoning", action="store_true",
+                   help="with --reasoning-parser, apply a request's response_format / structured outputs / "
+                        "tool_choice grammar from the first token, thinking included; by default it starts "
+                        "after the thinking ends (as vLLM's enable_in_reasoning=False)")
     g.add_argument("--stream-interval", type=int, default=d.stream_interval, metavar="TOKENS",
                    help="streaming: send a chunk at the first token, at the finish, and otherwise every TOKENS "
                         "tokens (default %(default)s: one chunk per token); larger values cut the server's "

@@ -184,7 +184,7 @@ class EngineCore:
         if request.lora is not None:       # the adapter's fingerprint keys its slot and its KV blocks
             request = msgspec.structs.replace(request, lora_key=self.lora_key(request.lora))
         if request.params.grammar is not None:
-            self.grammars.add(request.request_id, request.params.grammar)
+            self.grammars.add(request.request_id, request.params.grammar, request.params.grammar_after)
         try:
             self.scheduler.add_request(request)
         except ValueError:

@@ -75,9 +75,13 @@ class Processor:
         for t in params.stop_token_ids:
             if t >= self.runtime.vocab_size:
                 raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {self.runtime.vocab_size})")
+        vocab = self.runtime.vocab_size
         for t in params.logit_bias or ():
-            if t >= self.runtime.vocab_size:
-                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {self.runtime.vocab_size})")
+            if t >= vocab:
+                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab})")
+        after = params.structured_outputs.after_token_ids if params.structured_outputs else None
+        if after and max(after) >= vocab:
+            raise ValueError(f"structured_outputs.after_token_ids holds {max(after)}, outside the vocabulary [0, {vocab})")
         if lora_request is not None and not self.config.lora.enable_lora:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine serves no LoRA adapters "
                              "(start it with enable_lora=True / --enable-lora)")
@@ -106,7 +110,8 @@ class Processor:
             logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
             logit_bias=tuple(sorted(params.logit_bias.items())) if params.logit_bias else (),
             # Cached per spec; the AsyncEngine compiles in a thread first (compile_grammar).
-            grammar=compile_grammar(params.structured_outputs) if params.structured_outputs else None)
+            grammar=compile_grammar(params.structured_outputs) if params.structured_outputs else None,
+            grammar_after=tuple(params.structured_outputs and params.structured_outputs.after_token_ids or ()))
 
 
 def _reseed(wire: WireSamplingParams, seed: int) -> WireSamplingParams:

@@ -17,6 +17,12 @@ scheduling the next step is launched before this one's tokens are known: when a 
 it ends with such a token (`waits_for_tokens`), the engine launches its forward with the sampling
 deferred, collects the step before, advances the matchers, fills the mask and then queues the
 sampling, while the device runs the forward.
+
+A constraint may start later (`WireSamplingParams.grammar_after`: a reasoning block's end marker,
+as vLLM constrains only the answer of a reasoning model): the request waits unconstrained
+(`_Waiting`) until the marker's ids have appeared in its output, and its matcher starts on the
+tokens after them. Its drafts are cut before the marker's last id, so no row after the marker is
+sampled without the mask.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import json
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -122,6 +129,24 @@ class _ByteVocabulary:
         return self._tokenizer.encode(text.decode() if isinstance(text, bytes) else text)
 
 
+@dataclass(slots=True)
+class _Waiting:
+    """A request whose constraint starts after `after` (token ids) appears in its output."""
+
+    grammar: str
+    after: tuple[int, ...]
+    tail: list[int] = field(default_factory=list)     # the output's last len(after) tokens
+
+    def feed(self, tokens: list[int]) -> int | None:
+        """Take in sampled tokens; the index just past the marker's end once it has appeared, else None."""
+        n = len(self.after)
+        for i, token in enumerate(tokens):
+            self.tail = [*self.tail[1 - n:], token] if n > 1 else [token]
+            if tuple(self.tail) == self.after:
+                return i + 1
+        return None
+
+
 class GrammarMatchers:
     """The engine core's per-request grammar state. The llguidance tokenizer is built on the first
     constrained request (a one-time pause: about 0.4 s for a 49k vocabulary, 1-2 s for 128k)."""
@@ -132,6 +157,7 @@ class GrammarMatchers:
         self._tokenizer_loader = tokenizer_loader
         self._templates: OrderedDict[str, object] = OrderedDict()
         self._matchers: dict[str, object] = {}
+        self._waiting: dict[str, _Waiting] = {}
         self._executor = None
         self._ll_tokenizer = None
         self._eos: frozenset[int] = frozenset()
@@ -143,10 +169,18 @@ class GrammarMatchers:
             self._executor = _llguidance().LLExecutor()
 
     def __len__(self) -> int:
-        return len(self._matchers)
+        return len(self._matchers) + len(self._waiting)
 
-    def add(self, request_id: str, grammar: str) -> None:
-        """Start a matcher for a request; ValueError when the grammar fails on this vocabulary."""
+    def add(self, request_id: str, grammar: str, after: tuple[int, ...] = ()) -> None:
+        """Start a matcher for a request (once `after` has appeared in its output, when given);
+        ValueError when the grammar fails on this vocabulary."""
+        template = self._template(grammar)
+        if after:
+            self._waiting[request_id] = _Waiting(grammar, tuple(after))
+        else:
+            self._matchers[request_id] = template.deep_copy()
+
+    def _template(self, grammar: str):
         self._ensure_tokenizer()
         template = self._templates.get(grammar)
         if template is None:
@@ -158,28 +192,35 @@ class GrammarMatchers:
                 self._templates.popitem(last=False)
         else:
             self._templates.move_to_end(grammar)
-        self._matchers[request_id] = template.deep_copy()
+        return template
 
     def remove(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
             self._matchers.pop(rid, None)
+            self._waiting.pop(rid, None)
 
     def waits_for_tokens(self, sched: SchedulerOutput) -> bool:
         """Whether a constrained row that samples this step ends with a token still on the device
-        (async scheduling): its mask needs the step in flight first."""
-        if not self._matchers:
+        (async scheduling): its mask needs the step in flight first. A waiting request counts: that
+        token may end its marker."""
+        if not self._matchers and not self._waiting:
             return False
-        return any(seq.sample and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID and seq.request_id in self._matchers
+        return any(seq.sample and seq.token_ids[-1] == PLACEHOLDER_TOKEN_ID
+                   and (seq.request_id in self._matchers or seq.request_id in self._waiting)
                    for seq in sched.sequences)
 
     def allowed_drafts(self, request_id: str, drafts: list[int]) -> int:
         """How many of a request's drafts, from the first, its grammar allows (all without one).
         A draft the device fills in later (a negative id) cannot be checked, and EOS stops the
         matcher (llguidance gives no mask after it, and the row after a draft needs one): the
-        cut is at the first of either."""
+        cut is at the first of either. A waiting request's drafts stop before its marker's last id
+        (or one the device fills in later, which could be it)."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
-            return len(drafts)
+            waiting = self._waiting.get(request_id)
+            if waiting is None:
+                return len(drafts)
+            return next((i for i, t in enumerate(drafts) if t < 0 or t == waiting.after[-1]), len(drafts))
         known = next((i for i, t in enumerate(drafts) if t < 0 or t in self._eos), len(drafts))
         return matcher.validate_tokens(drafts[:known]) if known else 0
 
@@ -224,8 +265,10 @@ class GrammarMatchers:
         for seq in sched.sequences:
             if not seq.sample:
                 continue
-            matcher = self._matchers.get(seq.request_id)
             tokens = sampled.get(seq.request_id)
+            if tokens and seq.request_id in self._waiting:
+                tokens = self._start_after_marker(seq.request_id, tokens)
+            matcher = self._matchers.get(seq.request_id)
             if matcher is None or not tokens:
                 continue
             for token in tokens:
@@ -239,7 +282,19 @@ class GrammarMatchers:
                     self._matchers.pop(seq.request_id, None)
                     break
 
+    def _start_after_marker(self, request_id: str, tokens: list[int]) -> list[int]:
+        """Feed a waiting request's tokens; once its marker has appeared, start its matcher and
+        return the tokens after the marker (those the matcher must consume)."""
+        waiting = self._waiting[request_id]
+        end = waiting.feed(tokens)
+        if end is None:
+            return []
+        del self._waiting[request_id]
+        self._matchers[request_id] = self._template(waiting.grammar).deep_copy()
+        return tokens[end:]
+
     def forget_finished(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
             if out.finished:
                 self._matchers.pop(out.request_id, None)
+                self._waiting.pop(out.request_id, None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -289,11 +289,18 @@ def _token_entry(token: str, logprob: float) -> dict:
             "bytes": list(token.encode("utf-8"))}
 
 
-def _with_reasoning(parser, params, tools: ToolSetup | None):
+def _with_reasoning(ctx: ServingContext, params, tools: ToolSetup | None, prompt: str):
     """A format whose markers are special tokens is decoded with them; one that carries its own tool
-    calls takes the place of the free-text tool parser."""
+    calls takes the place of the free-text tool parser; a grammar constrains only the answer (after
+    the parser's marker), unless --structured-outputs-in-reasoning."""
+    parser = ctx.reasoning
     if tools is not None and parser.emits_tool_calls and tools.mode == "auto":
         tools.parser = None
+    spec = params.structured_outputs
+    if spec is not None and not ctx.settings.structured_outputs_in_reasoning:
+        marker = parser.answer_marker(prompt)
+        if marker:
+            params = params.clone(structured_outputs=replace(spec, after_token_ids=marker))
     return params.clone(skip_special_tokens=False) if parser.keeps_special_tokens else params
 
 
@@ -324,7 +331,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     params = await constrain(ctx, params, checks,
                              apply_last=structured is not None or (tools is not None and tools.constrained))
     if ctx.reasoning is not None:
-        params = _with_reasoning(ctx.reasoning, params, tools)
+        params = _with_reasoning(ctx, params, tools, prompt["prompt"])
     builder = ChatBuilder(ctx, req, new_id("chatcmpl"), top_logprobs, tools, prompt["prompt"])
     stack = contextlib.ExitStack()
     try:

@@ -38,6 +38,7 @@ class ServerSettings:
     protect_all_routes: bool = False            # the API key guards every route, not only /v1/*
     tool_call_parser: str | None = None         # None: chosen from the chat template
     reasoning_parser: str | None = None         # gpt_oss | qwen3: thinking as reasoning_content; None: off
+    structured_outputs_in_reasoning: bool = False   # a grammar constrains the thinking too (else only the answer)
     # Streaming: a delta goes out at the first token, at every finish, and otherwise once this many
     # tokens are waiting (vLLM's --stream-interval). 1 = one chunk per token (the default).
     stream_interval: int = 1
@@ -91,6 +92,7 @@ class ServerSettings:
             protect_all_routes=bool(getattr(args, "protect_all_routes", False)),
             tool_call_parser=getattr(args, "tool_call_parser", None),
             reasoning_parser=getattr(args, "reasoning_parser", None),
+            structured_outputs_in_reasoning=bool(getattr(args, "structured_outputs_in_reasoning", False)),
             stream_interval=getattr(args, "stream_interval", defaults.stream_interval),
             ui=not getattr(args, "no_ui", False),
         ).validate()

@@ -58,6 +58,11 @@ class ReasoningParser:
     def stream(self, prompt: str) -> ReasoningStream:
         raise NotImplementedError
 
+    def answer_marker(self, prompt: str) -> list[int] | None:
+        """The token ids after which the output is the answer, for a grammar that must constrain
+        only the answer; None when the prompt already ended the thinking (constrain from the start)."""
+        raise NotImplementedError
+
     def parse(self, prompt: str, text: str) -> ParsedDelta:
         """A whole output at once (the same stream, fed once)."""
         stream = self.stream(prompt)

@@ -32,6 +32,7 @@ from tokenforge.server.tool_parsers import ToolCall
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
 MARKERS = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
+FINAL_HEADER = CHANNEL + "final" + MESSAGE      # the answer's message starts after it
 _HEADER_MARKERS = (CHANNEL, CONSTRAIN)
 _BODY_ENDS = (END, CALL, RETURN)
 _RECIPIENT = re.compile(r"\bto=([^\s<]+)")
@@ -156,6 +157,7 @@ class HarmonyReasoningParser(ReasoningParser):
         super().__init__(tokenizer)
         texts = (tokenizer.decode([i], skip_special_tokens=False) for i in getattr(tokenizer, "eos_token_ids", ()))
         self.ignored = tuple(t for t in dict.fromkeys(texts) if t.strip() and t not in MARKERS)
+        self._final_ids = tokenizer.encode(FINAL_HEADER, add_special_tokens=False)
 
     def stream(self, prompt: str) -> HarmonyStream:
         at = prompt.rfind(START)
@@ -163,3 +165,7 @@ class HarmonyReasoningParser(ReasoningParser):
         if tail is not None and any(end in tail for end in _BODY_ENDS):
             tail = None         # the prompt's last message is closed: the output starts between messages
         return HarmonyStream(tail, self.ignored)
+
+    def answer_marker(self, prompt: str) -> list[int] | None:
+        """The final channel's header, unless the prompt already opened the final message."""
+        return None if prompt.rstrip().endswith(FINAL_HEADER) else list(self._final_ids)

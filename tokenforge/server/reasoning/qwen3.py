@@ -76,5 +76,13 @@ class Qwen3ReasoningParser(ReasoningParser):
     markers = (THINK, END_THINK)
     format = "Qwen3's <think> ... </think> reasoning"
 
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self._end_ids = tokenizer.encode(END_THINK, add_special_tokens=False)
+
     def stream(self, prompt: str) -> Qwen3Stream:
         return Qwen3Stream(thinking=prompt.rstrip().endswith(THINK))
+
+    def answer_marker(self, prompt: str) -> list[int] | None:
+        """`</think>`, unless the prompt closed the block (enable_thinking=False)."""
+        return None if prompt.rstrip().endswith(END_THINK) else list(self._end_ids)
