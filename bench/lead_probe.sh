@@ -8,7 +8,6 @@
 #   lora-64     bench lora W2, 64 adapters through 16 slots;  lora-64-prof  the same with a profiled pass
 #   lora-w2     bench lora W2, 8 adapters through 8 slots
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
-#   small-dot   the 135M shape (dummy): W1 replay K = SG_KS (4 8 16) and batch 8, small weights' tl.dot GEMV vs cuBLAS past one row
 #   moe-w1      bench latency W1 of each of MOE_MODELS (default mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b)
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without, each with a profiled pass
 #   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
@@ -85,19 +84,6 @@ PY
     for m in ${MOE_MODELS:-mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b}; do
       STEP_TAIL=6 step moe-w1-$m 150 python3 -m tokenforge.bench latency --model $m --load-format dummy \
         --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --results-dir "$W/moe-w1-$m"; keep "$W/moe-w1-$m" moe-w1-$m
-    done ;;
-  small-dot)    # the 135M shape, dummy: W1 with the replay drafter (a = 0.8) at K = SG_KS and batch-8 decode, small
-                # weights' GEMV for 2-32 rows (tl.dot; TOKENFORGE_SMALL_GEMV_ROWS=32) against cuBLAS past one row (=1, the default)
-    for k in ${SG_KS:-4 8 16}; do for rows in 1 32; do
-      TOKENFORGE_SMALL_GEMV_ROWS=$rows STEP_TAIL=2 step sd-k$k-r$rows 90 python3 -m tokenforge.bench latency \
-        --model smollm2-135m --load-format dummy --dtype bfloat16 --max-model-len 2048 $Q --repeats 2 \
-        --speculative-method ngram --num-speculative-tokens $k --replay-acceptance 0.8 --results-dir "$W/sd-k$k-r$rows"
-      keep "$W/sd-k$k-r$rows" sd-k$k-r$rows
-    done; done
-    for rows in 1 32; do
-      TOKENFORGE_SMALL_GEMV_ROWS=$rows STEP_TAIL=2 step sd-b8-r$rows 90 python3 -m tokenforge.bench latency \
-        --model smollm2-135m --load-format dummy --dtype bfloat16 --max-model-len 2048 $Q --repeats 2 \
-        --batch-size 8 --results-dir "$W/sd-b8-r$rows"; keep "$W/sd-b8-r$rows" sd-b8-r$rows
     done ;;
   spec-w1) step spec-w1 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
              --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1/prof" --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1

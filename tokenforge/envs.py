@@ -28,7 +28,6 @@ REPLAY_ACCEPTANCE = "TOKENFORGE_REPLAY_ACCEPTANCE"  # bench serve: the served re
 REPLAY_PROMPT_LEN = "TOKENFORGE_REPLAY_PROMPT_LEN"  # bench serve: its prompts' length (where outputs begin)
 STABLE_DUMMY = "TOKENFORGE_STABLE_DUMMY"        # bench serve: dummy weights whose greedy tokens no batch shape changes
 SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chained on the device ("0": off; any device)
-SMALL_GEMV_ROWS = "TOKENFORGE_SMALL_GEMV_ROWS"  # GEMVs: most rows (<= 32) a small weight takes (default 1, as large ones)
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -84,12 +83,6 @@ def spec_burst() -> int | None:
     """Verify iterations an n-gram burst chains (None: the engine's default where bursts apply)."""
     value = _get(SPEC_BURST)
     return int(value) if value not in (None, "") else None
-
-
-def small_gemv_rows(default: int) -> int:
-    """The most rows a small weight's linear runs through the GEMV (kernels/gemv.py)."""
-    value = _get(SMALL_GEMV_ROWS)
-    return int(value) if value not in (None, "") else default
 
 
 def replay_settings() -> tuple[float, int]:

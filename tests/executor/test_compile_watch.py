@@ -59,43 +59,6 @@ def test_deferred_buckets_get_one_eager_decode_per_kernel_variant():
     assert deferred_decode_batches(pending, splits, 512, 8, 15) == []
 
 
-@pytest.fixture
-def small_gemv_on(monkeypatch):
-    """Small weights through the GEMV up to 32 rows (TOKENFORGE_SMALL_GEMV_ROWS; off by default)."""
-    from tokenforge.kernels.gemv import small_weight_rows
-
-    monkeypatch.setenv("TOKENFORGE_SMALL_GEMV_ROWS", "32")
-    small_weight_rows.cache_clear()
-    yield
-    monkeypatch.delenv("TOKENFORGE_SMALL_GEMV_ROWS")
-    small_weight_rows.cache_clear()
-
-
-def test_small_weights_add_the_gemv_variants_to_the_deferred_decodes(small_gemv_on):
-    """A model with small weights runs decode batches up to 32 rows through the GEMV, whose config
-    (16- or 32-row blocks) and Triton's specialisation of M follow the batch: deferred buckets 2..32
-    then need an eager batch per variant even where the attention's split count is the same."""
-    from tokenforge.kernels.gemv import small_gemv_variant
-
-    pending = [2, 4, 8, 16, 24, 32, 48]
-    assert [len(q) for q, _ in deferred_decode_batches(pending, lambda b: 64, 512, 4096, 15)] == [2]
-    batches = deferred_decode_batches(pending, lambda b: (64, small_gemv_variant(b)), 512, 4096, 15)
-    assert [len(q) for q, _ in batches] == [2, 16, 24, 32, 48]
-    assert {small_gemv_variant(len(q)) for q, _ in batches} == {small_gemv_variant(b) for b in pending}
-
-
-def test_short_prompts_warm_every_small_gemv_variant_once(small_gemv_on):
-    from tokenforge.executor.warmup import small_gemv_prefills
-    from tokenforge.kernels.gemv import small_gemv_variant
-
-    base = warm_up_batches(16, 8192, 4096, 256, 4096)                 # has the 17-token prefill
-    extra = small_gemv_prefills(8192, 4096, base)
-    variants = {small_gemv_variant(m) for m in range(2, 33)}
-    assert [q for q, _ in extra] == [[2], [16], [32]] and all(c == [0] for _, c in extra)
-    assert {small_gemv_variant(q[0]) for q, _ in extra} | {small_gemv_variant(17)} == variants
-    assert small_gemv_prefills(8192, 4, []) == [([2], [0])]                  # the length cap
-
-
 def test_warm_up_runs_on_a_real_runner_and_the_engine_still_answers():
     llm = LLM(model="tiny-llama", load_format="dummy", dtype="float32", num_kv_blocks=64, max_model_len=512,
               max_num_batched_tokens=256)

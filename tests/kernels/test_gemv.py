@@ -1,38 +1,22 @@
-"""Triton GEMVs (plain, add+RMSNorm prologue, SiLU-and-mul prologue) against their torch references.
-
-One row takes the CUDA-core path; small weights (SMALL_WEIGHT) at 2-32 rows the tensor-core one (tl.dot
-over rows padded to 16 or 32); larger weights past one row the 3-D CUDA-core path. Triton's
-interpreter does not emulate bf16 dots, so those cases skip there."""
+"""Triton GEMVs (plain, add+RMSNorm prologue, SiLU-and-mul prologue) against their torch references."""
 
 import pytest
 import torch
 
-from tests.kernels.conftest import INTERPRET
 from tokenforge.kernels.gemv import (
-    DOT_MAX_ROWS,
-    SMALL_WEIGHT,
     GemvConfig,
     add_rms_norm_gemv,
     add_rms_norm_gemv_ref,
     gemv,
     gemv_config,
     gemv_ref,
-    gemv_rows,
-    small_weight_rows,
     silu_mul_gemv,
     silu_mul_gemv_ref,
 )
 
-# (M, N, K): 1 row; small weights at 2-32 rows (the dot path: 16- and 32-row blocks); a large weight
-# at 5 rows (the 3-D path's two row blocks) and small ones past 32 rows; N and K off the block multiples
-SHAPES = [(1, 256, 512), (2, 300, 1000), (3, 37, 4096), (4, 1030, 96), (5, 129, 576), (17, 70, 272),
-          (5, 530, 4000), (33, 33, 160)]
+# (M, N, K): batch 1-5 (5 takes two row blocks), N and K off the block multiples, Llama-like widths
+SHAPES = [(1, 256, 512), (2, 300, 1000), (3, 37, 4096), (4, 1030, 96), (5, 129, 576)]
 DTYPES = [torch.bfloat16, torch.float32]
-
-
-def _skip_emulated_bf16_dot(m: int, n: int, k: int, dtype) -> None:
-    if INTERPRET and dtype != torch.float32 and gemv_config(m, n, k).block_m >= 16:
-        pytest.skip("bf16 tl.dot is not emulated by Triton's interpreter")
 
 
 def _weights(n: int, k: int, dtype, device, bias: bool):
@@ -45,7 +29,6 @@ def _weights(n: int, k: int, dtype, device, bias: bool):
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_gemv(device, rel_err, tol, dtype, m, n, k, bias):
-    _skip_emulated_bf16_dot(m, n, k, dtype)
     x = torch.randn(m, k, device=device).to(dtype)
     w, b = _weights(n, k, dtype, device, bias)
     assert rel_err(gemv(x, w, b), gemv_ref(x, w, b)) <= tol(dtype)
@@ -55,7 +38,6 @@ def test_gemv(device, rel_err, tol, dtype, m, n, k, bias):
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_add_rms_norm_gemv(device, rel_err, tol, dtype, m, n, k, with_residual):
-    _skip_emulated_bf16_dot(m, n, k, dtype)
     x = torch.randn(m, k, device=device).to(dtype)
     residual = torch.randn(m, k, device=device).to(dtype) if with_residual else None
     norm_w = (1 + 0.2 * torch.randn(k, device=device)).to(dtype)
@@ -78,7 +60,6 @@ def test_add_rms_norm_gemv(device, rel_err, tol, dtype, m, n, k, with_residual):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_silu_mul_gemv(device, rel_err, tol, dtype, m, n, k):
-    _skip_emulated_bf16_dot(m, n, k, dtype)
     gate_up = torch.randn(m, 2 * k, device=device).to(dtype)
     w, b = _weights(n, k, dtype, device, bias=m == 3)
     assert rel_err(silu_mul_gemv(gate_up, w, b), silu_mul_gemv_ref(gate_up, w, b)) <= tol(dtype)
@@ -104,21 +85,3 @@ def test_config_table_covers_llama_shapes():
             cfg = gemv_config(m, n, k)
             assert cfg.block_m <= 4 and cfg.block_n * cfg.block_k * cfg.block_m <= 8192
             assert -(-n // cfg.block_n) >= 4 * 132 or n <= 1024
-
-
-def test_small_weights_take_the_dot_path_up_to_32_rows(monkeypatch):
-    assert 530 * 4000 > SMALL_WEIGHT >= 3072 * 576                  # the bundled model's largest linear fits
-    for m in (2, 5, 16, 17, 32):
-        assert gemv_config(m, 3072, 576).block_m == (16 if m <= 16 else 32)
-        assert gemv_config(m, 530, 4000).block_m <= 4                # a large weight: row blocks (cuBLAS in models)
-    assert gemv_config(33, 3072, 576).block_m <= 4
-    small_weight_rows.cache_clear()
-    assert gemv_rows(torch.empty(3072, 576)) == 1                     # off by default: not yet measured
-    monkeypatch.setenv("TOKENFORGE_SMALL_GEMV_ROWS", "32")
-    small_weight_rows.cache_clear()
-    try:
-        assert gemv_rows(torch.empty(3072, 576)) == DOT_MAX_ROWS and gemv_rows(torch.empty(530, 4000)) == 1
-        assert gemv_rows(torch.empty(4096, 512)) == 1                # the 8B's o_proj shard under TP = 8
-    finally:
-        monkeypatch.delenv("TOKENFORGE_SMALL_GEMV_ROWS")
-        small_weight_rows.cache_clear()

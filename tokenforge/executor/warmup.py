@@ -10,9 +10,8 @@ limits; `warm_up` runs them over the real KV cache's first blocks (free at start
 they hold is overwritten when a sequence is given them) and the LM head over their last rows.
 The CUDA graphs captured just before cover their decode buckets; the buckets deferred to idle
 time (graph_stages.py) run eagerly until then, so one eager decode batch per kernel variant the
-attention backend names for them (`decode_variant`: the split-KV decode's split count) and, for a
-model with small weights, per small-weight GEMV variant (kernels/gemv.py `small_gemv_variant`)
-runs too: a batch of 12 before bucket 16 is captured then compiles nothing.
+attention backend names for them (`decode_variant`: the split-KV decode's split count) runs too:
+a batch of 12 before bucket 16 is captured then compiles nothing.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import time
 
 import torch
 
-from tokenforge.kernels.gemv import SMALL_WEIGHT, small_gemv_variant, small_weight_rows
 from tokenforge.kernels.lora import warm_up_lora_kernels
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
@@ -66,19 +64,6 @@ def deferred_decode_batches(pending: list[int], variant, max_seqs: int, num_bloc
     return out
 
 
-def small_gemv_prefills(max_tokens: int, max_len: int, batches: list) -> list[tuple[list[int], list[int]]]:
-    """One prefill ([m], [0]) per small-weight GEMV variant of 2.. rows that no batch in `batches`
-    of a single prompt has yet, the smallest m of each, within the limits."""
-    seen = {small_gemv_variant(q[0]) for q, c in batches if len(q) == 1 and c == [0]}
-    out, m = [], 2
-    while (key := small_gemv_variant(m)) is not None and m <= min(max_tokens, max_len - 1):
-        if key not in seen:
-            seen.add(key)
-            out.append(([m], [0]))
-        m += 1
-    return out
-
-
 @torch.inference_mode()
 def warm_up(runner, num_blocks: int) -> float:
     """Run the warm-up batches; returns the seconds it took."""
@@ -88,17 +73,10 @@ def warm_up(runner, num_blocks: int) -> float:
                               sched.max_num_seqs, num_blocks)
     stages = getattr(getattr(runner, "graphs", None), "stages", None)
     variant = getattr(runner.backend, "decode_variant", None)
-    # small weights run their GEMVs up to 32 rows where turned on, a config per row class (kernels/gemv.py):
-    # a short prompt meets them as much as a decode batch does
-    small = (runner.device.type == "cuda" and small_weight_rows() > 1
-             and any(p.dim() == 2 and p.numel() < SMALL_WEIGHT for p in runner.model.parameters()))
-    if small:
-        batches += small_gemv_prefills(sched.max_num_batched_tokens, sched.max_model_len, batches)
     if stages is not None and stages.pending and variant is not None:
         num_kv_heads = runner.kv_caches[0].shape[3]
-        batches += deferred_decode_batches(
-            stages.pending, lambda b: (variant(b, num_kv_heads, runner.device), small and small_gemv_variant(b)),
-            sched.max_num_seqs, num_blocks, runner.block_size - 1)
+        batches += deferred_decode_batches(stages.pending, lambda b: variant(b, num_kv_heads, runner.device),
+                                           sched.max_num_seqs, num_blocks, runner.block_size - 1)
     for query_lens, context_lens in batches:
         tables, next_block = [], 0
         for q, c in zip(query_lens, context_lens):

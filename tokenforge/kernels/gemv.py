@@ -22,25 +22,15 @@ Measurements and the configs tried: bench/NOTES.md, "Small-M GEMVs".
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
-
-from tokenforge import envs
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .activation import silu_and_mul_ref
 from .rms_norm import fused_add_rms_norm_ref, rms_norm_ref
 
 PLAIN, NORM, SILU_MUL = 0, 1, 2
-# Small weights (under SMALL_WEIGHT elements: the bundled 135M model's linears; not an 8B shard
-# under TP = 8) can take 2..DOT_MAX_ROWS rows too (`small_weight_rows`, off by default), as one
-# tl.dot per tile over the rows padded to 16 or 32 (each weight read once): a verify step there is
-# ~300 latency-bound launches, and the GEMV's fused norm / SwiGLU prologues and PDL save launches
-# and gaps that cuBLAS cannot. Larger weights keep cuBLAS past one row (this path lost to cuBLAS's
-# split-K on the 8B shape at 5 rows, BENCHMARKS.md round 12).
-SMALL_WEIGHT, DOT_MAX_ROWS = 1 << 21, 32
 
 
 class GemvConfig(NamedTuple):
@@ -118,10 +108,8 @@ def _row_rstd(x_ptr, r_ptr, s_ptr, ms, m_mask, K, stride_xm, stride_rm, stride_s
 
 
 @triton.jit
-def _fma(acc, w, xk, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
-    if DOT:             # acc [BLOCK_N, BLOCK_M]: tensor cores, x's rows padded to BLOCK_M >= 16
-        acc = tl.dot(w, tl.trans(xk.to(w.dtype)), acc, input_precision="ieee")   # fp32: no TF32
-    elif BLOCK_M == 1:  # acc [BLOCK_N, BLOCK_K]: no 3-D broadcast at batch 1
+def _fma(acc, w, xk, BLOCK_M: tl.constexpr):
+    if BLOCK_M == 1:    # acc [BLOCK_N, BLOCK_K]: no 3-D broadcast at batch 1
         acc += w.to(tl.float32) * xk
     else:               # acc [BLOCK_M, BLOCK_N, BLOCK_K]
         acc += w.to(tl.float32)[None, :, :] * xk[:, None, :]
@@ -134,7 +122,7 @@ def _gemv_kernel(
     M, N, K, stride_xm, stride_rm, stride_sm, stride_wn, stride_ym, eps,
     PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM_BLOCK: tl.constexpr,
-    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr, DOT: tl.constexpr,
+    EVEN_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,9 +143,7 @@ def _gemv_kernel(
     if PROLOGUE == 1:
         rstd = _row_rstd(x_ptr, r_ptr, s_ptr, ms, m_mask, K, stride_xm, stride_rm, stride_sm, eps,
                          pid_n == 0, HAS_RESIDUAL, BLOCK_M, NORM_BLOCK)
-    if DOT:
-        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    elif BLOCK_M == 1:
+    if BLOCK_M == 1:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -169,15 +155,13 @@ def _gemv_kernel(
             w_next = tl.load(w_ptrs + k0, mask=(k0 + ks < K)[None, :], other=0.0, eviction_policy="evict_first")
         xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, k0 - BLOCK_K + ks, K, stride_xm, stride_rm, rstd,
                       PROLOGUE, HAS_RESIDUAL)
-        acc = _fma(acc, w, xk, BLOCK_M, DOT)
+        acc = _fma(acc, w, xk, BLOCK_M)
         w = w_next
     last = (K - 1) // BLOCK_K * BLOCK_K
     xk = _x_chunk(x_ptr, r_ptr, nw_ptr, ms, m_mask, last + ks, K, stride_xm, stride_rm, rstd,
                   PROLOGUE, HAS_RESIDUAL)
-    acc = _fma(acc, w, xk, BLOCK_M, DOT)
-    if DOT:
-        y = tl.trans(acc)                                           # [BLOCK_M, BLOCK_N]
-    elif BLOCK_M == 1:
+    acc = _fma(acc, w, xk, BLOCK_M)
+    if BLOCK_M == 1:
         y = tl.sum(acc, axis=1)[None, :]                            # [1, BLOCK_N]
     else:
         y = tl.sum(acc, axis=2)                                     # [BLOCK_M, BLOCK_N]
@@ -194,44 +178,15 @@ def gemv_config(m: int, n: int, k: int) -> GemvConfig:
 
     M = 1 entries are the fastest of a 10-config sweep on an H200 (bench/NOTES.md): [4, 512]
     tiles for N = 4096 (o_proj, down_proj: 1024 programs), [8, 1024] for qkv (768 programs, one
-    wave), [2, 1024] for the wide gate_up and lm_head. Small weights at 2-32 rows take the
-    tensor-core tiles ([16 | 32 rows, 16, 256 | 128]; no spills for sm_90 with any prologue). For
-    M > 1 otherwise the K tile shrinks so the fp32 accumulator stays at ~32 registers per thread
-    (correct, but slower than cuBLAS there).
+    wave), [2, 1024] for the wide gate_up and lm_head. For M > 1 the K tile shrinks so the fp32
+    accumulator stays at ~32 registers per thread (correct, but slower than cuBLAS there).
     """
-    if 1 < m <= DOT_MAX_ROWS and n * k < SMALL_WEIGHT:     # one tl.dot per tile, rows padded to 16 / 32
-        if m <= 16:
-            return GemvConfig(16, 16, min(256, max(16, next_power_of_2(k))))
-        return GemvConfig(32, 16, min(128, max(16, next_power_of_2(k))), 8)   # 4 warps spilled (norm prologue)
     if m == 1:
         if n <= 4096:
             return GemvConfig(1, 4, 512)
         return GemvConfig(1, 8, 1024) if n <= 8192 else GemvConfig(1, 2, 1024)
     block_m = min(4, next_power_of_2(m))
     return GemvConfig(block_m, 4 if n <= 8192 else 8, max(128, min(1024 // block_m, next_power_of_2(k))))
-
-
-@functools.cache
-def small_weight_rows() -> int:
-    """The most rows small weights take through the GEMV: 1 (as large ones) unless
-    TOKENFORGE_SMALL_GEMV_ROWS says more (at most DOT_MAX_ROWS). Off by default: built and tested,
-    not yet measured on a GPU (`bash bench/lead_probe.sh` step small-dot measures it against cuBLAS)."""
-    return max(1, min(DOT_MAX_ROWS, envs.small_gemv_rows(1)))
-
-
-def small_gemv_variant(m: int) -> tuple | None:
-    """What compiles a separate small-weight GEMV for m >= 2 rows: its config and Triton's
-    specialisation of the integer M (divisible by 16). None for one row and where small weights
-    take no GEMV (m past `small_weight_rows`). The warm-up runs one batch per value
-    (executor/warmup.py)."""
-    if m == 1 or m > small_weight_rows():       # one row: every model's own GEMV, warmed anyway
-        return None
-    return gemv_config(m, 1, 1024), m % 16 == 0
-
-
-def gemv_rows(weight: torch.Tensor) -> int:
-    """The most rows x may have for x @ weight^T to run as a GEMV."""
-    return small_weight_rows() if weight.numel() < SMALL_WEIGHT else 1
 
 
 def fuses_prologue(n: int, k: int) -> bool:
@@ -269,7 +224,7 @@ def _launch(prologue: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         NORM_BLOCK=min(next_power_of_2(k), max(cfg.block_k, 8192 // cfg.block_m)),
-        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl, DOT=cfg.block_m >= 16,
+        EVEN_K=k % cfg.block_k == 0, USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, launch_pdl=pdl,
     )
     return y, new_residual

@@ -23,8 +23,7 @@ from tokenforge.model.forward_context import is_training
 logger = logging.getLogger(__name__)
 
 GEMV_MAX_TOKENS = 1       # measured on an H200: faster than cuBLAS at M = 1, slower at M = 2-4; a tensor-core
-                          # (tl.dot) variant for 2-16 rows lost too (a verify's 5 rows, H100: BENCHMARKS.md round 12);
-                          # small weights take up to `gemv.gemv_rows` rows there (kernels/gemv.py SMALL_WEIGHT)
+                          # (tl.dot) variant for 2-16 rows lost too (a verify's 5 rows, H100: BENCHMARKS.md round 12)
 _GEMV_DTYPES = (torch.bfloat16, torch.float16)
 
 _enabled = True
@@ -62,7 +61,6 @@ def _load_triton_ops() -> SimpleNamespace | None:
         add_rms_norm_gemv=gemv.add_rms_norm_gemv,
         silu_mul_gemv=gemv.silu_mul_gemv,
         fuses_prologue=gemv.fuses_prologue,
-        gemv_rows=gemv.gemv_rows,
         gemv_lora=gemv_lora.gemv_lora,
         add_rms_norm_gemv_lora=gemv_lora.add_rms_norm_gemv_lora,
         silu_mul_gemv_lora=gemv_lora.silu_mul_gemv_lora,
@@ -82,9 +80,8 @@ def triton_ops(device: torch.device) -> SimpleNamespace | None:
 
 def gemv_ops(x: torch.Tensor, weight: torch.Tensor) -> SimpleNamespace | None:
     """The Triton namespace when x [T, in] @ weight^T should run as a GEMV, else None (cuBLAS/CPU)."""
-    if (not _gemv_enabled or x.dim() != 2 or weight.dtype not in _GEMV_DTYPES
+    if (not _gemv_enabled or x.dim() != 2 or x.shape[0] > GEMV_MAX_TOKENS or weight.dtype not in _GEMV_DTYPES
             or x.dtype != weight.dtype or weight.stride(-1) != 1
             or (torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad))):   # no backward
         return None
-    ops = triton_ops(x.device)
-    return ops if ops is not None and x.shape[0] <= max(GEMV_MAX_TOKENS, ops.gemv_rows(weight)) else None
+    return triton_ops(x.device)
