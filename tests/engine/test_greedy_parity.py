@@ -79,17 +79,17 @@ def test_logit_bias_matches_hf_sequence_bias(default_llm, hf_reference, hf_greed
     import torch
 
     tok, model = hf_reference
-    chosen = (0, 1, 4, 5, 9)
+    chosen, max_new = (0, 4, 5), 12
     params, want = [], []
     for i in chosen:
         ids, ref = hf_greedy[i]
         bias = {ref[0]: -100.0, ref[2]: 3.0, (ref[1] + 7) % len(tok): -2.0}
         with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+            out = model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
                                  attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=tok.eos_token_id,
                                  sequence_bias={(t,): b for t, b in bias.items()})
         want.append(out[0, len(ids):].tolist())
-        params.append(SamplingParams(temperature=0.0, max_tokens=MAX_NEW, logit_bias=bias))
+        params.append(SamplingParams(temperature=0.0, max_tokens=max_new, logit_bias=bias))
     outs = default_llm.generate([{"prompt_token_ids": hf_greedy[i][0]} for i in chosen], params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
     assert got == want

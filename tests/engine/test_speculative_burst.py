@@ -84,8 +84,8 @@ def test_a_lone_greedy_request_runs_in_bursts_and_emits_the_greedy_tokens(burst_
 
 @pytest.mark.parametrize("max_tokens", [1, 6, 13])
 def test_a_burst_stops_where_the_plain_engine_stops(burst_llm, plain_llm, max_tokens):
-    """max_tokens inside a burst, EOS (not ignored), a stop id and a stop string: the emitted tokens
-    past the stop are dropped, and their blocks come back."""
+    """max_tokens inside a burst, EOS (not ignored): the emitted tokens past the stop are dropped,
+    and their blocks come back."""
     prompt = PROMPTS[0]
     base = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens))[0]
     drafts = burst_llm.engine.scheduler.drafts
@@ -96,6 +96,11 @@ def test_a_burst_stops_where_the_plain_engine_stops(burst_llm, plain_llm, max_to
     stats = drafts.stats()
     assert (stats["num_drafts"] >= 1) == (max_tokens > 1)
     assert stats["num_accepted_tokens"] + stats["num_drafts"] <= len(base)
+    _assert_no_leak(burst_llm)
+
+
+def test_a_burst_stops_at_a_stop_id_and_a_stop_string(burst_llm, plain_llm):
+    prompt = PROMPTS[0]
     full = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     stop_id = full[9]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
