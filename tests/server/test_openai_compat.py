@@ -203,6 +203,18 @@ def test_echo_logprobs_match_offline_prompt_logprobs(client, live):
     entries = raw["choices"][0]["prompt_logprobs"]
     assert entries[0] is None and len(entries) == len(ids)
     assert math.isclose(entries[1][str(ids[1])]["logprob"], offline.prompt_logprobs[1][ids[1]].logprob, abs_tol=1e-4)
+    # chat: vLLM's top-level prompt_logprobs, over the prompt as the template rendered it
+    messages = [{"role": "user", "content": prompt}]
+    chat_ids = httpx.post(live.url + "/tokenize", json={"messages": messages}).json()["tokens"]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 1, "prompt_logprobs": 0}
+    chat = httpx.post(live.url + "/v1/chat/completions", json=body, headers=live.headers).json()
+    want = llm.generate([{"prompt_token_ids": chat_ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                        use_tqdm=False)[0].prompt_logprobs
+    got = chat["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(chat_ids) == chat["usage"]["prompt_tokens"]
+    for entry, position, token_id in zip(got[1:], want[1:], chat_ids[1:], strict=True):
+        assert list(entry) == [str(token_id)]
+        assert math.isclose(entry[str(token_id)]["logprob"], position[token_id].logprob, abs_tol=1e-4)
 
 
 def _token_ids(live, text: str) -> list[int]:

@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 
+import httpx
 import openai
 import pytest
 
@@ -127,6 +128,23 @@ def test_harmony_analysis_is_reasoning_and_final_is_content(harmony, checkpoints
     assert raw.startswith("<|channel|>analysis<|message|>") and raw.endswith("<|return|>")
     split = get_reasoning_parser("gpt_oss", tokenizer).parse(prompt, raw)
     assert (split.reasoning, split.content) == (message.reasoning_content, message.content)
+
+
+def test_reasoning_effort_reaches_the_template(harmony, checkpoints):
+    """OpenAI's `reasoning_effort` is the template's `reasoning_effort` (gpt-oss's system message);
+    chat_template_kwargs that set it win. The prompt as served, read back from its prompt_logprobs."""
+    def system_line(**body) -> str:
+        reply = httpx.post(harmony.url + "/v1/chat/completions", json={
+            "messages": ASK, "max_tokens": 1, "prompt_logprobs": 0, **body}).json()
+        ids = [int(next(iter(entry))) for entry in reply["prompt_logprobs"][1:]]
+        text = httpx.post(harmony.url + "/detokenize", json={"tokens": ids}).json()["prompt"]
+        return re.search(r"Reasoning: (\w+)", text).group(1)
+
+    assert system_line() == "medium"
+    assert system_line(reasoning_effort="high") == "high"
+    assert system_line(reasoning_effort="low", chat_template_kwargs={"reasoning_effort": "high"}) == "high"
+    bad = httpx.post(harmony.url + "/v1/chat/completions", json={"messages": ASK, "reasoning_effort": "max"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning_effort"
 
 
 def test_harmony_tool_call_round_trip(harmony, checkpoints):

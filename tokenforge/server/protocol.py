@@ -99,6 +99,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = Field(None, description="Refused unless the server trusts request templates.")
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    # OpenAI's; the chat template reads it as `reasoning_effort` (gpt-oss's system message), as in vLLM
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class TokenizeRequest(BaseModel):

@@ -31,6 +31,7 @@ from tokenforge.server.serving_common import (
     cancel_on_disconnect,
     constrain,
     deadline_of,
+    finite_logprob,
     merge_streams,
     new_id,
     now_s,
@@ -38,6 +39,7 @@ from tokenforge.server.serving_common import (
     submit,
     token_text,
     usage,
+    vllm_prompt_logprobs,
 )
 from tokenforge.server.streaming import EngineEventStream, sse
 from tokenforge.server.structured import structured_request
@@ -135,6 +137,7 @@ class ChatBuilder:
                         for i in range(req.n)}
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.prompt_logprobs = None         # vLLM's top-level prompt_logprobs, when asked for
 
     def _base(self) -> dict:
         return {"id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
@@ -145,6 +148,8 @@ class ChatBuilder:
         tracker.observe(output)
         self.prompt_tokens = len(output.prompt_token_ids)
         self.cached_tokens = output.num_cached_tokens
+        if self.req.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = vllm_prompt_logprobs(output.prompt_logprobs)
         deltas = []
         for completion in output.outputs:
             choice = self.choices[completion.index]
@@ -215,7 +220,10 @@ class ChatBuilder:
             message, finish_reason = self._message(c)
             choices.append({"index": i, "message": message, "finish_reason": finish_reason,
                             "logprobs": None if c.logprobs is None else {"content": c.logprobs}})
-        return {**self._base(), "object": "chat.completion", "choices": choices, "usage": self._usage()}
+        body = {**self._base(), "object": "chat.completion", "choices": choices, "usage": self._usage()}
+        if self.req.prompt_logprobs is not None:
+            body["prompt_logprobs"] = self.prompt_logprobs
+        return body
 
     def _streamable(self, choice: _Choice) -> str:
         """Content that can go out now: all of it without tools; with tools, none once a call may
@@ -285,7 +293,7 @@ class ChatBuilder:
 
 
 def _token_entry(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob if logprob > -1e38 else -9999.0,
+    return {"token": token, "logprob": finite_logprob(logprob),
             "bytes": list(token.encode("utf-8"))}
 
 
@@ -307,6 +315,8 @@ def _with_reasoning(ctx: ServingContext, params, tools: ToolSetup | None, prompt
 def _check_request(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if req.prompt_logprobs is not None and req.stream:      # as vLLM: no streamed chunk carries them
+        raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
@@ -318,8 +328,11 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     if structured is not None and tools is not None and tools.constrained:
         raise bad_request(f"{structured.param} cannot be combined with tool_choice {req.tool_choice!r}",
                           param=structured.param)
+    template_kwargs = req.chat_template_kwargs
+    if req.reasoning_effort is not None:        # chat_template_kwargs, when they set it too, win
+        template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
     prompt = render_prompt(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
-                           template=req.chat_template, template_kwargs=req.chat_template_kwargs,
+                           template=req.chat_template, template_kwargs=template_kwargs,
                            tools=tools.in_prompt if tools is not None else None)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None

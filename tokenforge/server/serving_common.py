@@ -265,3 +265,19 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 
 def token_text(tokenizer, token_id: int, decoded: str | None) -> str:
     return decoded if decoded is not None else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+# ---- logprobs in the response ----------------------------------------------------------------------
+
+def finite_logprob(value: float) -> float:
+    """JSON has no -inf; a token the model found impossible gets the lowest float instead."""
+    return value if value > -1e38 else -9999.0
+
+
+def vllm_prompt_logprobs(positions) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if p is None else {str(t): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token} for t, lp in p.items()}
+            for p in positions]

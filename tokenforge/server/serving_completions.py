@@ -27,6 +27,7 @@ from tokenforge.server.serving_common import (
     cancel_on_disconnect,
     constrain,
     deadline_of,
+    finite_logprob,
     merge_streams,
     new_id,
     now_s,
@@ -34,6 +35,7 @@ from tokenforge.server.serving_common import (
     submit,
     token_text,
     usage,
+    vllm_prompt_logprobs,
 )
 from tokenforge.server.streaming import EngineEventStream, sse
 from tokenforge.server.structured import structured_request
@@ -102,7 +104,7 @@ class CompletionBuilder:
                 if logprobs is not None:
                     logprobs = _extend_logprobs(self._prompt_logprobs_body(output, prompt_text), logprobs)
             if self.req.prompt_logprobs is not None and choice.prompt_logprobs is None:
-                choice.prompt_logprobs = _vllm_prompt_logprobs(output.prompt_logprobs)
+                choice.prompt_logprobs = vllm_prompt_logprobs(output.prompt_logprobs)
             choice.text += text
             choice.offset += len(text)
             choice.num_tokens += len(completion.token_ids)
@@ -133,10 +135,10 @@ class CompletionBuilder:
                 body["top_logprobs"].append(None)
                 continue
             chosen = position.get(token_id) or Logprob(float("-inf"))
-            top = {token_text(tokenizer, t, lp.decoded_token): _finite(lp.logprob)
+            top = {token_text(tokenizer, t, lp.decoded_token): finite_logprob(lp.logprob)
                    for t, lp in _ranked(position)[:self.req.logprobs]}
-            top.setdefault(token, _finite(chosen.logprob))
-            body["token_logprobs"].append(_finite(chosen.logprob))
+            top.setdefault(token, finite_logprob(chosen.logprob))
+            body["token_logprobs"].append(finite_logprob(chosen.logprob))
             body["top_logprobs"].append(top)
         return body
 
@@ -156,8 +158,8 @@ class CompletionBuilder:
                    for t, lp in _ranked(position)[:top_n]}
             top.setdefault(token, chosen.logprob)
             body["tokens"].append(token)
-            body["token_logprobs"].append(_finite(chosen.logprob))
-            body["top_logprobs"].append({k: _finite(v) for k, v in top.items()})
+            body["token_logprobs"].append(finite_logprob(chosen.logprob))
+            body["top_logprobs"].append({k: finite_logprob(v) for k, v in top.items()})
             body["text_offset"].append(offset)
             offset += len(token)
         return body
@@ -200,20 +202,6 @@ class CompletionBuilder:
 
 def _ranked(position: dict[int, Logprob]) -> list[tuple[int, Logprob]]:
     return sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
-
-
-def _finite(value: float) -> float | None:
-    """JSON has no -inf; a token the model found impossible gets the lowest float instead."""
-    return value if value > -1e38 else -9999.0
-
-
-def _vllm_prompt_logprobs(positions) -> list | None:
-    """vLLM's prompt_logprobs: per prompt token None or {token_id: {logprob, rank, decoded_token}}."""
-    if positions is None:
-        return None
-    return [None if p is None else {str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token} for t, lp in p.items()}
-            for p in positions]
 
 
 def _extend_logprobs(total: dict | None, new: dict) -> dict:
