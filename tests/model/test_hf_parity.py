@@ -26,6 +26,11 @@ def _llama_tied():
     return LlamaForCausalLM(LlamaConfig(**{**_COMMON, "num_key_value_heads": 1}, tie_word_embeddings=True))
 
 
+def _llama_biases():
+    """Llama's attention_bias (q, k, v and o_proj) and mlp_bias (gate, up, down)."""
+    return LlamaForCausalLM(LlamaConfig(**_COMMON, tie_word_embeddings=False, attention_bias=True, mlp_bias=True))
+
+
 def _mistral():
     return MistralForCausalLM(MistralConfig(**_COMMON, sliding_window=None, rope_theta=1e6))
 
@@ -34,15 +39,14 @@ def _qwen2():
     return Qwen2ForCausalLM(Qwen2Config(**_COMMON, tie_word_embeddings=False))
 
 
-@pytest.fixture(scope="module", params=[_llama, _llama_tied, _mistral, _qwen2],
-                ids=["llama3", "llama-tied", "mistral", "qwen2"])
+@pytest.fixture(scope="module", params=[_llama, _llama_tied, _llama_biases, _mistral, _qwen2],
+                ids=["llama3", "llama-tied", "llama-biases", "mistral", "qwen2"])
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = request.param().eval()
-    if isinstance(hf, Qwen2ForCausalLM):     # HF inits biases at zero: make them matter
-        for layer in hf.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
+    for name, param in hf.named_parameters():   # HF inits biases at zero: make them matter
+        if name.endswith(".bias"):
+            torch.nn.init.normal_(param, std=0.5)
     path = tmp_path_factory.mktemp("ckpt")
     hf.save_pretrained(path)
     return hf, path
@@ -56,8 +60,15 @@ def _hf_logits(hf, tokens: list[int]) -> torch.Tensor:
 def test_attention_bias_follows_architecture(checkpoint):
     hf, path = checkpoint
     loaded = load_model(str(path), "auto", torch.float32, "cpu")
-    assert loaded.arch_config.attention_bias == isinstance(hf, Qwen2ForCausalLM)
-    assert loaded.model.model.layers[0].self_attn.qkv_proj.bias is not None or not loaded.arch_config.attention_bias
+    cfg = hf.config
+    assert loaded.arch_config.attention_bias == (isinstance(hf, Qwen2ForCausalLM) or getattr(cfg, "attention_bias", False))
+    layer = loaded.model.model.layers[0]
+    assert (layer.self_attn.qkv_proj.bias is not None) == loaded.arch_config.attention_bias
+    # Llama's attention_bias covers o_proj, Qwen2's (implied) does not; mlp_bias the MLP's three
+    assert (layer.self_attn.o_proj.bias is not None) == (not isinstance(hf, Qwen2ForCausalLM)
+                                                         and getattr(cfg, "attention_bias", False))
+    assert (layer.mlp.down_proj.bias is not None) == (layer.mlp.gate_up_proj.bias is not None) \
+        == bool(getattr(cfg, "mlp_bias", False))
 
 
 def test_paged_logits_match_hf(checkpoint, paged_driver):

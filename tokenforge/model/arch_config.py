@@ -104,7 +104,9 @@ class ArchConfig:
     rope_scaling: RopeScaling | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False            # q, k, v biases
+    o_proj_bias: bool = False               # Llama / Qwen3's attention_bias covers o_proj too (Qwen2's not)
+    mlp_bias: bool = False                  # Llama's mlp_bias: gate, up and down biases
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -136,6 +138,8 @@ class ArchConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
+            o_proj_bias=bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,

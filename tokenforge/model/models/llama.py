@@ -38,7 +38,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads,
                                           cfg.num_key_value_heads, cfg.attention_bias, dtype, tp_rank, tp_size)
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, False, dtype, tp_rank, tp_size)
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, cfg.o_proj_bias, dtype, tp_rank, tp_size)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
         self.rotary_emb = rotary
@@ -78,8 +78,9 @@ class LlamaMLP(nn.Module):
                  intermediate_size: int | None = None) -> None:
         super().__init__()
         inter = intermediate_size or cfg.intermediate_size      # another width: a shared expert (Qwen2-MoE)
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], False, dtype, tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, dtype, tp_rank, tp_size)
+        bias = cfg.mlp_bias and intermediate_size is None
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], bias, dtype, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, bias, dtype, tp_rank, tp_size)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
