@@ -202,3 +202,18 @@ def test_seeded_mutations_fail_cleanly(tiny, tmp_path):
     assert outcomes["error"] >= 200 and outcomes["loaded"] >= 10      # both paths exercised
     assert slowest < 20.0, f"a case took {slowest:.1f} s"               # generous: a hang, not load, fails this
     assert grown_mib < 512, f"peak RSS grew by {grown_mib:.0f} MiB"
+
+
+def test_a_token_that_is_not_utf8_is_one_line_naming_the_file(tiny, tmp_path):
+    """The GGUF reader keeps strings it cannot decode (replacement characters); the tokenizer's
+    conversion through transformers does not: its UnicodeDecodeError becomes a ValueError that
+    names the file (the CLI prints it as one line)."""
+    from tokenforge.engine.tokenization import load_tokenizer
+
+    data = tiny[0]
+    at = data.index(b"t17")                            # a token string's bytes: "t17" -> b"\xbe17"
+    path = tmp_path / "bad-token.gguf"
+    path.write_bytes(data[:at] + b"\xbe" + data[at + 1:])
+    with pytest.raises(ValueError, match=f"^{path}: its tokenizer could not be read from the GGUF metadata "
+                                         r"\(UnicodeDecodeError: "):
+        load_tokenizer(path, cache_dir=tmp_path / "cache")

@@ -287,7 +287,13 @@ def _convert_gguf_tokenizer(path: Path, cached: Path) -> None:
     from transformers import AutoTokenizer  # noqa: PLC0415
 
     logger.info("converting the GGUF tokenizer of %s (cached in %s)", path, cached)
-    hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    try:
+        hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (UnicodeDecodeError, ValueError, KeyError, IndexError, TypeError) as err:
+        # a corrupt vocabulary (a token string that is not UTF-8, a missing or mistyped key) that
+        # the GGUF reader's checks let through: one line naming the file, not transformers' traceback
+        raise ValueError(f"{path}: its tokenizer could not be read from the GGUF metadata "
+                         f"({type(err).__name__}: {err})") from err
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=cached.parent, prefix=".tmp-"))
     try:
