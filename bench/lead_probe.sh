@@ -31,7 +31,8 @@
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
-# Before the call: git log -1 --format='%H %s' >.device_commit, and carry [".whl", ".device_commit"]
+# Before the call: `bash bench/device_wheels.sh` (fills .whl/), git log -1 --format='%H %s' >.device_commit,
+# and carry [".whl", ".device_commit"]
 # (the device's .git can be older than the tree it runs; results then record the right commit).
 NAME=lead_probe; BUDGET=${BUDGET:-540}; STEP_TAIL=${STEP_TAIL:-45}
 source "$(dirname "$0")/device_steps.sh" "$@"
