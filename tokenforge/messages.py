@@ -47,10 +47,14 @@ class WireSamplingParams(msgspec.Struct, frozen=True):
         return self.temperature < 1e-5
 
     @property
+    def has_penalties(self) -> bool:
+        """Repetition, presence or frequency penalty: sampling reads the request's own output."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
     def shapes_logits(self) -> bool:
         """A penalty or a logit bias changes the logits before sampling: the raw argmax is not the token."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias))
+        return self.has_penalties or bool(self.logit_bias)
 
 
 class LoRARequest(msgspec.Struct, frozen=True):

@@ -33,13 +33,11 @@ def test_k_follows_acceptance_and_batch():
 def test_acceptance_decays_towards_what_is_seen():
     planner = DraftPlanner(_never, 4)
 
-    class Req:
-        num_computed_tokens, num_tokens = 10, 10
     for _ in range(300):
-        planner.after_verify(Req(), 4, 1)          # every first draft rejected
+        planner.count_verify(4, 1)          # every first draft rejected
     assert planner.acceptance < 0.05
     for _ in range(300):
-        planner.after_verify(Req(), 4, 5)          # every draft accepted
+        planner.count_verify(4, 5)          # every draft accepted
     assert planner.acceptance > 0.95
 
 
@@ -164,21 +162,16 @@ def test_bursts_go_to_a_lone_greedy_request_with_nobody_waiting():
     for kw in ({"batch": 2}, {"waiting": True}, {"logprobs": 1}, {"repetition_penalty": 1.1},
                {"temperature": 0.7}, {"grammar": "start: /a+/"}):
         assert drafts(**kw) == [9] * 4, kw
-    req = Request.from_engine_core_request(make_request("r", [1, 2, 3], max_tokens=100, temperature=0.0))
-    req.num_computed_tokens = 40
-    planner.after_verify(req, 39, 12, burst=[4, 3, 0, 0, 4, 4])  # 3 iterations; the second found nothing
+    planner.count_verify(39, 12, burst=[4, 3, 0, 0, 4, 4])  # 3 iterations; the second found nothing
     assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (2, 8, 7)
     assert planner.accepted_per_position == [2, 2, 2, 1]
-    assert req.num_computed_tokens == req.num_tokens - 1         # rolled back to the valid KV
     # a burst that a stop ended: counted up to the stop (5 kept tokens: the first iteration's 4 and one
-    # more), the iterations past it not at all, and no rollback of the finished request
+    # more), the iterations past it not at all
     planner.reset_counters()
-    req.num_computed_tokens = 40
-    assert not planner.after_verify(req, 39, 5, burst=[4, 3, 0, 0, 4, 4], rollback=False)
+    planner.count_verify(39, 5, burst=[4, 3, 0, 0, 4, 4])
     assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (1, 4, 3)
-    assert req.num_computed_tokens == 40
     planner.reset_counters()
-    planner.after_verify(req, 39, 6, burst=[4, 3, 0, 0, 4, 4], rollback=False)     # one token into the third
+    planner.count_verify(39, 6, burst=[4, 3, 0, 0, 4, 4])     # one token into the third
     assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (2, 8, 3)
 
 

@@ -71,8 +71,7 @@ class Scheduler:
         self.drafts = drafts                       # speculative decoding (None: off)
         self.loras = LoRASlotTable(max_loras)      # LoRA adapters' device slots (0 without --enable-lora)
         self.num_arrivals = 0                      # requests added so far (each one's arrival_seq)
-        # CPU/disk/Redis tiers below the device cache; None (no per-step work) when none is set.
-        self.tiers: KVTierPolicy | None = None
+        self.tiers: KVTierPolicy | None = None     # CPU/disk/Redis tiers below the device cache (None: no work)
         if cache_config.kv_tiers_enabled:
             self.tiers = KVTierPolicy(self.kv, cache_config.remote_write_through)
             self.kv.pool.on_evict = self.tiers.on_evict
@@ -85,8 +84,7 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         request = Request.from_engine_core_request(req)
         p = request.params
-        request.needs_sync = (p.prompt_logprobs is not None or p.repetition_penalty != 1.0
-                              or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+        request.needs_sync = p.prompt_logprobs is not None or p.has_penalties
         self._num_needs_sync += request.needs_sync
         request.arrival_seq, self.num_arrivals = self.num_arrivals, self.num_arrivals + 1
         self.requests[request.request_id] = request
@@ -358,9 +356,11 @@ class Scheduler:
             if seq.sample:
                 req.num_output_placeholders -= 1
                 tokens, status = append_until_stop(req, sampled[req.request_id], self.max_len)
-                if seq.num_draft_tokens and self.drafts.after_verify(   # counted; rejected drafts' KV goes
-                        req, seq.num_draft_tokens, len(tokens), bursts.get(req.request_id), running and status is None):
-                    self.kv.truncate(req, cdiv(req.num_tokens, self.block_size))
+                if seq.num_draft_tokens:
+                    self.drafts.count_verify(seq.num_draft_tokens, len(tokens), bursts.get(req.request_id))
+                    if running and status is None:     # back to the valid KV: rejected drafts' slots go
+                        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+                        self.kv.truncate(req, cdiv(req.num_tokens, self.block_size))
                 if not tokens and running and not req.num_output_placeholders:
                     req.num_computed_tokens -= 1   # nothing sampled: the next step samples its last token again
             if running:

@@ -205,13 +205,11 @@ class DraftPlanner:
         self.drafted_in_flight |= bool(drafts)
         return drafts
 
-    def after_verify(self, req: Request, num_drafts: int, num_new_tokens: int,
-                     burst: list[int] | None = None, rollback: bool = True) -> bool:
+    def count_verify(self, num_drafts: int, num_new_tokens: int, burst: list[int] | None = None) -> None:
         """Count a verify step (or a burst's iterations) by the `num_new_tokens` it emitted that were
-        kept (a stop cuts them: what follows it is not counted), then, with `rollback` (the request
-        goes on), roll it back to the tokens whose KV is valid: every token but the last one emitted
-        (rejected drafts' slots are recomputed or freed). `burst`: a burst's (drafts found, accepted)
-        per iteration, counted instead of the slots it was given. Returns `rollback`."""
+        kept (a stop cuts them: what follows it is not counted). `burst`: a burst's (drafts found,
+        accepted) per iteration, counted instead of the slots it was given. (The scheduler then rolls
+        a request that goes on back to its valid KV: every token but the last one emitted.)"""
         if burst is None:
             self._count(num_drafts, min(num_drafts, max(0, num_new_tokens - 1)))
         else:
@@ -222,9 +220,6 @@ class DraftPlanner:
                 if found:
                     self._count(found, min(accepted, kept - 1))
                 kept -= accepted + 1
-        if rollback:
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-        return rollback
 
     def _count(self, num_drafts: int, accepted: int) -> None:
         self.num_drafted += num_drafts

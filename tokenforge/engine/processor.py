@@ -72,16 +72,13 @@ class Processor:
             raise ValueError(
                 f"prompt is {len(ids)} tokens long, but max_model_len is {max_len}: "
                 f"the prompt plus at least one output token must fit")
-        for t in params.stop_token_ids:
-            if t >= self.runtime.vocab_size:
-                raise ValueError(f"stop_token_ids entry {t} is outside the vocabulary [0, {self.runtime.vocab_size})")
         vocab = self.runtime.vocab_size
-        for t in params.logit_bias or ():
-            if t >= vocab:
-                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab})")
         after = params.structured_outputs.after_token_ids if params.structured_outputs else None
-        if after and max(after) >= vocab:
-            raise ValueError(f"structured_outputs.after_token_ids holds {max(after)}, outside the vocabulary [0, {vocab})")
+        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias),
+                                ("structured_outputs.after_token_ids", after)):
+            outside = [t for t in token_ids or () if t >= vocab]
+            if outside:
+                raise ValueError(f"{name} holds token id {outside[0]}, outside the vocabulary [0, {vocab})")
         if lora_request is not None and not self.config.lora.enable_lora:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine serves no LoRA adapters "
                              "(start it with enable_lora=True / --enable-lora)")
