@@ -2,15 +2,19 @@
 whose window (5 tokens) is much shorter than the prompts: logits past the window within fp32
 tolerance through the paged torch backend (whole prompts, chunked prefill attending to cached
 context, mixed and batched decode over many blocks), and greedy tokens identical to HF's
-`generate`. Qwen2 slides only from `max_window_layers` on, so its first layer stays full."""
+`generate`. Qwen2 slides only from `max_window_layers` on, so its first layer stays full; Qwen3-MoE
+(HF has no max_window_layers rule there) slides on every layer, and Qwen2-MoE's config without
+layer_types on the even layers below max_window_layers, as HF's configs decide."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 from tokenforge.model.loader import load_model
+from tokenforge.model.models.qwen2_moe import qwen2_moe_config_extras
 
 ATOL = 1e-4
 WINDOW = 5
@@ -28,7 +32,14 @@ def _qwen2(window):
                                         sliding_window=window or 4096, max_window_layers=1))
 
 
-@pytest.fixture(scope="module", params=[_mistral, _qwen2], ids=["mistral", "qwen2"])
+def _qwen3_moe(window):
+    """max_window_layers=2 would keep layers 0-1 full under Qwen2's rule; HF's Qwen3-MoE ignores it."""
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig(**_COMMON, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                                              head_dim=16, use_sliding_window=window is not None,
+                                              sliding_window=window or 4096, max_window_layers=2))
+
+
+@pytest.fixture(scope="module", params=[_mistral, _qwen2, _qwen3_moe], ids=["mistral", "qwen2", "qwen3_moe"])
 def checkpoint(request, tmp_path_factory):
     torch.manual_seed(0)
     hf = request.param(WINDOW).eval()
@@ -48,7 +59,18 @@ def test_config_names_the_sliding_layers(checkpoint):
     hf, _, path = checkpoint
     arch = load_model(str(path), "auto", torch.float32, "cpu").arch_config
     windows = [arch.sliding_window_of(i) for i in range(arch.num_hidden_layers)]
-    assert windows == ([WINDOW] * 3 if isinstance(hf, MistralForCausalLM) else [None, WINDOW, WINDOW])
+    assert windows == ([None, WINDOW, WINDOW] if isinstance(hf, Qwen2ForCausalLM) else [WINDOW] * 3)
+
+
+def test_qwen2_moe_without_layer_types_slides_where_hf_does():
+    """HF's Qwen2-MoE config: sliding on even layers below max_window_layers (a config.json that
+    lists no layer_types, as older ones do); one listing them is taken as it stands."""
+    cfg = dict(num_hidden_layers=6, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+               use_sliding_window=True, sliding_window=7, max_window_layers=4)
+    assert qwen2_moe_config_extras(cfg)["layer_types"] == ("sliding_attention", "full_attention") * 2 + ("full_attention",) * 2
+    listed = ["full_attention"] * 5 + ["sliding_attention"]
+    assert qwen2_moe_config_extras({**cfg, "layer_types": listed})["layer_types"] == tuple(listed)
+    assert qwen2_moe_config_extras({**cfg, "use_sliding_window": False})["sliding_window"] is None
 
 
 def test_window_changes_hf_logits(checkpoint):

@@ -262,13 +262,14 @@ def sliding_window_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"sliding_window": int(window), "layer_types": tuple(cfg.get("layer_types") or ())}
 
 
-def qwen_sliding_window_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Qwen2/Qwen3: a window only with use_sliding_window, and then on the layers from
-    max_window_layers on (HF's rule), unless config.json lists layer_types."""
+def qwen_sliding_window_fields(cfg: dict[str, Any], slides=None) -> dict[str, Any]:
+    """Qwen2/Qwen3 and their MoE variants: a window only with use_sliding_window, on the layers
+    config.json's layer_types marks, or where it lists none on those `slides(i, cfg)` picks: HF's
+    rule of the family (default: layers from max_window_layers on, as Qwen2 and Qwen3 do)."""
     if not cfg.get("use_sliding_window", False) or not cfg.get("sliding_window"):
         return {"sliding_window": None, "layer_types": ()}
     types = cfg.get("layer_types")
     if not types:
-        first = int(cfg.get("max_window_layers", 0))
-        types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
+        slides = slides or (lambda i, c: i >= int(c.get("max_window_layers", 0)))
+        types = ["sliding_attention" if slides(i, cfg) else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
     return {"sliding_window": int(cfg["sliding_window"]), "layer_types": tuple(types)}

@@ -1,7 +1,8 @@
 """Qwen3-MoE: Qwen3's attention (q/k norms) with sparse MoE blocks, on the layers that
 `decoder_sparse_step` selects and `mlp_only_layers` does not exclude (HF's rule); the rest keep
 a dense SwiGLU MLP of `intermediate_size`. Routing: softmax over the experts, top k, renormalised
-only under `norm_topk_prob`. No shared experts (Qwen2-MoE has them)."""
+only under `norm_topk_prob`. No shared experts (Qwen2-MoE has them). With use_sliding_window and
+no layer_types, every layer slides (HF's Qwen3-MoE has no max_window_layers rule)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def qwen3_moe_config_extras(cfg: dict[str, Any]) -> dict[str, Any]:
     sparse = tuple(i for i in range(int(cfg["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
     fields = moe_config_fields(cfg, intermediate_size=int(cfg["moe_intermediate_size"]),
                                renormalize=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)
-    return {"moe": MoeConfig(**fields), **qwen_sliding_window_fields(cfg)}
+    return {"moe": MoeConfig(**fields), **qwen_sliding_window_fields(cfg, lambda i, c: True)}
 
 
 class Qwen3MoeDecoderLayer(MoeDecoderLayer):
