@@ -17,6 +17,7 @@
 #   spec-host   bench/spec_host_timing.py: a synchronous speculative step's host time, piece by piece (8B, replay a = 0.8)
 #   gemv-tests  the GEMV GPU tests and the compile watch on the GPU (tiny-llama, LoRA variants included)
 #   gemv-kernels  bench kernels --part gemv (M = 1, 2, 4 against cuBLAS, config sweep; the B=1 decode step)
+#   lora-kernels  bench kernels --part lora (the batched LoRA delta at T 64-483 over 8/16 slots: tile shapes, dense cuBLAS form)
 #   mid-gemm    bench kernels --part mid_gemm (the 8B linears at M 16-512: cuBLAS, cuBLASLt, padded rows)
 #   serving-step  bench kernels --part serving_step (the linears at M 1-512 and ragged decode attention against their floors)
 #   spec-serve  bench serve at 1 req/s, 30 x 1024/1024, the replay drafter (a = 0.8, K = 4) against no speculation
@@ -71,6 +72,8 @@ PY
   lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-noexpand lora-expand-nopdl}; cp "$W/lora-diag.log" "$OUT/" ;;
   bare-w1) step bare-w1 90 python3 -m tokenforge.bench latency $M8 $Q --repeats 1 --profile-dir "$W/bare-w1/prof" \
              --results-dir "$W/bare-w1"; keep "$W/bare-w1" bare-w1 ;;
+  lora-kernels) step lora-kernels 300 python3 -m tokenforge.bench kernels --part lora --out "$W/lora-kernels"
+             cp "$W/lora-kernels/kernels_lora.json" "$OUT/" 2>/dev/null ;;
   lora-64) step lora-64 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \
              --lora-rank 16 --repeats 1 --results-dir "$W/lora-64"; keep "$W/lora-64" lora-64 ;;
   lora-64-prof) step lora-64-prof 240 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \

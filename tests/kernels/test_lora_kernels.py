@@ -72,6 +72,17 @@ def test_triton_matches_reference(case, dtype, device):
     assert torch.equal(out[base_rows], y[base_rows])
 
 
+@pytest.mark.parametrize("block_m,block_n,warps", [(16, 128, None), (None, 256, 8), (16, 64, None)])
+def test_triton_tile_shapes_agree(block_m, block_n, warps, device):
+    """The tile shapes `bench kernels --part lora` compares (16-row tiles, wider expand blocks
+    crossing the q/k/v slice bounds) give the reference's delta."""
+    x, y, a, b, scale, idx, slices = _problem(150, 64, (96, 32, 32), 5, 16, torch.float32, device)
+    ref = lora_reference(x, y, a, b, scale, idx, slices)
+    out = lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices, lora_plan(idx, 5, block_m=block_m),
+                             expand_block_n=block_n, expand_warps=warps)
+    assert _rel_err(out, ref) < (1e-5 if INTERPRET else 1e-2)
+
+
 def test_triton_reads_the_index_from_the_device(device):
     """The same launch with a new index in the same tensor (what a CUDA graph replays) follows it."""
     x, y, a, b, scale, idx, slices = _problem(9, 64, (32, 16, 16), 3, 16, torch.float32, device)

@@ -87,17 +87,18 @@ def rank_block(packed_rank: int) -> int:
     return min(64, next_power_of_2(packed_rank))
 
 
-def lora_plan(indices: torch.Tensor, num_slots: int) -> LoRAPlan:
-    """The tiles of one step's rows (device ops only, no host sync; shapes depend on T and S alone)."""
+def lora_plan(indices: torch.Tensor, num_slots: int, block_m: int | None = None) -> LoRAPlan:
+    """The tiles of one step's rows (device ops only, no host sync; shapes depend on T and S alone);
+    `block_m`, the rows a tile (default: `lora_block_m`'s choice for T)."""
     num_tokens = indices.shape[0]
-    block_m = lora_block_m(num_tokens)
+    block_m = block_m or lora_block_m(num_tokens)
     idx = indices.to(torch.int32)
     rows = torch.sort(idx, stable=True).indices.to(torch.int32)                        # base rows (-1) first
     counts = (idx[:, None] == torch.arange(num_slots, device=idx.device, dtype=torch.int32)).sum(0, dtype=torch.int32)
     seg_end = torch.cumsum(counts, 0, dtype=torch.int32) + (num_tokens - counts.sum(dtype=torch.int32))
     tiles = (counts + block_m - 1) // block_m
     tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
-    max_tiles = plan_tiles(num_tokens, num_slots)
+    max_tiles = _cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
     t = torch.arange(max_tiles, device=idx.device, dtype=torch.int32)
     slot = torch.searchsorted(tile_end, t, right=True).to(torch.int32)                # num_slots: unused
     valid = slot < num_slots
@@ -252,9 +253,12 @@ def _num_sms(device: torch.device) -> int:
 
 def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                        scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...],
-                       plan: LoRAPlan | None = None) -> torch.Tensor:
+                       plan: LoRAPlan | None = None, expand_block_n: int = 64,
+                       expand_warps: int | None = None) -> torch.Tensor:
     """The Triton path of `lora_reference`; y [T, out] (contiguous rows) is updated in place.
-    `plan`: lora_plan(indices, S), shared by the step's linears (computed here when absent)."""
+    `plan`: lora_plan(indices, S), shared by the step's linears (computed here when absent).
+    `expand_block_n`, `expand_warps`: the expand's output columns a program and its warps
+    (`bench kernels --part lora` compares them)."""
     require_triton(x, y, lora_a, lora_b)
     assert len(slices) <= 3 and sum(slices) == y.shape[1] and x.stride(-1) == 1 and y.stride(-1) == 1
     num_slots, packed_rank, in_features = lora_a.shape
@@ -277,11 +281,12 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
         SPLIT_SIZE=split_size, PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, USE_PDL=pdl,
         launch_pdl=pdl)
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [out_features] * 2
-    _expand_kernel[(num_tiles, triton.cdiv(out_features, 64))](
+    launch = {} if expand_warps is None else {"num_warps": expand_warps}
+    _expand_kernel[(num_tiles, triton.cdiv(out_features, expand_block_n))](
         partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features,
         partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), SPLITS=1,
-        RANK=rank, NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m, BLOCK_N=64,
-        USE_PDL=pdl, launch_pdl=pdl)
+        RANK=rank, NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m,
+        BLOCK_N=expand_block_n, USE_PDL=pdl, launch_pdl=pdl, **launch)
     return y
 
 

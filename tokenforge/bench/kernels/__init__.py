@@ -12,7 +12,9 @@ moe_tiles (moe_tiles.py): its tile candidates at batch 1 and 16, into OUT/kernel
 (serving_step.py): a decode step at serving batch sizes, a decoder layer's four linears as the
 engine runs them at M = 1-512 and decode attention over ragged contexts, against their floors,
 into OUT/kernels_serving_step.json. mid_gemm (mid_gemm.py): the four 8B linears at M = 16-512
-through cuBLAS, cuBLASLt and cuBLAS on padded rows, each against its floor, into OUT/kernels_mid_gemm.json. `--smoke` runs tiny
+through cuBLAS, cuBLASLt and cuBLAS on padded rows, each against its floor, into OUT/kernels_mid_gemm.json. lora (lora.py): the batched multi-LoRA delta at decode batches 64-483
+over 8 and 16 slots, the engine's kernels against wider expand blocks, 16-row tiles and the dense
+cuBLAS form, each against its floor, into OUT/kernels_lora.json. `--smoke` runs tiny
 shapes on the CPU through Triton's interpreter (set TRITON_INTERPRET=1) to check the script.
 The torch and Triton imports wait until the bench runs (the parser is built by `tokenforge --help`).
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep", "serving_step", "mid_gemm")
+PARTS = ("attention", "gemv", "quant", "moe", "moe_tiles", "quant_sweep", "serving_step", "mid_gemm", "lora")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
