@@ -53,6 +53,31 @@ def test_health_after_bad_inputs(fake):
     assert out.choices[0].text == "def"
 
 
+def test_max_tokens_must_fit_beside_the_prompt_as_vllm_says(fake):
+    """The request's own max_tokens past max_model_len - prompt is a 400 in vLLM's words; one that
+    fits exactly runs, and a request without one gets what room is left."""
+    client = _client(fake)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "x" * 200}],
+                                       max_completion_tokens=150)
+    message = err.value.body["message"]
+    assert message.startswith("'max_tokens' or 'max_completion_tokens' is too large: 150. This model's maximum "
+                              "context length is 256 tokens and your request has ") and err.value.body["param"] == "max_tokens"
+    n = int(message.split("your request has ")[1].split()[0])
+    assert message.endswith(f"(150 > 256 - {n}).")
+    out = client.completions.create(model="SmolLM2-135M-Instruct", prompt=[1] * 250, max_tokens=6)
+    assert out.usage.completion_tokens == 6
+    out = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "x" * 200}])
+    assert out.usage.prompt_tokens + out.usage.completion_tokens <= 256
+
+
+def test_top_logprobs_zero_needs_no_logprobs(fake):
+    """As vLLM: top_logprobs 0 asks for no alternatives, so logprobs may stay off (no logprobs come back)."""
+    out = _client(fake).chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "a"}],
+                                                max_tokens=2, top_logprobs=0)
+    assert out.choices[0].logprobs is None
+
+
 def test_protect_all_routes():
     server = fake_server("--protect-all-routes", api_key="sk-all")
     try:

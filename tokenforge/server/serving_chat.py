@@ -313,7 +313,7 @@ def _with_reasoning(ctx: ServingContext, params, tools: ToolSetup | None, prompt
 
 
 def _check_request(req: ChatCompletionRequest) -> None:
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:             # as vLLM: 0 asks for nothing, so it needs nothing
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if req.prompt_logprobs is not None and req.stream:      # as vLLM: no streamed chunk carries them
         raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
@@ -349,7 +349,7 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
     stack = contextlib.ExitStack()
     try:
         streams = submit(ctx, [prompt], params, builder.request_id, request_salt(request, req.cache_salt), stack,
-                         prompt_param="messages", lora=lora)
+                         prompt_param="messages", lora=lora, max_tokens=max_tokens)
     except BaseException:
         stack.close()
         raise

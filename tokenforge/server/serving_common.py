@@ -167,11 +167,29 @@ async def constrain(ctx: ServingContext, params: SamplingParams, checks: list[tu
 
 # ---- submitting and collecting ---------------------------------------------------------------------
 
+def with_room_for(ctx: ServingContext, prompt, max_tokens: int):
+    """The prompt, tokenized, if `max_tokens` (the request's own) fits beside it in max_model_len:
+    otherwise a 400 in vLLM's words (param max_tokens). A prompt too long by itself is left to
+    the engine's own check."""
+    if isinstance(prompt, str):
+        prompt = {"prompt": prompt, "prompt_token_ids": ctx.engine.tokenizer.encode(prompt)} if prompt else prompt
+    ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+    limit, n = ctx.max_model_len, len(ids or ())
+    if n < limit and n + max_tokens > limit:
+        raise bad_request(f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
+                          f"context length is {limit} tokens and your request has {n} input tokens "
+                          f"({max_tokens} > {limit} - {n}).", param="max_tokens")
+    return prompt
+
+
 def submit(ctx: ServingContext, prompts: list, params: SamplingParams, request_id: str,
            salt: str | None, stack: contextlib.ExitStack, prompt_param: str = "prompt",
-           lora: LoRARequest | None = None) -> list[RequestStream]:
-    """Submit every prompt, or none: a bad prompt aborts those already submitted (via `stack`)."""
+           lora: LoRARequest | None = None, max_tokens: int | None = None) -> list[RequestStream]:
+    """Submit every prompt, or none: a bad prompt aborts those already submitted (via `stack`).
+    `max_tokens`: the request's own, which must fit beside each prompt (`with_room_for`)."""
     ctx.admit(len(prompts) * params.n)
+    if max_tokens is not None:
+        prompts = [with_room_for(ctx, prompt, max_tokens) for prompt in prompts]
     streams = []
     extra = {"lora_request": lora} if lora is not None else {}
     for i, prompt in enumerate(prompts):

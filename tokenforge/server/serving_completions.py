@@ -234,7 +234,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, request
     stack = contextlib.ExitStack()
     try:
         streams = submit(ctx, prompts, params, builder.request_id, request_salt(request, req.cache_salt), stack,
-                         lora=lora)
+                         lora=lora, max_tokens=None if req.max_tokens is None else max(req.max_tokens, 1))
     except BaseException:
         stack.close()
         raise
