@@ -3,6 +3,7 @@
 #   lora-w1     bench lora W1, 1 adapter, with the profiled pass (kernel table, device-busy)
 #   lora-w1-waitfirst  the same, the expand kernel waiting before it lets the next linear start
 #   lora-gemv-tests  the batch-1 LoRA GEMV GPU tests and its sm_90 codegen test
+#   lora-dense-tests  the multi-LoRA engine GPU tests (dense form included) and the batched kernels' tests
 #   lora-tests  the LoRA GPU tests (and rotary/norm);  lora-diag  bench/lora_diag.py (DIAG: bare, lora, lora-noexpand, lora-expand-nopdl, lora-nopdl)
 #   bare-w1     bench latency W1 bare with --profile-dir (kernel table, device-busy)
 #   lora-64     bench lora W2, 64 adapters through 16 slots;  lora-64-prof  the same with a profiled pass
@@ -57,6 +58,8 @@ PY
     step lora-w1-waitfirst 150 python3 -m tokenforge.bench lora $M8 --workload W1 --num-adapters 1 --max-loras 1 \
       --lora-rank 16 --repeats 1 --results-dir "$W/lora-w1-waitfirst"; keep "$W/lora-w1-waitfirst" lora-w1-waitfirst
     cp /tmp/gemv_lora.py.keep tokenforge/kernels/gemv_lora.py ;;
+  lora-dense-tests) step lora-dense-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider \
+                tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py ;;
   lora-tests) step lora-tests 200 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
                 tests/kernels/test_lora_delta.py tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py \
                 tests/kernels/test_fused_ops.py tests/executor/test_compile_watch_gpu.py ;;
