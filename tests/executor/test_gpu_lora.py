@@ -6,8 +6,6 @@ the engine, decode inside CUDA graphs with the per-row slot index as a graph inp
   a request alone decodes through the batch-1 GEMV that shrinks in its own launch (bf16).
 - the linears at one bf16 row take that GEMV (the hook is not called), keeping the fused norm
   prologue, and agree with the hook after cuBLAS (the GEMVs turned off).
-- every step through the dense form (model/layers/lora.py's DENSE_MIN_ROWS lowered to 1) gives
-  the same tokens, graphed decode included.
 The kernels' numerics against the torch reference: tests/kernels/test_lora_kernels.py.
 """
 
@@ -68,15 +66,6 @@ def test_mixed_batch_in_cuda_graphs_equals_alone_and_eager(adapters, dtype):
     assert eager_alone == alone
     assert len({tuple(t) for t in mixed}) == 5
 
-
-
-def test_dense_form_in_cuda_graphs_gives_the_tiles_tokens(adapters, monkeypatch):
-    """Every step through the dense form (cuBLAS over all slots, lora_B_cols), graphed decode
-    included: the tokens of the Triton tiles, mixed and alone (float32)."""
-    alone, mixed, _ = _tokens("cuda", adapters)
-    monkeypatch.setattr("tokenforge.model.layers.lora.DENSE_MIN_ROWS", 1)
-    dense_alone, dense_mixed, graphs = _tokens("cuda", adapters)
-    assert graphs and dense_mixed == mixed and dense_alone == alone
 
 
 def _slotted(layer, slots: int = 3, rank: int = 16):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.kernels.conftest import INTERPRET, _rel_err, _tol
-from tokenforge.kernels.lora import lora_block_m, lora_dense, lora_plan, lora_reference, lora_shrink_expand
+from tokenforge.kernels.lora import lora_block_m, lora_plan, lora_reference, lora_shrink_expand
 
 CASES = [  # (tokens, in, slices, slots, rank)
     (1, 64, (96,), 1, 16),
@@ -81,20 +81,6 @@ def test_triton_tile_shapes_agree(block_m, block_n, warps, device):
     out = lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices, lora_plan(idx, 5, block_m=block_m),
                              expand_block_n=block_n, expand_warps=warps)
     assert _rel_err(out, ref) < (1e-5 if INTERPRET else 1e-2)
-
-
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-slices{len(c[2])}-S{c[3]}-R{c[4]}")
-def test_dense_form_matches_a_per_row_loop(case, device):
-    """lora_dense (cuBLAS on the GPU, torch on the CPU): every slot's shrink, masked to each row's."""
-    x, y, a, b, scale, idx, slices = _problem(*case, torch.float32, device)
-    weight = (idx[:, None] == torch.arange(a.shape[0], device=idx.device)).float()
-    b_cols = (b * scale[:, None, None]).permute(1, 0, 2).reshape(b.shape[1], -1)
-    out = lora_dense(x, y.clone(), a, b_cols, weight, slices)
-    assert _rel_err(out, _per_row(x, y, a, b, scale, idx, slices).float()) < (1e-5 if device == "cpu" else 1e-2)
-    base_rows = (idx < 0).nonzero().flatten()
-    assert torch.equal(out[base_rows], y[base_rows])
 
 
 def test_triton_reads_the_index_from_the_device(device):

@@ -16,7 +16,6 @@ from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.forward_context import set_forward_context
 from tokenforge.model.loader import load_model
 from tokenforge.model.loader.peft import read_peft_adapter
-from tokenforge.model.layers.lora import DENSE_MIN_ROWS
 from tokenforge.model.lora import ModelLoRASlots
 from tokenforge.model.models import get_model_class
 
@@ -101,27 +100,16 @@ def test_rows_take_their_own_slot(base_dir, tmp_path):
     torch.testing.assert_close(_our_logits(model, tokens, [0] * len(tokens)), alone[-1], atol=1e-6, rtol=1e-6)
 
 
-def test_each_forward_makes_its_own_lora_plan(base_dir, tmp_path):
-    """What the step's linears share (the rows-by-slot plan of kernels/lora.py, the dense form's
-    one-hot rows) lives in the forward context for one forward only: a CUDA graph captured after
-    warm-up runs in the same context must record its own, not replay the warm-up's (a stale
-    one-hot would keep the warm-up's adapters on every replay). Here: new indices written into the
-    same tensor between two forwards of one context, as a replay does, are followed."""
+def test_each_forward_makes_its_own_lora_plan(base_dir):
+    """The rows-by-slot plan the linears share (kernels/lora.py) lives in the forward context for
+    one forward only: a CUDA graph captured after warm-up runs in the same context must record its
+    own plan, not replay one the warm-up allocated (an illegal address on the GPU)."""
     model = load_model(str(base_dir), "auto", torch.float32, "cpu").model
-    slots = ModelLoRASlots(model, num_slots=2, max_rank=8)
-    make_peft_adapter(_hf_base(base_dir), tmp_path / "a", ALL_TARGETS, seed=4)
-    slots.write(1, read_peft_adapter(tmp_path / "a", "a", 8))
-    rows = DENSE_MIN_ROWS + 3                                   # the dense form on the CPU too
-    tokens = [(7 * i) % 300 + 1 for i in range(rows)]
-    indices = torch.full((rows,), -1)
-    with torch.no_grad(), set_forward_context(None, lora_indices=indices) as ctx:
+    ModelLoRASlots(model, num_slots=2, max_rank=8)
+    with torch.no_grad(), set_forward_context(None, lora_indices=torch.tensor([0, 1, -1])) as ctx:
         ctx.lora_plan = "a plan from an earlier forward"
-        model(torch.tensor(tokens), torch.arange(rows))
+        model(torch.tensor([5, 6, 7]), torch.arange(3))
         assert ctx.lora_plan is None          # the CPU's reference path makes none
-        indices.fill_(1)
-        adapted = model.compute_logits(model(torch.tensor(tokens), torch.arange(rows))).float()
-    torch.testing.assert_close(adapted, _our_logits(model, tokens, [1] * rows))
-    assert (adapted - _our_logits(model, tokens, [-1] * rows)).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("num_kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])

@@ -24,7 +24,6 @@ import torch
 from tokenforge.kernels.lora import warm_up_lora_kernels
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
-from tokenforge.model.layers.lora import DENSE_MIN_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -97,10 +96,9 @@ def warm_up(runner, num_blocks: int) -> float:
             runner.model.compute_logits(hidden[ends])
     if runner.loras is not None:
         # every shrink / expand variant the step sizes can take (SPLITS, BLOCK_M follow T): the
-        # forwards above meet only theirs (W2 over 8 adapters compiled 4 more during its run);
-        # steps of DENSE_MIN_ROWS rows or more take the dense form (cuBLAS), nothing to compile
+        # forwards above meet only theirs (W2 over 8 adapters compiled 4 more during its run)
         warm_up_lora_kernels([linear.lora for linear in runner.loras.slots.linears.values()],
-                             min(sched.max_num_batched_tokens, DENSE_MIN_ROWS - 1))
+                             sched.max_num_batched_tokens)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     seconds = time.perf_counter() - start

@@ -49,28 +49,6 @@ def lora_reference(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_
     return y + torch.cat(deltas, dim=-1)
 
 
-def lora_dense(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, b_cols: torch.Tensor, weight: torch.Tensor,
-               slices: tuple[int, ...]) -> torch.Tensor:
-    """The delta through dense GEMMs (cuBLAS on CUDA), y [T, out] updated in place: every row shrunk
-    by every slot's A (x [T, in] @ lora_A [S, n*R, in]^T), each row's own slot kept and scaled by
-    `weight` [T, S] (one-hot times the slot's scale, in x's dtype) in one multiply that also lays
-    the ranks out slice-major, then each slice's expand accumulated into y's columns by a GEMM over
-    all slots' ranks with `b_cols` [out, S*R] (lora_B laid out column-major over the slots). Its
-    cost does not depend on how rows spread over slots; the extra FLOPs (S times the shrink, the
-    expand over every slot's ranks) are small beside the base GEMM's at serving batch sizes."""
-    num_slots, packed_rank, _ = lora_a.shape
-    num_tokens, n = x.shape[0], len(slices)
-    rank = packed_rank // n
-    shrunk = (x @ lora_a.view(num_slots * packed_rank, -1).t()).view(num_tokens, num_slots, n, rank)
-    masked = torch.empty(n, num_tokens, num_slots * rank, dtype=x.dtype, device=x.device)
-    torch.mul(shrunk, weight[:, :, None, None], out=masked.view(n, num_tokens, num_slots, rank).permute(1, 2, 0, 3))
-    start = 0
-    for j, size in enumerate(slices):
-        y[:, start:start + size].addmm_(masked[j], b_cols[start:start + size].t())
-        start += size
-    return y
-
-
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...],
              plan: LoRAPlan | None = None) -> torch.Tensor:
@@ -312,4 +290,4 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     return y
 
 
-__all__ = ["LoRAPlan", "add_lora", "lora_block_m", "lora_dense", "lora_plan", "lora_reference", "lora_shrink_expand"]
+__all__ = ["LoRAPlan", "add_lora", "lora_block_m", "lora_plan", "lora_reference", "lora_shrink_expand"]

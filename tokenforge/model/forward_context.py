@@ -42,7 +42,6 @@ class ForwardContext:
     attn_metadata: Any          # the active backend's metadata object, None, or TrainingMetadata
     lora_indices: Any = None    # torch.Tensor [T] int: each token row's adapter slot, -1 for none
     lora_plan: Any = None       # kernels/lora.py's LoRAPlan of those rows, made by the step's first LoRA linear
-    lora_onehot: Any = None     # [T, S] those rows' slots one-hot, for the dense form (model/layers/lora.py)
 
 
 _current: ForwardContext | None = None

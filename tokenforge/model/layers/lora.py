@@ -13,12 +13,9 @@ gets the slot tensors from `fused_operand()` instead, and the hook is not called
   `scale` buffer alpha / r, which travels in state dicts and so with an exported adapter.
 - `LoRASlots`: adapters in fixed slots, each token row picking one (or none, -1) by the index the
   forward context carries (`ForwardContext.lora_indices` [T], built once per step by the runner);
-  batched multi-adapter serving, computed by kernels/lora.py: on CUDA, steps of up to
-  `DENSE_MIN_ROWS - 1` rows by the Triton shrink/expand over the rows grouped by slot (a plan the
-  step's first LoRA linear makes and keeps in the context), elsewhere by the torch reference; on
-  any device, larger steps in the dense form (GEMMs over every slot at once, each row masked to
-  its own: no per-slot tiles, the expand accumulating into y; it reads `lora_B_cols`, B laid out
-  [out, S*R] and scaled, a second copy of B kept in step with it). Packed linears (qkv, gate_up) keep one A per packed projection, so
+  batched multi-adapter serving, computed by kernels/lora.py (Triton shrink/expand on CUDA over
+  the rows grouped by slot, a plan the step's first LoRA linear makes and keeps in the context;
+  the torch reference elsewhere). Packed linears (qkv, gate_up) keep one A per packed projection, so
   a PEFT adapter's separate q/k/v (gate/up) adapters map onto the fused linear without merging.
   Outside a forward context, or with no indices, it adds nothing.
 """
@@ -32,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenforge.kernels.gemv_lora import GemvLoRA
-from tokenforge.kernels.lora import add_lora, lora_dense, lora_plan
+from tokenforge.kernels.lora import add_lora, lora_plan
 from tokenforge.model.forward_context import current_forward_context
 
 
@@ -61,9 +58,6 @@ class LoRA(nn.Module):
         return (self.lora_B.float() @ self.lora_A.float()) * self.scale
 
 
-DENSE_MIN_ROWS = 128     # rows from which the dense form beats the Triton tiles (bench kernels --part lora)
-
-
 class LoRASlots(nn.Module):
     """`num_slots` adapters of rank <= max_rank on one linear whose output packs `slices` (the
     q/k/v or gate/up projections fused into it; one slice otherwise): lora_A [S, n*R, in] holds
@@ -82,8 +76,6 @@ class LoRASlots(nn.Module):
         self.register_buffer("lora_A", torch.zeros(num_slots, n * self.rank, in_features, dtype=dtype))
         self.register_buffer("lora_B", torch.zeros(num_slots, out_features, self.rank, dtype=dtype))
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32))
-        # the dense form's expand operand: lora_B[s] * scale[s] in columns s*R .. (s+1)*R
-        self.register_buffer("lora_B_cols", torch.zeros(out_features, num_slots * self.rank, dtype=dtype))
 
     @torch.no_grad()
     def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
@@ -95,7 +87,6 @@ class LoRASlots(nn.Module):
             self.set_slice(slot, j, lora_a, lora_b[start:start + size])
             start += size
         self.scale[slot] = scale
-        self._sync_cols(slot)
 
     @torch.no_grad()
     def set_slice(self, slot: int, j: int, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
@@ -107,19 +98,12 @@ class LoRASlots(nn.Module):
         start = sum(self.slices[:j])
         self.lora_A[slot, j * self.rank:j * self.rank + rank].copy_(lora_a, non_blocking=True)
         self.lora_B[slot, start:start + self.slices[j], :rank].copy_(lora_b, non_blocking=True)
-        self._sync_cols(slot)
 
     @torch.no_grad()
     def clear_slot(self, slot: int, scale: float = 1.0) -> None:
         self.lora_A[slot].zero_()
         self.lora_B[slot].zero_()
         self.scale[slot] = scale
-        self._sync_cols(slot)
-
-    def _sync_cols(self, slot: int) -> None:
-        """lora_B_cols' columns of `slot` from lora_B and scale (device ops, queued in order)."""
-        cols = self.lora_B_cols.view(self.lora_B.shape[1], -1, self.rank)[:, slot]
-        torch.mul(self.lora_B[slot], self.scale[slot].to(cols.dtype), out=cols)
 
     def fused_operand(self) -> GemvLoRA | None:
         """The slot tensors and this step's row indices for kernels that add the delta themselves;
@@ -134,12 +118,6 @@ class LoRASlots(nn.Module):
         if indices is None:
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])     # [T, in], [T, out]
-        if x2.shape[0] >= DENSE_MIN_ROWS:
-            onehot = ctx.lora_onehot       # each row's slot as a one-hot [T, S], once per step
-            if onehot is None or onehot.shape[0] != indices.shape[0]:
-                slots = torch.arange(self.lora_A.shape[0], device=indices.device)
-                onehot = ctx.lora_onehot = (indices[:, None] == slots).to(x2.dtype)
-            return lora_dense(x2, y2, self.lora_A, self.lora_B_cols, onehot, self.slices).reshape(y.shape)
         plan = None
         if x2.is_cuda:       # the rows grouped by slot, once per step for all the linears
             plan = ctx.lora_plan

@@ -90,7 +90,7 @@ class DecoderModel(nn.Module):
         residual) [T, H] each. The last stage returns the normed hidden [T, H], others the pair."""
         ctx = current_forward_context()
         if ctx is not None:      # what the step's linears share is made anew by each forward (a CUDA
-            ctx.lora_plan = ctx.lora_onehot = None  # graph's capture must record it, not reuse its warm-up run's)
+            ctx.lora_plan = None  # graph's capture must record it, not reuse its warm-up run's)
         if self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None     # [T, H]
         else:
