@@ -187,9 +187,9 @@ def submit(ctx: ServingContext, prompts: list, params: SamplingParams, request_i
            lora: LoRARequest | None = None, max_tokens: int | None = None) -> list[RequestStream]:
     """Submit every prompt, or none: a bad prompt aborts those already submitted (via `stack`).
     `max_tokens`: the request's own, which must fit beside each prompt (`with_room_for`)."""
-    ctx.admit(len(prompts) * params.n)
     if max_tokens is not None:
         prompts = [with_room_for(ctx, prompt, max_tokens) for prompt in prompts]
+    ctx.admit(len(prompts) * params.n)
     streams = []
     extra = {"lora_request": lora} if lora is not None else {}
     for i, prompt in enumerate(prompts):
