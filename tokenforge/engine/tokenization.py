@@ -21,7 +21,7 @@ import os
 import shutil
 import struct
 import tempfile
-from tokenforge.source import find_bundled_gguf, shipped_config_path
+from tokenforge.source import find_bundled_gguf, read_json_object, shipped_config_path
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -246,7 +246,7 @@ def _load_hf_dir_tokenizer(model_dir: Path) -> Tokenizer:
     for name in ("generation_config.json", "config.json"):
         file = model_dir / name
         if file.is_file():
-            eos = json.loads(file.read_text()).get("eos_token_id")
+            eos = read_json_object(file).get("eos_token_id")
             extra += eos if isinstance(eos, list) else ([] if eos is None else [eos])
     return Tokenizer(hf, tuple(int(e) for e in extra), str(model_dir))
 

@@ -16,21 +16,20 @@ config.json path or a shipped name (`tokenforge/model/configs/<name>.json`).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from tokenforge.model.arch_config import ArchConfig
-from tokenforge.source import shipped_config_names, shipped_config_path  # noqa: F401 - re-exported
+from tokenforge.source import read_json_object, shipped_config_names, shipped_config_path  # noqa: F401
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 INIT_STD = 0.02
 
 
 def read_config_json(path: Path) -> ArchConfig:
-    return ArchConfig.from_hf_config(json.loads(path.read_text()))
+    return ArchConfig.from_hf_config(read_json_object(path))
 
 
 @torch.no_grad()

@@ -7,26 +7,30 @@ here: the model skips `lm_head.weight` when its config ties it (and checkpoints 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.loader.dummy_loader import read_config_json
 from tokenforge.model.loader.safetensors_mmap import MappedSafetensors
+from tokenforge.source import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_hf_config(model_dir: Path) -> ArchConfig:
-    return ArchConfig.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+    return read_config_json(model_dir / "config.json")
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / INDEX_FILE
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map object")
+        shards = sorted(set(weight_map.values()))
         return [model_dir / name for name in shards]
     # a PEFT adapter beside the weights (`tokenforge train --lora-export adapter`) is not part of them
     files = sorted(p for p in model_dir.glob("*.safetensors") if p.name != "adapter_model.safetensors")

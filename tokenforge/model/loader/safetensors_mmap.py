@@ -28,13 +28,48 @@ NAMES = {v: k for k, v in DTYPES.items()}
 class MappedSafetensors:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        size = os.path.getsize(self.path)
         with open(self.path, "rb") as f:
+            if size < 8:
+                raise self._corrupt(f"{size} bytes, shorter than the 8-byte header length")
             (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if os.path.getsize(self.path) else None
+            if header_len > size - 8:
+                raise self._corrupt(f"its header claims {header_len} bytes, past the file's end ({size} bytes): "
+                                    "truncated, or not a safetensors file")
+            try:
+                header = json.loads(f.read(header_len))
+            except (UnicodeDecodeError, ValueError) as err:
+                raise self._corrupt(f"its header is not JSON ({err})") from None
+            if not isinstance(header, dict):
+                raise self._corrupt("its header is not a JSON object")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
         self.metadata = header.pop("__metadata__", {}) or {}
         self.data_start = 8 + header_len
         self.entries = header          # name -> {"dtype", "shape", "data_offsets": [begin, end]}
+        for name, entry in header.items():
+            self._check(name, entry, size - self.data_start)
+
+    def _corrupt(self, why: str) -> ValueError:
+        return ValueError(f"{self.path} is not a valid safetensors file: {why}")
+
+    def _check(self, name: str, entry, data_bytes: int) -> None:
+        """One header entry: a known dtype, a shape, and offsets that hold exactly its bytes inside the file."""
+        try:
+            dtype, shape, (begin, end) = DTYPES.get(entry["dtype"]), entry["shape"], entry["data_offsets"]
+            ok = all(isinstance(v, int) and v >= 0 for v in (*shape, begin, end))
+        except (KeyError, TypeError, ValueError):
+            raise self._corrupt(f"tensor {name!r} has a malformed entry {entry!r}"[:300]) from None
+        if dtype is None:
+            raise self._corrupt(f"tensor {name!r} has dtype {entry['dtype']!r}, not one of {', '.join(DTYPES)}")
+        count = 1
+        for dim in shape if ok else ():
+            count *= dim
+        if not ok or end - begin != count * torch.empty((), dtype=dtype).element_size():
+            raise self._corrupt(f"tensor {name!r} (shape {shape}, {entry['dtype']}) has data offsets "
+                                f"[{begin}, {end}] that do not hold it")
+        if end > data_bytes:
+            raise self._corrupt(f"tensor {name!r} ends at byte {end} of the data, which has {data_bytes}: "
+                                "the file is truncated")
 
     def keys(self) -> list[str]:
         return list(self.entries)
