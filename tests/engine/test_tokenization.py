@@ -121,6 +121,16 @@ def test_hf_directory_with_generation_config(ours, cache_dir, tmp_path):
     assert tok.apply_chat_template(CONVERSATIONS[0]) == ours.apply_chat_template(CONVERSATIONS[0])
 
 
+@pytest.mark.parametrize("broken", ["tokenizer.json", "tokenizer_config.json", "generation_config.json"])
+def test_a_broken_tokenizer_file_is_one_error_naming_it(ours, cache_dir, tmp_path, broken):
+    (converted,) = (cache_dir / "tokenizers").iterdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(converted / name, tmp_path / name)
+    (tmp_path / broken).write_text('{"eos_token_id": [1,')
+    with pytest.raises(ValueError, match=f"{broken} is not valid JSON"):
+        load_tokenizer(tmp_path)
+
+
 def test_hf_directory_of_the_generic_fast_class_loads_without_transformers(ours, cache_dir, tmp_path):
     """A tokenizer_config.json naming PreTrainedTokenizerFast is read with `tokenizers` alone, and
     matches what transformers' AutoTokenizer builds from the same files."""

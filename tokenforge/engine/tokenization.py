@@ -233,15 +233,13 @@ def load_tokenizer(source: str | Path | None = None, cache_dir: str | Path | Non
 
 
 def _load_hf_dir_tokenizer(model_dir: Path) -> Tokenizer:
-    if _generic_fast_tokenizer(model_dir):
-        # transformers would build exactly its generic fast tokenizer from these files: read them
-        # with `tokenizers` alone. Importing transformers' AutoTokenizer took 7.7-8.8 s of a
-        # server's warm start on the H200 host (its import chain reaches torch and the model code).
-        hf = FastTokenizerFiles(model_dir)
-    else:
-        from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when loading
-
-        hf = AutoTokenizer.from_pretrained(str(model_dir))
+    try:
+        hf = _hf_dir_tokenizer(model_dir)
+    except Exception:
+        for name in ("tokenizer.json", "tokenizer_config.json"):   # a broken file: an error naming it
+            if (model_dir / name).is_file():
+                read_json_object(model_dir / name)
+        raise
     extra: list[int] = []
     for name in ("generation_config.json", "config.json"):
         file = model_dir / name
@@ -249,6 +247,17 @@ def _load_hf_dir_tokenizer(model_dir: Path) -> Tokenizer:
             eos = read_json_object(file).get("eos_token_id")
             extra += eos if isinstance(eos, list) else ([] if eos is None else [eos])
     return Tokenizer(hf, tuple(int(e) for e in extra), str(model_dir))
+
+
+def _hf_dir_tokenizer(model_dir: Path):
+    if _generic_fast_tokenizer(model_dir):
+        # transformers would build exactly its generic fast tokenizer from these files: read them
+        # with `tokenizers` alone. Importing transformers' AutoTokenizer took 7.7-8.8 s of a
+        # server's warm start on the H200 host (its import chain reaches torch and the model code).
+        return FastTokenizerFiles(model_dir)
+    from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import, only when loading
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
 
 
 _GENERIC_FAST = ("PreTrainedTokenizerFast", "TokenizersBackend")    # the class's name before / since transformers 5
