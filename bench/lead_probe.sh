@@ -19,6 +19,9 @@
 #   gemv-tests  the GEMV GPU tests and the compile watch on the GPU (tiny-llama, LoRA variants included)
 #   gemv-kernels  bench kernels --part gemv (M = 1, 2, 4 against cuBLAS, config sweep; the B=1 decode step)
 #   lora-kernels  bench kernels --part lora (the batched LoRA delta at T 64-483 over 8/16 slots: tile shapes, dense cuBLAS form)
+#   lora-kernel-tests  tests/kernels/test_lora_kernels.py alone (the batched kernels against the reference)
+#   lora-tune   after lora-kernels: the fastest engine variant at T = 243 over 16 slots -> TOKENFORGE_LORA_TILES
+#               for the steps after it (lora-64, lora-w2, lora-64-prof run with those tiles; TILES="" undoes it)
 #   mid-gemm    bench kernels --part mid_gemm (the 8B linears at M 16-512: cuBLAS, cuBLASLt, padded rows)
 #   serving-step  bench kernels --part serving_step (the linears at M 1-512 and ragged decode attention against their floors)
 #   spec-serve  bench serve at 1 req/s, 30 x 1024/1024, the replay drafter (a = 0.8, K = 4) against no speculation
@@ -75,7 +78,12 @@ PY
   lora-diag) STEP_TAIL=40 step lora-diag 150 python3 bench/lora_diag.py ${DIAG:-bare lora lora-noexpand lora-expand-nopdl}; cp "$W/lora-diag.log" "$OUT/" ;;
   bare-w1) step bare-w1 90 python3 -m tokenforge.bench latency $M8 $Q --repeats 1 --profile-dir "$W/bare-w1/prof" \
              --results-dir "$W/bare-w1"; keep "$W/bare-w1" bare-w1 ;;
-  lora-kernels) step lora-kernels 300 python3 -m tokenforge.bench kernels --part lora --out "$W/lora-kernels"
+  lora-kernel-tests) step lora-kernel-tests 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider \
+                tests/kernels/test_lora_kernels.py ;;
+  lora-tune) TILES=$(python3 -c "import json; from tokenforge.bench.kernels.lora import best_tiles as b
+r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${TUNE_T:-243}, ${TUNE_S:-16})[1])" 2>>"$LOG")
+             export TOKENFORGE_LORA_TILES="$TILES"; echo "lora-tune: TOKENFORGE_LORA_TILES=$TILES" | tee -a "$LOG" ;;
+  lora-kernels) step lora-kernels ${LK_LIMIT:-300} python3 -m tokenforge.bench kernels --part lora --out "$W/lora-kernels"
              cp "$W/lora-kernels/kernels_lora.json" "$OUT/" 2>/dev/null ;;
   lora-64) step lora-64 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \
              --lora-rank 16 --repeats 1 --results-dir "$W/lora-64"; keep "$W/lora-64" lora-64 ;;

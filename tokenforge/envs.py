@@ -28,6 +28,7 @@ REPLAY_ACCEPTANCE = "TOKENFORGE_REPLAY_ACCEPTANCE"  # bench serve: the served re
 REPLAY_PROMPT_LEN = "TOKENFORGE_REPLAY_PROMPT_LEN"  # bench serve: its prompts' length (where outputs begin)
 STABLE_DUMMY = "TOKENFORGE_STABLE_DUMMY"        # bench serve: dummy weights whose greedy tokens no batch shape changes
 SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chained on the device ("0": off; any device)
+LORA_TILES = "TOKENFORGE_LORA_TILES"            # bench: the batched LoRA kernels' tile arguments, "name=int,..."
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -83,6 +84,22 @@ def spec_burst() -> int | None:
     """Verify iterations an n-gram burst chains (None: the engine's default where bursts apply)."""
     value = _get(SPEC_BURST)
     return int(value) if value not in (None, "") else None
+
+
+LORA_TILE_ARGS = ("expand_block_n", "expand_warps", "expand_waves", "shrink_waves")
+
+
+def lora_tiles() -> dict[str, int]:
+    """kernels/lora.py's tile arguments a measurement run sets (read once, when the adapter slots
+    are built); {} when unset. A name outside LORA_TILE_ARGS or a value that is not an int is a
+    ValueError naming the variable."""
+    out = {}
+    for item in filter(None, (_get(LORA_TILES) or "").replace(" ", "").split(",")):
+        name, _, value = item.partition("=")
+        if name not in LORA_TILE_ARGS or not value.isdigit():
+            raise ValueError(f"{LORA_TILES}: {item!r} is not one of {', '.join(LORA_TILE_ARGS)} = a whole number")
+        out[name] = int(value)
+    return out
 
 
 def replay_settings() -> tuple[float, int]:

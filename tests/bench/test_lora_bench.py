@@ -12,7 +12,8 @@ def test_lora_smoke(tmp_path):
              "--num-adapters", "3", "--lora-rank", "4", "--max-loras", "2", "--lora-dir", str(tmp_path / "ad"),
              *COMMON)
     assert r["workload"] == "W2-lora" and r["bare"]["output_tok_s"] > 0 and r["lora"]["output_tok_s"] > 0
-    assert r["adapters"] == {"num": 3, "rank": 4, "max_loras": 2, "targets": "q,k,v,o,gate,up,down"}
+    assert r["adapters"] == {"num": 3, "rank": 4, "max_loras": 2, "targets": "q,k,v,o,gate,up,down",
+                            "kernel_tiles": {}}
     assert r["lora_vs_bare"] > 0 and all(s >= 1 for s in r["swaps_per_run"])     # 3 adapters through 2 slots
     assert len(list((tmp_path / "ad").glob("adapter-*/adapter_model.safetensors"))) == 3
 
@@ -24,3 +25,15 @@ def test_timeline_advance_counts_only_what_a_kernel_adds():
     kernels = [(0, 10, "gemv"), (2, 13, "expand"), (12, 20, "gemv"), (14, 16, "norm"), (25, 30, "expand")]
     assert timeline_advance(kernels) == {"gemv": 10 + 7, "expand": 3 + 5}
     assert timeline_advance([]) == {}
+
+
+def test_best_tiles_picks_the_fastest_engine_variant():
+    """The tuned run's tiles: the smallest layer total among variants the engine can take (the
+    default plan, within tolerance), never the dense form or a 16-row plan."""
+    from tokenforge.bench.kernels.lora import best_tiles                # noqa: PLC0415
+    rows = [{"t": 243, "slots": 16, "linear": lin, "variant": v, "us": us, "rel_err": err}
+            for lin in ("qkv", "down")
+            for v, us, err in (("triton", 10, 0), ("loop-n128-v4", 6, 0), ("dense", 1, 0), ("triton-m16", 2, 0),
+                               ("shrink-v8", 3, 0.5))]
+    assert best_tiles(rows, 243, 16) == ("loop-n128-v4", "expand_block_n=128,expand_waves=4")
+    assert best_tiles(rows, 483, 8) == ("", "")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.kernels.conftest import INTERPRET, _rel_err, _tol
-from tokenforge.kernels.lora import lora_block_m, lora_plan, lora_reference, lora_shrink_expand
+from tokenforge.kernels.lora import expand_cols, lora_block_m, lora_plan, lora_reference, lora_shrink_expand
 
 CASES = [  # (tokens, in, slices, slots, rank)
     (1, 64, (96,), 1, 16),
@@ -72,15 +72,25 @@ def test_triton_matches_reference(case, dtype, device):
     assert torch.equal(out[base_rows], y[base_rows])
 
 
-@pytest.mark.parametrize("block_m,block_n,warps", [(16, 128, None), (None, 256, 8), (16, 64, None)])
-def test_triton_tile_shapes_agree(block_m, block_n, warps, device):
+@pytest.mark.parametrize("block_m,block_n,warps,waves", [(16, 128, None, 0), (None, 256, 8, 0), (16, 64, None, 0),
+                                                         (None, 32, None, 1), (16, 64, 8, 2)])
+def test_triton_tile_shapes_agree(block_m, block_n, warps, waves, device):
     """The tile shapes `bench kernels --part lora` compares (16-row tiles, wider expand blocks
     crossing the q/k/v slice bounds) give the reference's delta."""
     x, y, a, b, scale, idx, slices = _problem(150, 64, (96, 32, 32), 5, 16, torch.float32, device)
     ref = lora_reference(x, y, a, b, scale, idx, slices)
     out = lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices, lora_plan(idx, 5, block_m=block_m),
-                             expand_block_n=block_n, expand_warps=warps)
+                             expand_block_n=block_n, expand_warps=warps, expand_waves=waves)
     assert _rel_err(out, ref) < (1e-5 if INTERPRET else 1e-2)
+
+
+def test_expand_columns_a_program():
+    """The expand's column run: one block without waves; with them, the widest power-of-two run
+    that still leaves `waves` programs an SM, never past the output (so the loop ends)."""
+    assert expand_cols(24, 28672, 128, 132, 0) == 128
+    assert expand_cols(24, 28672, 128, 132, 4) == 1024          # 24 tiles x 28 runs >= 4 x 132
+    assert expand_cols(24, 6144, 128, 132, 4) == 256             # 24 x 12 runs of 512 would be under 4 x 132
+    assert expand_cols(10, 160, 32, 8, 1) == 256                 # the whole output in one program, then stop
 
 
 def test_triton_reads_the_index_from_the_device(device):
@@ -149,3 +159,17 @@ def test_warm_up_counts_meet_every_kernel_variant(slots, packed_rank, in_feature
     for t in range(1, 8193, 97):          # the split sizes cover K in whole 64-column tiles
         _, splits, size = _variant(t, slots, packed_rank, in_features, sms)
         assert (splits - 1) * size < in_features <= splits * size and size % 64 == 0
+
+
+def test_tile_arguments_from_the_environment(monkeypatch):
+    """TOKENFORGE_LORA_TILES sets the slots' tile arguments once, at build; a bad item is refused."""
+    from tokenforge import envs                                    # noqa: PLC0415
+    from tokenforge.model.layers.lora import LoRASlots              # noqa: PLC0415
+    monkeypatch.delenv(envs.LORA_TILES, raising=False)
+    assert LoRASlots(2, 8, 8, 16).tiles == {}
+    monkeypatch.setenv(envs.LORA_TILES, "expand_block_n=128, expand_waves=4,shrink_waves=8")
+    assert LoRASlots(2, 8, 8, 16).tiles == {"expand_block_n": 128, "expand_waves": 4, "shrink_waves": 8}
+    for bad in ("block_m=16", "expand_waves=four", "expand_waves"):
+        monkeypatch.setenv(envs.LORA_TILES, bad)
+        with pytest.raises(ValueError, match="TOKENFORGE_LORA_TILES"):
+            LoRASlots(2, 8, 8, 16)

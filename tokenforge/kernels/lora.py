@@ -51,10 +51,11 @@ def lora_reference(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
              scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...],
-             plan: LoRAPlan | None = None) -> torch.Tensor:
-    """The kernels on CUDA (y updated in place), the reference elsewhere."""
+             plan: LoRAPlan | None = None, **tiles: int) -> torch.Tensor:
+    """The kernels on CUDA (y updated in place; `tiles`, lora_shrink_expand's tile arguments), the
+    reference elsewhere."""
     if HAS_TRITON and x.is_cuda:
-        return lora_shrink_expand(x, y, lora_a, lora_b, scale, indices, slices, plan)
+        return lora_shrink_expand(x, y, lora_a, lora_b, scale, indices, slices, plan, **tiles)
     return lora_reference(x, y, lora_a, lora_b, scale, indices, slices)
 
 
@@ -155,9 +156,13 @@ def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, ou
 
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, y_ptr, out_features,
-                   stride_split, stride_s, stride_bs, stride_bn, stride_y, SPLITS: tl.constexpr, RANK: tl.constexpr,
+                   cols_per_program, stride_s, stride_bs, stride_bn, stride_y, RANK: tl.constexpr,
                    NUM_SLICES: tl.constexpr, SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+    """One (tile, run of `cols_per_program` output columns): y[rows, cols] += scale[slot] *
+    shrunk[rows, slice(col)] B[slot][cols]^T, BLOCK_N columns an iteration. The tile's rows and
+    shrunk ranks are loaded once; the loop's B and y loads do not depend on each other, so the
+    compiler can issue the next block's while this one's dot runs."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -167,37 +172,57 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
         pos = tl.load(tstart_ptr + tile) + tl.arange(0, BLOCK_M)
         ok = tl.arange(0, BLOCK_M) < tl.load(tcount_ptr + tile)
         rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
-        col0 = tl.program_id(1) * BLOCK_N
-        cols = col0 + tl.arange(0, BLOCK_N)
-        col_ok = cols < out_features
-        # the packed slice of each output column (its shrunk ranks start at slice * RANK); a bound
-        # past the last slice is out_features, which no column reaches
-        slice_of_col = (cols >= SLICE1).to(tl.int32) + (cols >= SLICE2).to(tl.int32)
+        scale = tl.load(scale_ptr + slot)
         rs = tl.arange(0, RANK)
-        bt = tl.load(b_ptr + slot.to(tl.int64) * stride_bs + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
-                     mask=col_ok[None, :], other=0.0)                                        # [R, BLOCK_N]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for j in tl.static_range(NUM_SLICES):
-            lo = 0 if j == 0 else (SLICE1 if j == 1 else SLICE2)
-            hi = SLICE1 if j == 0 else (SLICE2 if j == 1 else out_features)
-            if (col0 < hi) & (col0 + BLOCK_N > lo):      # only the slices this column block meets
-                st_ptrs = s_ptr + pos[:, None].to(tl.int64) * stride_s + j * RANK + rs[None, :]
-                st = tl.zeros((BLOCK_M, RANK), dtype=tl.float32)
-                for sp in tl.static_range(SPLITS):        # the shrink's K splits, in order
-                    st += tl.load(st_ptrs + sp * stride_split, mask=ok[:, None], other=0.0)
-                d = tl.dot(st.to(bt.dtype), bt)
-                acc += tl.where((slice_of_col == j)[None, :], d, 0.0)
-        y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
-        mask = ok[:, None] & col_ok[None, :]
-        y = tl.load(y_ptrs, mask=mask, other=0.0)
-        tl.store(y_ptrs, (y.to(tl.float32) + acc * tl.load(scale_ptr + slot)).to(y_ptr.dtype.element_ty), mask=mask)
+        st_ptrs = s_ptr + pos[:, None].to(tl.int64) * stride_s + rs[None, :]
+        b_slot = b_ptr + slot.to(tl.int64) * stride_bs
+        # each slice's shrunk ranks [BLOCK_M, RANK] (a bound past the last slice is out_features)
+        st0 = tl.load(st_ptrs, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
+        st1 = st0
+        st2 = st0
+        if NUM_SLICES > 1:
+            st1 = tl.load(st_ptrs + RANK, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
+        if NUM_SLICES > 2:
+            st2 = tl.load(st_ptrs + 2 * RANK, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
+        first = tl.program_id(1) * cols_per_program
+        for c in range(0, cols_per_program, BLOCK_N):       # the last program's run may end past out
+            cols = first + c + tl.arange(0, BLOCK_N)
+            col_ok = cols < out_features
+            bt = tl.load(b_slot + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
+                         mask=col_ok[None, :], other=0.0)                                    # [R, BLOCK_N]
+            y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
+            mask = ok[:, None] & col_ok[None, :]
+            y = tl.load(y_ptrs, mask=mask, other=0.0)
+            if NUM_SLICES == 1:
+                acc = tl.dot(st0, bt)
+            else:         # each column's own slice (a block may cross a bound)
+                slice_of_col = (cols >= SLICE1).to(tl.int32) + (cols >= SLICE2).to(tl.int32)
+                none = tl.zeros_like(bt)
+                acc = tl.dot(st0, tl.where((slice_of_col == 0)[None, :], bt, none))
+                acc = tl.dot(st1, tl.where((slice_of_col == 1)[None, :], bt, none), acc)
+                if NUM_SLICES > 2:
+                    acc = tl.dot(st2, tl.where((slice_of_col == 2)[None, :], bt, none), acc)
+            tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _k_splits(programs: int, in_features: int, sms: int) -> tuple[int, int]:
+def expand_cols(num_tiles: int, out_features: int, block_n: int, sms: int, waves: int) -> int:
+    """The output columns an expand program covers: BLOCK_N times the fewest iterations that keep
+    about `waves` programs an SM over `num_tiles` tiles (a power of two, so few distinct values);
+    `waves` 0: one block a program."""
+    iters = 1
+    while waves and block_n * iters < out_features and num_tiles * _cdiv(out_features, block_n * iters * 2) >= waves * sms:
+        iters *= 2
+    return block_n * iters
+
+
+SHRINK_WAVES = 2                # the shrink's programs an SM the K splits aim for
+
+
+def _k_splits(programs: int, in_features: int, sms: int, waves: int = SHRINK_WAVES) -> tuple[int, int]:
     """(splits, split size) of the shrink's K: a power of two of splits (few kernel variants)
-    until it has about two programs per SM (a decode batch has a tile or two), each split at least
-    256 inputs."""
-    want, splits = _cdiv(2 * sms, programs), 1
+    until it has about `waves` programs per SM (a decode batch has a tile or two), each split at
+    least 256 inputs."""
+    want, splits = _cdiv(waves * sms, programs), 1
     while splits < want and splits * 2 * 256 <= in_features:
         splits *= 2
     split_size = _cdiv(_cdiv(in_features, splits), 64) * 64
@@ -208,26 +233,29 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _variant(num_tokens: int, num_slots: int, packed_rank: int, in_features: int, sms: int) -> tuple[int, ...]:
+def _variant(num_tokens: int, num_slots: int, packed_rank: int, in_features: int, sms: int,
+             shrink_waves: int = SHRINK_WAVES) -> tuple[int, ...]:
     """The compile-time constants the kernels take for a step of `num_tokens` rows (BLOCK_M, SPLITS,
     SPLIT_SIZE): the shapes they depend on are T, the slots and the linear's, never the data."""
     programs = plan_tiles(num_tokens, num_slots) * _cdiv(packed_rank, rank_block(packed_rank))
-    return (lora_block_m(num_tokens), *_k_splits(programs, in_features, sms))
+    return (lora_block_m(num_tokens), *_k_splits(programs, in_features, sms, shrink_waves))
 
 
-def warm_up_token_counts(num_slots: int, packed_rank: int, in_features: int, max_tokens: int, sms: int) -> list[int]:
+def warm_up_token_counts(num_slots: int, packed_rank: int, in_features: int, max_tokens: int, sms: int,
+                         shrink_waves: int = SHRINK_WAVES) -> list[int]:
     """One row count for each kernel variant steps of 1..max_tokens rows can take: running the
     kernels at these counts compiles every variant serving can meet."""
     first: dict[tuple[int, ...], int] = {}
     for t in range(1, max_tokens + 1):
-        first.setdefault(_variant(t, num_slots, packed_rank, in_features, sms), t)
+        first.setdefault(_variant(t, num_slots, packed_rank, in_features, sms, shrink_waves), t)
     return sorted(first.values())
 
 
 @torch.no_grad()
 def warm_up_lora_kernels(slots, max_tokens: int) -> int:
     """Compile the shrink / expand variants of every distinct LoRA linear (`slots`: objects with
-    lora_A [S, nR, in], lora_B [S, out, R], scale, slices) for steps of up to `max_tokens` rows,
+    lora_A [S, nR, in], lora_B [S, out, R], scale, slices, and optionally `tiles`, the tile
+    arguments they run with) for steps of up to `max_tokens` rows,
     before the engine is Ready (a request would otherwise wait for the compile). Returns the number
     of launches made."""
     seen, launches = set(), 0
@@ -238,10 +266,13 @@ def warm_up_lora_kernels(slots, max_tokens: int) -> int:
             continue
         seen.add(key)
         num_slots, packed_rank, in_features = a.shape
-        for t in warm_up_token_counts(num_slots, packed_rank, in_features, max_tokens, _num_sms(a.device)):
+        tiles = getattr(m, "tiles", {})
+        for t in warm_up_token_counts(num_slots, packed_rank, in_features, max_tokens, _num_sms(a.device),
+                                      tiles.get("shrink_waves", SHRINK_WAVES)):
             x = torch.zeros(t, in_features, dtype=a.dtype, device=a.device)
             y = torch.zeros(t, b.shape[1], dtype=a.dtype, device=a.device)
-            lora_shrink_expand(x, y, a, b, m.scale, torch.zeros(t, dtype=torch.int32, device=a.device), m.slices)
+            lora_shrink_expand(x, y, a, b, m.scale, torch.zeros(t, dtype=torch.int32, device=a.device), m.slices,
+                               **tiles)
             launches += 1
     return launches
 
@@ -254,11 +285,14 @@ def _num_sms(device: torch.device) -> int:
 def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                        scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...],
                        plan: LoRAPlan | None = None, expand_block_n: int = 64,
-                       expand_warps: int | None = None) -> torch.Tensor:
+                       expand_warps: int | None = None, expand_waves: int = 0,
+                       shrink_waves: int = SHRINK_WAVES) -> torch.Tensor:
     """The Triton path of `lora_reference`; y [T, out] (contiguous rows) is updated in place.
     `plan`: lora_plan(indices, S), shared by the step's linears (computed here when absent).
-    `expand_block_n`, `expand_warps`: the expand's output columns a program and its warps
-    (`bench kernels --part lora` compares them)."""
+    `expand_block_n`, `expand_warps`: the expand's output columns an iteration and its warps;
+    `expand_waves`: loop over column blocks in each program, keeping about that many programs an
+    SM (0: one block a program); `shrink_waves`, the shrink's (its K splits). `bench kernels --part
+    lora` compares them."""
     require_triton(x, y, lora_a, lora_b)
     assert len(slices) <= 3 and sum(slices) == y.shape[1] and x.stride(-1) == 1 and y.stride(-1) == 1
     num_slots, packed_rank, in_features = lora_a.shape
@@ -272,7 +306,7 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     block_r = rank_block(packed_rank)
     rank_blocks = triton.cdiv(packed_rank, block_r)
     assert rank_blocks <= MAX_RANK_BLOCKS, f"a packed LoRA rank of {packed_rank} takes over {MAX_RANK_BLOCKS} blocks"
-    splits, split_size = _k_splits(num_tiles * rank_blocks, in_features, _num_sms(x.device))
+    splits, split_size = _k_splits(num_tiles * rank_blocks, in_features, _num_sms(x.device), shrink_waves)
     partial = torch.empty(splits, num_tokens, packed_rank, dtype=torch.float32, device=x.device)
     pdl = use_pdl(x)
     _shrink_kernel[(num_tiles, rank_blocks, splits)](
@@ -282,11 +316,12 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
         launch_pdl=pdl)
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [out_features] * 2
     launch = {} if expand_warps is None else {"num_warps": expand_warps}
-    _expand_kernel[(num_tiles, triton.cdiv(out_features, expand_block_n))](
-        partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features,
-        partial.stride(0), partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), SPLITS=1,
-        RANK=rank, NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m,
-        BLOCK_N=expand_block_n, USE_PDL=pdl, launch_pdl=pdl, **launch)
+    cols = expand_cols(num_tiles, out_features, expand_block_n, _num_sms(x.device), expand_waves)
+    _expand_kernel[(num_tiles, triton.cdiv(out_features, cols))](
+        partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features, cols,
+        partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), RANK=rank, NUM_SLICES=len(slices),
+        SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m, BLOCK_N=expand_block_n, USE_PDL=pdl, launch_pdl=pdl,
+        **launch)
     return y
 
 

@@ -60,9 +60,29 @@ def dense_delta(lin: _Linear, i: int, weight: torch.Tensor) -> None:
         start += size
 
 
-def triton_delta(lin: _Linear, i: int, indices, plan, block_n: int, warps: int | None) -> None:
-    K.lora_shrink_expand(lin.x[i], lin.y[i], lin.a[i], lin.b[i], lin.scale, indices, lin.slices, plan,
-                         expand_block_n=block_n, expand_warps=warps)
+def triton_delta(lin: _Linear, i: int, indices, plan, how: dict) -> None:
+    K.lora_shrink_expand(lin.x[i], lin.y[i], lin.a[i], lin.b[i], lin.scale, indices, lin.slices, plan, **how)
+
+
+# name: (plan, lora_shrink_expand's tile arguments); "dense" is the cuBLAS form
+VARIANTS = {
+    "triton": ("plan", {}),
+    "triton-n128": ("plan", {"expand_block_n": 128}),
+    "triton-n128-w8": ("plan", {"expand_block_n": 128, "expand_warps": 8}),
+    "triton-n256-w8": ("plan", {"expand_block_n": 256, "expand_warps": 8}),
+    "triton-m16": ("plan16", {}),
+    "triton-m16-n128": ("plan16", {"expand_block_n": 128}),
+    "loop-n64-v4": ("plan", {"expand_waves": 4}),
+    "loop-n128-v4": ("plan", {"expand_block_n": 128, "expand_waves": 4}),
+    "loop-n128-v2": ("plan", {"expand_block_n": 128, "expand_waves": 2}),
+    "loop-n128-v8": ("plan", {"expand_block_n": 128, "expand_waves": 8}),
+    "loop-n256-w8-v4": ("plan", {"expand_block_n": 256, "expand_warps": 8, "expand_waves": 4}),
+    "loop-m16-n128-v4": ("plan16", {"expand_block_n": 128, "expand_waves": 4}),
+    "shrink-v4": ("plan", {"shrink_waves": 4}),
+    "shrink-v8": ("plan", {"shrink_waves": 8}),
+    "loop-n128-v4-shrink-v4": ("plan", {"expand_block_n": 128, "expand_waves": 4, "shrink_waves": 4}),
+    "dense": None,
+}
 
 
 def bench_case(t: int, s: int, device, bw: float, layers: int, shapes=SHAPES) -> list[dict]:
@@ -70,9 +90,7 @@ def bench_case(t: int, s: int, device, bw: float, layers: int, shapes=SHAPES) ->
     indices = torch.randint(0, s, (t,), generator=gen).to(torch.int32).to(device)
     used = int(indices.unique().numel())
     plans = {"plan": K.lora_plan(indices, s), "plan16": K.lora_plan(indices, s, block_m=16)}
-    variants = {"triton": ("plan", 64, None), "triton-n128": ("plan", 128, None), "triton-n128-w8": ("plan", 128, 8),
-                "triton-n256-w8": ("plan", 256, 8), "triton-m16": ("plan16", 64, None),
-                "triton-m16-n128": ("plan16", 128, None), "dense": None}
+    variants = VARIANTS
     rows = []
     for name, k, slices in shapes:
         lin = _Linear(t, s, k, slices, layers, device)
@@ -85,7 +103,7 @@ def bench_case(t: int, s: int, device, bw: float, layers: int, shapes=SHAPES) ->
                     if how is None:
                         dense_delta(lin, i, weight)
                     else:
-                        triton_delta(lin, i, indices, plans[how[0]], how[1], how[2])
+                        triton_delta(lin, i, indices, plans[how[0]], how[1])
             lin.y[0].zero_()
             run()                                           # layer 0's delta alone, against the reference
             err = (lin.y[0].float() - want.float()).abs().max().item() / want.float().abs().max().item()
@@ -101,8 +119,24 @@ def run(out_dir: str, smoke: bool = False) -> dict:
     device, bw, result = start_run(out_dir, smoke, " --part lora")
     bw = 1e12 if smoke else bw
     result |= {"rank": RANK, "cases": []}
-    for t, s in ([(5, 3)] if smoke else [(64, 8), (243, 16), (483, 8), (483, 16), (128, 16)]):
+    # W2's operating points first (64 adapters through 16 slots: ~243 decode rows; 8 through 8: ~483)
+    for t, s in ([(5, 3)] if smoke else [(243, 16), (483, 8), (64, 8), (128, 16), (483, 16)]):
         result["cases"] += guarded(lambda t=t, s=s: bench_case(t, s, device, bw, 1 if smoke else 6,
                                                                     SMOKE_SHAPES if smoke else SHAPES), f"lora T={t} S={s}")
         save_result(out_dir, result, "kernels_lora.json")
     return result
+
+
+def best_tiles(cases: list[dict], t: int, slots: int) -> tuple[str, str]:
+    """(variant, TOKENFORGE_LORA_TILES value) of the fastest Triton variant the engine can take (the
+    default plan's tiles) for a layer's four linears at T rows over `slots` slots; ("", "") when
+    that case has no rows."""
+    total: dict[str, float] = {}
+    for row in cases:
+        how = VARIANTS.get(row["variant"])
+        if row["t"] == t and row["slots"] == slots and how is not None and how[0] == "plan" and row["rel_err"] < 2e-2:
+            total[row["variant"]] = total.get(row["variant"], 0.0) + row["us"]
+    if not total:
+        return "", ""
+    name = min(total, key=total.get)
+    return name, ",".join(f"{k}={v}" for k, v in VARIANTS[name][1].items())

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenforge import envs
 from tokenforge.kernels.gemv_lora import GemvLoRA
 from tokenforge.kernels.lora import add_lora, lora_plan
 from tokenforge.model.forward_context import current_forward_context
@@ -76,6 +77,7 @@ class LoRASlots(nn.Module):
         self.register_buffer("lora_A", torch.zeros(num_slots, n * self.rank, in_features, dtype=dtype))
         self.register_buffer("lora_B", torch.zeros(num_slots, out_features, self.rank, dtype=dtype))
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32))
+        self.tiles = envs.lora_tiles()      # the kernels' tile arguments ({}: their defaults)
 
     @torch.no_grad()
     def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
@@ -123,7 +125,8 @@ class LoRASlots(nn.Module):
             plan = ctx.lora_plan
             if plan is None or plan.rows.shape[0] != indices.shape[0]:
                 plan = ctx.lora_plan = lora_plan(indices, self.lora_A.shape[0])
-        return add_lora(x2, y2, self.lora_A, self.lora_B, self.scale, indices, self.slices, plan).reshape(y.shape)
+        return add_lora(x2, y2, self.lora_A, self.lora_B, self.scale, indices, self.slices, plan,
+                        **self.tiles).reshape(y.shape)
 
 
 __all__ = ["LoRA", "LoRASlots"]
