@@ -84,6 +84,12 @@ def test_triton_tile_shapes_agree(block_m, block_n, warps, waves, device):
     assert _rel_err(out, ref) < (1e-5 if INTERPRET else 1e-2)
 
 
+def test_tile_rows_follow_the_rows_per_slot():
+    """16-row tiles while the slots average 16 rows or fewer (decode over many adapters), else by T."""
+    assert [lora_block_m(t, s) for t, s in ((1, 1), (128, 1), (243, 16), (256, 16), (257, 16), (483, 8), (483, 16),
+                                            (2048, 16), (8192, 64))] == [16, 16, 16, 16, 32, 32, 32, 64, 64]
+
+
 def test_expand_columns_a_program():
     """The expand's column run: one block without waves; with them, the widest power-of-two run
     that still leaves `waves` programs an SM, never past the output (so the loop ends)."""
@@ -110,7 +116,7 @@ def test_plan_tiles_every_adapter_row_once_with_its_own_slot(case):
     tokens, slots = case[0], case[3]
     idx = _problem(*case, torch.float32, "cpu")[5]
     plan = lora_plan(idx, slots)
-    assert plan.block_m == lora_block_m(tokens) and plan.tile_slot.shape[0] == -(-tokens // plan.block_m) + min(slots, tokens)
+    assert plan.block_m == lora_block_m(tokens, slots) and plan.tile_slot.shape[0] == -(-tokens // plan.block_m) + min(slots, tokens)
     seen = []
     for slot, start, count in zip(plan.tile_slot.tolist(), plan.tile_start.tolist(), plan.tile_count.tolist()):
         if slot < 0:
@@ -154,7 +160,7 @@ def test_warm_up_counts_meet_every_kernel_variant(slots, packed_rank, in_feature
     counts = warm_up_token_counts(slots, packed_rank, in_features, 8192, sms)
     every = {_variant(t, slots, packed_rank, in_features, sms) for t in range(1, 8193)}
     mine = [_variant(t, slots, packed_rank, in_features, sms) for t in counts]
-    assert set(mine) == every and len(mine) == len(every) and len(every) > 3
+    assert set(mine) == every and len(mine) == len(every) and len(every) >= 3
     assert {v[0] for v in mine} == {16, 32, 64}
     for t in range(1, 8193, 97):          # the split sizes cover K in whole 64-column tiles
         _, splits, size = _variant(t, slots, packed_rank, in_features, sms)

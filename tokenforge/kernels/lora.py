@@ -73,14 +73,18 @@ class LoRAPlan(NamedTuple):
 MAX_RANK_BLOCKS = 16            # rank blocks of 64 a linear's packed rank may take (3 slices of R = 256)
 
 
-def lora_block_m(num_tokens: int) -> int:
-    return 16 if num_tokens <= 128 else (32 if num_tokens <= 1024 else 64)
+def lora_block_m(num_tokens: int, num_slots: int = 1) -> int:
+    """BLOCK_M, the rows a tile: 16 while the slots average at most 16 rows each (a decode batch
+    spread over many adapters: 32-row tiles would run half empty), else by the step's size."""
+    if num_tokens <= 128 or num_tokens <= 16 * num_slots:
+        return 16
+    return 32 if num_tokens <= 1024 else 64
 
 
 def plan_tiles(num_tokens: int, num_slots: int) -> int:
     """The plan's fixed tile count for a step of `num_tokens` rows over `num_slots` slots (each
     slot's rows may leave one tile part-filled)."""
-    return _cdiv(num_tokens, lora_block_m(num_tokens)) + min(num_slots, num_tokens)
+    return _cdiv(num_tokens, lora_block_m(num_tokens, num_slots)) + min(num_slots, num_tokens)
 
 
 def rank_block(packed_rank: int) -> int:
@@ -92,7 +96,7 @@ def lora_plan(indices: torch.Tensor, num_slots: int, block_m: int | None = None)
     """The tiles of one step's rows (device ops only, no host sync; shapes depend on T and S alone);
     `block_m`, the rows a tile (default: `lora_block_m`'s choice for T)."""
     num_tokens = indices.shape[0]
-    block_m = block_m or lora_block_m(num_tokens)
+    block_m = block_m or lora_block_m(num_tokens, num_slots)
     idx = indices.to(torch.int32)
     rows = torch.sort(idx, stable=True).indices.to(torch.int32)                        # base rows (-1) first
     counts = (idx[:, None] == torch.arange(num_slots, device=idx.device, dtype=torch.int32)).sum(0, dtype=torch.int32)
@@ -123,10 +127,12 @@ def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, ou
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
-    slot = tl.load(tslot_ptr + tile)
+    slot = tl.load(tslot_ptr + tile)          # the three table loads at once (an unused tile: count 0)
+    start = tl.load(tstart_ptr + tile)
+    count = tl.load(tcount_ptr + tile)
     if slot >= 0:
-        pos = tl.load(tstart_ptr + tile) + tl.arange(0, BLOCK_M)
-        ok = tl.arange(0, BLOCK_M) < tl.load(tcount_ptr + tile)
+        pos = start + tl.arange(0, BLOCK_M)
+        ok = tl.arange(0, BLOCK_M) < count
         rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
         ranks = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         rank_ok = ranks < PACKED_RANK
@@ -163,19 +169,28 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
     shrunk[rows, slice(col)] B[slot][cols]^T, BLOCK_N columns an iteration. The tile's rows and
     shrunk ranks are loaded once; the loop's B and y loads do not depend on each other, so the
     compiler can issue the next block's while this one's dot runs."""
+    # Before the PDL wait, what the kernel before cannot have written: the plan's tables and rows
+    # (made at the step's first LoRA linear, before its shrink, which waited for them) and the
+    # first block of B (weights). The shrunk ranks and y come after it.
+    tile = tl.program_id(0)
+    slot = tl.load(tslot_ptr + tile)
+    start = tl.load(tstart_ptr + tile)
+    count = tl.load(tcount_ptr + tile)
+    pos = start + tl.arange(0, BLOCK_M)
+    ok = tl.arange(0, BLOCK_M) < count                 # an unused tile (slot -1) has count 0
+    rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
+    rs = tl.arange(0, RANK)
+    b_slot = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    first = tl.program_id(1) * cols_per_program
+    cols = first + tl.arange(0, BLOCK_N)
+    bt = tl.load(b_slot + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
+                 mask=(slot >= 0) & (cols < out_features)[None, :], other=0.0)                # [R, BLOCK_N]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    tile = tl.program_id(0)
-    slot = tl.load(tslot_ptr + tile)
     if slot >= 0:
-        pos = tl.load(tstart_ptr + tile) + tl.arange(0, BLOCK_M)
-        ok = tl.arange(0, BLOCK_M) < tl.load(tcount_ptr + tile)
-        rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
         scale = tl.load(scale_ptr + slot)
-        rs = tl.arange(0, RANK)
         st_ptrs = s_ptr + pos[:, None].to(tl.int64) * stride_s + rs[None, :]
-        b_slot = b_ptr + slot.to(tl.int64) * stride_bs
         # each slice's shrunk ranks [BLOCK_M, RANK] (a bound past the last slice is out_features)
         st0 = tl.load(st_ptrs, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
         st1 = st0
@@ -184,12 +199,9 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
             st1 = tl.load(st_ptrs + RANK, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
         if NUM_SLICES > 2:
             st2 = tl.load(st_ptrs + 2 * RANK, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
-        first = tl.program_id(1) * cols_per_program
         for c in range(0, cols_per_program, BLOCK_N):       # the last program's run may end past out
             cols = first + c + tl.arange(0, BLOCK_N)
             col_ok = cols < out_features
-            bt = tl.load(b_slot + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
-                         mask=col_ok[None, :], other=0.0)                                    # [R, BLOCK_N]
             y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
             mask = ok[:, None] & col_ok[None, :]
             y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -203,6 +215,9 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
                 if NUM_SLICES > 2:
                     acc = tl.dot(st2, tl.where((slice_of_col == 2)[None, :], bt, none), acc)
             tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
+            nxt = cols + BLOCK_N                          # the next iteration's B, while this one stores
+            bt = tl.load(b_slot + nxt[None, :].to(tl.int64) * stride_bn + rs[:, None],
+                         mask=((c + BLOCK_N < cols_per_program) & (nxt < out_features))[None, :], other=0.0)
 
 
 def expand_cols(num_tiles: int, out_features: int, block_n: int, sms: int, waves: int) -> int:
@@ -215,7 +230,12 @@ def expand_cols(num_tiles: int, out_features: int, block_n: int, sms: int, waves
     return block_n * iters
 
 
-SHRINK_WAVES = 2                # the shrink's programs an SM the K splits aim for
+# The tile arguments' defaults, from `bench kernels --part lora` (H100, wave 3 round 17: at 243 rows
+# over 16 slots and 483 over 8, 128-column iterations, ~4 programs an SM for both kernels beat one
+# 64-column block a program and 2 shrink programs an SM)
+EXPAND_BLOCK_N = 128            # the expand's output columns an iteration
+EXPAND_WAVES = 4                # the expand's programs an SM (its column run)
+SHRINK_WAVES = 4                # the shrink's programs an SM the K splits aim for
 
 
 def _k_splits(programs: int, in_features: int, sms: int, waves: int = SHRINK_WAVES) -> tuple[int, int]:
@@ -238,7 +258,7 @@ def _variant(num_tokens: int, num_slots: int, packed_rank: int, in_features: int
     """The compile-time constants the kernels take for a step of `num_tokens` rows (BLOCK_M, SPLITS,
     SPLIT_SIZE): the shapes they depend on are T, the slots and the linear's, never the data."""
     programs = plan_tiles(num_tokens, num_slots) * _cdiv(packed_rank, rank_block(packed_rank))
-    return (lora_block_m(num_tokens), *_k_splits(programs, in_features, sms, shrink_waves))
+    return (lora_block_m(num_tokens, num_slots), *_k_splits(programs, in_features, sms, shrink_waves))
 
 
 def warm_up_token_counts(num_slots: int, packed_rank: int, in_features: int, max_tokens: int, sms: int,
@@ -284,8 +304,8 @@ def _num_sms(device: torch.device) -> int:
 
 def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                        scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...],
-                       plan: LoRAPlan | None = None, expand_block_n: int = 64,
-                       expand_warps: int | None = None, expand_waves: int = 0,
+                       plan: LoRAPlan | None = None, expand_block_n: int = EXPAND_BLOCK_N,
+                       expand_warps: int | None = None, expand_waves: int = EXPAND_WAVES,
                        shrink_waves: int = SHRINK_WAVES) -> torch.Tensor:
     """The Triton path of `lora_reference`; y [T, out] (contiguous rows) is updated in place.
     `plan`: lora_plan(indices, S), shared by the step's linears (computed here when absent).

@@ -64,23 +64,19 @@ def triton_delta(lin: _Linear, i: int, indices, plan, how: dict) -> None:
     K.lora_shrink_expand(lin.x[i], lin.y[i], lin.a[i], lin.b[i], lin.scale, indices, lin.slices, plan, **how)
 
 
-# name: (plan, lora_shrink_expand's tile arguments); "dense" is the cuBLAS form
+# name: (plan, lora_shrink_expand's tile arguments); "dense" is the cuBLAS form. "triton" is the
+# engine's default; "round16" the tiles before wave 3 round 17 (32-row tiles past 128 rows, one
+# 64-column expand block a program, 2 shrink programs an SM)
 VARIANTS = {
     "triton": ("plan", {}),
-    "triton-n128": ("plan", {"expand_block_n": 128}),
-    "triton-n128-w8": ("plan", {"expand_block_n": 128, "expand_warps": 8}),
-    "triton-n256-w8": ("plan", {"expand_block_n": 256, "expand_warps": 8}),
-    "triton-m16": ("plan16", {}),
-    "triton-m16-n128": ("plan16", {"expand_block_n": 128}),
-    "loop-n64-v4": ("plan", {"expand_waves": 4}),
-    "loop-n128-v4": ("plan", {"expand_block_n": 128, "expand_waves": 4}),
-    "loop-n128-v2": ("plan", {"expand_block_n": 128, "expand_waves": 2}),
-    "loop-n128-v8": ("plan", {"expand_block_n": 128, "expand_waves": 8}),
-    "loop-n256-w8-v4": ("plan", {"expand_block_n": 256, "expand_warps": 8, "expand_waves": 4}),
-    "loop-m16-n128-v4": ("plan16", {"expand_block_n": 128, "expand_waves": 4}),
-    "shrink-v4": ("plan", {"shrink_waves": 4}),
+    "round16": ("plan32", {"expand_block_n": 64, "expand_waves": 0, "shrink_waves": 2}),
+    "m32": ("plan32", {}),
+    "n64": ("plan", {"expand_block_n": 64}),
+    "n256-w8": ("plan", {"expand_block_n": 256, "expand_warps": 8}),
+    "expand-v2": ("plan", {"expand_waves": 2}),
+    "expand-v8": ("plan", {"expand_waves": 8}),
+    "shrink-v2": ("plan", {"shrink_waves": 2}),
     "shrink-v8": ("plan", {"shrink_waves": 8}),
-    "loop-n128-v4-shrink-v4": ("plan", {"expand_block_n": 128, "expand_waves": 4, "shrink_waves": 4}),
     "dense": None,
 }
 
@@ -89,7 +85,7 @@ def bench_case(t: int, s: int, device, bw: float, layers: int, shapes=SHAPES) ->
     gen = torch.Generator().manual_seed(t * 131 + s)
     indices = torch.randint(0, s, (t,), generator=gen).to(torch.int32).to(device)
     used = int(indices.unique().numel())
-    plans = {"plan": K.lora_plan(indices, s), "plan16": K.lora_plan(indices, s, block_m=16)}
+    plans = {"plan": K.lora_plan(indices, s), "plan32": K.lora_plan(indices, s, block_m=16 if t <= 128 else 32)}
     variants = VARIANTS
     rows = []
     for name, k, slices in shapes:
