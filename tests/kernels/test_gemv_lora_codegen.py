@@ -17,7 +17,7 @@ import pytest
 triton = pytest.importorskip("triton")
 tl = triton.language
 
-from tokenforge.kernels import gemv, gemv_lora  # noqa: E402
+from tokenforge.kernels import gemv, gemv_lora, lora  # noqa: E402
 
 P = "*bf16"
 COMMON = {"x_ptr": P, "r_ptr": P, "nw_ptr": P, "w_ptr": P, "b_ptr": P, "y_ptr": P, "s_ptr": P}
@@ -28,12 +28,12 @@ LORA = {**COMMON, "a_ptr": P, "idx_ptr": "*i64", "shrunk_ptr": "*fp32", "N": "i3
 ALIGNED = {name for name in {**BARE, **LORA} if name.endswith("_ptr") or name in ("N", "K") or name.startswith("stride")}
 
 
-def _loads(fn, args: dict, consts: dict, warps: int) -> Counter:
+def _loads(fn, args: dict, consts: dict, warps: int, aligned=ALIGNED) -> Counter:
     from triton.backends.compiler import GPUTarget   # noqa: PLC0415
     from triton.compiler import ASTSource             # noqa: PLC0415
 
     signature = {**args, **dict.fromkeys(consts, "constexpr")}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in ALIGNED}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs)
     _need_sm90_backend()
     # A kernel that fails to compile fails the test (round 14's small-weight GEMV changed a helper's
@@ -72,3 +72,29 @@ def test_lora_gemv_loads_weights_as_wide_as_the_bare_gemv(shape, one_slot):
     weight = [op for op in bare if "evict_first" in op]
     assert weight and all(".v4." in op for op in weight), bare        # the bare GEMV's 16-byte weight loads
     assert {op: n for op, n in lora.items() if "evict_first" in op} == {op: bare[op] for op in weight}, (lora, bare)
+
+
+EXPAND = {"s_ptr": "*fp32", "b_ptr": P, "scale_ptr": "*fp32", "rows_ptr": "*i32", "tslot_ptr": "*i32",
+          "tstart_ptr": "*i32", "tcount_ptr": "*i32", "y_ptr": P, "out_features": "i32", "cols_per_program": "i32",
+          "stride_s": "i32", "stride_bs": "i32", "stride_bn": "i32", "stride_y": "i32"}
+SHRINK = {"x_ptr": P, "a_ptr": P, "rows_ptr": "*i32", "tslot_ptr": "*i32", "tstart_ptr": "*i32", "tcount_ptr": "*i32",
+          "out_ptr": "*fp32", "counter_ptr": "*i32", "in_features": "i32", "stride_x": "i32", "stride_as": "i32",
+          "stride_ar": "i32", "stride_split": "i32", "stride_o": "i32"}
+
+
+@pytest.mark.parametrize("slices", [(4096,), (14336, 14336), (4096, 1024, 1024)], ids=["o-down", "gate_up", "qkv"])
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_batched_lora_kernels_compile_for_sm90(slices, block_n):
+    """kernels/lora.py's expand (a run of column blocks, its prologue before the PDL wait) and shrink
+    compile for sm_90 with PDL; with the engine's 16-divisible sizes the expand reads no 2-byte
+    element at a time (B's [R, BLOCK_N] tile, R contiguous, and y's rows are 16-byte loads)."""
+    bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [sum(slices)] * 2
+    aligned = {n for n in {**EXPAND, **SHRINK} if n.endswith("_ptr") or n.startswith("stride")
+               or n in ("out_features", "cols_per_program", "in_features")}
+    expand = _loads(lora._expand_kernel, EXPAND, {"RANK": 16, "NUM_SLICES": len(slices), "SLICE1": bounds[0],
+                                                  "SLICE2": bounds[1], "BLOCK_M": 16, "BLOCK_N": block_n,
+                                                  "USE_PDL": True}, 4, aligned)
+    assert expand and not any(".b16" in op for op in expand) and any(".v4." in op for op in expand), expand
+    _loads(lora._shrink_kernel, SHRINK, {"SPLITS": 8, "SPLIT_SIZE": 512, "PACKED_RANK": 16 * len(slices),
+                                         "BLOCK_M": 16, "BLOCK_R": 64 if len(slices) == 3 else 16 * len(slices),
+                                         "BLOCK_K": 64, "USE_PDL": True}, 4, aligned)
