@@ -85,7 +85,7 @@ SHRINK = {"x_ptr": P, "a_ptr": P, "rows_ptr": "*i32", "tslot_ptr": "*i32", "tsta
 @pytest.mark.parametrize("slices", [(4096,), (14336, 14336), (4096, 1024, 1024)], ids=["o-down", "gate_up", "qkv"])
 @pytest.mark.parametrize("block_n", [64, 128])
 def test_batched_lora_kernels_compile_for_sm90(slices, block_n):
-    """kernels/lora.py's expand (a run of column blocks, its prologue before the PDL wait) and shrink
+    """kernels/lora.py's expand (a run of column blocks) and shrink
     compile for sm_90 with PDL; with the engine's 16-divisible sizes the expand reads no 2-byte
     element at a time (B's [R, BLOCK_N] tile, R contiguous, and y's rows are 16-byte loads)."""
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [sum(slices)] * 2

@@ -169,28 +169,19 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
     shrunk[rows, slice(col)] B[slot][cols]^T, BLOCK_N columns an iteration. The tile's rows and
     shrunk ranks are loaded once; the loop's B and y loads do not depend on each other, so the
     compiler can issue the next block's while this one's dot runs."""
-    # Before the PDL wait, what the kernel before cannot have written: the plan's tables and rows
-    # (made at the step's first LoRA linear, before its shrink, which waited for them) and the
-    # first block of B (weights). The shrunk ranks and y come after it.
-    tile = tl.program_id(0)
-    slot = tl.load(tslot_ptr + tile)
-    start = tl.load(tstart_ptr + tile)
-    count = tl.load(tcount_ptr + tile)
-    pos = start + tl.arange(0, BLOCK_M)
-    ok = tl.arange(0, BLOCK_M) < count                 # an unused tile (slot -1) has count 0
-    rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
-    rs = tl.arange(0, RANK)
-    b_slot = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
-    first = tl.program_id(1) * cols_per_program
-    cols = first + tl.arange(0, BLOCK_N)
-    bt = tl.load(b_slot + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
-                 mask=(slot >= 0) & (cols < out_features)[None, :], other=0.0)                # [R, BLOCK_N]
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+    tile = tl.program_id(0)
+    slot = tl.load(tslot_ptr + tile)
     if slot >= 0:
+        pos = tl.load(tstart_ptr + tile) + tl.arange(0, BLOCK_M)
+        ok = tl.arange(0, BLOCK_M) < tl.load(tcount_ptr + tile)
+        rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
         scale = tl.load(scale_ptr + slot)
+        rs = tl.arange(0, RANK)
         st_ptrs = s_ptr + pos[:, None].to(tl.int64) * stride_s + rs[None, :]
+        b_slot = b_ptr + slot.to(tl.int64) * stride_bs
         # each slice's shrunk ranks [BLOCK_M, RANK] (a bound past the last slice is out_features)
         st0 = tl.load(st_ptrs, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
         st1 = st0
@@ -199,9 +190,12 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
             st1 = tl.load(st_ptrs + RANK, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
         if NUM_SLICES > 2:
             st2 = tl.load(st_ptrs + 2 * RANK, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
+        first = tl.program_id(1) * cols_per_program
         for c in range(0, cols_per_program, BLOCK_N):       # the last program's run may end past out
             cols = first + c + tl.arange(0, BLOCK_N)
             col_ok = cols < out_features
+            bt = tl.load(b_slot + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
+                         mask=col_ok[None, :], other=0.0)                                    # [R, BLOCK_N]
             y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
             mask = ok[:, None] & col_ok[None, :]
             y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -215,9 +209,6 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
                 if NUM_SLICES > 2:
                     acc = tl.dot(st2, tl.where((slice_of_col == 2)[None, :], bt, none), acc)
             tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
-            nxt = cols + BLOCK_N                          # the next iteration's B, while this one stores
-            bt = tl.load(b_slot + nxt[None, :].to(tl.int64) * stride_bn + rs[:, None],
-                         mask=((c + BLOCK_N < cols_per_program) & (nxt < out_features))[None, :], other=0.0)
 
 
 def expand_cols(num_tiles: int, out_features: int, block_n: int, sms: int, waves: int) -> int:
