@@ -61,7 +61,7 @@ PY
     step lora-w1-waitfirst 150 python3 -m tokenforge.bench lora $M8 --workload W1 --num-adapters 1 --max-loras 1 \
       --lora-rank 16 --repeats 1 --results-dir "$W/lora-w1-waitfirst"; keep "$W/lora-w1-waitfirst" lora-w1-waitfirst
     cp /tmp/gemv_lora.py.keep tokenforge/kernels/gemv_lora.py ;;
-  lora-dense-tests) step lora-dense-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider \
+  lora-dense-tests) step lora-dense-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/model/test_lora_side_stream.py \
                 tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py ;;
   lora-tests) step lora-tests 200 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/kernels/test_gemv_lora.py \
                 tests/kernels/test_lora_delta.py tests/kernels/test_gemv_lora_codegen.py tests/executor/test_gpu_lora.py tests/kernels/test_lora_kernels.py \
