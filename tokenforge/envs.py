@@ -29,6 +29,7 @@ REPLAY_PROMPT_LEN = "TOKENFORGE_REPLAY_PROMPT_LEN"  # bench serve: its prompts' 
 STABLE_DUMMY = "TOKENFORGE_STABLE_DUMMY"        # bench serve: dummy weights whose greedy tokens no batch shape changes
 SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chained on the device ("0": off; any device)
 LORA_TILES = "TOKENFORGE_LORA_TILES"            # bench: the batched LoRA kernels' tile arguments, "name=int,..."
+LORA_SIDE_STREAM = "TOKENFORGE_LORA_SIDE_STREAM"  # bench: "1" runs the LoRA shrink on a side stream beside the product
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -100,6 +101,12 @@ def lora_tiles() -> dict[str, int]:
             raise ValueError(f"{LORA_TILES}: {item!r} is not one of {', '.join(LORA_TILE_ARGS)} = a whole number")
         out[name] = int(value)
     return out
+
+
+def lora_side_stream() -> bool:
+    """Whether the multi-LoRA shrink runs on a side stream beside the base product (model/lora.py,
+    read once when the slots are built; off until measured)."""
+    return _truthy(LORA_SIDE_STREAM)
 
 
 def replay_settings() -> tuple[float, int]:

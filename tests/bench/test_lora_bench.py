@@ -13,7 +13,7 @@ def test_lora_smoke(tmp_path):
              *COMMON)
     assert r["workload"] == "W2-lora" and r["bare"]["output_tok_s"] > 0 and r["lora"]["output_tok_s"] > 0
     assert r["adapters"] == {"num": 3, "rank": 4, "max_loras": 2, "targets": "q,k,v,o,gate,up,down",
-                            "kernel_tiles": {}}
+                            "kernel_tiles": {}, "side_stream": False}
     assert r["lora_vs_bare"] > 0 and all(s >= 1 for s in r["swaps_per_run"])     # 3 adapters through 2 slots
     assert len(list((tmp_path / "ad").glob("adapter-*/adapter_model.safetensors"))) == 3
 

@@ -305,35 +305,68 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
     SM (0: one block a program); `shrink_waves`, the shrink's (its K splits). `bench kernels --part
     lora` compares them."""
     require_triton(x, y, lora_a, lora_b)
-    assert len(slices) <= 3 and sum(slices) == y.shape[1] and x.stride(-1) == 1 and y.stride(-1) == 1
-    num_slots, packed_rank, in_features = lora_a.shape
-    rank, (num_tokens, out_features) = lora_b.shape[2], y.shape
-    assert rank == next_power_of_2(rank) and rank >= 16, "slot ranks are powers of two >= 16 (tl.dot, tl.arange)"
-    assert lora_a.stride(-1) == 1 and lora_b.stride(-1) == 1
-    if num_tokens == 0:
+    if y.shape[0] == 0:
         return y
-    plan = plan if plan is not None else lora_plan(indices, num_slots)
-    num_tiles, block_m = plan.tile_slot.shape[0], plan.block_m
+    plan = plan if plan is not None else lora_plan(indices, lora_a.shape[0])
+    partial = lora_shrink(x, lora_a, plan, shrink_buffer(x, lora_a, plan, shrink_waves), shrink_waves)
+    return lora_expand(partial, y, lora_b, scale, slices, plan, expand_block_n, expand_warps, expand_waves)
+
+
+def _shrink_grid(lora_a: torch.Tensor, plan: LoRAPlan, device: torch.device, waves: int) -> tuple[int, int, int, int]:
+    """(rank blocks, BLOCK_R, K splits, split size) of the shrink over `plan`'s tiles."""
+    _, packed_rank, in_features = lora_a.shape
     block_r = rank_block(packed_rank)
-    rank_blocks = triton.cdiv(packed_rank, block_r)
+    rank_blocks = _cdiv(packed_rank, block_r)
     assert rank_blocks <= MAX_RANK_BLOCKS, f"a packed LoRA rank of {packed_rank} takes over {MAX_RANK_BLOCKS} blocks"
-    splits, split_size = _k_splits(num_tiles * rank_blocks, in_features, _num_sms(x.device), shrink_waves)
-    partial = torch.empty(splits, num_tokens, packed_rank, dtype=torch.float32, device=x.device)
+    return rank_blocks, block_r, *_k_splits(plan.tile_slot.shape[0] * rank_blocks, in_features, _num_sms(device), waves)
+
+
+def shrink_buffer(x: torch.Tensor, lora_a: torch.Tensor, plan: LoRAPlan, shrink_waves: int = SHRINK_WAVES
+                  ) -> torch.Tensor:
+    """The fp32 [splits, T, n*R] the shrink writes (split 0 ends up holding the sum), allocated on
+    the current stream; `shrink_waves` as for lora_shrink_expand (the split count follows it)."""
+    splits = _shrink_grid(lora_a, plan, x.device, shrink_waves)[2]
+    return torch.empty(splits, x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, plan: LoRAPlan, partial: torch.Tensor,
+                shrink_waves: int = SHRINK_WAVES) -> torch.Tensor:
+    """x [T, in] times each row's slot's A into `partial` (`shrink_buffer`'s, made with the same
+    `shrink_waves`); returns it. Reads nothing but x, A and the plan, so it may run on another
+    stream beside the base projection."""
+    assert x.stride(-1) == 1 and lora_a.stride(-1) == 1
+    _, packed_rank, in_features = lora_a.shape
+    rank_blocks, block_r, splits, split_size = _shrink_grid(lora_a, plan, x.device, shrink_waves)
+    assert partial.shape == (splits, x.shape[0], packed_rank), "partial is not this shrink's shrink_buffer"
     pdl = use_pdl(x)
-    _shrink_kernel[(num_tiles, rank_blocks, splits)](
+    _shrink_kernel[(plan.tile_slot.shape[0], rank_blocks, splits)](
         x, lora_a, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, partial, plan.counters, in_features,
         x.stride(0), lora_a.stride(0), lora_a.stride(1), partial.stride(0), partial.stride(1), SPLITS=splits,
-        SPLIT_SIZE=split_size, PACKED_RANK=packed_rank, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_K=64, USE_PDL=pdl,
-        launch_pdl=pdl)
+        SPLIT_SIZE=split_size, PACKED_RANK=packed_rank, BLOCK_M=plan.block_m, BLOCK_R=block_r, BLOCK_K=64,
+        USE_PDL=pdl, launch_pdl=pdl)
+    return partial
+
+
+def lora_expand(partial: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scale: torch.Tensor,
+                slices: tuple[int, ...], plan: LoRAPlan, expand_block_n: int = EXPAND_BLOCK_N,
+                expand_warps: int | None = None, expand_waves: int = EXPAND_WAVES) -> torch.Tensor:
+    """y [T, out] += scale[slot] * shrunk B[slot]^T per row, shrunk = partial[0] (lora_shrink's);
+    y updated in place and returned."""
+    assert len(slices) <= 3 and sum(slices) == y.shape[1] and y.stride(-1) == 1 and lora_b.stride(-1) == 1
+    rank, out_features = lora_b.shape[2], y.shape[1]
+    assert rank == next_power_of_2(rank) and rank >= 16, "slot ranks are powers of two >= 16 (tl.dot, tl.arange)"
+    num_tiles = plan.tile_slot.shape[0]
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [out_features] * 2
     launch = {} if expand_warps is None else {"num_warps": expand_warps}
-    cols = expand_cols(num_tiles, out_features, expand_block_n, _num_sms(x.device), expand_waves)
+    cols = expand_cols(num_tiles, out_features, expand_block_n, _num_sms(y.device), expand_waves)
+    pdl = use_pdl(y)
     _expand_kernel[(num_tiles, triton.cdiv(out_features, cols))](
         partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features, cols,
         partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), RANK=rank, NUM_SLICES=len(slices),
-        SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=block_m, BLOCK_N=expand_block_n, USE_PDL=pdl, launch_pdl=pdl,
-        **launch)
+        SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=plan.block_m, BLOCK_N=expand_block_n, USE_PDL=pdl,
+        launch_pdl=pdl, **launch)
     return y
 
 
-__all__ = ["LoRAPlan", "add_lora", "lora_block_m", "lora_plan", "lora_reference", "lora_shrink_expand"]
+__all__ = ["LoRAPlan", "add_lora", "lora_block_m", "lora_expand", "lora_plan", "lora_reference", "lora_shrink",
+           "lora_shrink_expand", "shrink_buffer"]

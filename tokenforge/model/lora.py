@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenforge import envs
+from tokenforge.kernels._triton import HAS_TRITON
 from tokenforge.model.layers.linear import ColumnParallelLinear, RowParallelLinear
 from tokenforge.model.layers.lora import LoRASlots
 from tokenforge.model.loader.peft import PeftAdapter
@@ -27,11 +29,16 @@ class ModelLoRASlots:
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
         self.model, self.num_slots, self.max_rank = model, num_slots, max_rank
         self.linears: dict[str, nn.Module] = {}
+        side = None           # one stream for every linear's shrink, beside its projection (CUDA + Triton)
+        use_side = HAS_TRITON and envs.lora_side_stream()
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in TARGETS and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-                weight = module.weight
+                device = module.weight.device
                 module.lora = LoRASlots(num_slots, module.in_features, module.out_features, max_rank,
-                                        module.params_dtype, tuple(module.shard_sizes())).to(weight.device)
+                                        module.params_dtype, tuple(module.shard_sizes())).to(device)
+                if device.type == "cuda" and use_side:
+                    side = side or torch.cuda.Stream(device)
+                    module.lora.side_stream = side
                 self.linears[name] = module
         if not self.linears:
             raise ValueError(f"{type(model).__name__} has no linear named {', '.join(TARGETS)} to serve LoRA on")

@@ -60,6 +60,26 @@ def dense_delta(lin: _Linear, i: int, weight: torch.Tensor) -> None:
         start += size
 
 
+def with_base(lin: _Linear, i: int, indices, plan, mode: str, side) -> None:
+    """y = x W^T (cuBLAS) plus, unless mode is "none", the engine's delta: after the product
+    ("serial") or with the shrink launched first on the `side` stream and joined before the
+    expand ("side")."""
+    x, y, a = lin.x[i], lin.y[i], lin.a[i]
+    if mode != "side":
+        torch.mm(x, lin.w[i].t(), out=y)
+        if mode == "serial":
+            K.lora_shrink_expand(x, y, a, lin.b[i], lin.scale, indices, lin.slices, plan)
+        return
+    partial = K.shrink_buffer(x, a, plan)
+    main = torch.cuda.current_stream()
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        K.lora_shrink(x, a, plan, partial)
+    torch.mm(x, lin.w[i].t(), out=y)
+    main.wait_stream(side)
+    K.lora_expand(partial, y, lin.b[i], lin.scale, lin.slices, plan)
+
+
 def triton_delta(lin: _Linear, i: int, indices, plan, how: dict) -> None:
     K.lora_shrink_expand(lin.x[i], lin.y[i], lin.a[i], lin.b[i], lin.scale, indices, lin.slices, plan, **how)
 
@@ -78,6 +98,11 @@ VARIANTS = {
     "shrink-v2": ("plan", {"shrink_waves": 2}),
     "shrink-v8": ("plan", {"shrink_waves": 8}),
     "dense": None,
+    # with the base projection (cuBLAS x W^T into y) before the delta: alone, then the delta after
+    # it, then the shrink on a side stream beside it (model/layers/lora.py's begin / finish)
+    "base": ("base", "none"),
+    "base+lora": ("base", "serial"),
+    "base+side": ("base", "side"),
 }
 
 
@@ -93,20 +118,32 @@ def bench_case(t: int, s: int, device, bw: float, layers: int, shapes=SHAPES) ->
         weight = ((indices[:, None] == torch.arange(s, device=device)) * lin.scale).to(DT)     # [T, S]
         floor = lin.floor_bytes(t, used) / bw
         want = K.lora_reference(lin.x[0], torch.zeros_like(lin.y[0]), lin.a[0], lin.b[0], lin.scale, indices, slices)
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
         for variant, how in variants.items():
+            if how is not None and how[0] == "base":
+                if side is None:
+                    continue                                # the side stream needs CUDA
+                if not hasattr(lin, "w"):
+                    lin.w = [torch.randn(sum(slices), k, dtype=DT, device=device) * 0.02 for _ in range(layers)]
             def run(how=how, lin=lin):
                 for i in range(layers):
                     if how is None:
                         dense_delta(lin, i, weight)
+                    elif how[0] == "base":
+                        with_base(lin, i, indices, plans["plan"], how[1], side)
                     else:
                         triton_delta(lin, i, indices, plans[how[0]], how[1])
             lin.y[0].zero_()
             run()                                           # layer 0's delta alone, against the reference
-            err = (lin.y[0].float() - want.float()).abs().max().item() / want.float().abs().max().item()
+            got, ref = lin.y[0].float(), want.float()
+            if how is not None and how[0] == "base":       # against x W^T (+ the delta)
+                ref = (lin.x[0] @ lin.w[0].t()).float() + (0 if how[1] == "none" else ref)
+            err = (got - ref).abs().max().item() / ref.abs().max().item()
             sec = time_call(run, device) / layers
             rows.append({"t": t, "slots": s, "used": used, "linear": name, "variant": variant, "us": sec * 1e6,
                          "floor_us": floor * 1e6, "of_floor": floor / sec, "rel_err": err})
-        print(f"T={t:4d} S={s:2d} {name:8s} " + "  ".join(f"{r['variant']} {r['us']:6.1f}" for r in rows[-len(variants):])
+        mine = [r for r in rows if r["linear"] == name]
+        print(f"T={t:4d} S={s:2d} {name:8s} " + "  ".join(f"{r['variant']} {r['us']:6.1f}" for r in mine)
               + f"  floor {floor * 1e6:5.1f} us", flush=True)
     return rows
 

@@ -145,7 +145,8 @@ def main(args: argparse.Namespace) -> dict:
     rates = {"bare": harness.rates(args.num_prompts, args.input_len, args.output_len, bare_timing.median),
              "lora": harness.rates(args.num_prompts, args.input_len, args.output_len, timing.median)}
     result.update({"adapters": {"num": args.num_adapters, "rank": args.lora_rank, "max_loras": max_loras,
-                                "targets": "q,k,v,o,gate,up,down", "kernel_tiles": envs.lora_tiles()},
+                                "targets": "q,k,v,o,gate,up,down", "kernel_tiles": envs.lora_tiles(),
+                                "side_stream": envs.lora_side_stream()},
                    "bare": {**rates["bare"], **bare_timing.summary()}, "tokenforge": {**rates["lora"], **timing.summary()},
                    "swaps_per_run": swaps, "lora_kernels": share,
                    "lora_vs_bare": rates["lora"]["output_tok_s"] / rates["bare"]["output_tok_s"]})

@@ -116,7 +116,10 @@ class LinearBase(nn.Module):
         if self.lora is None:
             return self.quant_method.apply(self, x, bias)
         fused = self._apply_lora(x, bias)
-        return fused[0] if fused is not None else self.lora(x, self.quant_method.apply(self, x, bias))
+        if fused is not None:
+            return fused[0]
+        started = self.lora.begin(x)          # what the hook runs beside the product (LoRASlots: the shrink)
+        return self.lora.finish(started, x, self.quant_method.apply(self, x, bias))
 
     def _apply_lora(self, x: torch.Tensor, bias: torch.Tensor | None, norm: nn.Module | None = None,
                     residual: torch.Tensor | None = None, silu_mul: bool = False, defer: bool = False):

@@ -30,7 +30,7 @@ from torch import nn
 
 from tokenforge import envs
 from tokenforge.kernels.gemv_lora import GemvLoRA
-from tokenforge.kernels.lora import add_lora, lora_plan
+from tokenforge.kernels.lora import SHRINK_WAVES, add_lora, lora_expand, lora_plan, lora_shrink, shrink_buffer
 from tokenforge.model.forward_context import current_forward_context
 
 
@@ -45,6 +45,13 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return y + self.delta_of(x)
+
+    def begin(self, x: torch.Tensor) -> None:
+        """Nothing to start before the projection (see LoRASlots.begin)."""
+        return None
+
+    def finish(self, started: None, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self(x, y)
 
     def delta_of(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> scale * (x A^T) B^T [..., out], in x's dtype."""
@@ -78,6 +85,7 @@ class LoRASlots(nn.Module):
         self.register_buffer("lora_B", torch.zeros(num_slots, out_features, self.rank, dtype=dtype))
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32))
         self.tiles = envs.lora_tiles()      # the kernels' tile arguments ({}: their defaults)
+        self.side_stream = None             # a CUDA stream the shrink runs on beside the projection
 
     @torch.no_grad()
     def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
@@ -120,13 +128,43 @@ class LoRASlots(nn.Module):
         if indices is None:
             return y
         x2, y2 = x.reshape(-1, x.shape[-1]), y.reshape(-1, y.shape[-1])     # [T, in], [T, out]
-        plan = None
-        if x2.is_cuda:       # the rows grouped by slot, once per step for all the linears
-            plan = ctx.lora_plan
-            if plan is None or plan.rows.shape[0] != indices.shape[0]:
-                plan = ctx.lora_plan = lora_plan(indices, self.lora_A.shape[0])
+        plan = self._plan(ctx, indices) if x2.is_cuda else None
         return add_lora(x2, y2, self.lora_A, self.lora_B, self.scale, indices, self.slices, plan,
                         **self.tiles).reshape(y.shape)
+
+    def _plan(self, ctx, indices: torch.Tensor):
+        """The rows grouped by slot, made once per step (on the current stream) for all the linears."""
+        plan = ctx.lora_plan
+        if plan is None or plan.rows.shape[0] != indices.shape[0]:
+            plan = ctx.lora_plan = lora_plan(indices, self.lora_A.shape[0])
+        return plan
+
+    def begin(self, x: torch.Tensor):
+        """Start the shrink (x A^T, kernels/lora.py) on the side stream before the base projection
+        is launched, so the two run side by side; `finish` joins it and adds the expand. None (the
+        whole delta left to `finish` / forward) without a side stream, indices or rows."""
+        ctx = current_forward_context()
+        indices = None if ctx is None else ctx.lora_indices
+        if self.side_stream is None or indices is None or not x.is_cuda or indices.shape[0] == 0:
+            return None
+        x2 = x.reshape(-1, x.shape[-1])
+        plan = self._plan(ctx, indices)
+        waves = self.tiles.get("shrink_waves", SHRINK_WAVES)
+        partial = shrink_buffer(x2, self.lora_A, plan, waves)   # on the main stream: freed in its order
+        main = torch.cuda.current_stream(x.device)
+        self.side_stream.wait_stream(main)                      # x, the plan and the buffer are ready
+        with torch.cuda.stream(self.side_stream):
+            lora_shrink(x2, self.lora_A, plan, partial, waves)
+        return partial, plan
+
+    def finish(self, started, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if started is None:
+            return self(x, y)
+        partial, plan = started
+        torch.cuda.current_stream(y.device).wait_stream(self.side_stream)     # the shrink is done
+        expand = {k: v for k, v in self.tiles.items() if k != "shrink_waves"}
+        lora_expand(partial, y.reshape(-1, y.shape[-1]), self.lora_B, self.scale, self.slices, plan, **expand)
+        return y
 
 
 __all__ = ["LoRA", "LoRASlots"]
