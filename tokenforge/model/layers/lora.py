@@ -163,8 +163,8 @@ class LoRASlots(nn.Module):
         partial, plan = started
         torch.cuda.current_stream(y.device).wait_stream(self.side_stream)     # the shrink is done
         expand = {k: v for k, v in self.tiles.items() if k != "shrink_waves"}
-        lora_expand(partial, y.reshape(-1, y.shape[-1]), self.lora_B, self.scale, self.slices, plan, **expand)
-        return y
+        y2 = lora_expand(partial, y.reshape(-1, y.shape[-1]), self.lora_B, self.scale, self.slices, plan, **expand)
+        return y2.reshape(y.shape)
 
 
 __all__ = ["LoRA", "LoRASlots"]
