@@ -17,7 +17,9 @@ batch); the last split of a (tile, rank block) to finish (a counter in the plan,
 program) adds the partial sums in a fixed order, so results do not depend on timing and every
 expand program reads one sum, not each split's (at 256 decode rows and 16 splits, re-reading the
 splits was 16x the shrunk tensor's bytes per output column block, ~380 MB of L2 reads per layer).
-A batch-1 decode through the dense GEMV does not come here: kernels/gemv_lora.py adds its delta.
+`lora_shrink_expand` launches both; `lora_shrink` (into a `shrink_buffer`) and `lora_expand` are
+the two alone, for a caller that runs the shrink on another stream (model/layers/lora.py). A
+batch-1 decode through the dense GEMV does not come here: kernels/gemv_lora.py adds its delta.
 
 `lora_reference` is the torch computation (the CPU path and the kernels' test): both GEMMs over
 every slot at once, each row masked to its own, so no host sync and no per-row gather either.
