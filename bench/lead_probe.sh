@@ -8,7 +8,8 @@
 #   bare-w1     bench latency W1 bare with --profile-dir (kernel table, device-busy)
 #   lora-64     bench lora W2, 64 adapters through 16 slots;  lora-64-prof  the same with a profiled pass
 #   lora-w2     bench lora W2, 8 adapters through 8 slots
-#   lora-64-side / lora-w2-side  the same two with TOKENFORGE_LORA_SIDE_STREAM=1 (the shrink beside the product)
+#   lora-64-side / lora-w2-side  the same two with --side-stream-ab: bare, LoRA, and LoRA with the shrink on a
+#               side stream (TOKENFORGE_LORA_SIDE_STREAM=1) in one run
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
 #   moe-w1      bench latency W1 of each of MOE_MODELS (default mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b)
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without, each with a profiled pass
@@ -86,11 +87,11 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
              export TOKENFORGE_LORA_TILES="$TILES"; echo "lora-tune: TOKENFORGE_LORA_TILES=$TILES" | tee -a "$LOG" ;;
   lora-kernels) step lora-kernels ${LK_LIMIT:-300} python3 -m tokenforge.bench kernels --part lora --out "$W/lora-kernels"
              cp "$W/lora-kernels/kernels_lora.json" "$OUT/" 2>/dev/null ;;
-  lora-64-side) TOKENFORGE_LORA_SIDE_STREAM=1 step lora-64-side 200 python3 -m tokenforge.bench lora $M8 --workload W2 \
-             --num-adapters 64 --max-loras 16 --lora-rank 16 --repeats 1 --results-dir "$W/lora-64-side"
+  lora-64-side) step lora-64-side 270 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 \
+             --max-loras 16 --lora-rank 16 --repeats 1 --side-stream-ab --results-dir "$W/lora-64-side"
              keep "$W/lora-64-side" lora-64-side ;;
-  lora-w2-side) TOKENFORGE_LORA_SIDE_STREAM=1 step lora-w2-side 200 python3 -m tokenforge.bench lora $M8 --workload W2 \
-             --num-adapters 8 --max-loras 8 --lora-rank 16 --repeats 1 --results-dir "$W/lora-w2-side"
+  lora-w2-side) step lora-w2-side 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 8 \
+             --max-loras 8 --lora-rank 16 --repeats 1 --side-stream-ab --results-dir "$W/lora-w2-side"
              keep "$W/lora-w2-side" lora-w2-side ;;
   lora-64) step lora-64 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \
              --lora-rank 16 --repeats 1 --results-dir "$W/lora-64"; keep "$W/lora-64" lora-64 ;;
