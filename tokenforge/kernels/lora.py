@@ -18,7 +18,8 @@ program) adds the partial sums in a fixed order, so results do not depend on tim
 expand program reads one sum, not each split's (at 256 decode rows and 16 splits, re-reading the
 splits was 16x the shrunk tensor's bytes per output column block, ~380 MB of L2 reads per layer).
 `lora_shrink_expand` launches both; `lora_shrink` (into a `shrink_buffer`) and `lora_expand` are
-the two alone, for a caller that runs the shrink on another stream (model/layers/lora.py). A
+the two alone, and `shrink_beside` / `expand_after` run the shrink on another stream and join it
+(model/layers/lora.py, the bench). A
 batch-1 decode through the dense GEMV does not come here: kernels/gemv_lora.py adds its delta.
 
 `lora_reference` is the torch computation (the CPU path and the kernels' test): both GEMMs over
@@ -370,5 +371,23 @@ def lora_expand(partial: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, sc
     return y
 
 
-__all__ = ["LoRAPlan", "add_lora", "lora_block_m", "lora_expand", "lora_plan", "lora_reference", "lora_shrink",
-           "lora_shrink_expand", "shrink_buffer"]
+def shrink_beside(side, x: torch.Tensor, lora_a: torch.Tensor, plan: LoRAPlan,
+                  shrink_waves: int = SHRINK_WAVES) -> torch.Tensor:
+    """The shrink launched on the CUDA stream `side` once the current stream's work so far is done
+    (x, the plan); its buffer is allocated on the current stream, so it is freed in that stream's
+    order. `expand_after` joins it."""
+    partial = shrink_buffer(x, lora_a, plan, shrink_waves)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        lora_shrink(x, lora_a, plan, partial, shrink_waves)
+    return partial
+
+
+def expand_after(side, partial: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scale: torch.Tensor,
+                 slices: tuple[int, ...], plan: LoRAPlan, **tiles: int) -> torch.Tensor:
+    """The current stream waits for `side` (the shrink from `shrink_beside`), then the expand."""
+    torch.cuda.current_stream(y.device).wait_stream(side)
+    return lora_expand(partial, y, lora_b, scale, slices, plan, **tiles)
+
+__all__ = ["LoRAPlan", "add_lora", "expand_after", "lora_block_m", "lora_expand", "lora_plan", "lora_reference",
+           "lora_shrink", "lora_shrink_expand", "shrink_beside", "shrink_buffer"]

@@ -70,14 +70,9 @@ def with_base(lin: _Linear, i: int, indices, plan, mode: str, side) -> None:
         if mode == "serial":
             K.lora_shrink_expand(x, y, a, lin.b[i], lin.scale, indices, lin.slices, plan)
         return
-    partial = K.shrink_buffer(x, a, plan)
-    main = torch.cuda.current_stream()
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        K.lora_shrink(x, a, plan, partial)
+    partial = K.shrink_beside(side, x, a, plan)
     torch.mm(x, lin.w[i].t(), out=y)
-    main.wait_stream(side)
-    K.lora_expand(partial, y, lin.b[i], lin.scale, lin.slices, plan)
+    K.expand_after(side, partial, y, lin.b[i], lin.scale, lin.slices, plan)
 
 
 def triton_delta(lin: _Linear, i: int, indices, plan, how: dict) -> None:

@@ -30,7 +30,7 @@ from torch import nn
 
 from tokenforge import envs
 from tokenforge.kernels.gemv_lora import GemvLoRA
-from tokenforge.kernels.lora import SHRINK_WAVES, add_lora, lora_expand, lora_plan, lora_shrink, shrink_buffer
+from tokenforge.kernels.lora import SHRINK_WAVES, add_lora, expand_after, lora_plan, shrink_beside
 from tokenforge.model.forward_context import current_forward_context
 
 
@@ -85,6 +85,7 @@ class LoRASlots(nn.Module):
         self.register_buffer("lora_B", torch.zeros(num_slots, out_features, self.rank, dtype=dtype))
         self.register_buffer("scale", torch.zeros(num_slots, dtype=torch.float32))
         self.tiles = envs.lora_tiles()      # the kernels' tile arguments ({}: their defaults)
+        self._expand_tiles = {k: v for k, v in self.tiles.items() if k != "shrink_waves"}
         self.side_stream = None             # a CUDA stream the shrink runs on beside the projection
 
     @torch.no_grad()
@@ -147,23 +148,16 @@ class LoRASlots(nn.Module):
         indices = None if ctx is None else ctx.lora_indices
         if self.side_stream is None or indices is None or not x.is_cuda or indices.shape[0] == 0:
             return None
-        x2 = x.reshape(-1, x.shape[-1])
         plan = self._plan(ctx, indices)
         waves = self.tiles.get("shrink_waves", SHRINK_WAVES)
-        partial = shrink_buffer(x2, self.lora_A, plan, waves)   # on the main stream: freed in its order
-        main = torch.cuda.current_stream(x.device)
-        self.side_stream.wait_stream(main)                      # x, the plan and the buffer are ready
-        with torch.cuda.stream(self.side_stream):
-            lora_shrink(x2, self.lora_A, plan, partial, waves)
-        return partial, plan
+        return shrink_beside(self.side_stream, x.reshape(-1, x.shape[-1]), self.lora_A, plan, waves), plan
 
     def finish(self, started, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if started is None:
             return self(x, y)
         partial, plan = started
-        torch.cuda.current_stream(y.device).wait_stream(self.side_stream)     # the shrink is done
-        expand = {k: v for k, v in self.tiles.items() if k != "shrink_waves"}
-        y2 = lora_expand(partial, y.reshape(-1, y.shape[-1]), self.lora_B, self.scale, self.slices, plan, **expand)
+        y2 = expand_after(self.side_stream, partial, y.reshape(-1, y.shape[-1]), self.lora_B, self.scale,
+                          self.slices, plan, **self._expand_tiles)
         return y2.reshape(y.shape)
 
 

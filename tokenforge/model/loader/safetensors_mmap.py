@@ -64,7 +64,7 @@ class MappedSafetensors:
         count = 1
         for dim in shape if ok else ():
             count *= dim
-        if not ok or end - begin != count * torch.empty((), dtype=dtype).element_size():
+        if not ok or end - begin != count * dtype.itemsize:
             raise self._corrupt(f"tensor {name!r} (shape {shape}, {entry['dtype']}) has data offsets "
                                 f"[{begin}, {end}] that do not hold it")
         if end > data_bytes:
