@@ -87,7 +87,7 @@ def spec_burst() -> int | None:
     return int(value) if value not in (None, "") else None
 
 
-LORA_TILE_ARGS = ("expand_block_n", "expand_warps", "expand_waves", "shrink_waves")
+LORA_TILE_ARGS = ("expand_block_n", "expand_warps", "expand_waves", "shrink_waves", "expand_prologue")
 
 
 def lora_tiles() -> dict[str, int]:

@@ -72,15 +72,18 @@ def test_triton_matches_reference(case, dtype, device):
     assert torch.equal(out[base_rows], y[base_rows])
 
 
-@pytest.mark.parametrize("block_m,block_n,warps,waves", [(16, 128, None, 0), (None, 256, 8, 0), (16, 64, None, 0),
-                                                         (None, 32, None, 1), (16, 64, 8, 2)])
-def test_triton_tile_shapes_agree(block_m, block_n, warps, waves, device):
+@pytest.mark.parametrize("block_m,block_n,warps,waves,prologue", [
+    (16, 128, None, 0, 0), (None, 256, 8, 0, 0), (16, 64, None, 0, 0), (None, 32, None, 1, 0), (16, 64, 8, 2, 0),
+    (16, 32, None, 2, 1), (None, 64, None, 0, 1), (16, 128, None, 4, 1)])
+def test_triton_tile_shapes_agree(block_m, block_n, warps, waves, prologue, device):
     """The tile shapes `bench kernels --part lora` compares (16-row tiles, wider expand blocks
-    crossing the q/k/v slice bounds) give the reference's delta."""
+    crossing the q/k/v slice bounds, the expand's loads before its PDL wait) give the reference's
+    delta."""
     x, y, a, b, scale, idx, slices = _problem(150, 64, (96, 32, 32), 5, 16, torch.float32, device)
     ref = lora_reference(x, y, a, b, scale, idx, slices)
     out = lora_shrink_expand(x, y.clone(), a, b, scale, idx, slices, lora_plan(idx, 5, block_m=block_m),
-                             expand_block_n=block_n, expand_warps=warps, expand_waves=waves)
+                             expand_block_n=block_n, expand_warps=warps, expand_waves=waves,
+                             expand_prologue=prologue)
     assert _rel_err(out, ref) < (1e-5 if INTERPRET else 1e-2)
 
 

@@ -7,7 +7,7 @@ output sizes of the packed projections (q/k/v, gate/up; one slice for the others
 c of slice j reads the shrunk ranks j*R .. (j+1)*R. Out: y with the deltas added.
 
 Two steps, as in Punica / S-LoRA: shrink (x A^T: [T, n*R], fp32) then expand (into y). Rows are
-grouped by slot first (`lora_plan`, once per step for every linear, on the device: a stable sort
+grouped by slot first (`lora_plan`, kernels/lora_plan.py, once per step for every linear, on the device: a stable sort
 of the indices and a table of tiles, each at most BLOCK_M rows of one slot), so every program
 multiplies by exactly one adapter and never loops over the slots; rows without an adapter are in
 no tile. The table has a fixed length for a given T (cdiv(T, BLOCK_M) + min(S, T) tiles, the
@@ -29,11 +29,10 @@ every slot at once, each row masked to its own, so no host sync and no per-row g
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
-
 import torch
 
 from ._triton import HAS_TRITON, next_power_of_2, require_triton, tl, triton, use_pdl
+from .lora_plan import MAX_RANK_BLOCKS, LoRAPlan, _cdiv, lora_block_m, lora_plan, plan_tiles, rank_block
 
 
 def lora_reference(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -60,63 +59,6 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
     if HAS_TRITON and x.is_cuda:
         return lora_shrink_expand(x, y, lora_a, lora_b, scale, indices, slices, plan, **tiles)
     return lora_reference(x, y, lora_a, lora_b, scale, indices, slices)
-
-
-class LoRAPlan(NamedTuple):
-    """Rows grouped by slot: `rows` [T] the row order (base rows first, then each slot's rows in
-    order), and per tile its slot (-1: unused), first position in `rows`, and row count."""
-    rows: torch.Tensor
-    tile_slot: torch.Tensor
-    tile_start: torch.Tensor
-    tile_count: torch.Tensor
-    block_m: int
-    counters: torch.Tensor      # [tiles * MAX_RANK_BLOCKS] int32, zero between the shrink's launches
-
-
-MAX_RANK_BLOCKS = 16            # rank blocks of 64 a linear's packed rank may take (3 slices of R = 256)
-
-
-def lora_block_m(num_tokens: int, num_slots: int = 1) -> int:
-    """BLOCK_M, the rows a tile: 16 while the slots average at most 16 rows each (a decode batch
-    spread over many adapters: 32-row tiles would run half empty), else by the step's size."""
-    if num_tokens <= 128 or num_tokens <= 16 * num_slots:
-        return 16
-    return 32 if num_tokens <= 1024 else 64
-
-
-def plan_tiles(num_tokens: int, num_slots: int) -> int:
-    """The plan's fixed tile count for a step of `num_tokens` rows over `num_slots` slots (each
-    slot's rows may leave one tile part-filled)."""
-    return _cdiv(num_tokens, lora_block_m(num_tokens, num_slots)) + min(num_slots, num_tokens)
-
-
-def rank_block(packed_rank: int) -> int:
-    """BLOCK_R: the shrink's rank columns a program."""
-    return min(64, next_power_of_2(packed_rank))
-
-
-def lora_plan(indices: torch.Tensor, num_slots: int, block_m: int | None = None) -> LoRAPlan:
-    """The tiles of one step's rows (device ops only, no host sync; shapes depend on T and S alone);
-    `block_m`, the rows a tile (default: `lora_block_m`'s choice for T)."""
-    num_tokens = indices.shape[0]
-    block_m = block_m or lora_block_m(num_tokens, num_slots)
-    idx = indices.to(torch.int32)
-    rows = torch.sort(idx, stable=True).indices.to(torch.int32)                        # base rows (-1) first
-    counts = (idx[:, None] == torch.arange(num_slots, device=idx.device, dtype=torch.int32)).sum(0, dtype=torch.int32)
-    seg_end = torch.cumsum(counts, 0, dtype=torch.int32) + (num_tokens - counts.sum(dtype=torch.int32))
-    tiles = (counts + block_m - 1) // block_m
-    tile_end = torch.cumsum(tiles, 0, dtype=torch.int32)
-    max_tiles = _cdiv(num_tokens, block_m) + min(num_slots, num_tokens)
-    t = torch.arange(max_tiles, device=idx.device, dtype=torch.int32)
-    slot = torch.searchsorted(tile_end, t, right=True).to(torch.int32)                # num_slots: unused
-    valid = slot < num_slots
-    s = slot.clamp(max=num_slots - 1).long()
-    local = t - (tile_end[s] - tiles[s])
-    start = seg_end[s] - counts[s] + local * block_m
-    count = torch.clamp(counts[s] - local * block_m, max=block_m)
-    return LoRAPlan(rows, torch.where(valid, slot, -1), start.to(torch.int32),
-                    torch.where(valid, count, 0).to(torch.int32), block_m,
-                    torch.zeros(max_tiles * MAX_RANK_BLOCKS, dtype=torch.int32, device=idx.device))
 
 
 @triton.jit
@@ -167,24 +109,42 @@ def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, ou
 def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, y_ptr, out_features,
                    cols_per_program, stride_s, stride_bs, stride_bn, stride_y, RANK: tl.constexpr,
                    NUM_SLICES: tl.constexpr, SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr):
+                   BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr):
     """One (tile, run of `cols_per_program` output columns): y[rows, cols] += scale[slot] *
     shrunk[rows, slice(col)] B[slot][cols]^T, BLOCK_N columns an iteration. The tile's rows and
     shrunk ranks are loaded once; the loop's B and y loads do not depend on each other, so the
-    compiler can issue the next block's while this one's dot runs."""
-    if USE_PDL:
+    compiler can issue the next block's while this one's dot runs.
+    PRE_WAIT: the plan's tables, the rows and the first B block are loaded before the PDL wait
+    (nothing the kernels just before write: the plan is made before the step's first shrink, which
+    waits for it, and B only changes between steps); each iteration then loads the next block's B
+    after its store, so the loop carries it."""
+    if USE_PDL and not PRE_WAIT:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     slot = tl.load(tslot_ptr + tile)
-    if slot >= 0:
-        pos = tl.load(tstart_ptr + tile) + tl.arange(0, BLOCK_M)
-        ok = tl.arange(0, BLOCK_M) < tl.load(tcount_ptr + tile)
+    start = tl.load(tstart_ptr + tile)
+    count = tl.load(tcount_ptr + tile)                 # an unused tile (slot -1) has count 0
+    rs = tl.arange(0, RANK)
+    first = tl.program_id(1) * cols_per_program
+    b_slot = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    if PRE_WAIT:
+        pos = start + tl.arange(0, BLOCK_M)
+        ok = tl.arange(0, BLOCK_M) < count
         rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
+        nxt = first + tl.arange(0, BLOCK_N)
+        bt = tl.load(b_slot + nxt[None, :].to(tl.int64) * stride_bn + rs[:, None],
+                     mask=(slot >= 0) & (nxt < out_features)[None, :], other=0.0)
+        if USE_PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+    if slot >= 0:
+        if not PRE_WAIT:
+            pos = start + tl.arange(0, BLOCK_M)
+            ok = tl.arange(0, BLOCK_M) < count
+            rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
         scale = tl.load(scale_ptr + slot)
-        rs = tl.arange(0, RANK)
         st_ptrs = s_ptr + pos[:, None].to(tl.int64) * stride_s + rs[None, :]
-        b_slot = b_ptr + slot.to(tl.int64) * stride_bs
         # each slice's shrunk ranks [BLOCK_M, RANK] (a bound past the last slice is out_features)
         st0 = tl.load(st_ptrs, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
         st1 = st0
@@ -193,12 +153,12 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
             st1 = tl.load(st_ptrs + RANK, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
         if NUM_SLICES > 2:
             st2 = tl.load(st_ptrs + 2 * RANK, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
-        first = tl.program_id(1) * cols_per_program
         for c in range(0, cols_per_program, BLOCK_N):       # the last program's run may end past out
             cols = first + c + tl.arange(0, BLOCK_N)
             col_ok = cols < out_features
-            bt = tl.load(b_slot + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
-                         mask=col_ok[None, :], other=0.0)                                    # [R, BLOCK_N]
+            if not PRE_WAIT:
+                bt = tl.load(b_slot + cols[None, :].to(tl.int64) * stride_bn + rs[:, None],
+                             mask=col_ok[None, :], other=0.0)                                # [R, BLOCK_N]
             y_ptrs = y_ptr + rows[:, None] * stride_y + cols[None, :]
             mask = ok[:, None] & col_ok[None, :]
             y = tl.load(y_ptrs, mask=mask, other=0.0)
@@ -212,6 +172,10 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
                 if NUM_SLICES > 2:
                     acc = tl.dot(st2, tl.where((slice_of_col == 2)[None, :], bt, none), acc)
             tl.store(y_ptrs, (y.to(tl.float32) + acc * scale).to(y_ptr.dtype.element_ty), mask=mask)
+            if PRE_WAIT:                                    # the next iteration's B
+                nxt = cols + BLOCK_N
+                bt = tl.load(b_slot + nxt[None, :].to(tl.int64) * stride_bn + rs[:, None],
+                             mask=((c + BLOCK_N < cols_per_program) & (nxt < out_features))[None, :], other=0.0)
 
 
 def expand_cols(num_tiles: int, out_features: int, block_n: int, sms: int, waves: int) -> int:
@@ -230,6 +194,7 @@ def expand_cols(num_tiles: int, out_features: int, block_n: int, sms: int, waves
 EXPAND_BLOCK_N = 128            # the expand's output columns an iteration
 EXPAND_WAVES = 4                # the expand's programs an SM (its column run)
 SHRINK_WAVES = 4                # the shrink's programs an SM the K splits aim for
+EXPAND_PROLOGUE = 0             # 1: the expand's table, rows and first B block before its PDL wait
 
 
 def _k_splits(programs: int, in_features: int, sms: int, waves: int = SHRINK_WAVES) -> tuple[int, int]:
@@ -241,10 +206,6 @@ def _k_splits(programs: int, in_features: int, sms: int, waves: int = SHRINK_WAV
         splits *= 2
     split_size = _cdiv(_cdiv(in_features, splits), 64) * 64
     return _cdiv(in_features, split_size), split_size
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _variant(num_tokens: int, num_slots: int, packed_rank: int, in_features: int, sms: int,
@@ -300,19 +261,20 @@ def lora_shrink_expand(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, l
                        scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...],
                        plan: LoRAPlan | None = None, expand_block_n: int = EXPAND_BLOCK_N,
                        expand_warps: int | None = None, expand_waves: int = EXPAND_WAVES,
-                       shrink_waves: int = SHRINK_WAVES) -> torch.Tensor:
+                       shrink_waves: int = SHRINK_WAVES, expand_prologue: int = EXPAND_PROLOGUE) -> torch.Tensor:
     """The Triton path of `lora_reference`; y [T, out] (contiguous rows) is updated in place.
     `plan`: lora_plan(indices, S), shared by the step's linears (computed here when absent).
     `expand_block_n`, `expand_warps`: the expand's output columns an iteration and its warps;
     `expand_waves`: loop over column blocks in each program, keeping about that many programs an
-    SM (0: one block a program); `shrink_waves`, the shrink's (its K splits). `bench kernels --part
-    lora` compares them."""
+    SM (0: one block a program); `shrink_waves`, the shrink's (its K splits); `expand_prologue` 1:
+    the expand loads what it can before its PDL wait. `bench kernels --part lora` compares them."""
     require_triton(x, y, lora_a, lora_b)
     if y.shape[0] == 0:
         return y
     plan = plan if plan is not None else lora_plan(indices, lora_a.shape[0])
     partial = lora_shrink(x, lora_a, plan, shrink_buffer(x, lora_a, plan, shrink_waves), shrink_waves)
-    return lora_expand(partial, y, lora_b, scale, slices, plan, expand_block_n, expand_warps, expand_waves)
+    return lora_expand(partial, y, lora_b, scale, slices, plan, expand_block_n, expand_warps, expand_waves,
+                       expand_prologue)
 
 
 def _shrink_grid(lora_a: torch.Tensor, plan: LoRAPlan, device: torch.device, waves: int) -> tuple[int, int, int, int]:
@@ -352,7 +314,8 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, plan: LoRAPlan, partial: 
 
 def lora_expand(partial: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scale: torch.Tensor,
                 slices: tuple[int, ...], plan: LoRAPlan, expand_block_n: int = EXPAND_BLOCK_N,
-                expand_warps: int | None = None, expand_waves: int = EXPAND_WAVES) -> torch.Tensor:
+                expand_warps: int | None = None, expand_waves: int = EXPAND_WAVES,
+                expand_prologue: int = EXPAND_PROLOGUE) -> torch.Tensor:
     """y [T, out] += scale[slot] * shrunk B[slot]^T per row, shrunk = partial[0] (lora_shrink's);
     y updated in place and returned."""
     assert len(slices) <= 3 and sum(slices) == y.shape[1] and y.stride(-1) == 1 and lora_b.stride(-1) == 1
@@ -367,7 +330,7 @@ def lora_expand(partial: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, sc
         partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features, cols,
         partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), RANK=rank, NUM_SLICES=len(slices),
         SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=plan.block_m, BLOCK_N=expand_block_n, USE_PDL=pdl,
-        launch_pdl=pdl, **launch)
+        PRE_WAIT=bool(expand_prologue), launch_pdl=pdl, **launch)
     return y
 
 

@@ -92,6 +92,7 @@ VARIANTS = {
     "expand-v8": ("plan", {"expand_waves": 8}),
     "shrink-v2": ("plan", {"shrink_waves": 2}),
     "shrink-v8": ("plan", {"shrink_waves": 8}),
+    "prologue": ("plan", {"expand_prologue": 1}),
     "dense": None,
     # with the base projection (cuBLAS x W^T into y) before the delta: alone, then the delta after
     # it, then the shrink on a side stream beside it (model/layers/lora.py's begin / finish)
