@@ -10,6 +10,8 @@
 #   lora-w2     bench lora W2, 8 adapters through 8 slots
 #   lora-64-side / lora-w2-side  the same two with --side-stream-ab: bare, LoRA, and LoRA with the shrink on a
 #               side stream (TOKENFORGE_LORA_SIDE_STREAM=1) in one run
+#   lora-64-ab / lora-w2-ab  the same with one --extra-run per spec in LORA_AB (default "side expand_prologue=1
+#               side,expand_prologue=1": the side stream, the expand's prologue, both)
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
 #   moe-w1      bench latency W1 of each of MOE_MODELS (default mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b)
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without, each with a profiled pass
@@ -93,6 +95,11 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
   lora-w2-side) step lora-w2-side 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 8 \
              --max-loras 8 --lora-rank 16 --repeats 1 --side-stream-ab --results-dir "$W/lora-w2-side"
              keep "$W/lora-w2-side" lora-w2-side ;;
+  lora-64-ab|lora-w2-ab) AB=(); for spec in ${LORA_AB:-side expand_prologue=1 side,expand_prologue=1}; do AB+=(--extra-run "$spec"); done
+             [ $part = lora-64-ab ] && NA="--num-adapters 64 --max-loras 16" || NA="--num-adapters 8 --max-loras 8"
+             step $part 400 python3 -m tokenforge.bench lora $M8 --workload W2 $NA --lora-rank 16 --repeats 1 \
+               "${AB[@]}" --results-dir "$W/$part"
+             keep "$W/$part" $part ;;
   lora-64) step lora-64 200 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \
              --lora-rank 16 --repeats 1 --results-dir "$W/lora-64"; keep "$W/lora-64" lora-64 ;;
   lora-64-prof) step lora-64-prof 240 python3 -m tokenforge.bench lora $M8 --workload W2 --num-adapters 64 --max-loras 16 \

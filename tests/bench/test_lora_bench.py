@@ -10,7 +10,7 @@ from tests.bench.test_bench_smoke import COMMON, TINY, _run
 def test_lora_smoke(tmp_path):
     r = _run(tmp_path, "lora", "--model", TINY, "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
              "--num-adapters", "3", "--lora-rank", "4", "--max-loras", "2", "--lora-dir", str(tmp_path / "ad"),
-             "--side-stream-ab", *COMMON)
+             "--side-stream-ab", "--extra-run", "side,expand_prologue=1", *COMMON)
     assert r["workload"] == "W2-lora" and r["bare"]["output_tok_s"] > 0 and r["lora"]["output_tok_s"] > 0
     assert r["adapters"] == {"num": 3, "rank": 4, "max_loras": 2, "targets": "q,k,v,o,gate,up,down",
                             "kernel_tiles": {}, "side_stream": False}
@@ -18,6 +18,9 @@ def test_lora_smoke(tmp_path):
     # the same runs again with TOKENFORGE_LORA_SIDE_STREAM=1 (on the CPU there is no side stream to use)
     side = r["lora_side_stream"]
     assert side["vs_bare"] > 0 and all(s >= 1 for s in side["swaps_per_run"])
+    # and with the expand's prologue as well (--extra-run): each extra run in order, by its spec
+    assert [e["spec"] for e in r["extra_runs"]] == ["side", "side,expand_prologue=1"]
+    assert r["extra_runs"][1]["vs_bare"] > 0 and all(s >= 1 for s in r["extra_runs"][1]["swaps_per_run"])
     assert len(list((tmp_path / "ad").glob("adapter-*/adapter_model.safetensors"))) == 3
 
 
@@ -40,3 +43,17 @@ def test_best_tiles_picks_the_fastest_engine_variant():
                                ("shrink-v8", 3, 0.5))]
     assert best_tiles(rows, 243, 16) == ("n64", "expand_block_n=64")
     assert best_tiles(rows, 483, 8) == ("", "")
+
+
+def test_an_extra_run_with_a_bad_tile_setting_is_refused_before_any_engine(tmp_path, monkeypatch, capsys):
+    """A misspelt tile name is the CLI's one-line error, naming the variable, before the bare model
+    is built."""
+    import pytest  # noqa: PLC0415
+
+    from tests.bench.test_bench_smoke import main  # noqa: PLC0415
+    from tokenforge.bench.lib import harness  # noqa: PLC0415
+    monkeypatch.setattr(harness, "build_llm", lambda *a, **k: pytest.fail("an engine was built"))
+    rc = main(["lora", "--model", TINY, "--results-dir", str(tmp_path), "--extra-run", "side,expand_prolog=1", *COMMON])
+    assert rc != 0
+    assert "TOKENFORGE_LORA_TILES: 'expand_prolog=1' is not one of expand_block_n" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.json"))

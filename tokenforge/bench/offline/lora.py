@@ -37,7 +37,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-dir", default=None, help="where the generated adapters go (default: a temp folder)")
     p.add_argument("--side-stream-ab", action="store_true",
                    help="also time the LoRA engine with the shrink on a side stream (TOKENFORGE_LORA_SIDE_STREAM=1) "
-                        "in the same run, against the same bare model")
+                        "in the same run, against the same bare model (the same as --extra-run side)")
+    p.add_argument("--extra-run", action="append", default=[], metavar="SPEC",
+                   help="also time a LoRA engine built with SPEC, a comma list of `side` (the shrink on a side "
+                        "stream) and kernel tile settings (TOKENFORGE_LORA_TILES' NAME=N), e.g. "
+                        "`side,expand_prologue=1`; repeatable, each against the same bare model")
     p.set_defaults(max_loras=None)       # the engine flag's bench default: min(--num-adapters, 16)
 
 
@@ -122,11 +126,24 @@ def kernel_share(llm, prompts: list[list[int]], loras: list, args: argparse.Name
             "fused_gemv_launches": sum(1 for name, _ in spans if name.startswith(_FUSED_GEMV))}
 
 
-def side_stream_run(args: argparse.Namespace, prompts, loras, max_loras: int):
-    """(timing, swaps) of the same LoRA runs with the shrink on a side stream (the engine reads
-    TOKENFORGE_LORA_SIDE_STREAM when it builds its slots)."""
+def extra_specs(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
+    """(spec, side stream, tile settings) of each extra LoRA run asked for; a tile setting
+    TOKENFORGE_LORA_TILES would refuse is a ValueError before any engine is built."""
+    out = []
+    for spec in (["side"] if args.side_stream_ab else []) + list(args.extra_run):
+        items = [i for i in spec.replace(" ", "").split(",") if i]
+        tiles = ",".join(i for i in items if i != "side")
+        with envs.override(envs.LORA_TILES, tiles):
+            envs.lora_tiles()
+        out.append((spec, "side" in items, tiles))
+    return out
+
+
+def extra_run(args: argparse.Namespace, prompts, loras, max_loras: int, side: bool, tiles: str):
+    """(timing, swaps) of the same LoRA runs on an engine built with the side stream and tiles
+    given (the slots read TOKENFORGE_LORA_SIDE_STREAM and TOKENFORGE_LORA_TILES when built)."""
     harness.release_memory()
-    with envs.override(envs.LORA_SIDE_STREAM, "1"):
+    with envs.override(envs.LORA_SIDE_STREAM, "1" if side else "0"), envs.override(envs.LORA_TILES, tiles):
         llm = harness.build_llm(args, enable_lora=True, max_loras=max_loras, max_lora_rank=max(args.lora_rank, 16),
                                 max_cpu_loras=max(args.num_adapters, max_loras))
     try:
@@ -138,6 +155,7 @@ def side_stream_run(args: argparse.Namespace, prompts, loras, max_loras: int):
 def main(args: argparse.Namespace) -> dict:
     n, i, o = workloads.WORKLOADS[args.workload]
     args.num_prompts, args.input_len, args.output_len = args.num_prompts or n, args.input_len or i, args.output_len or o
+    specs = extra_specs(args)
     result, cfg = harness.begin(f"{args.workload}-lora", args, "lora", "for the adapters' shapes")
     prompts = workloads.random_prompts(args.num_prompts, args.input_len, cfg["vocab_size"], args.seed)
     bare = harness.build_llm(args, enable_lora=False, lora_modules=(), max_loras=1)
@@ -159,7 +177,7 @@ def main(args: argparse.Namespace) -> dict:
     share = kernel_share(llm, prompts, loras, args)
     harness.shutdown(llm)
     del llm
-    side = side_stream_run(args, prompts, loras, max_loras) if args.side_stream_ab else None
+    extras = [(spec, extra_run(args, prompts, loras, max_loras, side, tiles)) for spec, side, tiles in specs]
     rates = {"bare": harness.rates(args.num_prompts, args.input_len, args.output_len, bare_timing.median),
              "lora": harness.rates(args.num_prompts, args.input_len, args.output_len, timing.median)}
     result.update({"adapters": {"num": args.num_adapters, "rank": args.lora_rank, "max_loras": max_loras,
@@ -172,13 +190,16 @@ def main(args: argparse.Namespace) -> dict:
     rows = [["bare", rates["bare"]["output_tok_s"], rates["bare"]["total_tok_s"], None],
             [f"{args.num_adapters} adapters r{args.lora_rank}, {max_loras} slots",
              rates["lora"]["output_tok_s"], rates["lora"]["total_tok_s"], f"{result['lora_vs_bare']:.1%}"]]
-    if side is not None:
-        side_timing, side_swaps = side
-        side_rates = harness.rates(args.num_prompts, args.input_len, args.output_len, side_timing.median)
-        result["lora_side_stream"] = {**side_rates, **side_timing.summary(), "swaps_per_run": side_swaps,
-                                      "vs_bare": side_rates["output_tok_s"] / rates["bare"]["output_tok_s"]}
-        rows.append(["  the shrink on a side stream", side_rates["output_tok_s"], side_rates["total_tok_s"],
-                     f"{result['lora_side_stream']['vs_bare']:.1%}"])
+    result["extra_runs"] = []
+    for spec, (extra_timing, extra_swaps) in extras:
+        extra_rates = harness.rates(args.num_prompts, args.input_len, args.output_len, extra_timing.median)
+        entry = {"spec": spec, **extra_rates, **extra_timing.summary(), "swaps_per_run": extra_swaps,
+                 "vs_bare": extra_rates["output_tok_s"] / rates["bare"]["output_tok_s"]}
+        result["extra_runs"].append(entry)
+        if spec == "side":
+            result["lora_side_stream"] = entry
+        rows.append([f"  LoRA with {spec}", extra_rates["output_tok_s"], extra_rates["total_tok_s"],
+                     f"{entry['vs_bare']:.1%}"])
     report.save(result, args)
     report.print_table(f"{args.workload} multi-LoRA  {result['model']} {result['dtype']}  {result['device']}",
                        ["variant", "output tok/s", "total tok/s", "of bare"], rows)
