@@ -185,6 +185,27 @@ def test_bad_adapters_are_one_clear_error(base_dir, tmp_path):
         "dora": (({**cfg, "use_dora": True}, _good()), r"LoRA adapter 'dora': DoRA is not supported"),
         "half": ((cfg, {f"{_PREFIX}q_proj.lora_A.weight": torch.zeros(4, 64)}),
                  r"LoRA adapter 'half': model.layers.0.self_attn.q_proj has no lora_B weight"),
+        # a corrupt config's values: each a ValueError naming the field, not a TypeError from the scale
+        "alpha-text": (({**cfg, "lora_alpha": "16"}, _good()), r"LoRA adapter 'alpha-text': lora_alpha must be a "
+                                                                r"number, got '16'"),
+        "alpha-null": (({**cfg, "lora_alpha": None}, _good()), r"lora_alpha must be a number, got None"),
+        "rank-pattern-list": (({**cfg, "rank_pattern": [4]}, _good()), r"rank_pattern must be an object"),
+        "rank-pattern-text": (({**cfg, "rank_pattern": {"q_proj": "4"}}, _good()),
+                              r"rank_pattern\['q_proj'\] must be a positive integer, got '4'"),
+        "alpha-pattern-text": (({**cfg, "alpha_pattern": {"q_proj": "x"}}, _good()),
+                               r"alpha_pattern\['q_proj'\] must be a number, got 'x'"),
+        "saved-text": (({**cfg, "modules_to_save": "lm_head"}, _good()), r"modules_to_save \(lm_head\) is not supported"),
+        "rank-0": ((cfg, _good(0)), r"q_proj has lora_A \(0, 64\) and lora_B \(64, 0\), not \[r, in\] and \[out, r\]"),
+        # the tensors' rank against the config's (PEFT would not load it either)
+        "rank-mismatch": (({**cfg, "r": 8}, _good(4)), r"LoRA adapter 'rank-mismatch': model.layers.0.self_attn.q_proj "
+                                                      r"has rank 4 in adapter_model.safetensors, but adapter_config.json "
+                                                      r"gives it r = 8"),
+        "nan": ((cfg, {**_good(), f"{_PREFIX}q_proj.lora_A.weight": torch.full((4, 64), float("nan"))}),
+                r"LoRA adapter 'nan': model.layers.0.self_attn.q_proj has values that are not finite"),
+        "overflow": (({**cfg, "lora_alpha": 1e300}, {**_good(), f"{_PREFIX}q_proj.lora_B.weight": torch.ones(64, 4)}),
+                     r"LoRA adapter 'overflow': .* times the scale \(lora_alpha / r\)"),
+        "pattern-mismatch": (({**cfg, "rank_pattern": {r"layers\.0\..*q_proj": 2}}, _good()),
+                             r"has rank 4 in adapter_model.safetensors, but adapter_config.json gives it r = 2"),
     }
     for name, (content, message) in cases.items():
         if content == "config-only":

@@ -7,7 +7,8 @@ lora_alpha / sqrt(r) for rsLoRA, per-module `rank_pattern` / `alpha_pattern` hon
 into B, and a content fingerprint (sha256 of both files) that keys the prefix cache, so two
 adapters never share KV even when one is reloaded under the other's name.
 
-Every problem is one ValueError naming the adapter: a missing or corrupt file, a rank above the
+Every problem is one ValueError naming the adapter: a missing or corrupt file, a config field of
+the wrong type, tensors whose rank is not the config's, NaN or inf values, a rank above the
 limit, a PEFT feature that changes the computation beyond y += scale * x A^T B^T (DoRA, biases,
 fan_in_fan_out, modules_to_save). Whether the modules and shapes fit the base model is checked
 where the adapter meets the model (model/lora.py).
@@ -18,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,7 +60,15 @@ def read_peft_adapter(path: str | Path, name: str, max_rank: int) -> PeftAdapter
         rank = a.shape[0]
         if rank > max_rank:
             raise ValueError(f"LoRA adapter {name!r}: {module} has rank {rank}, more than --max-lora-rank {max_rank}")
-        adapter.modules[module] = (a.float(), b.float() * _scale(config, module, rank))
+        configured = _pattern_value(config.get("rank_pattern"), module, config["r"])
+        if rank != configured:
+            raise ValueError(f"LoRA adapter {name!r}: {module} has rank {rank} in {WEIGHTS_FILE}, but "
+                             f"{CONFIG_FILE} gives it r = {configured}")
+        a, b = a.float(), b.float() * _scale(config, module, rank)
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise ValueError(f"LoRA adapter {name!r}: {module} has values that are not finite (NaN or inf) in its "
+                             "lora_A or its lora_B times the scale (lora_alpha / r)")
+        adapter.modules[module] = (a, b)
     if not adapter.modules:
         raise ValueError(f"LoRA adapter {name!r}: {where / WEIGHTS_FILE} holds no lora_A / lora_B tensors")
     return adapter
@@ -85,6 +95,18 @@ def _check_config(config: dict, name: str, max_rank: int) -> None:
     rank = config.get("r")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA adapter {name!r}: r must be a positive integer, got {rank!r}")
+    alpha = config.get("lora_alpha", rank)
+    if not _is_number(alpha):
+        raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
+    for key, positive_int in (("rank_pattern", True), ("alpha_pattern", False)):
+        pattern = config.get(key) or {}
+        if not isinstance(pattern, dict):
+            raise ValueError(f"LoRA adapter {name!r}: {key} must be an object of module name -> "
+                             f"{'rank' if positive_int else 'alpha'}, got {pattern!r}")
+        for module, value in pattern.items():
+            if not _is_number(value) or (positive_int and (not isinstance(value, int) or value < 1)):
+                raise ValueError(f"LoRA adapter {name!r}: {key}[{module!r}] must be a "
+                                 f"{'positive integer' if positive_int else 'number'}, got {value!r}")
     ranks = [rank, *(config.get("rank_pattern") or {}).values()]
     if max(ranks) > max_rank:
         raise ValueError(f"LoRA adapter {name!r} has rank {max(ranks)}, more than --max-lora-rank {max_rank}")
@@ -95,8 +117,14 @@ def _check_config(config: dict, name: str, max_rank: int) -> None:
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {name!r}: bias={config['bias']!r} is not supported (only 'none')")
     if config.get("modules_to_save"):
-        raise ValueError(f"LoRA adapter {name!r}: modules_to_save ({', '.join(config['modules_to_save'])}) is not "
-                         "supported: it replaces whole modules of the base model")
+        saved = config["modules_to_save"]
+        saved = ", ".join(map(str, saved)) if isinstance(saved, list) else str(saved)
+        raise ValueError(f"LoRA adapter {name!r}: modules_to_save ({saved}) is not supported: it replaces whole "
+                         "modules of the base model")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _load_tensors(data: bytes, where: Path, name: str) -> dict[str, torch.Tensor]:
@@ -127,7 +155,7 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], name: str) -> dict[str, tupl
             missing = "lora_B" if "A" in ab else "lora_A"
             raise ValueError(f"LoRA adapter {name!r}: {module} has no {missing} weight")
         a, b = ab["A"], ab["B"]
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] == 0:
             raise ValueError(f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
                              f"{tuple(b.shape)}, not [r, in] and [out, r]")
         pairs[module] = (a, b)
@@ -135,12 +163,23 @@ def _pair_tensors(tensors: dict[str, torch.Tensor], name: str) -> dict[str, tupl
 
 
 def _scale(config: dict, module: str, rank: int) -> float:
-    """lora_alpha / r (rsLoRA: / sqrt(r)); PEFT's patterns match a module by its name's suffix."""
-    alpha = config.get("lora_alpha", config["r"])
-    for key, value in (config.get("alpha_pattern") or {}).items():
-        if module == key or module.endswith("." + key):
-            alpha = value
+    """lora_alpha / r (rsLoRA: / sqrt(r)), the module's alpha_pattern entry in place of lora_alpha."""
+    alpha = _pattern_value(config.get("alpha_pattern"), module, config.get("lora_alpha", config["r"]))
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _pattern_value(patterns: dict | None, module: str, default):
+    """A rank_pattern / alpha_pattern entry for `module`: as in PEFT, a key matches when it is a
+    regular expression that matches the whole name or a dotted suffix of it (`q_proj`,
+    `layers.0.self_attn.q_proj`, `.*\\.q_proj`); the first matching key wins."""
+    for key, value in (patterns or {}).items():
+        try:
+            hit = re.fullmatch(rf"(?:.*\.)?(?:{key})", module) is not None
+        except re.error:
+            hit = module == key or module.endswith("." + key)
+        if hit:
+            return value
+    return default
 
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
