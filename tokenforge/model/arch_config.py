@@ -11,12 +11,14 @@ weight bytes, KV bytes per token) that `tokenforge doctor` and the KV-cache sizi
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from tokenforge.model import registry
 
 _SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
+_SILU_NAMES = ("silu", "swish")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8": 1, "fp8": 1}
@@ -70,6 +72,8 @@ class MoeConfig:
         if self.expert_format not in EXPERT_FORMATS:
             raise ValueError(f"unsupported expert weight format {self.expert_format!r}; supported: "
                              f"{', '.join(EXPERT_FORMATS)}")
+        if self.intermediate_size < 1:
+            raise ValueError(f"the experts' intermediate size must be at least 1, got {self.intermediate_size}")
         if self.expert_format == "mxfp4" and self.intermediate_size % 32:
             raise ValueError(f"MXFP4 experts need an intermediate size that is a multiple of 32, "
                              f"got {self.intermediate_size}")
@@ -119,28 +123,32 @@ class ArchConfig:
     @staticmethod
     def from_hf_config(cfg: dict[str, Any]) -> ArchConfig:
         spec = registry.spec_for_config(cfg)
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or hidden // heads
+        hidden, heads = config_int(cfg, "hidden_size"), config_int(cfg, "num_attention_heads")
+        head_dim = config_int(cfg, "head_dim", hidden // heads, minimum=2)
+        activation = cfg.get("hidden_act", "silu")
+        if activation not in _SILU_NAMES:
+            raise ValueError(f"config.json: hidden_act {activation!r} is not supported (the {spec.architecture} "
+                             f"layers run SiLU: {', '.join(_SILU_NAMES)})")
         theta, scaling = _parse_rope(cfg)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         fields = dict(
             architecture=spec.architecture,
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_hidden_layers=int(cfg["num_hidden_layers"]),
+            intermediate_size=config_int(cfg, "intermediate_size"),
+            num_hidden_layers=config_int(cfg, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            vocab_size=int(cfg["vocab_size"]),
+            num_key_value_heads=config_int(cfg, "num_key_value_heads", heads),
+            head_dim=head_dim,
+            vocab_size=config_int(cfg, "vocab_size"),
             rope_theta=theta,
             rope_scaling=scaling,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=config_float(cfg, "rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=bool(cfg.get("attention_bias", False)),
             o_proj_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            max_position_embeddings=config_int(cfg, "max_position_embeddings", 2048),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -149,6 +157,13 @@ class ArchConfig:
         return ArchConfig(**{**fields, **spec.config_extras(cfg)}).validated()
 
     def validated(self) -> ArchConfig:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not (self.rms_norm_eps > 0 and self.rope_theta > 0):
+            raise ValueError(f"rms_norm_eps and rope_theta must be positive, got {self.rms_norm_eps} and "
+                             f"{self.rope_theta}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_key_value_heads ({self.num_key_value_heads})")
@@ -230,10 +245,48 @@ def dtype_bytes(dtype: str) -> int:
     return _DTYPE_BYTES[name]
 
 
+def config_int(cfg: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:
+    """config.json's whole number `key` (`default` when it is absent or null; required without a
+    default): one ValueError naming the key when it is missing, not a whole number, or below
+    `minimum`, rather than a KeyError or int()'s message."""
+    value = cfg.get(key)
+    if value is None:
+        if default is None:
+            raise ValueError(f"config.json has no {key}")
+        return default
+    if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+        raise ValueError(f"config.json: {key} must be a whole number, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"config.json: {key} must be at least {minimum}, got {value!r}")
+    return int(value)
+
+
+def config_float(cfg: dict[str, Any], key: str, default: float) -> float:
+    """config.json's number `key` (`default` when absent or null): a ValueError naming the key for
+    anything that is not a finite number."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"config.json: {key} must be a number, got {value!r}")
+    return float(value)
+
+
+def quantization_method(cfg: dict[str, Any]) -> str:
+    """config.json's quantization_config.quant_method, lower case ("" without one)."""
+    qc = cfg.get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise ValueError(f"config.json: quantization_config must be an object, got {qc!r}")
+    return str(qc.get("quant_method", "")).lower()
+
+
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     # transformers 5 writes `rope_parameters` (theta inside); 4.x writes `rope_theta` + `rope_scaling`.
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config.json: rope scaling must be an object, got {params!r}")
+    params = dict(params)
+    theta = config_float(params, "rope_theta", config_float(cfg, "rope_theta", 10000.0))
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
@@ -256,10 +309,16 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 def sliding_window_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """sliding_window and layer_types as config.json states them: a window applies to the layers
     `layer_types` marks "sliding_attention", or to every layer when it lists none (Mistral)."""
-    window = cfg.get("sliding_window")
-    if not window:
+    if not cfg.get("sliding_window"):
         return {"sliding_window": None, "layer_types": ()}
-    return {"sliding_window": int(window), "layer_types": tuple(cfg.get("layer_types") or ())}
+    return {"sliding_window": config_int(cfg, "sliding_window"), "layer_types": _layer_types(cfg)}
+
+
+def _layer_types(cfg: dict[str, Any]) -> tuple[str, ...]:
+    types = cfg.get("layer_types") or ()
+    if not isinstance(types, (list, tuple)):
+        raise ValueError(f"config.json: layer_types must be a list, got {types!r}")
+    return tuple(types)
 
 
 def qwen_sliding_window_fields(cfg: dict[str, Any], slides=None) -> dict[str, Any]:
@@ -268,8 +327,9 @@ def qwen_sliding_window_fields(cfg: dict[str, Any], slides=None) -> dict[str, An
     rule of the family (default: layers from max_window_layers on, as Qwen2 and Qwen3 do)."""
     if not cfg.get("use_sliding_window", False) or not cfg.get("sliding_window"):
         return {"sliding_window": None, "layer_types": ()}
-    types = cfg.get("layer_types")
+    types = _layer_types(cfg)
     if not types:
-        slides = slides or (lambda i, c: i >= int(c.get("max_window_layers", 0)))
-        types = ["sliding_attention" if slides(i, cfg) else "full_attention" for i in range(int(cfg["num_hidden_layers"]))]
-    return {"sliding_window": int(cfg["sliding_window"]), "layer_types": tuple(types)}
+        slides = slides or (lambda i, c: i >= config_int(c, "max_window_layers", 0, minimum=0))
+        types = tuple("sliding_attention" if slides(i, cfg) else "full_attention"
+                      for i in range(config_int(cfg, "num_hidden_layers")))
+    return {"sliding_window": config_int(cfg, "sliding_window"), "layer_types": types}

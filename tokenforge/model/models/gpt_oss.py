@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from tokenforge.model.arch_config import ArchConfig, MoeConfig
+from tokenforge.model.arch_config import ArchConfig, MoeConfig, config_float, config_int, quantization_method
 from tokenforge.model.attention.spec import AttentionSpec
 from tokenforge.model.layers import Attention, RotaryEmbedding, RowParallelLinear
 from tokenforge.model.models.llama import LLAMA_PACKED_MODULES, LlamaAttention
@@ -21,10 +21,10 @@ from tokenforge.model.registry import register
 
 
 def gpt_oss_config_extras(cfg: dict[str, Any]) -> dict[str, Any]:
-    quant = str((cfg.get("quantization_config") or {}).get("quant_method", "")).lower()
+    quant = quantization_method(cfg)
     fields = moe_config_fields(
-        cfg, intermediate_size=int(cfg["intermediate_size"]), routing="topk_softmax", activation="swiglu_oai",
-        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)), swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        cfg, intermediate_size=config_int(cfg, "intermediate_size"), routing="topk_softmax", activation="swiglu_oai",
+        swiglu_alpha=config_float(cfg, "swiglu_alpha", 1.702), swiglu_limit=config_float(cfg, "swiglu_limit", 7.0),
         bias=True, interleaved_gate_up=True, expert_format="mxfp4" if quant == "mxfp4" else "dense")
     return {"moe": MoeConfig(**fields), "attention_bias": bool(cfg.get("attention_bias", True))}
 

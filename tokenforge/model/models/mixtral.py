@@ -6,14 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenforge.model.arch_config import MoeConfig
+from tokenforge.model.arch_config import MoeConfig, config_int
 from tokenforge.model.models.llama import LLAMA_PACKED_MODULES
 from tokenforge.model.models.moe import MoeDecoderLayer, MoeForCausalLM, moe_config_fields
 from tokenforge.model.registry import register
 
 
 def mixtral_config_extras(cfg: dict[str, Any]) -> dict[str, Any]:
-    fields = moe_config_fields(cfg, intermediate_size=int(cfg["intermediate_size"]), renormalize=True)
+    fields = moe_config_fields(cfg, intermediate_size=config_int(cfg, "intermediate_size"), renormalize=True)
     return {"moe": MoeConfig(**fields)}
 
 

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.arch_config import ArchConfig, config_int
 from tokenforge.model.layers import RMSNorm, RotaryEmbedding
 from tokenforge.model.layers.moe import SparseMoeBlock
 from tokenforge.model.models.decoder import CheckpointedLayer, DecoderForCausalLM
@@ -83,8 +83,8 @@ class MoeForCausalLM(DecoderForCausalLM):
 
 def moe_config_fields(cfg: dict[str, Any], **overrides: Any) -> dict[str, Any]:
     """The HF keys every MoE family spells alike: expert count, top-k and the expert width."""
-    experts = cfg.get("num_local_experts", cfg.get("num_experts"))
-    if experts is None or "num_experts_per_tok" not in cfg:
+    key = "num_local_experts" if cfg.get("num_local_experts") is not None else "num_experts"
+    if cfg.get(key) is None or cfg.get("num_experts_per_tok") is None:
         raise ValueError(f"{(cfg.get('architectures') or ['?'])[0]}: config.json names no num_local_experts / "
                          "num_experts or num_experts_per_tok")
-    return {"num_experts": int(experts), "top_k": int(cfg["num_experts_per_tok"]), **overrides}
+    return {"num_experts": config_int(cfg, key), "top_k": config_int(cfg, "num_experts_per_tok"), **overrides}

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tokenforge.model.arch_config import ArchConfig, qwen_sliding_window_fields
+from tokenforge.model.arch_config import ArchConfig, config_int, qwen_sliding_window_fields
 from tokenforge.model.layers.moe import Router, SparseMoeBlock
 from tokenforge.model.layers.parallel import all_reduce
 from tokenforge.model.models.llama import LLAMA_PACKED_MODULES, LlamaMLP
@@ -21,8 +21,8 @@ from tokenforge.model.registry import register
 
 def qwen2_moe_config_extras(cfg: dict[str, Any]) -> dict[str, Any]:
     fields = {**qwen3_moe_config_extras(cfg),       # HF's Qwen2-MoE rule: even layers below max_window_layers
-              **qwen_sliding_window_fields(cfg, lambda i, c: i % 2 == 0 and i < int(c.get("max_window_layers", 0)))}
-    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+              **qwen_sliding_window_fields(cfg, lambda i, c: i % 2 == 0 and i < config_int(c, "max_window_layers", 0, minimum=0))}
+    shared = config_int(cfg, "shared_expert_intermediate_size", 0, minimum=0)
     return {**fields, "moe": dataclasses.replace(fields["moe"], shared_expert_intermediate_size=shared),
             "attention_bias": bool(cfg.get("qkv_bias", True))}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tokenforge.model.arch_config import MoeConfig, qwen_sliding_window_fields
+from tokenforge.model.arch_config import MoeConfig, config_int, qwen_sliding_window_fields
 from tokenforge.model.models.llama import LLAMA_PACKED_MODULES
 from tokenforge.model.models.moe import MoeDecoderLayer, MoeForCausalLM, moe_config_fields
 from tokenforge.model.models.qwen3 import Qwen3Attention
@@ -16,10 +16,12 @@ from tokenforge.model.registry import register
 
 
 def qwen3_moe_config_extras(cfg: dict[str, Any]) -> dict[str, Any]:
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    dense = set(cfg.get("mlp_only_layers") or ())
-    sparse = tuple(i for i in range(int(cfg["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
-    fields = moe_config_fields(cfg, intermediate_size=int(cfg["moe_intermediate_size"]),
+    step = config_int(cfg, "decoder_sparse_step", 1)
+    dense = cfg.get("mlp_only_layers") or ()
+    if not isinstance(dense, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense):
+        raise ValueError(f"config.json: mlp_only_layers must be a list of layer indices, got {dense!r}")
+    sparse = tuple(i for i in range(config_int(cfg, "num_hidden_layers")) if i not in dense and (i + 1) % step == 0)
+    fields = moe_config_fields(cfg, intermediate_size=config_int(cfg, "moe_intermediate_size"),
                                renormalize=bool(cfg.get("norm_topk_prob", False)), sparse_layers=sparse)
     return {"moe": MoeConfig(**fields), **qwen_sliding_window_fields(cfg, lambda i, c: True)}
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from tokenforge.model.quant.base import linear_layers
+from tokenforge.model.arch_config import quantization_method
 from tokenforge.model.quant.mxfp4 import prepare_experts
 from tokenforge.model.quant.registry import CHECKPOINT_FORMATS, CHECKPOINT_METHODS
 from tokenforge.model.quant.scheme import CheckpointScheme, unsupported
@@ -22,7 +23,7 @@ def detect(hf_config: dict) -> CheckpointScheme | None:
     qc = hf_config.get("quantization_config")
     if not qc:
         return None
-    method = str(qc.get("quant_method", "")).lower()
+    method = quantization_method(hf_config)
     if method not in CHECKPOINT_FORMATS:
         raise unsupported(f"quant_method {method!r}")
     return CHECKPOINT_FORMATS[method](qc)
