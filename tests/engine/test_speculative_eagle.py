@@ -140,6 +140,41 @@ def test_the_published_layouts_load_with_the_authors_names(tmp_path):
     assert raw["t2d"][ids].all(), "a draft id must map into the draft vocabulary's target ids"
 
 
+def test_corrupt_heads_are_one_clear_error(tmp_path):
+    """A head's corrupt files or maps are one ValueError naming what is wrong, not a torch error
+    (or, for a d2t pointing past the vocabulary, an IndexError at the first draft)."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenforge.model.loader import load_model
+    from tokenforge.model.loader.eagle import load_eagle_head
+
+    target = load_model(None, "auto", torch.float32, "cpu").model
+
+    def v3_with(name, edit):
+        path = Path(write_eagle3(tmp_path / name))
+        tensors = load_file(str(path / "model.safetensors"))
+        save_file(edit(tensors), str(path / "model.safetensors"))
+        return str(path)
+
+    cut = Path(write_eagle1(tmp_path / "cut"))
+    (cut / "pytorch_model.bin").write_bytes((cut / "pytorch_model.bin").read_bytes()[:1000])
+    listed = Path(write_eagle1(tmp_path / "listed"))
+    (listed / "config.json").write_text("[]")
+    cases = [
+        (str(cut), r"cut/pytorch_model.bin is not a readable PyTorch checkpoint \(RuntimeError"),
+        (str(listed), r"listed': config.json is not a JSON object"),
+        (_bad_config(tmp_path, "no-hidden", hidden_size=None), r"config.json has no hidden_size"),
+        (v3_with("far", lambda t: {**t, "d2t": t["d2t"] + 10 ** 6}),
+         r"'d2t' maps draft ids to 1000\d+\.\.\d+, outside the target's vocabulary of 49152"),
+        (v3_with("no-map", lambda t: {k: v for k, v in t.items() if k != "d2t"}), r"checkpoint is missing: d2t"),
+        (v3_with("float-map", lambda t: {**t, "d2t": t["d2t"].float()}), r"'d2t' has shape \(4096,\) and dtype "
+                                                                          r"torch.float32, expected \(4096,\) of integers"),
+    ]
+    for path, message in cases:
+        with pytest.raises(ValueError, match=message):
+            load_eagle_head(path, target, torch.float32, "cpu")
+
+
 def _bad_config(tmp_path, name, **changes):
     path = Path(write_eagle1(tmp_path / name))
     cfg = json.loads((path / "config.json").read_text())

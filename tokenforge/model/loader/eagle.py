@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.arch_config import ArchConfig, config_int
 from tokenforge.model.loader.safetensors_mmap import MappedSafetensors
 from tokenforge.model.models.eagle import EagleHead, EagleSpec, default_aux_layers
 
@@ -34,10 +34,23 @@ def _files(path: Path) -> list[Path]:
     return found
 
 
+def _load_bin(file: Path, device: str) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin's tensors; a file torch cannot read (cut short, not a checkpoint) is one
+    ValueError naming it."""
+    try:
+        state = torch.load(file, map_location=device, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, UnpicklingError, EOFError, ...
+        raise ValueError(f"{file} is not a readable PyTorch checkpoint ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{file} does not hold a dict of tensors")
+    return state
+
+
 def eagle_tensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     for file in _files(Path(path)):
         if file.suffix == ".bin":
-            yield from torch.load(file, map_location="cpu", weights_only=True).items()
+            yield from _load_bin(file, "cpu").items()
             continue
         mapped = MappedSafetensors(file)
         try:
@@ -51,7 +64,7 @@ def _shapes(path: Path) -> dict[str, tuple[int, ...]]:
     shapes = {}
     for file in _files(path):
         if file.suffix == ".bin":
-            shapes.update((k, tuple(v.shape)) for k, v in torch.load(file, map_location="meta", weights_only=True).items())
+            shapes.update((k, tuple(v.shape)) for k, v in _load_bin(file, "meta").items())
         else:
             mapped = MappedSafetensors(file)
             try:
@@ -68,15 +81,17 @@ def read_eagle_spec(path: str | Path, num_target_layers: int | None = None) -> E
     if not config_file.is_file():
         raise ValueError(f"speculative_model {str(path)!r} is not an EAGLE head directory (no config.json)")
     cfg = json.loads(config_file.read_text())
+    if not isinstance(cfg, dict):
+        raise ValueError(f"speculative_model {str(path)!r}: config.json is not a JSON object")
     archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
     shapes = _shapes(path)
-    hidden = int(cfg["hidden_size"])
+    hidden = config_int(cfg, "hidden_size")
     fc = shapes.get("fc.weight")
     if fc is None:
         raise ValueError(f"speculative_model {str(path)!r} has no fc.weight: not an EAGLE or EAGLE-3 head")
     v3 = any("eagle3" in a.lower() for a in archs) or "draft_vocab_size" in cfg or fc[1] != 2 * hidden
     arch = ArchConfig.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"], "tie_word_embeddings": False})
-    target_hidden = int(cfg.get("target_hidden_size") or hidden)
+    target_hidden = config_int(cfg, "target_hidden_size", hidden)
     aux: tuple[int, ...] = ()
     if v3:
         eagle_cfg = cfg.get("eagle_config") or {}
@@ -90,7 +105,7 @@ def read_eagle_spec(path: str | Path, num_target_layers: int | None = None) -> E
         if arch.num_hidden_layers != 1:
             raise ValueError(f"EAGLE-3 head {str(path)!r} has {arch.num_hidden_layers} layers; one is supported")
     return EagleSpec(version=3 if v3 else 1, arch=arch, target_hidden_size=target_hidden,
-                     draft_vocab_size=int(cfg.get("draft_vocab_size") or arch.vocab_size), aux_layer_ids=aux,
+                     draft_vocab_size=config_int(cfg, "draft_vocab_size", arch.vocab_size), aux_layer_ids=aux,
                      fc_bias="fc.bias" in shapes or bool(cfg.get("eagle_fc_bias", False)),
                      norm_before_residual=bool(cfg.get("norm_before_residual", False)),
                      own_embedding=v3 and "embed_tokens.weight" in shapes)
@@ -109,6 +124,9 @@ def check_eagle_head(path: str | Path, target: ArchConfig) -> EagleSpec:
     if spec.arch.vocab_size != target.vocab_size:
         raise ValueError(f"the {name} head {str(path)!r} has a vocabulary of {spec.arch.vocab_size} tokens, the target "
                          f"{target.vocab_size}: it was trained for another model")
+    if spec.draft_vocab_size > target.vocab_size:
+        raise ValueError(f"the {name} head {str(path)!r} has a draft vocabulary of {spec.draft_vocab_size} tokens, "
+                         f"more than the target's {target.vocab_size}")
     fc_in = _shapes(Path(path))["fc.weight"][1]
     expected = 2 * spec.arch.hidden_size if spec.version == 1 else len(spec.aux_layer_ids) * target.hidden_size
     if fc_in != expected:

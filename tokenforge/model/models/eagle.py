@@ -157,7 +157,7 @@ class EagleHead(nn.Module):
             if name is None or (name == "embed_tokens.weight" and self.embed_tokens is None):
                 continue
             if name == "d2t" and self.spec.version == 3:
-                self.d2t.copy_(tensor.to(torch.long))
+                self.d2t.copy_(self._checked_d2t(tensor))
                 written["d2t"] = {None}
                 continue
             shard = None
@@ -180,9 +180,25 @@ class EagleHead(nn.Module):
                 loader(param, tensor, shard)
             written.setdefault(name, set()).add(shard)
         expected = {n: (3 if "qkv_proj" in n else 2 if "gate_up_proj" in n else 1) for n in params}
+        if self.spec.version == 3 and self.spec.draft_vocab_size != self.spec.arch.vocab_size:
+            expected["d2t"] = 1         # a draft vocabulary smaller than the target's needs its map
         missing = [n for n, count in expected.items() if len(written.get(n, ())) < count]
         if missing:
             raise ValueError(f"EAGLE head checkpoint is missing: {', '.join(missing[:8])}")
+
+
+    def _checked_d2t(self, tensor: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3's d2t (draft id -> target id - draft id), checked to map every draft id into the
+        target's vocabulary (a bad map would index past the embedding at the first draft)."""
+        draft, vocab = self.spec.draft_vocab_size, self.spec.arch.vocab_size
+        if tuple(tensor.shape) != (draft,) or tensor.is_floating_point() or tensor.is_complex():
+            raise ValueError(f"EAGLE head tensor 'd2t' has shape {tuple(tensor.shape)} and dtype {tensor.dtype}, "
+                             f"expected ({draft},) of integers")
+        ids = torch.arange(draft) + tensor.to(torch.long).cpu()
+        if draft and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"EAGLE head tensor 'd2t' maps draft ids to {int(ids.min())}..{int(ids.max())}, outside "
+                             f"the target's vocabulary of {vocab}")
+        return tensor.to(torch.long)
 
 
 def _canonical(name: str) -> str | None:
