@@ -130,10 +130,15 @@ def test_bad_runtime_updates_are_clear_errors(live, adapter_dirs, tmp_path):
          r"LoRA adapter 'big' has rank 16, more than --max-lora-rank 8"),
         ({"lora_name": "a0", "lora_path": adapter_dirs["a2"]}, 400, r"The LoRA adapter `a0` has already been loaded"),
         ({"lora_name": "x"}, 400, r"lora_path: Field required"),
+        ({"lora_name": "", "lora_path": adapter_dirs["a2"]}, 400, r"Both 'lora_name' and 'lora_path' must be provided"),
+        ({"lora_name": "x", "lora_path": ""}, 400, r"Both 'lora_name' and 'lora_path' must be provided"),
     ]
     for body, status, message in cases:
         r = http.post("/v1/load_lora_adapter", json=body)
         assert r.status_code == status and re.search(message, r.json()["error"]["message"]), r.text
+    r = http.post("/v1/unload_lora_adapter", json={"lora_name": ""})
+    assert r.status_code == 400 and r.json()["error"]["message"] == ("'lora_name' needs to be provided to unload a "
+                                                                     "LoRA adapter.")
     r = http.post("/v1/unload_lora_adapter", json={"lora_name": "never"})
     assert r.status_code == 404
     assert r.json() == {"error": {"message": "The model `never` does not exist.", "type": "invalid_request_error",

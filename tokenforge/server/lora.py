@@ -84,6 +84,9 @@ def add_lora_routes(app: FastAPI, registry: LoRARegistry, allow_updating: bool, 
     async def load_lora_adapter(body: LoadLoRARequest) -> PlainTextResponse:
         if not allow_updating:
             raise updating_disabled()
+        if not body.lora_name or not body.lora_path:       # vLLM's check and words
+            raise bad_request("Both 'lora_name' and 'lora_path' must be provided.",
+                              param="lora_name" if not body.lora_name else "lora_path")
         try:
             await registry.load(body.lora_name, body.lora_path, now())
         except ValueError as err:
@@ -94,6 +97,8 @@ def add_lora_routes(app: FastAPI, registry: LoRARegistry, allow_updating: bool, 
     async def unload_lora_adapter(body: UnloadLoRARequest) -> PlainTextResponse:
         if not allow_updating:
             raise updating_disabled()
+        if not body.lora_name:
+            raise bad_request("'lora_name' needs to be provided to unload a LoRA adapter.", param="lora_name")
         await registry.unload(body.lora_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
