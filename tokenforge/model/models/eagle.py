@@ -186,7 +186,6 @@ class EagleHead(nn.Module):
         if missing:
             raise ValueError(f"EAGLE head checkpoint is missing: {', '.join(missing[:8])}")
 
-
     def _checked_d2t(self, tensor: torch.Tensor) -> torch.Tensor:
         """EAGLE-3's d2t (draft id -> target id - draft id), checked to map every draft id into the
         target's vocabulary (a bad map would index past the embedding at the first draft)."""
