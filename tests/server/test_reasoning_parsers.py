@@ -169,3 +169,23 @@ def test_unknown_parser_names_the_choices():
     with pytest.raises(ValueError, match="unknown reasoning parser 'x'; choose one of gpt_oss, qwen3"):
         ServerSettings(reasoning_parser="x").validate()
     assert ServerSettings(reasoning_parser="qwen3").validate().reasoning_parser == "qwen3"
+
+
+def test_vllm_tool_flags_are_accepted():
+    """A vLLM serve line for tools (`--enable-auto-tool-choice --tool-call-parser openai`, the gpt-oss
+    recipe) starts: the switch is a no-op, and `openai` means the harmony parser, which reads the
+    tool calls; with another reasoning parser it is one error."""
+    from tokenforge.cli.main import build_parser  # noqa: PLC0415
+    from tokenforge.server.settings import ServerSettings  # noqa: PLC0415
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "m", "--enable-auto-tool-choice", "--tool-call-parser", "openai"])
+    settings = ServerSettings.from_args(args)
+    assert (settings.reasoning_parser, settings.tool_call_parser) == ("gpt_oss", None)
+    hermes = ServerSettings.from_args(parser.parse_args(["serve", "m", "--enable-auto-tool-choice",
+                                                         "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]))
+    assert (hermes.reasoning_parser, hermes.tool_call_parser) == ("qwen3", "hermes")
+    with pytest.raises(ValueError, match="--tool-call-parser openai reads gpt-oss's harmony tool calls, which "
+                                         "--reasoning-parser gpt_oss parses; it cannot go with --reasoning-parser qwen3"):
+        ServerSettings.from_args(parser.parse_args(["serve", "m", "--tool-call-parser", "openai",
+                                                    "--reasoning-parser", "qwen3"]))

@@ -139,9 +139,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--protect-all-routes", action="store_true",
                    help="with --api-key, guard every route but /health; by default only /v1/* (as vLLM), "
                         "so /tokenize, /detokenize, /tokenizer_info, /version and /metrics stay open")
-    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral"],
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json", "mistral", "openai"],
                    help="how tool calls are read from the model's text (default: from the chat template; "
-                        "hermes for templates without tool support)")
+                        "hermes for templates without tool support); openai, vLLM's name for gpt-oss's harmony "
+                        "tool calls, turns on --reasoning-parser gpt_oss, which reads them")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's switch for tool_choice 'auto', accepted as a no-op: tools are always on")
     g.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                    help="return the model's thinking apart from its answer, as message.reasoning_content "
                         "(streamed as delta.reasoning_content), as vLLM does: qwen3 for <think> ... </think> "

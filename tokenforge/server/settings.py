@@ -73,6 +73,12 @@ class ServerSettings:
             keys = [envs.api_key()]
         defaults = ServerSettings()
         body = getattr(args, "max_body_size", None)
+        tool_parser, reasoning = getattr(args, "tool_call_parser", None), getattr(args, "reasoning_parser", None)
+        if tool_parser == "openai":     # vLLM's gpt-oss tool parser: here the harmony reasoning parser reads them
+            if reasoning not in (None, "gpt_oss"):
+                raise ValueError(f"--tool-call-parser openai reads gpt-oss's harmony tool calls, which "
+                                 f"--reasoning-parser gpt_oss parses; it cannot go with --reasoning-parser {reasoning}")
+            tool_parser, reasoning = None, "gpt_oss"
         return ServerSettings(
             host=getattr(args, "host", defaults.host),
             port=getattr(args, "port", defaults.port),
@@ -90,8 +96,8 @@ class ServerSettings:
             log_level=(getattr(args, "log_level", None) or defaults.log_level).lower(),
             access_log=bool(getattr(args, "access_log", False)),
             protect_all_routes=bool(getattr(args, "protect_all_routes", False)),
-            tool_call_parser=getattr(args, "tool_call_parser", None),
-            reasoning_parser=getattr(args, "reasoning_parser", None),
+            tool_call_parser=tool_parser,
+            reasoning_parser=reasoning,
             structured_outputs_in_reasoning=bool(getattr(args, "structured_outputs_in_reasoning", False)),
             stream_interval=getattr(args, "stream_interval", defaults.stream_interval),
             ui=not getattr(args, "no_ui", False),
