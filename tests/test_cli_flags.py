@@ -49,6 +49,36 @@ def test_bad_values_are_one_line(argv, needle, capsys):
     assert exc.value.code == 2 and needle in err and len(err.splitlines()) == 2
 
 
+def test_a_vllm_command_line_starts():
+    """vLLM's spellings: --speculative-config's JSON becomes the speculative flags, the positive
+    form of a --no- switch is its default, and the flags that change nothing here are accepted."""
+    args = _parse("--speculative-config", '{"method": "eagle3", "model": "/heads/h", "num_speculative_tokens": 3, '
+                  '"draft_tensor_parallel_size": 1}', "--enable-prefix-caching", "--trust-remote-code",
+                  "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats")
+    kw = engine_kwargs(args)
+    assert (kw["speculative_method"], kw["speculative_model"], kw["num_speculative_tokens"]) == ("eagle", "/heads/h", 3)
+    assert kw["enable_prefix_caching"] is True
+    ngram = engine_kwargs(_parse("--speculative-config", '{"method": "ngram", "num_speculative_tokens": 5, '
+                                 '"prompt_lookup_min": 1, "prompt_lookup_max": 6}'))
+    assert (ngram["speculative_method"], ngram["num_speculative_tokens"], ngram["ngram_min"], ngram["ngram_max"]) == (
+        "ngram", 5, 1, 6)
+    assert engine_kwargs(_parse("--speculative-config", '{"model": "/d", "num_speculative_tokens": 2}'))[
+        "speculative_method"] == "draft"                      # a model and no method: vLLM's draft model
+
+
+@pytest.mark.parametrize("config,extra,message", [
+    ("{bad", (), "--speculative-config is not valid JSON"),
+    ("[4]", (), "--speculative-config must be a JSON object, got \\[4\\]"),
+    ('{"method": "ngram", "lookahead": 2}', (), "--speculative-config: unsupported keys lookahead \\(supported: method"),
+    ('{"method": "ngram"}', ("--speculative-method", "eagle"),
+     "--speculative-config's method 'ngram' conflicts with --speculative-method 'eagle'"),
+    ('{"method": "ngram", "draft_tensor_parallel_size": 2}', (), "unsupported keys draft_tensor_parallel_size"),
+])
+def test_a_bad_speculative_config_is_one_error(config, extra, message):
+    with pytest.raises(ValueError, match=message):
+        engine_kwargs(_parse("--speculative-config", config, *extra))
+
+
 def test_an_unknown_flag_gets_the_usual_error(capsys):
     with pytest.raises(SystemExit):
         _parse("--max-num-seq", "4", "--bogus-flag")

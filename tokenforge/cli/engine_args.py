@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 
 from tokenforge import envs
@@ -101,6 +102,7 @@ def _add_field_flag(group, f: dataclasses.Field) -> None:
         kwargs["nargs"] = meta["nargs"]
     if kind == "bool" and f.default is True and meta.get("negate"):
         group.add_argument("--no-" + spelling[2:], *meta["aliases"], action="store_false", default=True, **kwargs)
+        group.add_argument(spelling, dest=f.name, action="store_true", help=argparse.SUPPRESS)   # the default, spelt out
     elif kind == "bool" and f.default is None:
         group.add_argument(spelling, *meta["aliases"], action=argparse.BooleanOptionalAction, default=None, **kwargs)
     elif kind == "bool" and "values" not in meta:
@@ -146,13 +148,62 @@ def add_engine_args(p: argparse.ArgumentParser, serve: bool = False) -> None:
                      help="playbook: auto = --parallel auto; tensor / pipeline = how --num-gpus is split")
     groups[CACHE].add_argument("--use-cache", "--use_cache", dest="use_cache", action="store_true",
                                help="the engine cache in its default folder (~/.cache/tokenforge/engine)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's spelling of the speculative flags, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (keys: method, model, "
+                        "num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)")
+    for name in _VLLM_NO_OPS:
+        g.add_argument(name, action="store_true", dest="_vllm_no_op", help=argparse.SUPPRESS)
     p.set_defaults(resolve_engine_flags=resolve_playbook_flags)
+
+
+# vLLM flags that change nothing here, accepted so a vLLM command line starts: no model code is run
+# from the checkpoint, prefill is always chunked, and no request or stats log is on by default
+_VLLM_NO_OPS = ("--trust-remote-code", "--enable-chunked-prefill", "--disable-log-requests", "--disable-log-stats")
+# --speculative-config's methods -> --speculative-method (vLLM's eagle3 is an EAGLE head here too)
+_SPEC_METHODS = {"ngram": "ngram", "eagle": "eagle", "eagle3": "eagle", "draft_model": "draft", "draft": "draft"}
+_SPEC_KEYS = {"method": "speculative_method", "model": "speculative_model",
+              "num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "ngram_min",
+              "prompt_lookup_max": "ngram_max"}
+
+
+def _apply_speculative_config(args: argparse.Namespace) -> None:
+    """--speculative-config JSON -> the --speculative-* / --ngram-* fields; ValueError for JSON that
+    is not an object, an unknown key, or a key also given as its own flag with another value."""
+    text = getattr(args, "speculative_config", None)
+    if text is None:
+        return
+    try:
+        spec = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"--speculative-config is not valid JSON ({err})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"--speculative-config must be a JSON object, got {text}")
+    if spec.get("draft_tensor_parallel_size", 1) == 1:
+        spec.pop("draft_tensor_parallel_size", None)         # the only draft layout here: one rank
+    unknown = sorted(set(spec) - set(_SPEC_KEYS))
+    if unknown:
+        raise ValueError(f"--speculative-config: unsupported keys {', '.join(unknown)} (supported: "
+                         f"{', '.join(_SPEC_KEYS)})")
+    if "method" in spec:
+        spec["method"] = _SPEC_METHODS.get(spec["method"], spec["method"])
+    elif "model" in spec:
+        spec["method"] = "draft"
+    defaults = {f.name: f.default for f in flag_fields()}
+    for key, value in spec.items():
+        dest = _SPEC_KEYS[key]
+        if getattr(args, dest, None) not in (None, value, defaults.get(dest)):
+            raise ValueError(f"--speculative-config's {key} {value!r} conflicts with --{dest.replace('_', '-')} "
+                             f"{getattr(args, dest)!r}")
+        setattr(args, dest, value)
+    args.speculative_config = None
 
 
 def resolve_playbook_flags(args: argparse.Namespace) -> None:
     """Fold the flags without a field of their own into the fields (idempotent; ValueError on a
     conflict): --num-gpus by --model-sharding-type or --sharding_strategy, load = lazy loading,
     --use-cache = the default engine cache folder, --sharding_strategy auto = --parallel auto."""
+    _apply_speculative_config(args)
     if args.model_sharding_type == "load":
         args.load_format, args.model_sharding_type = "lazy", None
     if args.sharding_strategy == "auto":
