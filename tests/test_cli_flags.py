@@ -68,7 +68,7 @@ def test_a_vllm_command_line_starts():
 
 @pytest.mark.parametrize("config,extra,message", [
     ("{bad", (), "--speculative-config is not valid JSON"),
-    ("[4]", (), "--speculative-config must be a JSON object, got \\[4\\]"),
+    ("[4]", (), "--speculative-config holds list, not a JSON object"),
     ('{"method": "ngram", "lookahead": 2}', (), "--speculative-config: unsupported keys lookahead \\(supported: method"),
     ('{"method": "ngram"}', ("--speculative-method", "eagle"),
      "--speculative-config's method 'ngram' conflicts with --speculative-method 'eagle'"),

@@ -59,12 +59,18 @@ def find_bundled_gguf() -> Path:
 def read_json_object(path: Path) -> dict:
     """A JSON object from a model folder's file (config.json, ...); anything else is a ValueError
     naming the file, not a bare decoder error."""
+    return parse_json_object(Path(path).read_bytes(), str(path))
+
+
+def parse_json_object(text: str | bytes, what: str) -> dict:
+    """`text` as a JSON object; anything else is one ValueError that starts with `what` (a file, a
+    flag), not a bare decoder error."""
     try:
-        value = json.loads(Path(path).read_text())
+        value = json.loads(text)
     except (UnicodeDecodeError, ValueError) as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
+        raise ValueError(f"{what} is not valid JSON: {err}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path} holds {type(value).__name__}, not a JSON object")
+        raise ValueError(f"{what} holds {type(value).__name__}, not a JSON object")
     return value
 
 

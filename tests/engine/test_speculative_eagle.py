@@ -162,7 +162,7 @@ def test_corrupt_heads_are_one_clear_error(tmp_path):
     (listed / "config.json").write_text("[]")
     cases = [
         (str(cut), r"cut/pytorch_model.bin is not a readable PyTorch checkpoint \(RuntimeError"),
-        (str(listed), r"listed': config.json is not a JSON object"),
+        (str(listed), r"listed/config.json holds list, not a JSON object"),
         (_bad_config(tmp_path, "no-hidden", hidden_size=None), r"config.json has no hidden_size"),
         (v3_with("far", lambda t: {**t, "d2t": t["d2t"] + 10 ** 6}),
          r"'d2t' maps draft ids to 1000\d+\.\.\d+, outside the target's vocabulary of 49152"),

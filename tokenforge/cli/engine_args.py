@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 
 from tokenforge import envs
@@ -173,12 +172,9 @@ def _apply_speculative_config(args: argparse.Namespace) -> None:
     text = getattr(args, "speculative_config", None)
     if text is None:
         return
-    try:
-        spec = json.loads(text)
-    except ValueError as err:
-        raise ValueError(f"--speculative-config is not valid JSON ({err})") from None
-    if not isinstance(spec, dict):
-        raise ValueError(f"--speculative-config must be a JSON object, got {text}")
+    from tokenforge.source import parse_json_object  # noqa: PLC0415
+
+    spec = parse_json_object(text, "--speculative-config")
     if spec.get("draft_tensor_parallel_size", 1) == 1:
         spec.pop("draft_tensor_parallel_size", None)         # the only draft layout here: one rank
     unknown = sorted(set(spec) - set(_SPEC_KEYS))

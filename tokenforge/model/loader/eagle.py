@@ -21,6 +21,7 @@ import torch
 from tokenforge.model.arch_config import ArchConfig, config_int
 from tokenforge.model.loader.safetensors_mmap import MappedSafetensors
 from tokenforge.model.models.eagle import EagleHead, EagleSpec, default_aux_layers
+from tokenforge.source import read_json_object
 
 BIN_FILE = "pytorch_model.bin"
 
@@ -80,9 +81,7 @@ def read_eagle_spec(path: str | Path, num_target_layers: int | None = None) -> E
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ValueError(f"speculative_model {str(path)!r} is not an EAGLE head directory (no config.json)")
-    cfg = json.loads(config_file.read_text())
-    if not isinstance(cfg, dict):
-        raise ValueError(f"speculative_model {str(path)!r}: config.json is not a JSON object")
+    cfg = read_json_object(config_file)
     archs = [a for a in cfg.get("architectures") or [] if isinstance(a, str)]
     shapes = _shapes(path)
     hidden = config_int(cfg, "hidden_size")

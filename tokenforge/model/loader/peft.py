@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tokenforge.source import parse_json_object
+
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 
@@ -46,12 +48,7 @@ def read_peft_adapter(path: str | Path, name: str, max_rank: int) -> PeftAdapter
     where = Path(path).expanduser()
     config_bytes = _read(where, CONFIG_FILE, name)
     weight_bytes = _read(where, WEIGHTS_FILE, name)
-    try:
-        config = json.loads(config_bytes)
-    except ValueError as err:
-        raise ValueError(f"LoRA adapter {name!r}: {where / CONFIG_FILE} is not valid JSON ({err})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"LoRA adapter {name!r}: {where / CONFIG_FILE} is not a JSON object")
+    config = parse_json_object(config_bytes, f"LoRA adapter {name!r}: {where / CONFIG_FILE}")
     _check_config(config, name, max_rank)
     tensors = _load_tensors(weight_bytes, where, name)
     fingerprint = hashlib.sha256(config_bytes + b"\x00" + weight_bytes).hexdigest()
