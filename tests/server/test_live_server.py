@@ -89,6 +89,24 @@ def test_greedy_matches_offline_and_streaming(client, llm):
     assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
 
 
+def test_continue_final_message_continues_the_assistant_turn(client, llm, hf_gguf_tokenizer):
+    """continue_final_message (vLLM's): the prompt ends where the assistant's partial answer does,
+    as HF's apply_chat_template(continue_final_message=True) renders it, and greedy output is the
+    offline model's continuation of exactly that prompt."""
+    from tokenforge import SamplingParams
+
+    messages = [{"role": "user", "content": "Name the capital of France."},
+                {"role": "assistant", "content": "The capital of France is"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0,
+                                         extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    text = hf_gguf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    ids = hf_gguf_tokenizer.encode(text, add_special_tokens=False)
+    assert out.usage.prompt_tokens == len(ids)
+    offline = llm.generate([{"prompt_token_ids": ids}], SamplingParams(temperature=0, max_tokens=6))[0]
+    assert out.choices[0].message.content == offline.outputs[0].text
+
+
 def test_n_stop_seed_logprobs(client):
     two = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, max_tokens=8, temperature=1.0, seed=7)
     assert [c.index for c in two.choices] == [0, 1]

@@ -99,6 +99,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = Field(None, description="Refused unless the server trusts request templates.")
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="Continue the last (assistant) message instead of "
+                                         "starting a new one; needs add_generation_prompt false (vLLM).")
     # OpenAI's; the chat template reads it as `reasoning_effort` (gpt-oss's system message), as in vLLM
     reasoning_effort: Literal["low", "medium", "high"] | None = None
 

@@ -91,8 +91,10 @@ def template_messages(messages: list[ChatMessage], model_name: str) -> list[dict
 
 def render_prompt(ctx: ServingContext, messages: list[ChatMessage], *, add_generation_prompt: bool = True,
                   template: str | None = None, template_kwargs: dict | None = None,
-                  tools: list[dict] | None = None) -> dict:
-    """Messages -> {"prompt": text, "prompt_token_ids": ids}, tokenized as LLM.chat does."""
+                  tools: list[dict] | None = None, continue_final: bool = False) -> dict:
+    """Messages -> {"prompt": text, "prompt_token_ids": ids}, tokenized as LLM.chat does.
+    `continue_final`: the text ends where the last message's content does (what the template
+    writes after it, such as its end-of-turn token, is cut), so the model continues that message."""
     if template is not None and not ctx.settings.trust_request_chat_template:
         raise bad_request("a chat_template in the request is refused: the server was not started with "
                           "--trust-request-chat-template", param="chat_template")
@@ -106,7 +108,20 @@ def render_prompt(ctx: ServingContext, messages: list[ChatMessage], *, add_gener
                                    template_kwargs=template_kwargs, tools=tools)
     except TemplateError as err:
         raise bad_request(str(err), param="messages") from err
+    if continue_final:
+        text = _cut_after_final(text, flat[-1].get("content"))
     return {"prompt": text, "prompt_token_ids": ctx.engine.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _cut_after_final(text: str, content) -> str:
+    if isinstance(content, list):
+        content = "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    content = content or ""
+    end = text.rfind(content)
+    if end < 0:
+        raise bad_request("continue_final_message is set but the final message does not appear in the prompt the "
+                          "chat template renders (the template changes it)", param="messages")
+    return text[:end + len(content)]
 
 
 @dataclass(slots=True)
@@ -317,6 +332,9 @@ def _check_request(req: ChatCompletionRequest) -> None:
         raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
     if req.prompt_logprobs is not None and req.stream:      # as vLLM: no streamed chunk carries them
         raise bad_request("prompt_logprobs are not available with stream=true", param="prompt_logprobs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise bad_request("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                          param="continue_final_message")
 
 
 async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest, request: Request) -> Response:
@@ -333,7 +351,8 @@ async def create_chat_completion(ctx: ServingContext, req: ChatCompletionRequest
         template_kwargs = {"reasoning_effort": req.reasoning_effort, **(template_kwargs or {})}
     prompt = render_prompt(ctx, req.messages, add_generation_prompt=req.add_generation_prompt,
                            template=req.chat_template, template_kwargs=template_kwargs,
-                           tools=tools.in_prompt if tools is not None else None)
+                           tools=tools.in_prompt if tools is not None else None,
+                           continue_final=req.continue_final_message)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = build_sampling_params(ctx, req, max_tokens=max_tokens, logprobs=top_logprobs,

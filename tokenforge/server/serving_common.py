@@ -103,6 +103,8 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
                           logprobs: int | None, logprobs_param: str = "logprobs",
                           prompt_logprobs: int | None = None) -> SamplingParams:
     limits = ctx.settings
+    if req.stream_options is not None and req.stream_options.model_fields_set and not req.stream:   # vLLM's
+        raise bad_request("Stream options can only be defined when `stream=True`.", param="stream_options")
     if req.n > limits.max_n:
         raise bad_request(f"n must be <= {limits.max_n} (the server's --max-n), got {req.n}", param="n")
     if max_tokens is not None and limits.max_tokens_limit is not None and max_tokens > limits.max_tokens_limit:
