@@ -146,6 +146,25 @@ def test_chat_uses_the_template(llm):
     assert out.outputs[0].token_ids
 
 
+def test_chat_continues_the_final_message_and_passes_template_kwargs(llm):
+    """vLLM's LLM.chat keywords: continue_final_message ends the prompt where the assistant's partial
+    answer does (with add_generation_prompt it is an error), chat_template_kwargs are taken, and so is
+    lora_request (None: the base model)."""
+    messages = [{"role": "user", "content": "Name the capital of France."},
+                {"role": "assistant", "content": "The capital of France is"}]
+    params = SamplingParams(temperature=0, max_tokens=4)
+    out = llm.chat(messages, params, use_tqdm=False, lora_request=None, add_generation_prompt=False,
+                   continue_final_message=True)[0]
+    assert out.prompt.endswith("<|im_start|>assistant\nThe capital of France is")
+    assert out.outputs[0].token_ids == llm.generate([out.prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="Cannot set both `continue_final_message` and `add_generation_prompt`"):
+        llm.chat(messages, params, continue_final_message=True)
+    plain = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
+    kwargs = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False,
+                      chat_template_kwargs={"enable_thinking": False})[0]       # a variable this template ignores
+    assert kwargs.prompt == plain.prompt
+
+
 def test_missing_model_and_unknown_architecture(tmp_path):
     with pytest.raises(ValueError, match="does not exist"):
         LLM(str(tmp_path / "nope"))

@@ -20,6 +20,7 @@ from tokenforge.config import EngineConfig, RuntimeInfo
 from tokenforge.engine.engine_core import EngineCore
 from tokenforge.engine.output_processor import OutputProcessor
 from tokenforge.engine.processor import ProcessedRequest, Processor, PromptType
+from tokenforge.engine.tokenization import continue_final_message as continue_final_text
 from tokenforge.engine.tokenization import load_engine_tokenizer
 from tokenforge.messages import EngineStats, LoRARequest, RequestOutput
 from tokenforge.sampling_params import SamplingParams
@@ -70,13 +71,23 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None, *,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict] | None = None, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """One conversation or a list of them, rendered with the model's chat template (`tools` and
+        `chat_template_kwargs` passed to it), then `generate`. `continue_final_message`: the model
+        continues the last (assistant) message instead of starting a turn, as in vLLM."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                                      tools=tools, **(chat_template_kwargs or {}))
+            if continue_final_message:
+                text = continue_final_text(text, conversation)
             prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def shutdown(self) -> None:
         """Stop the engine: with tensor/pipeline parallelism, the worker processes exit."""

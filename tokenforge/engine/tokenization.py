@@ -156,6 +156,21 @@ class SyntheticTokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt, tools, template_kwargs)
 
 
+def continue_final_message(text: str, messages: list[dict[str, Any]]) -> str:
+    """A rendered chat cut where its last message's content ends, so the model continues that
+    message rather than starting a new turn (vLLM's continue_final_message); ValueError when the
+    template does not write the content as given."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):
+        content = "".join(part.get("text") or "" for part in content if isinstance(part, dict))
+    content = content or ""
+    end = text.rfind(content)
+    if end < 0:
+        raise ValueError("continue_final_message is set but the final message does not appear in the prompt the "
+                         "chat template renders (the template changes it)")
+    return text[:end + len(content)]
+
+
 def render_chat_template(template: str | None, messages: list[dict[str, Any]], add_generation_prompt: bool,
                          tools: list[dict] | None, variables: dict[str, Any]) -> str:
     """Render like HF's apply_chat_template (same sandbox, filters and globals); errors -> ValueError."""

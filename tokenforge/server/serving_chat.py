@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenforge.engine.tokenization import continue_final_message
 from tokenforge.messages import CompletionOutput, Logprob, RequestOutput
 from tokenforge.server.chat_template import TemplateError
 from tokenforge.server.errors import bad_request
@@ -109,19 +110,11 @@ def render_prompt(ctx: ServingContext, messages: list[ChatMessage], *, add_gener
     except TemplateError as err:
         raise bad_request(str(err), param="messages") from err
     if continue_final:
-        text = _cut_after_final(text, flat[-1].get("content"))
+        try:
+            text = continue_final_message(text, flat)
+        except ValueError as err:
+            raise bad_request(str(err), param="messages") from err
     return {"prompt": text, "prompt_token_ids": ctx.engine.tokenizer.encode(text, add_special_tokens=False)}
-
-
-def _cut_after_final(text: str, content) -> str:
-    if isinstance(content, list):
-        content = "".join(part.get("text") or "" for part in content if isinstance(part, dict))
-    content = content or ""
-    end = text.rfind(content)
-    if end < 0:
-        raise bad_request("continue_final_message is set but the final message does not appear in the prompt the "
-                          "chat template renders (the template changes it)", param="messages")
-    return text[:end + len(content)]
 
 
 @dataclass(slots=True)
