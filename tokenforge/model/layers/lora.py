@@ -144,9 +144,11 @@ class LoRASlots(nn.Module):
         """Start the shrink (x A^T, kernels/lora.py) on the side stream before the base projection
         is launched, so the two run side by side; `finish` joins it and adds the expand. None (the
         whole delta left to `finish` / forward) without a side stream, indices or rows."""
+        if self.side_stream is None:        # the default: no forward-context lookup on the serial path
+            return None
         ctx = current_forward_context()
         indices = None if ctx is None else ctx.lora_indices
-        if self.side_stream is None or indices is None or not x.is_cuda or indices.shape[0] == 0:
+        if indices is None or not x.is_cuda or indices.shape[0] == 0:
             return None
         plan = self._plan(ctx, indices)
         waves = self.tiles.get("shrink_waves", SHRINK_WAVES)
