@@ -30,6 +30,7 @@ STABLE_DUMMY = "TOKENFORGE_STABLE_DUMMY"        # bench serve: dummy weights who
 SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chained on the device ("0": off; any device)
 LORA_TILES = "TOKENFORGE_LORA_TILES"            # bench: the batched LoRA kernels' tile arguments, "name=int,..."
 LORA_SIDE_STREAM = "TOKENFORGE_LORA_SIDE_STREAM"  # bench: "1" runs the LoRA shrink on a side stream beside the product
+LORA_SHRINK_IN_GEMM = "TOKENFORGE_LORA_SHRINK_IN_GEMM"  # bench: "1" computes the LoRA shrink in the base product
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -107,6 +108,13 @@ def lora_side_stream() -> bool:
     """Whether the multi-LoRA shrink runs on a side stream beside the base product (model/lora.py,
     read once when the slots are built; off until measured)."""
     return _truthy(LORA_SIDE_STREAM)
+
+
+def lora_shrink_in_gemm() -> bool:
+    """Whether the multi-LoRA slots' A sit under the base weight, the shrink computed in the base
+    product's extra columns (model/layers/lora.py `LoRASlots.put_a_under`; read once when the slots
+    are built; off until measured)."""
+    return _truthy(LORA_SHRINK_IN_GEMM)
 
 
 def replay_settings() -> tuple[float, int]:

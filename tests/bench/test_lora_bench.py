@@ -10,16 +10,17 @@ from tests.bench.test_bench_smoke import COMMON, TINY, _run
 def test_lora_smoke(tmp_path):
     r = _run(tmp_path, "lora", "--model", TINY, "--num-prompts", "6", "--input-len", "8", "--output-len", "4",
              "--num-adapters", "3", "--lora-rank", "4", "--max-loras", "2", "--lora-dir", str(tmp_path / "ad"),
-             "--side-stream-ab", "--extra-run", "side,expand_prologue=1", *COMMON)
+             "--side-stream-ab", "--extra-run", "gemm,expand_prologue=1", *COMMON)
     assert r["workload"] == "W2-lora" and r["bare"]["output_tok_s"] > 0 and r["lora"]["output_tok_s"] > 0
     assert r["adapters"] == {"num": 3, "rank": 4, "max_loras": 2, "targets": "q,k,v,o,gate,up,down",
-                            "kernel_tiles": {}, "side_stream": False}
+                            "kernel_tiles": {}, "side_stream": False, "shrink_in_gemm": False}
     assert r["lora_vs_bare"] > 0 and all(s >= 1 for s in r["swaps_per_run"])     # 3 adapters through 2 slots
     # the same runs again with TOKENFORGE_LORA_SIDE_STREAM=1 (on the CPU there is no side stream to use)
     side = r["lora_side_stream"]
     assert side["vs_bare"] > 0 and all(s >= 1 for s in side["swaps_per_run"])
-    # and with the expand's prologue as well (--extra-run): each extra run in order, by its spec
-    assert [e["spec"] for e in r["extra_runs"]] == ["side", "side,expand_prologue=1"]
+    # and with the shrink in the base product and the expand's prologue (--extra-run): each extra
+    # run in order, by its spec
+    assert [e["spec"] for e in r["extra_runs"]] == ["side", "gemm,expand_prologue=1"]
     assert r["extra_runs"][1]["vs_bare"] > 0 and all(s >= 1 for s in r["extra_runs"][1]["swaps_per_run"])
     assert len(list((tmp_path / "ad").glob("adapter-*/adapter_model.safetensors"))) == 3
 

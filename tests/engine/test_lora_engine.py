@@ -138,3 +138,33 @@ def test_warm_up_through_the_lora_slots_changes_no_answer(adapters):
     assert warm_up(llm.engine.executor.runner, llm.engine.num_kv_blocks) >= 0
     after = _tokens(llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False, lora_request=[adapters[0], None]))
     assert after == before and _all_blocks_free(llm)
+
+
+def test_the_shrink_in_the_base_product_gives_the_same_answers(adapters):
+    """TOKENFORGE_LORA_SHRINK_IN_GEMM (model/layers/lora.py ShrinkInGemm): every slot's A under
+    the base weight, one product a linear giving y and every slot's shrunk ranks, then the expand.
+    Mixed batches over more adapters than slots (slot writes land under the weight) give the
+    two-kernel path's tokens and top log-probabilities, and the fused weights are the ones the
+    one-row path reads too (views of the larger product's weight)."""
+    from tokenforge import envs
+
+    loras = [adapters[0], None, adapters[1], adapters[2], adapters[3]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    results = []
+    for flag in ("0", "1"):
+        with envs.override(envs.LORA_SHRINK_IN_GEMM, flag):
+            llm = _llm(max_loras=2, dtype="float32")
+        fused = [m for m in llm.engine.executor.runner.model.modules() if getattr(m, "lora", None) is not None]
+        cats = [m.lora.in_gemm for m in fused]
+        assert all(c is None for c in cats) if flag == "0" else all(c is not None for c in cats)
+        if flag == "1":
+            for m, cat in zip(fused, cats):
+                assert m.weight.data_ptr() == cat.weight.data_ptr() and cat.rows == m.weight.shape[0]
+                assert m.lora.lora_A.data_ptr() == cat.weight[cat.rows:].data_ptr()
+        outs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=loras)
+        again = llm.generate(PROMPTS[:2], params, use_tqdm=False, lora_request=[adapters[3], adapters[0]])
+        results.append([(o.outputs[0].token_ids, [round(next(iter(lp.values())).logprob, 4) for lp in o.outputs[0].logprobs])
+                        for o in [*outs, *again]])
+        assert _all_blocks_free(llm)
+        llm.shutdown()
+    assert results[0] == results[1]

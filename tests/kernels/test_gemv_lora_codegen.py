@@ -76,7 +76,7 @@ def test_lora_gemv_loads_weights_as_wide_as_the_bare_gemv(shape, one_slot):
 
 EXPAND = {"s_ptr": "*fp32", "b_ptr": P, "scale_ptr": "*fp32", "rows_ptr": "*i32", "tslot_ptr": "*i32",
           "tstart_ptr": "*i32", "tcount_ptr": "*i32", "y_ptr": P, "out_features": "i32", "cols_per_program": "i32",
-          "stride_s": "i32", "stride_bs": "i32", "stride_bn": "i32", "stride_y": "i32"}
+          "stride_s": "i32", "stride_slot": "i32", "stride_bs": "i32", "stride_bn": "i32", "stride_y": "i32"}
 SHRINK = {"x_ptr": P, "a_ptr": P, "rows_ptr": "*i32", "tslot_ptr": "*i32", "tstart_ptr": "*i32", "tcount_ptr": "*i32",
           "out_ptr": "*fp32", "counter_ptr": "*i32", "in_features": "i32", "stride_x": "i32", "stride_as": "i32",
           "stride_ar": "i32", "stride_split": "i32", "stride_o": "i32"}
@@ -85,16 +85,19 @@ SHRINK = {"x_ptr": P, "a_ptr": P, "rows_ptr": "*i32", "tslot_ptr": "*i32", "tsta
 @pytest.mark.parametrize("slices", [(4096,), (14336, 14336), (4096, 1024, 1024)], ids=["o-down", "gate_up", "qkv"])
 @pytest.mark.parametrize("block_n", [64, 128])
 @pytest.mark.parametrize("pre_wait", [False, True], ids=["wait-first", "prologue"])
-def test_batched_lora_kernels_compile_for_sm90(slices, block_n, pre_wait):
+@pytest.mark.parametrize("by_row", [False, True], ids=["shrink-kernel", "shrink-in-gemm"])
+def test_batched_lora_kernels_compile_for_sm90(slices, block_n, pre_wait, by_row):
     """kernels/lora.py's expand (a run of column blocks; its table, rows and first B block before
     or after the PDL wait) and shrink compile for sm_90 with PDL; with the engine's 16-divisible sizes the expand reads no 2-byte
     element at a time (B's [R, BLOCK_N] tile, R contiguous, and y's rows are 16-byte loads)."""
     bounds = [sum(slices[:i + 1]) for i in range(len(slices))] + [sum(slices)] * 2
     aligned = {n for n in {**EXPAND, **SHRINK} if n.endswith("_ptr") or n.startswith("stride")
                or n in ("out_features", "cols_per_program", "in_features")}
-    expand = _loads(lora._expand_kernel, EXPAND, {"RANK": 16, "NUM_SLICES": len(slices), "SLICE1": bounds[0],
+    # the shrink-in-GEMM expand reads the product's extra columns, in the model dtype
+    expand = _loads(lora._expand_kernel, {**EXPAND, "s_ptr": P} if by_row else EXPAND, {"RANK": 16, "NUM_SLICES": len(slices), "SLICE1": bounds[0],
                                                   "SLICE2": bounds[1], "BLOCK_M": 16, "BLOCK_N": block_n,
-                                                  "USE_PDL": True, "PRE_WAIT": pre_wait}, 4, aligned)
+                                                  "USE_PDL": True, "PRE_WAIT": pre_wait, "BY_ROW": by_row}, 4,
+                    aligned)
     assert expand and not any(".b16" in op for op in expand) and any(".v4." in op for op in expand), expand
     _loads(lora._shrink_kernel, SHRINK, {"SPLITS": 8, "SPLIT_SIZE": 512, "PACKED_RANK": 16 * len(slices),
                                          "BLOCK_M": 16, "BLOCK_R": 64 if len(slices) == 3 else 16 * len(slices),

@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from tests.kernels.conftest import INTERPRET, _rel_err, _tol
-from tokenforge.kernels.lora import expand_cols, lora_block_m, lora_plan, lora_reference, lora_shrink_expand
+from tokenforge.kernels.lora import (
+    expand_cols, lora_block_m, lora_expand_rows, lora_expand_rows_reference, lora_plan, lora_reference,
+    lora_shrink_expand,
+)
 
 CASES = [  # (tokens, in, slices, slots, rank)
     (1, 64, (96,), 1, 16),
@@ -85,6 +88,33 @@ def test_triton_tile_shapes_agree(block_m, block_n, warps, waves, prologue, devi
                              expand_block_n=block_n, expand_warps=warps, expand_waves=waves,
                              expand_prologue=prologue)
     assert _rel_err(out, ref) < (1e-5 if INTERPRET else 1e-2)
+
+
+@pytest.mark.parametrize("prologue", [0, 1], ids=["wait-first", "prologue"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-slices{len(c[2])}-S{c[3]}-R{c[4]}")
+def test_expand_from_the_products_extra_columns(case, dtype, prologue, device):
+    """The shrink computed by the base product (model/layers/lora.py ShrinkInGemm): one GEMM over
+    [W; every slot's A] gives y and each slot's shrunk ranks as strided views of one output, and
+    `lora_expand_rows` adds each row's own slot's delta into y in place (rows without an adapter,
+    and the extra columns, untouched) as the two-kernel path computes it."""
+    if INTERPRET and dtype != torch.float32:
+        pytest.skip("the interpreter does not emulate half-precision dots")
+    x, y, a, b, scale, idx, slices = _problem(*case, dtype, device)
+    slots, packed_rank, _ = a.shape
+    weight = torch.randn(y.shape[1], x.shape[1], generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    out = x @ torch.cat([weight, a.reshape(slots * packed_rank, -1)]).t()          # [T, N + S*n*R]
+    y_view, shrunk = out[:, :y.shape[1]], out[:, y.shape[1]:]
+    base, tail = y_view.clone(), shrunk.clone()
+    ref = lora_expand_rows_reference(shrunk.float(), base.float().clone(), b, scale, idx, slices)
+    two_kernels = lora_reference(x.float(), base.float(), a.float(), b.float(), scale, idx, slices)
+    assert _rel_err(ref, two_kernels) < (1e-5 if dtype == torch.float32 else 2e-2)
+    got = lora_expand_rows(shrunk, y_view, b, scale, slices, lora_plan(idx, slots), expand_prologue=prologue)
+    assert got.data_ptr() == out.data_ptr()                                          # in place, in the view
+    assert _rel_err(out[:, :y.shape[1]], ref) < max(_tol(dtype), 1e-2 if dtype == torch.float32 and not INTERPRET else 0)
+    assert torch.equal(out[:, y.shape[1]:], tail)
+    base_rows = (idx < 0).nonzero().flatten()
+    assert torch.equal(out[base_rows, :y.shape[1]], base[base_rows])
 
 
 def test_tile_rows_follow_the_rows_per_slot():

@@ -55,6 +55,7 @@ class GemvLoRA(NamedTuple):
     scale: torch.Tensor       # [S] fp32
     indices: torch.Tensor     # [1] int: the row's slot, -1 for none
     slices: tuple[int, ...]   # the packed outputs' sizes (sum N)
+    in_gemm: object = None    # model/layers/lora.ShrinkInGemm when the slots' A sit under the weight
 
 
 EXPAND_PDL = True             # the expand as a PDL dependent of its GEMV (bench/lora_diag.py varies it)

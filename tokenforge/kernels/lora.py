@@ -19,7 +19,9 @@ expand program reads one sum, not each split's (at 256 decode rows and 16 splits
 splits was 16x the shrunk tensor's bytes per output column block, ~380 MB of L2 reads per layer).
 `lora_shrink_expand` launches both; `lora_shrink` (into a `shrink_buffer`) and `lora_expand` are
 the two alone, and `shrink_beside` / `expand_after` run the shrink on another stream and join it
-(model/layers/lora.py, the bench). A
+(model/layers/lora.py, the bench). `lora_expand_rows` is the expand alone for a linear whose base
+product already computed every slot's shrink in extra columns (its weight with every slot's A under
+it: model/layers/lora.py ShrinkInGemm), each row reading its own slot's ranks. A
 batch-1 decode through the dense GEMV does not come here: kernels/gemv_lora.py adds its delta.
 
 `lora_reference` is the torch computation (the CPU path and the kernels' test): both GEMMs over
@@ -107,9 +109,9 @@ def _shrink_kernel(x_ptr, a_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, ou
 
 @triton.jit
 def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tcount_ptr, y_ptr, out_features,
-                   cols_per_program, stride_s, stride_bs, stride_bn, stride_y, RANK: tl.constexpr,
+                   cols_per_program, stride_s, stride_slot, stride_bs, stride_bn, stride_y, RANK: tl.constexpr,
                    NUM_SLICES: tl.constexpr, SLICE1: tl.constexpr, SLICE2: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr):
+                   BLOCK_N: tl.constexpr, USE_PDL: tl.constexpr, PRE_WAIT: tl.constexpr, BY_ROW: tl.constexpr):
     """One (tile, run of `cols_per_program` output columns): y[rows, cols] += scale[slot] *
     shrunk[rows, slice(col)] B[slot][cols]^T, BLOCK_N columns an iteration. The tile's rows and
     shrunk ranks are loaded once; the loop's B and y loads do not depend on each other, so the
@@ -117,7 +119,9 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
     PRE_WAIT: the plan's tables, the rows and the first B block are loaded before the PDL wait
     (nothing the kernels just before write: the plan is made before the step's first shrink, which
     waits for it, and B only changes between steps); each iteration then loads the next block's B
-    after its store, so the loop carries it."""
+    after its store, so the loop carries it.
+    BY_ROW: the shrunk ranks are s[row, slot * stride_slot + ...] (every slot's, in the base GEMM's
+    extra columns: `lora_expand_rows`), not the shrink's s[position, ...]."""
     if USE_PDL and not PRE_WAIT:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -144,7 +148,10 @@ def _expand_kernel(s_ptr, b_ptr, scale_ptr, rows_ptr, tslot_ptr, tstart_ptr, tco
             ok = tl.arange(0, BLOCK_M) < count
             rows = tl.load(rows_ptr + pos, mask=ok, other=0).to(tl.int64)
         scale = tl.load(scale_ptr + slot)
-        st_ptrs = s_ptr + pos[:, None].to(tl.int64) * stride_s + rs[None, :]
+        if BY_ROW:
+            st_ptrs = s_ptr + rows[:, None] * stride_s + slot.to(tl.int64) * stride_slot + rs[None, :]
+        else:
+            st_ptrs = s_ptr + pos[:, None].to(tl.int64) * stride_s + rs[None, :]
         # each slice's shrunk ranks [BLOCK_M, RANK] (a bound past the last slice is out_features)
         st0 = tl.load(st_ptrs, mask=ok[:, None], other=0.0).to(b_ptr.dtype.element_ty)
         st1 = st0
@@ -230,7 +237,8 @@ def warm_up_token_counts(num_slots: int, packed_rank: int, in_features: int, max
 def warm_up_lora_kernels(slots, max_tokens: int) -> int:
     """Compile the shrink / expand variants of every distinct LoRA linear (`slots`: objects with
     lora_A [S, nR, in], lora_B [S, out, R], scale, slices, and optionally `tiles`, the tile
-    arguments they run with) for steps of up to `max_tokens` rows,
+    arguments they run with, and `in_gemm`, set where the expand reads the base product's extra
+    columns: `lora_expand_rows`' variants too) for steps of up to `max_tokens` rows,
     before the engine is Ready (a request would otherwise wait for the compile). Returns the number
     of launches made."""
     seen, launches = set(), 0
@@ -246,9 +254,14 @@ def warm_up_lora_kernels(slots, max_tokens: int) -> int:
                                       tiles.get("shrink_waves", SHRINK_WAVES)):
             x = torch.zeros(t, in_features, dtype=a.dtype, device=a.device)
             y = torch.zeros(t, b.shape[1], dtype=a.dtype, device=a.device)
-            lora_shrink_expand(x, y, a, b, m.scale, torch.zeros(t, dtype=torch.int32, device=a.device), m.slices,
-                               **tiles)
+            indices = torch.zeros(t, dtype=torch.int32, device=a.device)
+            lora_shrink_expand(x, y, a, b, m.scale, indices, m.slices, **tiles)
             launches += 1
+            if getattr(m, "in_gemm", None) is not None:     # the expand reading the base product's columns
+                shrunk = torch.zeros(t, num_slots * packed_rank, dtype=a.dtype, device=a.device)
+                lora_expand_rows(shrunk, y, b, m.scale, m.slices, lora_plan(indices, num_slots),
+                                 **{k: v for k, v in tiles.items() if k != "shrink_waves"})
+                launches += 1
     return launches
 
 
@@ -318,6 +331,41 @@ def lora_expand(partial: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, sc
                 expand_prologue: int = EXPAND_PROLOGUE) -> torch.Tensor:
     """y [T, out] += scale[slot] * shrunk B[slot]^T per row, shrunk = partial[0] (lora_shrink's);
     y updated in place and returned."""
+    return _expand(partial[0], 0, False, y, lora_b, scale, slices, plan, expand_block_n, expand_warps, expand_waves,
+                   expand_prologue)
+
+
+def lora_expand_rows(shrunk: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scale: torch.Tensor,
+                     slices: tuple[int, ...], plan: LoRAPlan, expand_block_n: int = EXPAND_BLOCK_N,
+                     expand_warps: int | None = None, expand_waves: int = EXPAND_WAVES,
+                     expand_prologue: int = EXPAND_PROLOGUE) -> torch.Tensor:
+    """`lora_expand` from every slot's shrunk ranks: shrunk [T, S * n*R] (rows may be strided: the
+    extra output columns of a base GEMM whose weight has every slot's A under it), each row using
+    its own slot's n*R; y [T, out] (rows may be strided too) updated in place and returned."""
+    num_slots, packed_rank = lora_b.shape[0], shrunk.shape[1] // lora_b.shape[0]
+    assert shrunk.shape == (y.shape[0], num_slots * packed_rank) and shrunk.stride(-1) == 1
+    return _expand(shrunk, packed_rank, True, y, lora_b, scale, slices, plan, expand_block_n, expand_warps,
+                   expand_waves, expand_prologue)
+
+
+def lora_expand_rows_reference(shrunk: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scale: torch.Tensor,
+                               indices: torch.Tensor, slices: tuple[int, ...]) -> torch.Tensor:
+    """The torch computation of `lora_expand_rows` (y updated in place, in fp32 then y's dtype)."""
+    num_slots, rank = lora_b.shape[0], lora_b.shape[2]
+    weight = (indices[:, None] == torch.arange(num_slots, device=y.device)).to(torch.float32) * scale  # [T, S]
+    shrunk = shrunk.float().view(y.shape[0], num_slots, -1, rank) * weight[:, :, None, None]
+    deltas, start = [], 0
+    for j, size in enumerate(slices):
+        b = lora_b[:, start:start + size].float().permute(1, 0, 2).reshape(size, num_slots * rank)
+        deltas.append(shrunk[:, :, j].reshape(y.shape[0], -1) @ b.t())
+        start += size
+    y.copy_((y.float() + torch.cat(deltas, dim=-1)).to(y.dtype))
+    return y
+
+
+def _expand(shrunk: torch.Tensor, stride_slot: int, by_row: bool, y: torch.Tensor, lora_b: torch.Tensor,
+            scale: torch.Tensor, slices: tuple[int, ...], plan: LoRAPlan, expand_block_n: int, expand_warps: int | None,
+            expand_waves: int, expand_prologue: int) -> torch.Tensor:
     assert len(slices) <= 3 and sum(slices) == y.shape[1] and y.stride(-1) == 1 and lora_b.stride(-1) == 1
     rank, out_features = lora_b.shape[2], y.shape[1]
     assert rank == next_power_of_2(rank) and rank >= 16, "slot ranks are powers of two >= 16 (tl.dot, tl.arange)"
@@ -327,10 +375,10 @@ def lora_expand(partial: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, sc
     cols = expand_cols(num_tiles, out_features, expand_block_n, _num_sms(y.device), expand_waves)
     pdl = use_pdl(y)
     _expand_kernel[(num_tiles, triton.cdiv(out_features, cols))](
-        partial, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features, cols,
-        partial.stride(1), lora_b.stride(0), lora_b.stride(1), y.stride(0), RANK=rank, NUM_SLICES=len(slices),
-        SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=plan.block_m, BLOCK_N=expand_block_n, USE_PDL=pdl,
-        PRE_WAIT=bool(expand_prologue), launch_pdl=pdl, **launch)
+        shrunk, lora_b, scale, plan.rows, plan.tile_slot, plan.tile_start, plan.tile_count, y, out_features, cols,
+        shrunk.stride(0), stride_slot, lora_b.stride(0), lora_b.stride(1), y.stride(0), RANK=rank,
+        NUM_SLICES=len(slices), SLICE1=bounds[0], SLICE2=bounds[1], BLOCK_M=plan.block_m, BLOCK_N=expand_block_n,
+        USE_PDL=pdl, PRE_WAIT=bool(expand_prologue), BY_ROW=by_row, launch_pdl=pdl, **launch)
     return y
 
 
@@ -352,5 +400,6 @@ def expand_after(side, partial: torch.Tensor, y: torch.Tensor, lora_b: torch.Ten
     torch.cuda.current_stream(y.device).wait_stream(side)
     return lora_expand(partial, y, lora_b, scale, slices, plan, **tiles)
 
-__all__ = ["LoRAPlan", "add_lora", "expand_after", "lora_block_m", "lora_expand", "lora_plan", "lora_reference",
-           "lora_shrink", "lora_shrink_expand", "shrink_beside", "shrink_buffer"]
+__all__ = ["LoRAPlan", "add_lora", "expand_after", "lora_block_m", "lora_expand", "lora_expand_rows",
+           "lora_expand_rows_reference", "lora_plan", "lora_reference", "lora_shrink", "lora_shrink_expand",
+           "shrink_beside", "shrink_buffer"]

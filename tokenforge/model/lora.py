@@ -31,6 +31,9 @@ class ModelLoRASlots:
         self.linears: dict[str, nn.Module] = {}
         side = None           # one stream for every linear's shrink, beside its projection (CUDA + Triton)
         use_side = HAS_TRITON and envs.lora_side_stream()
+        # the shrink in the base product: one launch a linear fewer; its outputs are then strided
+        # views of the product, which a row-parallel all-reduce cannot take, so TP 1 only
+        in_gemm = envs.lora_shrink_in_gemm()
         for name, module in model.named_modules():
             if name.rsplit(".", 1)[-1] in TARGETS and isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
                 device = module.weight.device
@@ -39,6 +42,8 @@ class ModelLoRASlots:
                 if device.type == "cuda" and use_side:
                     side = side or torch.cuda.Stream(device)
                     module.lora.side_stream = side
+                elif in_gemm and module.tp_size == 1:
+                    module.lora.put_a_under(module)
                 self.linears[name] = module
         if not self.linears:
             raise ValueError(f"{type(model).__name__} has no linear named {', '.join(TARGETS)} to serve LoRA on")

@@ -15,6 +15,7 @@ in `_expand_row_kernel`, counted with the LoRA kernels).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import tempfile
 import time
@@ -40,7 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "in the same run, against the same bare model (the same as --extra-run side)")
     p.add_argument("--extra-run", action="append", default=[], metavar="SPEC",
                    help="also time a LoRA engine built with SPEC, a comma list of `side` (the shrink on a side "
-                        "stream) and kernel tile settings (TOKENFORGE_LORA_TILES' NAME=N), e.g. "
+                        "stream), `gemm` (the shrink in the base product) and kernel tile settings "
+                        "(TOKENFORGE_LORA_TILES' NAME=N), e.g. "
                         "`side,expand_prologue=1`; repeatable, each against the same bare model")
     p.set_defaults(max_loras=None)       # the engine flag's bench default: min(--num-adapters, 16)
 
@@ -126,24 +128,31 @@ def kernel_share(llm, prompts: list[list[int]], loras: list, args: argparse.Name
             "fused_gemv_launches": sum(1 for name, _ in spans if name.startswith(_FUSED_GEMV))}
 
 
-def extra_specs(args: argparse.Namespace) -> list[tuple[str, bool, str]]:
-    """(spec, side stream, tile settings) of each extra LoRA run asked for; a tile setting
+SWITCHES = {"side": envs.LORA_SIDE_STREAM, "gemm": envs.LORA_SHRINK_IN_GEMM}   # spec item -> the variable it sets
+
+
+def extra_specs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], str]]:
+    """(spec, switches, tile settings) of each extra LoRA run asked for (switches: `side`, the
+    shrink on a side stream; `gemm`, the shrink in the base product); a tile setting
     TOKENFORGE_LORA_TILES would refuse is a ValueError before any engine is built."""
     out = []
     for spec in (["side"] if args.side_stream_ab else []) + list(args.extra_run):
         items = [i for i in spec.replace(" ", "").split(",") if i]
-        tiles = ",".join(i for i in items if i != "side")
+        tiles = ",".join(i for i in items if i not in SWITCHES)
         with envs.override(envs.LORA_TILES, tiles):
             envs.lora_tiles()
-        out.append((spec, "side" in items, tiles))
+        out.append((spec, tuple(i for i in items if i in SWITCHES), tiles))
     return out
 
 
-def extra_run(args: argparse.Namespace, prompts, loras, max_loras: int, side: bool, tiles: str):
-    """(timing, swaps) of the same LoRA runs on an engine built with the side stream and tiles
-    given (the slots read TOKENFORGE_LORA_SIDE_STREAM and TOKENFORGE_LORA_TILES when built)."""
+def extra_run(args: argparse.Namespace, prompts, loras, max_loras: int, switches: tuple[str, ...], tiles: str):
+    """(timing, swaps) of the same LoRA runs on an engine built with the switches and tiles given
+    (the slots read TOKENFORGE_LORA_SIDE_STREAM, _SHRINK_IN_GEMM and _TILES when built)."""
     harness.release_memory()
-    with envs.override(envs.LORA_SIDE_STREAM, "1" if side else "0"), envs.override(envs.LORA_TILES, tiles):
+    with contextlib.ExitStack() as stack:
+        for item, name in SWITCHES.items():
+            stack.enter_context(envs.override(name, "1" if item in switches else "0"))
+        stack.enter_context(envs.override(envs.LORA_TILES, tiles))
         llm = harness.build_llm(args, enable_lora=True, max_loras=max_loras, max_lora_rank=max(args.lora_rank, 16),
                                 max_cpu_loras=max(args.num_adapters, max_loras))
     try:
@@ -177,12 +186,12 @@ def main(args: argparse.Namespace) -> dict:
     share = kernel_share(llm, prompts, loras, args)
     harness.shutdown(llm)
     del llm
-    extras = [(spec, extra_run(args, prompts, loras, max_loras, side, tiles)) for spec, side, tiles in specs]
+    extras = [(spec, extra_run(args, prompts, loras, max_loras, switches, tiles)) for spec, switches, tiles in specs]
     rates = {"bare": harness.rates(args.num_prompts, args.input_len, args.output_len, bare_timing.median),
              "lora": harness.rates(args.num_prompts, args.input_len, args.output_len, timing.median)}
     result.update({"adapters": {"num": args.num_adapters, "rank": args.lora_rank, "max_loras": max_loras,
                                 "targets": "q,k,v,o,gate,up,down", "kernel_tiles": envs.lora_tiles(),
-                                "side_stream": envs.lora_side_stream()},
+                                "side_stream": envs.lora_side_stream(), "shrink_in_gemm": envs.lora_shrink_in_gemm()},
                    "bare": {**rates["bare"], **bare_timing.summary()}, "tokenforge": {**rates["lora"], **timing.summary()},
                    "swaps_per_run": swaps, "lora_kernels": share,
                    "lora_vs_bare": rates["lora"]["output_tok_s"] / rates["bare"]["output_tok_s"]})

@@ -23,6 +23,8 @@ gets the slot tensors from `fused_operand()` instead, and the hook is not called
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +32,20 @@ from torch import nn
 
 from tokenforge import envs
 from tokenforge.kernels.gemv_lora import GemvLoRA
-from tokenforge.kernels.lora import SHRINK_WAVES, add_lora, expand_after, lora_plan, shrink_beside
+from tokenforge.kernels.lora import (
+    SHRINK_WAVES, add_lora, expand_after, lora_expand_rows, lora_expand_rows_reference, lora_plan, shrink_beside,
+)
 from tokenforge.model.forward_context import current_forward_context
+
+
+class ShrinkInGemm(NamedTuple):
+    """A linear whose LoRA slots' A sit under its weight (QuantMethod.fuse_lora_a): one product
+    x [weight; A of every slot]^T gives y in its first `rows` columns and every slot's shrunk ranks
+    after them; `expand(shrunk, y)` adds each row's own slot's delta into y (in place) and returns it."""
+    weight: torch.Tensor             # [rows + S*n*R, in]
+    bias: torch.Tensor | None        # [rows + S*n*R] (zero past rows) or None
+    rows: int
+    expand: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class LoRA(nn.Module):
@@ -87,6 +101,29 @@ class LoRASlots(nn.Module):
         self.tiles = envs.lora_tiles()      # the kernels' tile arguments ({}: their defaults)
         self._expand_tiles = {k: v for k, v in self.tiles.items() if k != "shrink_waves"}
         self.side_stream = None             # a CUDA stream the shrink runs on beside the projection
+        self.in_gemm: ShrinkInGemm | None = None    # the shrink inside the base product (`put_a_under`)
+
+    def put_a_under(self, linear: nn.Module) -> bool:
+        """Keep every slot's A under the linear's weight (its method's `fuse_lora_a`), so a step of
+        more than one row computes the shrink in the base product's extra columns and launches only
+        the expand; the one-row GEMV path is unchanged. Whether the method could."""
+        fused = linear.quant_method.fuse_lora_a(linear, self.lora_A.shape[0] * self.lora_A.shape[1])
+        if fused is None:
+            return False
+        weight, bias = fused
+        rows = linear.weight.shape[0]
+        weight[rows:].view_as(self.lora_A).copy_(self.lora_A)
+        self.lora_A = weight[rows:].view_as(self.lora_A)          # slot writes now land under the weight
+        self.in_gemm = ShrinkInGemm(weight, bias, rows, self._expand_rows)
+        return True
+
+    def _expand_rows(self, shrunk: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        ctx = current_forward_context()
+        indices = ctx.lora_indices
+        if not y.is_cuda:
+            return lora_expand_rows_reference(shrunk, y, self.lora_B, self.scale, indices, self.slices)
+        return lora_expand_rows(shrunk, y, self.lora_B, self.scale, self.slices, self._plan(ctx, indices),
+                                **self._expand_tiles)
 
     @torch.no_grad()
     def set_slot(self, slot: int, lora_a: torch.Tensor, lora_b: torch.Tensor, scale: float) -> None:
@@ -121,7 +158,8 @@ class LoRASlots(nn.Module):
         None where there is nothing to add (no forward context or no indices)."""
         ctx = current_forward_context()
         indices = None if ctx is None else ctx.lora_indices
-        return None if indices is None else GemvLoRA(self.lora_A, self.lora_B, self.scale, indices, self.slices)
+        return None if indices is None else GemvLoRA(self.lora_A, self.lora_B, self.scale, indices, self.slices,
+                                                     self.in_gemm)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         ctx = current_forward_context()

@@ -16,7 +16,8 @@ owns its weight representation through the steps vLLM's linear methods use:
   such kernel for this call; the layer then runs the prologue module and `apply`.
 - `apply_lora`, optional: `apply` (with either prologue) plus the delta of a linear's LoRA slots
   (kernels/gemv_lora.GemvLoRA) in the method's own kernels (the prologue stays fused), or None;
-  the layer then adds it through its hook.
+  the layer then adds it through its hook. `fuse_lora_a`, optional: the slots' A stored under the
+  weight, so the product computes the LoRA shrink of every slot in its extra columns.
 
 What a method may read from its layer: `in_features`, `out_features` (this rank's: the weight is
 [out, in]), `params_dtype` (the model dtype), `weight_loader`, `shard_sizes()` (the output rows of
@@ -71,6 +72,14 @@ class QuantMethod:
         returned, else None), SiLU-and-mul (silu_mul) or nothing; `lora` a GemvLoRA. With `defer`
         the method may leave the delta out of y and return it (a kernels/lora_delta.LoRADelta) for
         the kernel after to add; else delta is None."""
+        return None
+
+    def fuse_lora_a(self, layer: nn.Module, rows: int) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Room for `rows` more output rows under the weight, so one product computes x W^T and,
+        in its extra columns, x A^T of every LoRA slot (model/layers/lora.py `ShrinkInGemm`): the
+        [out + rows, in] weight and bias (the bias's extra entries zero; None without a bias), the
+        layer's `weight` / `bias` becoming views of their first rows. None where the method keeps no
+        such float weight (the default: the slots' shrink then runs as its own kernel)."""
         return None
 
 

@@ -64,7 +64,29 @@ class DenseMethod(QuantMethod):
             return None
         return ops.silu_mul_gemv(gate_up, layer.weight, bias)
 
+    def fuse_lora_a(self, layer, rows):
+        weight = layer.weight
+        if weight.dim() != 2:
+            return None
+        layer.mkl_weight = None       # packed for the plain weight; the products now read the larger one
+        n = weight.shape[0]
+        cat = torch.zeros(n + rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        cat[:n].copy_(weight)
+        weight.data = cat[:n]
+        bias = getattr(layer, "bias", None)
+        bias_cat = None
+        if bias is not None:
+            bias_cat = torch.zeros(n + rows, dtype=bias.dtype, device=bias.device)
+            bias_cat[:n].copy_(bias)
+            bias.data = bias_cat[:n]
+        return cat, bias_cat
+
     def apply_lora(self, layer, x, bias, lora, norm=None, residual=None, silu_mul=False, defer=False):
+        cat = lora.in_gemm
+        if cat is not None and x.dim() == 2 and x.shape[0] > 1 and norm is None and not silu_mul and not defer:
+            # the shrink of every slot in the product's extra columns, then the expand of each row's
+            out = F.linear(x, cat.weight, cat.bias if bias is not None else None)
+            return cat.expand(out[:, cat.rows:], out[:, :cat.rows]), None, None
         ops = gemv_ops(x, layer.weight) if layer.mkl_weight is None else None
         if ops is None or x.shape[0] != 1 or lora.indices.shape[0] != 1:
             return None
