@@ -40,17 +40,21 @@ from .lora_plan import MAX_RANK_BLOCKS, LoRAPlan, _cdiv, lora_block_m, lora_plan
 def lora_reference(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                    scale: torch.Tensor, indices: torch.Tensor, slices: tuple[int, ...]) -> torch.Tensor:
     num_slots, packed_rank, _ = lora_a.shape
-    rank, num_tokens = lora_b.shape[2], x.shape[0]
-    weight = (indices[:, None] == torch.arange(num_slots, device=x.device)).to(x.dtype)   # [T, S]; -1: none
-    weight = weight * scale.to(x.dtype)
-    shrunk = (x @ lora_a.reshape(num_slots * packed_rank, -1).t()).view(num_tokens, num_slots, -1, rank)
-    shrunk = shrunk * weight[:, :, None, None]                                             # [T, S, n, R]
+    return y + _reference_delta(x @ lora_a.reshape(num_slots * packed_rank, -1).t(), lora_b, scale, indices, slices)
+
+
+def _reference_delta(shrunk: torch.Tensor, lora_b: torch.Tensor, scale: torch.Tensor, indices: torch.Tensor,
+                     slices: tuple[int, ...]) -> torch.Tensor:
+    """The delta [T, out] of every slot's shrunk ranks [T, S * n*R], each row masked to its own slot."""
+    num_slots, rank, num_tokens = lora_b.shape[0], lora_b.shape[2], shrunk.shape[0]
+    weight = (indices[:, None] == torch.arange(num_slots, device=shrunk.device)).to(shrunk.dtype)  # -1: none
+    shrunk = shrunk.view(num_tokens, num_slots, -1, rank) * (weight * scale.to(shrunk.dtype))[:, :, None, None]
     deltas, start = [], 0
     for j, size in enumerate(slices):
-        b = lora_b[:, start:start + size].permute(1, 0, 2).reshape(size, num_slots * rank)  # [size, S*R]
+        b = lora_b[:, start:start + size].to(shrunk.dtype).permute(1, 0, 2).reshape(size, num_slots * rank)
         deltas.append(shrunk[:, :, j].reshape(num_tokens, -1) @ b.t())
         start += size
-    return y + torch.cat(deltas, dim=-1)
+    return torch.cat(deltas, dim=-1)
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -339,9 +343,8 @@ def lora_expand_rows(shrunk: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor
                      slices: tuple[int, ...], plan: LoRAPlan, expand_block_n: int = EXPAND_BLOCK_N,
                      expand_warps: int | None = None, expand_waves: int = EXPAND_WAVES,
                      expand_prologue: int = EXPAND_PROLOGUE) -> torch.Tensor:
-    """`lora_expand` from every slot's shrunk ranks: shrunk [T, S * n*R] (rows may be strided: the
-    extra output columns of a base GEMM whose weight has every slot's A under it), each row using
-    its own slot's n*R; y [T, out] (rows may be strided too) updated in place and returned."""
+    """`lora_expand` from every slot's shrunk ranks, shrunk [T, S * n*R] (a base product's extra
+    columns), each row using its own slot's; y [T, out] updated in place. Rows may be strided."""
     num_slots, packed_rank = lora_b.shape[0], shrunk.shape[1] // lora_b.shape[0]
     assert shrunk.shape == (y.shape[0], num_slots * packed_rank) and shrunk.stride(-1) == 1
     return _expand(shrunk, packed_rank, True, y, lora_b, scale, slices, plan, expand_block_n, expand_warps,
@@ -351,15 +354,7 @@ def lora_expand_rows(shrunk: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor
 def lora_expand_rows_reference(shrunk: torch.Tensor, y: torch.Tensor, lora_b: torch.Tensor, scale: torch.Tensor,
                                indices: torch.Tensor, slices: tuple[int, ...]) -> torch.Tensor:
     """The torch computation of `lora_expand_rows` (y updated in place, in fp32 then y's dtype)."""
-    num_slots, rank = lora_b.shape[0], lora_b.shape[2]
-    weight = (indices[:, None] == torch.arange(num_slots, device=y.device)).to(torch.float32) * scale  # [T, S]
-    shrunk = shrunk.float().view(y.shape[0], num_slots, -1, rank) * weight[:, :, None, None]
-    deltas, start = [], 0
-    for j, size in enumerate(slices):
-        b = lora_b[:, start:start + size].float().permute(1, 0, 2).reshape(size, num_slots * rank)
-        deltas.append(shrunk[:, :, j].reshape(y.shape[0], -1) @ b.t())
-        start += size
-    y.copy_((y.float() + torch.cat(deltas, dim=-1)).to(y.dtype))
+    y.copy_((y.float() + _reference_delta(shrunk.float(), lora_b, scale, indices, slices)).to(y.dtype))
     return y
 
 
