@@ -110,11 +110,12 @@ def lora_side_stream() -> bool:
     return _truthy(LORA_SIDE_STREAM)
 
 
-def lora_shrink_in_gemm() -> bool:
+def lora_shrink_in_gemm() -> bool | None:
     """Whether the multi-LoRA slots' A sit under the base weight, the shrink computed in the base
-    product's extra columns (model/layers/lora.py `LoRASlots.put_a_under`; read once when the slots
-    are built; off until measured)."""
-    return _truthy(LORA_SHRINK_IN_GEMM)
+    product's extra columns (model/lora.py; read once when the slots are built): True / False when
+    the variable says so, None when unset (the default: on CUDA, for the linears it pays on)."""
+    value = (_get(LORA_SHRINK_IN_GEMM) or "").strip()
+    return None if not value else _truthy(LORA_SHRINK_IN_GEMM)
 
 
 def replay_settings() -> tuple[float, int]:

@@ -13,7 +13,7 @@ def test_lora_smoke(tmp_path):
              "--side-stream-ab", "--extra-run", "gemm,expand_prologue=1", *COMMON)
     assert r["workload"] == "W2-lora" and r["bare"]["output_tok_s"] > 0 and r["lora"]["output_tok_s"] > 0
     assert r["adapters"] == {"num": 3, "rank": 4, "max_loras": 2, "targets": "q,k,v,o,gate,up,down",
-                            "kernel_tiles": {}, "side_stream": False, "shrink_in_gemm": False}
+                            "kernel_tiles": {}, "side_stream": False, "shrink_in_gemm_linears": 0}
     assert r["lora_vs_bare"] > 0 and all(s >= 1 for s in r["swaps_per_run"])     # 3 adapters through 2 slots
     # the same runs again with TOKENFORGE_LORA_SIDE_STREAM=1 (on the CPU there is no side stream to use)
     side = r["lora_side_stream"]
@@ -22,6 +22,8 @@ def test_lora_smoke(tmp_path):
     # run in order, by its spec
     assert [e["spec"] for e in r["extra_runs"]] == ["side", "gemm,expand_prologue=1"]
     assert r["extra_runs"][1]["vs_bare"] > 0 and all(s >= 1 for s in r["extra_runs"][1]["swaps_per_run"])
+    # the CPU default keeps the shrink kernel; `gemm` puts every linear's slots under its weight
+    assert [e["shrink_in_gemm_linears"] for e in r["extra_runs"]] == [0, 4 * 2]
     assert len(list((tmp_path / "ad").glob("adapter-*/adapter_model.safetensors"))) == 3
 
 

@@ -105,3 +105,46 @@ def test_slot_rank_is_checked():
     slots = LoRASlots(2, 32, 24, max_rank=4)
     with pytest.raises(ValueError, match="rank 8 .* does not fit slots of rank 4"):
         slots.set_slot(0, torch.zeros(8, 32), torch.zeros(24, 8), 1.0)
+
+
+@pytest.mark.parametrize("slots,rank,fused", [
+    (16, 16, {"qkv": True, "o": True, "gate_up": True, "down": True}),      # W2 over 64 adapters' slots
+    (16, 64, {"qkv": False, "o": False, "gate_up": True, "down": False}),   # 64-rank slots: +50% on qkv
+    (1, 64, {"qkv": True, "o": True, "gate_up": True, "down": True}),
+])
+def test_the_shrink_goes_into_the_product_where_its_columns_are_few(slots, rank, fused):
+    """model/lora.py's default on CUDA: the slots' A under the weight while they add at most an
+    eighth to the linear's output columns (8B shapes; the input width does not matter)."""
+    from tokenforge.model.lora import shrink_in_gemm_pays
+
+    shapes = {"qkv": (4096, 1024, 1024), "o": (4096,), "gate_up": (14336, 14336), "down": (4096,)}
+    got = {name: shrink_in_gemm_pays(LoRASlots(slots, 8, sum(s), rank, torch.bfloat16, s)) for name, s in shapes.items()}
+    assert got == fused
+
+
+def test_the_shrink_in_the_product_keeps_prefill_chunks_on_the_kernel():
+    """A linear with its slots' A under the weight (`put_a_under`): steps of 2..max_rows rows run one
+    product and the expand, a longer prefill chunk the base product and the shrink kernel; both give
+    the reference delta, and slot writes land in the product's weight."""
+    from tokenforge.kernels.lora import lora_reference
+
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(32, 8, 4, 2, bias=True)
+    torch.nn.init.normal_(layer.weight, std=0.2)
+    torch.nn.init.normal_(layer.bias, std=0.2)
+    layer.lora = LoRASlots(3, 32, layer.out_features, 8, torch.float32, tuple(layer.shard_sizes()))
+    assert layer.lora.put_a_under(layer)
+    cat = layer.lora.in_gemm
+    for s in range(3):
+        layer.lora.set_slot(s, torch.randn(8, 32), torch.randn(layer.out_features, 8), 0.5 + s)
+    assert torch.equal(cat.weight[cat.rows:].view_as(layer.lora.lora_A), layer.lora.lora_A)
+    assert cat.weight[cat.rows:].abs().sum() > 0
+    for tokens in (5, cat.max_rows + 3):
+        x = torch.randn(tokens, 32)
+        idx = torch.randint(-1, 3, (tokens,))
+        with set_forward_context(None, idx):
+            got = layer(x)
+        base = F.linear(x, layer.weight, layer.bias)
+        want = lora_reference(x, base, layer.lora.lora_A, layer.lora.lora_B, layer.lora.scale, idx, layer.lora.slices)
+        assert torch.allclose(got, want, atol=1e-4), tokens
+        assert got.stride(0) == (cat.weight.shape[0] if tokens <= cat.max_rows else layer.out_features)

@@ -41,8 +41,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "in the same run, against the same bare model (the same as --extra-run side)")
     p.add_argument("--extra-run", action="append", default=[], metavar="SPEC",
                    help="also time a LoRA engine built with SPEC, a comma list of `side` (the shrink on a side "
-                        "stream), `gemm` (the shrink in the base product) and kernel tile settings "
-                        "(TOKENFORGE_LORA_TILES' NAME=N), e.g. "
+                        "stream), `gemm` / `kernel` (the shrink in the base product / as its own kernel on every "
+                        "linear) and kernel tile settings (TOKENFORGE_LORA_TILES' NAME=N), e.g. "
                         "`side,expand_prologue=1`; repeatable, each against the same bare model")
     p.set_defaults(max_loras=None)       # the engine flag's bench default: min(--num-adapters, 16)
 
@@ -128,13 +128,16 @@ def kernel_share(llm, prompts: list[list[int]], loras: list, args: argparse.Name
             "fused_gemv_launches": sum(1 for name, _ in spans if name.startswith(_FUSED_GEMV))}
 
 
-SWITCHES = {"side": envs.LORA_SIDE_STREAM, "gemm": envs.LORA_SHRINK_IN_GEMM}   # spec item -> the variable it sets
+# spec item -> (the variable it sets, its value): `side` the shrink on a side stream, `gemm` the
+# shrink in the base product on every linear, `kernel` the shrink kernel on every linear
+SWITCHES = {"side": (envs.LORA_SIDE_STREAM, "1"), "gemm": (envs.LORA_SHRINK_IN_GEMM, "1"),
+            "kernel": (envs.LORA_SHRINK_IN_GEMM, "0")}
 
 
 def extra_specs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], str]]:
-    """(spec, switches, tile settings) of each extra LoRA run asked for (switches: `side`, the
-    shrink on a side stream; `gemm`, the shrink in the base product); a tile setting
-    TOKENFORGE_LORA_TILES would refuse is a ValueError before any engine is built."""
+    """(spec, switches, tile settings) of each extra LoRA run asked for (SWITCHES' items; what a
+    spec does not name keeps the default run's setting); a tile setting TOKENFORGE_LORA_TILES
+    would refuse is a ValueError before any engine is built."""
     out = []
     for spec in (["side"] if args.side_stream_ab else []) + list(args.extra_run):
         items = [i for i in spec.replace(" ", "").split(",") if i]
@@ -146,19 +149,30 @@ def extra_specs(args: argparse.Namespace) -> list[tuple[str, tuple[str, ...], st
 
 
 def extra_run(args: argparse.Namespace, prompts, loras, max_loras: int, switches: tuple[str, ...], tiles: str):
-    """(timing, swaps) of the same LoRA runs on an engine built with the switches and tiles given
-    (the slots read TOKENFORGE_LORA_SIDE_STREAM, _SHRINK_IN_GEMM and _TILES when built)."""
+    """(timing, swaps, linears computing the shrink in their product) of the same LoRA runs on an
+    engine built with the switches and tiles given (the slots read TOKENFORGE_LORA_SIDE_STREAM,
+    _SHRINK_IN_GEMM and _TILES when built)."""
     harness.release_memory()
     with contextlib.ExitStack() as stack:
-        for item, name in SWITCHES.items():
-            stack.enter_context(envs.override(name, "1" if item in switches else "0"))
+        for item in switches:
+            stack.enter_context(envs.override(*SWITCHES[item]))
         stack.enter_context(envs.override(envs.LORA_TILES, tiles))
         llm = harness.build_llm(args, enable_lora=True, max_loras=max_loras, max_lora_rank=max(args.lora_rank, 16),
                                 max_cpu_loras=max(args.num_adapters, max_loras))
     try:
-        return timed_lora_runs(llm, prompts, loras, args)
+        return (*timed_lora_runs(llm, prompts, loras, args), shrink_in_gemm_linears(llm))
     finally:
         harness.shutdown(llm)
+
+
+def shrink_in_gemm_linears(llm) -> int | None:
+    """How many of the engine's LoRA linears compute the shrink in their base product (None where
+    the slots live in another process)."""
+    runner = getattr(getattr(llm.engine, "executor", None), "runner", None)
+    loras = getattr(runner, "loras", None)
+    if loras is None:
+        return None
+    return sum(1 for linear in loras.slots.linears.values() if linear.lora.in_gemm is not None)
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -184,6 +198,7 @@ def main(args: argparse.Namespace) -> dict:
                             max_cpu_loras=max(args.num_adapters, max_loras))
     timing, swaps = timed_lora_runs(llm, prompts, loras, args)
     share = kernel_share(llm, prompts, loras, args)
+    in_gemm = shrink_in_gemm_linears(llm)
     harness.shutdown(llm)
     del llm
     extras = [(spec, extra_run(args, prompts, loras, max_loras, switches, tiles)) for spec, switches, tiles in specs]
@@ -191,7 +206,7 @@ def main(args: argparse.Namespace) -> dict:
              "lora": harness.rates(args.num_prompts, args.input_len, args.output_len, timing.median)}
     result.update({"adapters": {"num": args.num_adapters, "rank": args.lora_rank, "max_loras": max_loras,
                                 "targets": "q,k,v,o,gate,up,down", "kernel_tiles": envs.lora_tiles(),
-                                "side_stream": envs.lora_side_stream(), "shrink_in_gemm": envs.lora_shrink_in_gemm()},
+                                "side_stream": envs.lora_side_stream(), "shrink_in_gemm_linears": in_gemm},
                    "bare": {**rates["bare"], **bare_timing.summary()}, "tokenforge": {**rates["lora"], **timing.summary()},
                    "swaps_per_run": swaps, "lora_kernels": share,
                    "lora_vs_bare": rates["lora"]["output_tok_s"] / rates["bare"]["output_tok_s"]})
@@ -200,9 +215,10 @@ def main(args: argparse.Namespace) -> dict:
             [f"{args.num_adapters} adapters r{args.lora_rank}, {max_loras} slots",
              rates["lora"]["output_tok_s"], rates["lora"]["total_tok_s"], f"{result['lora_vs_bare']:.1%}"]]
     result["extra_runs"] = []
-    for spec, (extra_timing, extra_swaps) in extras:
+    for spec, (extra_timing, extra_swaps, extra_in_gemm) in extras:
         extra_rates = harness.rates(args.num_prompts, args.input_len, args.output_len, extra_timing.median)
         entry = {"spec": spec, **extra_rates, **extra_timing.summary(), "swaps_per_run": extra_swaps,
+                 "shrink_in_gemm_linears": extra_in_gemm,
                  "vs_bare": extra_rates["output_tok_s"] / rates["bare"]["output_tok_s"]}
         result["extra_runs"].append(entry)
         if spec == "side":

@@ -46,6 +46,9 @@ class ShrinkInGemm(NamedTuple):
     bias: torch.Tensor | None        # [rows + S*n*R] (zero past rows) or None
     rows: int
     expand: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # steps of more rows (prefill chunks) keep the shrink kernel: there the product is bound by its
+    # FLOPs, which the extra columns add to, and a launch's fixed latency is small beside it
+    max_rows: int = 512
 
 
 class LoRA(nn.Module):

@@ -83,7 +83,8 @@ class DenseMethod(QuantMethod):
 
     def apply_lora(self, layer, x, bias, lora, norm=None, residual=None, silu_mul=False, defer=False):
         cat = lora.in_gemm
-        if cat is not None and x.dim() == 2 and x.shape[0] > 1 and norm is None and not silu_mul and not defer:
+        if (cat is not None and x.dim() == 2 and 1 < x.shape[0] <= cat.max_rows and norm is None and not silu_mul
+                and not defer):
             # the shrink of every slot in the product's extra columns, then the expand of each row's
             out = F.linear(x, cat.weight, cat.bias if bias is not None else None)
             return cat.expand(out[:, cat.rows:], out[:, :cat.rows]), None, None
