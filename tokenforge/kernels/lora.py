@@ -241,10 +241,9 @@ def warm_up_token_counts(num_slots: int, packed_rank: int, in_features: int, max
 def warm_up_lora_kernels(slots, max_tokens: int) -> int:
     """Compile the shrink / expand variants of every distinct LoRA linear (`slots`: objects with
     lora_A [S, nR, in], lora_B [S, out, R], scale, slices, and optionally `tiles`, the tile
-    arguments they run with, and `in_gemm`, set where the expand reads the base product's extra
-    columns: `lora_expand_rows`' variants too) for steps of up to `max_tokens` rows,
-    before the engine is Ready (a request would otherwise wait for the compile). Returns the number
-    of launches made."""
+    arguments they run with, and `in_gemm`: `lora_expand_rows`' variants too) for steps of up to
+    `max_tokens` rows, before the engine is Ready (a request would otherwise wait for the compile).
+    Returns the number of launches made."""
     seen, launches = set(), 0
     for m in slots:
         a, b = m.lora_A, m.lora_B
@@ -261,10 +260,11 @@ def warm_up_lora_kernels(slots, max_tokens: int) -> int:
             indices = torch.zeros(t, dtype=torch.int32, device=a.device)
             lora_shrink_expand(x, y, a, b, m.scale, indices, m.slices, **tiles)
             launches += 1
-            if getattr(m, "in_gemm", None) is not None:     # the expand reading the base product's columns
-                shrunk = torch.zeros(t, num_slots * packed_rank, dtype=a.dtype, device=a.device)
-                lora_expand_rows(shrunk, y, b, m.scale, m.slices, lora_plan(indices, num_slots),
-                                 **{k: v for k, v in tiles.items() if k != "shrink_waves"})
+            cat = getattr(m, "in_gemm", None)            # the expand reading the base product's columns,
+            if cat is not None and t <= cat.max_rows:     # laid out as serving's (strides and alignment)
+                out = torch.zeros(t, cat.weight.shape[0], dtype=a.dtype, device=a.device)
+                lora_expand_rows(out[:, cat.rows:], out[:, :cat.rows], b, m.scale, m.slices,
+                                 lora_plan(indices, num_slots), **{k: v for k, v in tiles.items() if k != "shrink_waves"})
                 launches += 1
     return launches
 
