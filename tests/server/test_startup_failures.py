@@ -84,6 +84,9 @@ def test_a_port_in_use_is_refused_before_anything_loads():
 @pytest.mark.parametrize("argv,rc,needle", [
     (["serve", "/no/such/model"], 2, "model path '/no/such/model' does not exist"),
     (["serve", "--device", "cuda"], 2, "device 'cuda' is not available"),
+    (["serve", "--override-generation-config", '{"temprature": 0.5}'], 2,
+     "--override-generation-config: unknown key(s) 'temprature'"),
+    (["serve", "--generation-config", "/no/such/dir"], 2, "--generation-config /no/such/dir: no generation_config.json"),
 ])
 def test_bad_serve_arguments_are_one_line(argv, rc, needle):
     if "cuda" in argv:

@@ -35,8 +35,8 @@ def add_serve_parser(subparsers, epilog: str | None = PLAYBOOK_NOTES,
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """Every check that can fail (flags, port, model path, --reasoning-parser) runs before the
-    engine gets its config. The engine core process was started first (core_boot: by the
+    """Every check that can fail (flags, port, model path, the generation config, --reasoning-parser)
+    runs before the engine gets its config. The engine core process was started first (core_boot: by the
     command's first statement, or here): it imports torch and the engine meanwhile, gets the
     config as soon as the checks pass, and is stopped, unseen, if one fails; this process then
     imports the HTTP server while the core loads. This process never imports torch: the device,
@@ -46,6 +46,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from tokenforge.engine import core_boot  # noqa: PLC0415 - keep `tokenforge --help` fast
     from tokenforge.engine.core_client import EngineCoreClient, EngineDeadError  # noqa: PLC0415
     from tokenforge.server.listen import bind_socket  # noqa: PLC0415
+    from tokenforge.engine.generation_defaults import sampling_defaults  # noqa: PLC0415
     from tokenforge.source import resolve_model_source  # noqa: PLC0415
 
     core_boot.mark("api_parsed")
@@ -60,6 +61,7 @@ def run_serve(args: argparse.Namespace) -> int:
         sock = bind_socket(settings.host, settings.port)   # a port in use is one line, like any bad flag
         config = EngineConfig.unresolved(**engine_kwargs(args))
         resolve_model_source(config.model.model, config.load.load_format)    # a bad path: one line, here
+        sampling_defaults(config.model.model, settings.generation_config, settings.override_generation_config)
         tokenizer = check_reasoning_parser(settings, config)
         core.configure(config)       # the core loads from here on, while this process imports the server
         from tokenforge.server.app import run_server  # noqa: PLC0415
@@ -158,6 +160,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="streaming: send a chunk at the first token, at the finish, and otherwise every TOKENS "
                         "tokens (default %(default)s: one chunk per token); larger values cut the server's "
                         "per-chunk CPU cost (as vLLM's --stream-interval)")
+    g.add_argument("--generation-config", default=d.generation_config, metavar="auto|vllm|PATH",
+                   help="sampling defaults for requests that leave them out (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_tokens from max_new_tokens): auto, the model's "
+                        "generation_config.json (as vLLM); vllm, tokenforge's own; or a folder or file holding one")
+    g.add_argument("--override-generation-config", default=None, metavar="JSON",
+                   help="sampling defaults over --generation-config's, a JSON object of its keys, e.g. "
+                        "'{\"temperature\": 0.5}'")
     g.add_argument("--no-ui", action="store_true",
                    help="serve no web UI: no /ui playground, /ui/dashboard or /ui/api/stats (404)")
     g.add_argument("--inference-mode", action="store_true",

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from tokenforge.config import EngineConfig, RuntimeInfo
 from tokenforge.engine.engine_core import EngineCore
+from tokenforge.engine.generation_defaults import sampling_defaults
 from tokenforge.engine.output_processor import OutputProcessor
 from tokenforge.engine.processor import ProcessedRequest, Processor, PromptType
 from tokenforge.engine.tokenization import continue_final_message as continue_final_text
@@ -34,6 +35,7 @@ class LLM:
                  max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, num_kv_blocks: int | None = None,
                  kv_cache_memory: int | str | None = None, seed: int = 0, load_format: str = "auto",
+                 generation_config: str = "auto", override_generation_config: str | dict | None = None,
                  **kwargs) -> None:
         # The device and its batch limits are the engine core's to resolve (engine/startup.py).
         self.config = EngineConfig.unresolved(
@@ -41,6 +43,9 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, num_kv_blocks=num_kv_blocks,
             kv_cache_memory=kv_cache_memory, seed=seed, load_format=load_format, **kwargs)
+        # the sampling defaults `generate` uses without SamplingParams (engine/generation_defaults.py)
+        self.sampling_defaults = sampling_defaults(self.config.model.model, generation_config,
+                                                   override_generation_config)
         start = time.perf_counter()
         self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
         loaded = time.perf_counter()
@@ -54,13 +59,18 @@ class LLM:
         self._ids = itertools.count()
 
     # ---- public API -----------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` uses without SamplingParams: the model's generation config's defaults
+        (`generation_config="vllm"`: SamplingParams()), as vLLM's LLM does."""
+        return SamplingParams(**self.sampling_defaults)
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                  ) -> list[RequestOutput]:
         """`lora_request`: one adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = _as_prompt_list(prompts)
-        params = _as_params_list(sampling_params, len(prompts))
+        params = _as_params_list(sampling_params, len(prompts), self.get_default_sampling_params)
         loras = _as_lora_list(lora_request, len(prompts))
         # Validate everything first: a bad prompt or adapter raises before any request reaches the engine.
         processed = [self.processor.process(p, sp, str(next(self._ids)), lora_request=lora)
@@ -170,9 +180,9 @@ def _as_lora_list(lora, n: int) -> list[LoRARequest | None]:
     return lora
 
 
-def _as_params_list(params, n: int) -> list[SamplingParams]:
+def _as_params_list(params, n: int, default) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams() for _ in range(n)]
+        return [default() for _ in range(n)]
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

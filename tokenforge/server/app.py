@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenforge import __version__
 from tokenforge.config import EngineConfig
 from tokenforge.engine import core_boot
+from tokenforge.engine.generation_defaults import sampling_defaults
 from tokenforge.engine.startup import startup_timeline
 from tokenforge.logs import configure_logging
 from tokenforge.server.auth import APIKeyMiddleware
@@ -114,8 +115,13 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     metrics.set_model_info(engine.identity.version, engine.identity.checksum)
     lora = engine.config.lora
     reasoning = get_reasoning_parser(settings.reasoning_parser, engine.tokenizer) if settings.reasoning_parser else None
+    defaults = sampling_defaults(getattr(engine.tokenizer, "source", None), settings.generation_config,
+                                 settings.override_generation_config)
+    if defaults:
+        logger.info("requests' sampling defaults from the model's generation config: %s (--generation-config "
+                    "vllm: tokenforge's own)", defaults)
     ctx = ServingContext(engine, settings, metrics, name, ChatTemplateRenderer(engine.tokenizer, settings.chat_template),
-                         LoRARegistry(engine, name) if lora.enable_lora else None, reasoning)
+                         LoRARegistry(engine, name) if lora.enable_lora else None, reasoning, defaults)
     app = FastAPI(title="tokenforge", version=__version__, description="OpenAI-compatible LLM server.",
                   docs_url=None, redoc_url=None)
     add_offline_docs(app)

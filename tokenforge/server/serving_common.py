@@ -11,7 +11,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -55,6 +55,8 @@ class ServingContext:
     renderer: ChatTemplateRenderer
     loras: LoRARegistry | None = None   # the served LoRA adapters (None without --enable-lora)
     reasoning: ReasoningParser | None = None    # --reasoning-parser, checked against the tokenizer
+    # what a request leaves out: the model's generation config (engine/generation_defaults.py)
+    sampling_defaults: dict = field(default_factory=dict)
 
     @property
     def max_model_len(self) -> int:
@@ -110,8 +112,10 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
     if max_tokens is not None and limits.max_tokens_limit is not None and max_tokens > limits.max_tokens_limit:
         raise bad_request(f"max_tokens must be <= {limits.max_tokens_limit} (the server's --max-tokens-limit), "
                           f"got {max_tokens}", param="max_tokens")
-    if max_tokens is None:
-        max_tokens = limits.max_tokens_limit
+    defaults = ctx.sampling_defaults
+    if max_tokens is None:          # the model's default, within the server's cap (the context clips both)
+        caps = [cap for cap in (defaults.get("max_tokens"), limits.max_tokens_limit) if cap is not None]
+        max_tokens = min(caps) if caps else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"{logprobs_param} must be an integer in [0, {MAX_LOGPROBS}], got {logprobs}",
                           param=logprobs_param)
@@ -119,10 +123,11 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
         raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
                           param="prompt_logprobs")
-    temperature = 1.0 if req.temperature is None else req.temperature
+    temperature = defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
     if temperature > _MAX_TEMPERATURE:
         raise bad_request(f"temperature must be in [0, {_MAX_TEMPERATURE:g}], got {temperature}", param="temperature")
-    repetition_penalty = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    repetition_penalty = defaults.get("repetition_penalty", 1.0) if req.repetition_penalty is None \
+        else req.repetition_penalty
     low, high = _REPETITION_PENALTY_RANGE
     if not low <= repetition_penalty <= high:
         raise bad_request(f"repetition_penalty must be in [{low}, {high:g}], got {repetition_penalty}",
@@ -134,8 +139,9 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
         raise bad_request(f"stop_token_ids must be token ids in [0, {ctx.vocab_size})", param="stop_token_ids")
     try:
         return SamplingParams(
-            n=req.n, temperature=temperature, top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=_top_k(req.top_k, ctx.vocab_size), min_p=req.min_p or 0.0,
+            n=req.n, temperature=temperature, top_p=defaults.get("top_p", 1.0) if req.top_p is None else req.top_p,
+            top_k=_top_k(defaults.get("top_k") if req.top_k is None else req.top_k, ctx.vocab_size),
+            min_p=defaults.get("min_p", 0.0) if req.min_p is None else req.min_p,
             seed=None if req.seed is None else req.seed % _SEED_LIMIT,
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=repetition_penalty, max_tokens=max_tokens, min_tokens=req.min_tokens,

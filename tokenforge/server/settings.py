@@ -43,6 +43,9 @@ class ServerSettings:
     # tokens are waiting (vLLM's --stream-interval). 1 = one chunk per token (the default).
     stream_interval: int = 1
     ui: bool = True                             # /ui and /ui/dashboard (--no-ui: off)
+    # requests' sampling defaults (engine/generation_defaults.py): auto = the model's generation_config.json
+    generation_config: str = "auto"
+    override_generation_config: str | None = None   # a JSON object of generation-config keys
 
     def validate(self) -> ServerSettings:
         def check(cond: bool, message: str) -> None:
@@ -101,4 +104,6 @@ class ServerSettings:
             structured_outputs_in_reasoning=bool(getattr(args, "structured_outputs_in_reasoning", False)),
             stream_interval=getattr(args, "stream_interval", defaults.stream_interval),
             ui=not getattr(args, "no_ui", False),
+            generation_config=getattr(args, "generation_config", None) or defaults.generation_config,
+            override_generation_config=getattr(args, "override_generation_config", None),
         ).validate()
