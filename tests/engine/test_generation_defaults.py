@@ -1,7 +1,8 @@
 """The model's generation_config.json as requests' sampling defaults (engine/generation_defaults.py),
 as vLLM applies it: read with `--generation-config auto` (the default), ignored with `vllm`, taken
-from another folder or file, overridden key by key; a request's own value always wins; a bad file
-or override is one ValueError naming it, before the engine starts."""
+from another folder or file, overridden key by key; a request's own value wins, except that the
+model's max_new_tokens caps max_tokens (vLLM's min); a bad file or override is one ValueError
+naming it, before the engine starts."""
 
 from __future__ import annotations
 
@@ -86,8 +87,10 @@ def test_a_request_gets_the_defaults_only_for_what_it_leaves_out():
     own = CompletionRequest(model="m", prompt="x", temperature=0.0, top_p=1.0, top_k=0, min_p=0.0,
                             repetition_penalty=1.0, max_tokens=30)
     mine = build_sampling_params(ctx, own, max_tokens=30, logprobs=None)
-    assert (mine.temperature, mine.top_p, mine.top_k, mine.min_p, mine.repetition_penalty, mine.max_tokens) == \
-        (0.0, 1.0, -1, 0.0, 1.0, 30)
+    assert (mine.temperature, mine.top_p, mine.top_k, mine.min_p, mine.repetition_penalty) == (0.0, 1.0, -1, 0.0, 1.0)
+    # the model's max_new_tokens caps a request's max_tokens too (vLLM's min of both); one under it stays
+    assert mine.max_tokens == 7
+    assert build_sampling_params(ctx, own, max_tokens=3, logprobs=None).max_tokens == 3
     # the server's --max-tokens-limit still caps the model's default
     capped = build_sampling_params(_ctx({"max_tokens": 7}, max_tokens_limit=5), CompletionRequest(model="m", prompt="x"),
                                    max_tokens=None, logprobs=None)

@@ -113,9 +113,11 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
         raise bad_request(f"max_tokens must be <= {limits.max_tokens_limit} (the server's --max-tokens-limit), "
                           f"got {max_tokens}", param="max_tokens")
     defaults = ctx.sampling_defaults
-    if max_tokens is None:          # the model's default, within the server's cap (the context clips both)
-        caps = [cap for cap in (defaults.get("max_tokens"), limits.max_tokens_limit) if cap is not None]
-        max_tokens = min(caps) if caps else None
+    # the model's max_new_tokens caps every request, as in vLLM (the smallest of it, the request's
+    # or the server's cap, and the context's room, which the engine applies)
+    caps = [cap for cap in (max_tokens if max_tokens is not None else limits.max_tokens_limit,
+                            defaults.get("max_tokens")) if cap is not None]
+    max_tokens = min(caps) if caps else None
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise bad_request(f"{logprobs_param} must be an integer in [0, {MAX_LOGPROBS}], got {logprobs}",
                           param=logprobs_param)
