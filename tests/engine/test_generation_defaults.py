@@ -102,15 +102,9 @@ def test_a_request_gets_the_defaults_only_for_what_it_leaves_out():
 def test_the_offline_llm_generates_with_the_models_defaults(tmp_path):
     """LLM(path).generate without SamplingParams: the folder's max_new_tokens and top_k 1 (greedy)
     apply; `generation_config="vllm"` keeps SamplingParams()'s."""
-    from tests.model.moe_checkpoints import VOCAB, _save
     from tokenforge import LLM
 
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)
-    folder = _save(transformers.LlamaForCausalLM(cfg).eval(), tmp_path / "tiny")
-    (folder / "generation_config.json").write_text(json.dumps({"top_k": 1, "max_new_tokens": 5, "temperature": 0.7}))
+    folder = _tiny_folder(tmp_path / "tiny", {"top_k": 1, "max_new_tokens": 5, "temperature": 0.7})
     prompt = {"prompt_token_ids": [5, 17, 99, 3, 42]}
     llm = LLM(str(folder), dtype="float32", num_kv_blocks=64)
     assert llm.get_default_sampling_params() == SamplingParams(top_k=1, max_tokens=5, temperature=0.7)
@@ -121,3 +115,42 @@ def test_the_offline_llm_generates_with_the_models_defaults(tmp_path):
     plain = LLM(str(folder), dtype="float32", num_kv_blocks=64, generation_config="vllm")
     assert plain.get_default_sampling_params() == SamplingParams()
     plain.shutdown()
+
+
+def _tiny_folder(path, generation: dict):
+    from tests.model.moe_checkpoints import VOCAB, _save
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)
+    folder = _save(transformers.LlamaForCausalLM(cfg).eval(), path)
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    return folder
+
+
+@pytest.mark.timeout(300)
+def test_a_served_model_answers_with_its_defaults_through_the_openai_client(tmp_path):
+    """`tokenforge serve FOLDER`: a completion that leaves max_tokens and the sampling out gets the
+    folder's max_new_tokens (it caps a larger request too) and top_k 1 (greedy); a request's own
+    temperature 0 gives the same tokens; `--override-generation-config` changes one key."""
+    import sys
+
+    openai = pytest.importorskip("openai")
+    from tests.server.servers import ServerProcess
+
+    folder = _tiny_folder(tmp_path / "tiny", {"top_k": 1, "max_new_tokens": 5, "temperature": 0.7})
+    server = ServerProcess([sys.executable, "-m", "tokenforge.cli", "serve", str(folder), "--dtype", "float32",
+                            "--device", "cpu", "--override-generation-config", '{"max_new_tokens": 6}'])
+    try:
+        server.wait_healthy(300)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        plain = client.completions.create(model=model, prompt=[5, 17, 99, 3])
+        greedy = client.completions.create(model=model, prompt=[5, 17, 99, 3], temperature=0, max_tokens=40)
+        assert plain.usage.completion_tokens == 6 and greedy.usage.completion_tokens == 6    # capped at 6
+        assert plain.choices[0].text == greedy.choices[0].text
+        assert "sampling defaults from the model's generation config: {'temperature': 0.7, 'top_k': 1, " \
+               "'max_tokens': 6}" in server.output()
+    finally:
+        server.stop()

@@ -5,9 +5,10 @@ the model's generation_config.json, `vllm` ignores it, anything else is a direct
 it from) and an override (`--override-generation-config`, a JSON object of the same keys). Out: a
 dict of SamplingParams defaults: temperature, top_p, top_k, min_p, repetition_penalty, and
 max_tokens (from max_new_tokens). A request (served or offline) that leaves a field out gets the
-model's value instead of tokenforge's; a field it sets is its own. A GGUF file has no such config:
-nothing changes. A value that is not a number of the right kind is a ValueError naming the file and
-key, at start-up. Torch-free: the API process reads it.
+model's value instead of tokenforge's; a field it sets is its own, except that the server caps
+max_tokens at the model's (vLLM's min, server/serving_common.py). A GGUF file has no such config:
+nothing changes. A value SamplingParams would refuse is a ValueError naming the file and key, at
+start-up. Torch-free: the API process reads it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from tokenforge.source import parse_json_object, read_json_object
 KEYS = {"temperature": ("temperature", float), "top_p": ("top_p", float), "top_k": ("top_k", int),
         "min_p": ("min_p", float), "repetition_penalty": ("repetition_penalty", float),
         "max_new_tokens": ("max_tokens", int)}
-MODES = ("auto", "vllm")
 
 
 def sampling_defaults(model_source: str | None, mode: str = "auto", override: str | dict | None = None) -> dict:
@@ -69,4 +69,4 @@ def _fields(config: dict, where: str) -> dict:
     return out
 
 
-__all__ = ["KEYS", "MODES", "sampling_defaults"]
+__all__ = ["KEYS", "sampling_defaults"]

@@ -115,7 +115,7 @@ def build_app(engine, settings: ServerSettings, *, model_name: str | None = None
     metrics.set_model_info(engine.identity.version, engine.identity.checksum)
     lora = engine.config.lora
     reasoning = get_reasoning_parser(settings.reasoning_parser, engine.tokenizer) if settings.reasoning_parser else None
-    defaults = sampling_defaults(getattr(engine.tokenizer, "source", None), settings.generation_config,
+    defaults = sampling_defaults(engine.config.model.model, settings.generation_config,
                                  settings.override_generation_config)
     if defaults:
         logger.info("requests' sampling defaults from the model's generation config: %s (--generation-config "
