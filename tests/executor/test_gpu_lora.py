@@ -68,11 +68,13 @@ def test_mixed_batch_in_cuda_graphs_equals_alone_and_eager(adapters, dtype):
 
 
 def test_the_shrink_in_the_base_product_equals_the_shrink_kernel_in_cuda_graphs(adapters):
-    """TOKENFORGE_LORA_SHRINK_IN_GEMM: the expand reading the base product's extra columns (its
-    outputs strided views of that product) gives the shrink kernel's tokens, graphed and eager."""
+    """TOKENFORGE_LORA_SHRINK_IN_GEMM=1 (every linear; the CUDA default where it pays) against 0 (the
+    shrink kernel): the expand reading the base product's extra columns (its outputs strided views
+    of that product) gives the shrink kernel's tokens, graphed and eager."""
     from tokenforge import envs
 
-    base = _tokens("cuda", adapters)
+    with envs.override(envs.LORA_SHRINK_IN_GEMM, "0"):
+        base = _tokens("cuda", adapters)
     with envs.override(envs.LORA_SHRINK_IN_GEMM, "1"):
         fused = _tokens("cuda", adapters)
         fused_eager = _tokens("cuda", adapters, enforce_eager=True)
