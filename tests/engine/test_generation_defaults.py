@@ -61,6 +61,12 @@ def test_a_bad_value_is_one_error_naming_where_it_is(tmp_path, config, override,
     assert message in str(err.value)
 
 
+def test_a_bad_model_file_names_the_way_around_it(tmp_path):
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got 0 \(--generation-config vllm"):
+        sampling_defaults(str(_folder(tmp_path, {"max_new_tokens": 0})))
+    assert sampling_defaults(str(tmp_path), "vllm") == {}
+
+
 def test_a_generation_config_path_without_one_is_refused(tmp_path):
     with pytest.raises(ValueError, match="--generation-config .*: no generation_config.json there"):
         sampling_defaults(None, str(tmp_path))

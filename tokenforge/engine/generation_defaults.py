@@ -31,7 +31,11 @@ def sampling_defaults(model_source: str | None, mode: str = "auto", override: st
     if mode == "auto":            # the model's folder (a GGUF file or a shipped shape has none)
         file = Path(model_source) / "generation_config.json" if model_source else None
         if file is not None and file.is_file():
-            out.update(_fields(read_json_object(file), str(file)))
+            try:
+                out.update(_fields(read_json_object(file), str(file)))
+            except ValueError as err:
+                raise ValueError(f"{err} (--generation-config vllm serves without the model's sampling "
+                                 "defaults)") from None
     elif mode != "vllm":          # a folder holding one, or the file itself
         file = Path(mode) / "generation_config.json" if Path(mode).is_dir() else Path(mode)
         if not file.is_file():
@@ -65,7 +69,10 @@ def _fields(config: dict, where: str) -> dict:
     try:
         SamplingParams(**out)
     except ValueError as err:
-        raise ValueError(f"{where}: {err}") from None
+        message = str(err)
+        if message.startswith("max_tokens "):           # the file's name for it
+            message = "max_new_tokens" + message[len("max_tokens"):]
+        raise ValueError(f"{where}: {message}") from None
     return out
 
 
