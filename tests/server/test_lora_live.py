@@ -7,6 +7,7 @@ under concurrent requests without leaking KV blocks, and every bad input is one 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 
@@ -146,10 +147,17 @@ def test_bad_runtime_updates_are_clear_errors(live, adapter_dirs, tmp_path):
     assert http.get("/health").status_code == 200           # still serving
 
 
-def test_runtime_updates_need_the_flag_and_bad_modules_stop_start_up(adapter_dirs, tmp_path):
-    server = ServerProcess([*SERVE, "--lora-modules", f"a0={adapter_dirs['a0']}"])
+def test_runtime_updates_need_the_flag_and_bad_modules_stop_start_up(adapter_dirs, expected, tmp_path):
+    # vLLM's JSON form of an entry beside the name=path one; base_model_name is the card's parent
+    as_json = json.dumps({"name": "j1", "path": adapter_dirs["a1"], "base_model_name": "my-base"})
+    server = ServerProcess([*SERVE, "--lora-modules", f"a0={adapter_dirs['a0']}", as_json])
     try:
         server.wait_healthy(180)
+        parents = {m["id"]: m.get("parent") for m in httpx.get(server.url + "/v1/models").json()["data"]}
+        assert parents == {BASE: None, "a0": BASE, "j1": "my-base"}
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        assert client.completions.create(model="j1", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                         temperature=0).choices[0].text == expected["a1", 0]
         r = httpx.post(server.url + "/v1/load_lora_adapter", json={"lora_name": "a1", "lora_path": adapter_dirs["a1"]})
         assert r.status_code == 403 and r.json()["error"]["code"] == "lora_updating_disabled"
         assert "--allow-runtime-lora-updating" in r.json()["error"]["message"]

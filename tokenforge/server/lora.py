@@ -52,13 +52,14 @@ class LoRARegistry:
         self.engine, self.base_name = engine, base_name
         self.adapters: dict[str, LoRARequest] = {}
         self.created: dict[str, int] = {}
+        self.parents: dict[str, str] = {}    # --lora-modules' base_model_name, where one was given
         self._ids = itertools.count(1)
         self._lock = asyncio.Lock()          # one load or unload at a time: names stay unique
 
     def get(self, name: str) -> LoRARequest | None:
         return self.adapters.get(name)
 
-    async def load(self, name: str, path: str, created: int = 0) -> LoRARequest:
+    async def load(self, name: str, path: str, created: int = 0, parent: str | None = None) -> LoRARequest:
         """ValueError (naming the adapter) when it cannot be served or the name is taken."""
         async with self._lock:
             if name == self.base_name or name in self.adapters:
@@ -67,6 +68,8 @@ class LoRARegistry:
             lora = LoRARequest(name, next(self._ids), path)
             await self.engine.add_lora(lora)
             self.adapters[name], self.created[name] = lora, created
+            if parent:
+                self.parents[name] = parent
             logger.info("LoRA adapter %r loaded from %s", name, path)
             return lora
 
@@ -75,6 +78,7 @@ class LoRARegistry:
             if self.adapters.pop(name, None) is None:
                 raise adapter_not_found(name)
             self.created.pop(name, None)
+            self.parents.pop(name, None)
             await self.engine.remove_lora(name)
             logger.info("LoRA adapter %r unloaded", name)
 
@@ -107,11 +111,12 @@ def adapter_cards(registry: LoRARegistry | None, max_model_len: int) -> list[dic
     if registry is None:
         return []
     return [{"id": name, "object": "model", "created": registry.created.get(name, 0), "owned_by": "tokenforge",
-             "root": lora.lora_path, "parent": registry.base_name, "max_model_len": max_model_len}
+             "root": lora.lora_path, "parent": registry.parents.get(name, registry.base_name), "max_model_len": max_model_len}
             for name, lora in registry.adapters.items()]
 
 
-async def load_startup_adapters(registry: LoRARegistry, modules: dict[str, str], now: int) -> None:
+async def load_startup_adapters(registry: LoRARegistry, modules: dict[str, tuple[str, str | None]],
+                                now: int) -> None:
     """--lora-modules: each is loaded before the server answers; ValueError for the first bad one."""
-    for name, path in modules.items():
-        await registry.load(name, path, now)
+    for name, (path, parent) in modules.items():
+        await registry.load(name, path, now, parent)
