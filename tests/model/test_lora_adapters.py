@@ -27,8 +27,9 @@ _CFG = dict(hidden_size=64, intermediate_size=112, num_hidden_layers=2, num_atte
             tie_word_embeddings=False)
 
 
-def make_peft_adapter(hf_base, out_dir, targets, rank=8, alpha=16, seed=0, **extra):
-    """A random PEFT LoRA (B random too, so the delta shows) saved as PEFT saves it."""
+def make_peft_adapter(hf_base, out_dir, targets, rank=8, alpha=16, seed=0, safe=True, **extra):
+    """A random PEFT LoRA (B random too, so the delta shows) saved as PEFT saves it (safe=False: as
+    older PEFT did, adapter_model.bin)."""
     torch.manual_seed(seed)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
                              lora_dropout=0.0, **extra)
@@ -37,7 +38,7 @@ def make_peft_adapter(hf_base, out_dir, targets, rank=8, alpha=16, seed=0, **ext
         for name, p in model.named_parameters():
             if "lora_" in name:
                 p.normal_(std=0.2)
-    model.save_pretrained(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=safe)
     return model.eval()
 
 
@@ -81,6 +82,38 @@ def test_logits_match_hf_peft(base_dir, tmp_path, targets, extra):
     torch.testing.assert_close(_our_logits(model, tokens, [-1] * len(tokens)), bare, atol=1e-4, rtol=1e-4)
     assert (expected - bare).abs().max() > 1e-2          # the adapter visibly changes the logits
 
+
+
+def test_an_adapter_model_bin_reads_as_its_safetensors_twin(base_dir, tmp_path):
+    """Older PEFT saved adapter_model.bin (torch.save): read it without unpickling code, same logits."""
+    tokens = [5, 17, 99, 3, 42, 8, 250]
+    hf = make_peft_adapter(_hf_base(base_dir), tmp_path / "bin", ["q_proj", "down_proj"], safe=False)
+    names = {p.name for p in (tmp_path / "bin").iterdir()}
+    assert "adapter_model.bin" in names and "adapter_model.safetensors" not in names
+    with torch.no_grad():
+        expected = hf(torch.tensor([tokens])).logits[0].float()
+    model = load_model(str(base_dir), "auto", torch.float32, "cpu").model
+    slots = ModelLoRASlots(model, num_slots=2, max_rank=16)
+    slots.write(1, read_peft_adapter(tmp_path / "bin", "bin", max_rank=16))
+    torch.testing.assert_close(_our_logits(model, tokens, [1] * len(tokens)), expected, atol=1e-4, rtol=1e-4)
+    # a broken .bin is one error naming it; a pickle that would run code is refused, not run
+    for name, payload, words in (("garbage", b"\x80\x02garbage", "is not a readable PyTorch weights file"),
+                                 ("code", None, "is not a readable PyTorch weights file"),
+                                 ("list", [torch.zeros(2)], "does not hold a dict of named tensors")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "adapter_config.json").write_text((tmp_path / "bin" / "adapter_config.json").read_text())
+        target = tmp_path / name / "adapter_model.bin"
+        if isinstance(payload, bytes):
+            target.write_bytes(payload)
+        else:
+            torch.save(payload if payload is not None else {"x": _Evil()}, target)
+        with pytest.raises(ValueError, match=f"LoRA adapter '{name}': .*adapter_model.bin {words}"):
+            read_peft_adapter(tmp_path / name, name, max_rank=16)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (print, ("unpickled code ran",))
 
 def test_rows_take_their_own_slot(base_dir, tmp_path):
     """One forward over two sequences' tokens, rows in slots 0 and 2: each matches its adapter alone

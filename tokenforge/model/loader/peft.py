@@ -1,4 +1,5 @@
-"""Read a LoRA adapter in PEFT's format: `adapter_config.json` + `adapter_model.safetensors`.
+"""Read a LoRA adapter in PEFT's format: `adapter_config.json` + `adapter_model.safetensors` (or, from
+older PEFT, `adapter_model.bin`, loaded with torch.load(weights_only=True)).
 
 In: the adapter's directory, its name (for error messages) and the largest rank served
 (`--max-lora-rank`). Out: `PeftAdapter`: per HF module name (`model.layers.3.self_attn.q_proj`)
@@ -17,6 +18,7 @@ where the adapter meets the model (model/lora.py).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import re
@@ -28,6 +30,7 @@ import torch
 from tokenforge.source import parse_json_object
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+BIN_FILE = "adapter_model.bin"          # older PEFT's torch.save'd weights, read where no safetensors file is
 _PREFIX = "base_model.model."
 
 
@@ -47,10 +50,11 @@ class PeftAdapter:
 def read_peft_adapter(path: str | Path, name: str, max_rank: int) -> PeftAdapter:
     where = Path(path).expanduser()
     config_bytes = _read(where, CONFIG_FILE, name)
-    weight_bytes = _read(where, WEIGHTS_FILE, name)
+    weights = WEIGHTS_FILE if (where / WEIGHTS_FILE).is_file() or not (where / BIN_FILE).is_file() else BIN_FILE
+    weight_bytes = _read(where, weights, name)
     config = parse_json_object(config_bytes, f"LoRA adapter {name!r}: {where / CONFIG_FILE}")
     _check_config(config, name, max_rank)
-    tensors = _load_tensors(weight_bytes, where, name)
+    tensors = _load_tensors(weight_bytes, where / weights, name)
     fingerprint = hashlib.sha256(config_bytes + b"\x00" + weight_bytes).hexdigest()
     adapter = PeftAdapter(name, str(where), int(config["r"]), fingerprint)
     for module, (a, b) in _pair_tensors(tensors, name).items():
@@ -59,7 +63,7 @@ def read_peft_adapter(path: str | Path, name: str, max_rank: int) -> PeftAdapter
             raise ValueError(f"LoRA adapter {name!r}: {module} has rank {rank}, more than --max-lora-rank {max_rank}")
         configured = _pattern_value(config.get("rank_pattern"), module, config["r"])
         if rank != configured:
-            raise ValueError(f"LoRA adapter {name!r}: {module} has rank {rank} in {WEIGHTS_FILE}, but "
+            raise ValueError(f"LoRA adapter {name!r}: {module} has rank {rank} in {weights}, but "
                              f"{CONFIG_FILE} gives it r = {configured}")
         a, b = a.float(), b.float() * _scale(config, module, rank)
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
@@ -67,7 +71,7 @@ def read_peft_adapter(path: str | Path, name: str, max_rank: int) -> PeftAdapter
                              "lora_A or its lora_B times the scale (lora_alpha / r)")
         adapter.modules[module] = (a, b)
     if not adapter.modules:
-        raise ValueError(f"LoRA adapter {name!r}: {where / WEIGHTS_FILE} holds no lora_A / lora_B tensors")
+        raise ValueError(f"LoRA adapter {name!r}: {where / weights} holds no lora_A / lora_B tensors")
     return adapter
 
 
@@ -77,7 +81,7 @@ def _read(where: Path, filename: str, name: str) -> bytes:
         raise ValueError(f"LoRA adapter {name!r}: {where} is not a directory (a PEFT adapter is a directory "
                          f"with {CONFIG_FILE} and {WEIGHTS_FILE})")
     if not target.is_file():
-        other = " (adapter_model.bin is not read: convert it to safetensors)" if (where / "adapter_model.bin").is_file() else ""
+        other = f" (nor is {BIN_FILE} there)" if filename == WEIGHTS_FILE else ""
         raise ValueError(f"LoRA adapter {name!r}: {target} is missing{other}")
     try:
         return target.read_bytes()
@@ -124,13 +128,24 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _load_tensors(data: bytes, where: Path, name: str) -> dict[str, torch.Tensor]:
+def _load_tensors(data: bytes, file: Path, name: str) -> dict[str, torch.Tensor]:
+    """safetensors, or (adapter_model.bin) a torch.save'd dict of tensors, read without unpickling code."""
+    if file.name == BIN_FILE:
+        try:
+            tensors = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except Exception as err:  # noqa: BLE001 - torch.load raises many error types on a bad file
+            raise ValueError(f"LoRA adapter {name!r}: {file} is not a readable PyTorch weights file "
+                             f"({(str(err).splitlines() or [type(err).__name__])[0]})") from None
+        if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                    for k, v in tensors.items()):
+            raise ValueError(f"LoRA adapter {name!r}: {file} does not hold a dict of named tensors")
+        return tensors
     from safetensors.torch import load  # noqa: PLC0415
 
     try:
         return load(data)
     except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
-        raise ValueError(f"LoRA adapter {name!r}: {where / WEIGHTS_FILE} is not a valid safetensors file "
+        raise ValueError(f"LoRA adapter {name!r}: {file} is not a valid safetensors file "
                          f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
 
 
