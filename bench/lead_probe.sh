@@ -14,6 +14,8 @@
 #               side,expand_prologue=1": the side stream, the expand's prologue, both)
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
 #   moe-w1      bench latency W1 of each of MOE_MODELS (default mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b)
+#   moe-prefill bench/moe_prefill_profile.py: W1's 128-token prefill alone for the dense 8B and PREFILL_MODELS
+#               (default qwen3-30b-a3b gpt-oss-20b gpt-oss-120b): wall time, device busy, kernels by time
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without, each with a profiled pass
 #   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
@@ -115,6 +117,8 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
       STEP_TAIL=6 step moe-w1-$m 150 python3 -m tokenforge.bench latency --model $m --load-format dummy \
         --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --results-dir "$W/moe-w1-$m"; keep "$W/moe-w1-$m" moe-w1-$m
     done ;;
+  moe-prefill) STEP_TAIL=80 step moe-prefill 300 python3 bench/moe_prefill_profile.py --out "$OUT" \
+                --models llama-3.1-8b ${PREFILL_MODELS:-qwen3-30b-a3b gpt-oss-20b gpt-oss-120b} ;;
   spec-w1) step spec-w1 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
              --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1/prof" --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1
            grep -vE "it/s\]|INFO" "$W/spec-w1.log" >"$OUT/spec-w1.log" ;;
