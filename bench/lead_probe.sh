@@ -14,6 +14,8 @@
 #               side,expand_prologue=1": the side stream, the expand's prologue, both)
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
 #   moe-w1      bench latency W1 of each of MOE_MODELS (default mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b)
+#   moe-rows-ab W1 of gpt-oss-20b and -120b with the MXFP4 row GEMVs (kernels/moe_rows.py, the default) and
+#               without (TOKENFORGE_MOE_ROWS=0), each pair in turn
 #   moe-prefill bench/moe_prefill_profile.py: W1's 128-token prefill alone for the dense 8B and PREFILL_MODELS
 #               (default qwen3-30b-a3b gpt-oss-20b gpt-oss-120b): wall time, device busy, kernels by time
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without, each with a profiled pass
@@ -116,6 +118,15 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
     for m in ${MOE_MODELS:-mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b}; do
       STEP_TAIL=6 step moe-w1-$m 150 python3 -m tokenforge.bench latency --model $m --load-format dummy \
         --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --results-dir "$W/moe-w1-$m"; keep "$W/moe-w1-$m" moe-w1-$m
+    done ;;
+  moe-rows-ab)
+    for m in ${ROWS_MODELS:-gpt-oss-20b gpt-oss-120b}; do
+      for v in rows grouped; do
+        [ $v = grouped ] && export TOKENFORGE_MOE_ROWS=0 || unset TOKENFORGE_MOE_ROWS
+        STEP_TAIL=6 step moe-$v-$m 150 python3 -m tokenforge.bench latency --model $m --load-format dummy \
+          --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --results-dir "$W/moe-$v-$m"; keep "$W/moe-$v-$m" moe-$v-$m
+      done
+      unset TOKENFORGE_MOE_ROWS
     done ;;
   moe-prefill) STEP_TAIL=80 step moe-prefill 300 python3 bench/moe_prefill_profile.py --out "$OUT" \
                 --models llama-3.1-8b ${PREFILL_MODELS:-qwen3-30b-a3b gpt-oss-20b gpt-oss-120b} ;;

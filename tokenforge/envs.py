@@ -31,6 +31,7 @@ SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chai
 LORA_TILES = "TOKENFORGE_LORA_TILES"            # bench: the batched LoRA kernels' tile arguments, "name=int,..."
 LORA_SIDE_STREAM = "TOKENFORGE_LORA_SIDE_STREAM"  # bench: "1" runs the LoRA shrink on a side stream beside the product
 LORA_SHRINK_IN_GEMM = "TOKENFORGE_LORA_SHRINK_IN_GEMM"  # bench: "1" computes the LoRA shrink in the base product
+MOE_ROWS = "TOKENFORGE_MOE_ROWS"                # bench: "0" turns off the MXFP4 MoE row GEMVs (kernels/moe_rows.py)
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -116,6 +117,12 @@ def lora_shrink_in_gemm() -> bool | None:
     the variable says so, None when unset (the default: on CUDA, for the linears it pays on)."""
     value = (_get(LORA_SHRINK_IN_GEMM) or "").strip()
     return None if not value else _truthy(LORA_SHRINK_IN_GEMM)
+
+
+def moe_rows() -> bool:
+    """Whether MXFP4 MoE batches of a few rows an expert take the row GEMVs (kernels/moe_rows.py,
+    read once at import; on unless the variable is "0", for A/B runs)."""
+    return (_get(MOE_ROWS) or "1").strip() != "0"
 
 
 def replay_settings() -> tuple[float, int]:

@@ -23,6 +23,9 @@ per-row scales applied to the fp32 accumulators in the epilogue, before the bias
 Each expert's weights are read once per column tile for all the pairs routed to it, which makes
 decode (few pairs per expert) a pass over the selected experts' bytes.
 
+MXFP4 batches of a few rows an expert (a prefill's 4-32) take kernels/moe_rows.py instead: the
+same layout, each decoded tile multiplied by its block's rows without the MMA operand layout.
+
 `moe_reference` is the plain torch computation the kernels are tested against and the CPU path.
 """
 
@@ -35,6 +38,7 @@ from ._triton import require_triton, tl, triton, use_pdl
 from .moe_decode import gemv_moe, topk_sum
 from .moe_fp8 import Fp8Stack
 from .moe_gemv import MOE_PDL, gemv_pairs, swiglu
+from .moe_rows import ROWS_BLOCK_M, launch_rows, rows_path
 from .mxfp4 import Mxfp4Stack, fp4_weight_tiles
 
 ROUTING_ORDERS = ("softmax_topk", "topk_softmax")
@@ -279,6 +283,23 @@ def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, str
     return w, w, w.stride(0), w.stride(1), 0, 0, "float"
 
 
+def _rows_moe(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local) -> torch.Tensor:
+    """`fused_moe` through the MXFP4 row GEMVs (kernels/moe_rows.py): a few rows an expert."""
+    tokens, hidden = x.shape
+    num_experts, inter, top_k = w13_args[0].shape[0], w13_args[0].shape[1] // 2, ids.shape[1]
+    pairs = tokens * top_k
+    alignment = align(ids, num_experts, ROWS_BLOCK_M)
+    flat_weights = weights.reshape(-1).float().contiguous()
+    act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
+    launch_rows(x, w13_args, w13_bias, act, alignment, flat_weights, inter, hidden, pairs, top_k, swiglu=True,
+                oai=oai, mul_weights=False, alpha=alpha, limit=limit)
+    # zeros: pairs of another rank's experts are never written, and the sum over k reads them
+    out = (torch.empty if all_local else torch.zeros)(pairs, hidden, dtype=torch.float32, device=x.device)
+    launch_rows(act, w2_args, w2_bias, out, alignment, flat_weights, hidden, inter, pairs, 1, swiglu=False,
+                oai=False, mul_weights=True, alpha=alpha, limit=limit)
+    return topk_sum(out.view(tokens, top_k, hidden), x.dtype)
+
+
 def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor,
               w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
               activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
@@ -310,6 +331,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     if gemv if gemv is not None else pairs <= gemv_pairs(w13_args[-1], hidden, inter, num_experts):
         return gemv_moe(x, w13_args, w2_args, top_k, ids, weights, w13_bias, w2_bias, oai=oai, alpha=alpha,
                         limit=limit, all_local=all_local, tile=tile)
+    if rows_path(w13_args[-1], pairs, num_experts):
+        return _rows_moe(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local)
     sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     pdl = MOE_PDL and use_pdl(x)
     w, s, swe, swn, sse, ssn, fmt = w13_args
