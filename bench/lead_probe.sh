@@ -16,6 +16,8 @@
 #   moe-w1      bench latency W1 of each of MOE_MODELS (default mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b)
 #   moe-rows-ab W1 of gpt-oss-20b and -120b with the MXFP4 row GEMVs (kernels/moe_rows.py, the default) and
 #               without (TOKENFORGE_MOE_ROWS=0), each pair in turn
+#   moe-rows-sweep  bench/moe_rows_sweep.py: one gpt-oss MoE layer at T = 32, 128, 512, grouped GEMMs against
+#               the row path's tiles (fraction of the read rate)
 #   moe-prefill bench/moe_prefill_profile.py: W1's 128-token prefill alone for the dense 8B and PREFILL_MODELS
 #               (default qwen3-30b-a3b gpt-oss-20b gpt-oss-120b): wall time, device busy, kernels by time
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without, each with a profiled pass
@@ -128,6 +130,7 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
       done
       unset TOKENFORGE_MOE_ROWS
     done ;;
+  moe-rows-sweep) STEP_TAIL=50 step moe-rows-sweep 200 python3 bench/moe_rows_sweep.py --out "$OUT" ;;
   moe-prefill) STEP_TAIL=80 step moe-prefill 300 python3 bench/moe_prefill_profile.py --out "$OUT" \
                 --models llama-3.1-8b ${PREFILL_MODELS:-qwen3-30b-a3b gpt-oss-20b gpt-oss-120b} ;;
   spec-w1) step spec-w1 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \

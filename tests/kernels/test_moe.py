@@ -180,3 +180,24 @@ def test_decode_gemvs_match_reference_and_repeat_exactly(fmt, experts, k, order,
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(replayed, out)
+
+
+@pytest.mark.parametrize("hidden, inter", [(192, 160), (256, 96)])   # K steps of 64 and 32; 128 and 32
+def test_mxfp4_rows_take_any_whole_group_width(device, hidden, inter, monkeypatch):
+    """The MXFP4 row path (kernels/moe_rows.py) picks its K step from the widths (any multiple of 32),
+    with experts whose rows span several 16-row blocks, against the reference."""
+    from tokenforge.kernels import moe_rows
+
+    monkeypatch.setattr(moe_rows, "ENABLED", True)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(hidden + inter)
+    tokens, e, k = 40, 4, 2
+    w13, w2 = _random_experts(e, hidden, inter, gen, mxfp4=True)
+    x = torch.randn(tokens, hidden, generator=gen)
+    weights, ids = route(torch.randn(tokens, e, generator=gen), k)
+    assert moe_rows.rows_path("mxfp4", tokens * k, e) and torch.bincount(ids.flatten()).max() > moe_rows.ROWS_BLOCK_M
+    ref = moe_reference(x, w13, w2, weights, ids)
+    out = fused_moe(x.to(device, dtype), _on(w13, device, dtype), _on(w2, device, dtype), weights.to(device),
+                    ids.to(device), gemv=False)
+    err = (out.float().cpu() - ref).norm() / ref.norm()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err

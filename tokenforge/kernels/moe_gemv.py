@@ -86,7 +86,7 @@ _DECODE_PTX = tl.constexpr(_decode_ptx()) if HAS_TRITON else None
 
 
 @triton.jit
-def fp4_word(w, ASM: tl.constexpr):
+def _fp4_word(w, ASM: tl.constexpr):
     """int32 words of 8 e2m1 codes -> their 8 values times 2^-14, fp32 (element order)."""
     if ASM:
         return tl.inline_asm_elementwise(_DECODE_PTX, "=f,=f,=f,=f,=f,=f,=f,=f,r", [w], dtype=(tl.float32,) * 8,
@@ -113,9 +113,10 @@ def _bf16_halves(a):
 
 
 @triton.jit
-def fp4_acts(a_ptrs, g0, a_mask, A_WORDS: tl.constexpr):
-    """The activations of 32-value group g0 that one code word's 8 values meet, as 8 fp32 tiles
-    (bf16 pairs packed in int32 words when A_WORDS, else one value each)."""
+def fp4_group_dot(w, s, a_ptrs, g0, a_mask, A_WORDS: tl.constexpr, ASM: tl.constexpr):
+    """One step of an MXFP4 dot: the activations of 32-value group g0 (bf16 pairs packed in int32
+    words when A_WORDS, else one value each) times the packed fp4 words `w`, summed over each
+    word's 8 values and scaled by the groups' e8m0 scales `s`."""
     if A_WORDS:
         a0, a1 = _bf16_halves(tl.load(a_ptrs + g0 * 16, mask=a_mask, other=0))
         a2, a3 = _bf16_halves(tl.load(a_ptrs + g0 * 16 + 1, mask=a_mask, other=0))
@@ -130,15 +131,7 @@ def fp4_acts(a_ptrs, g0, a_mask, A_WORDS: tl.constexpr):
         a5 = tl.load(a_ptrs + g0 * 32 + 5, mask=a_mask, other=0.0).to(tl.float32)
         a6 = tl.load(a_ptrs + g0 * 32 + 6, mask=a_mask, other=0.0).to(tl.float32)
         a7 = tl.load(a_ptrs + g0 * 32 + 7, mask=a_mask, other=0.0).to(tl.float32)
-    return a0, a1, a2, a3, a4, a5, a6, a7
-
-
-@triton.jit
-def fp4_group_dot(w, s, a_ptrs, g0, a_mask, A_WORDS: tl.constexpr, ASM: tl.constexpr):
-    """One step of an MXFP4 dot: the activations of 32-value group g0 (`fp4_acts`) times the
-    packed fp4 words `w`, summed over each word's 8 values and scaled by the groups' e8m0 scales `s`."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = fp4_acts(a_ptrs, g0, a_mask, A_WORDS)
-    v0, v1, v2, v3, v4, v5, v6, v7 = fp4_word(w, ASM)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _fp4_word(w, ASM)
     part = v0 * a0 + v1 * a1 + v2 * a2 + v3 * a3 + v4 * a4 + v5 * a5 + v6 * a6 + v7 * a7
     return tl.sum(part, 2) * fp4_scale(s)
 
@@ -150,7 +143,7 @@ def _mxfp4_dot(a_ptr, w_ptr, s_ptr, rows, mask_n, a_row, K, stride_am, stride_wn
     words (8 values each; row stride `stride_wn` in words), a step a [groups, BLOCK_N, 4 words] tile
     (a group's 16 bytes in one load), the next step's codes and scales loaded before this one's
     arithmetic (the loop is not pipelined otherwise: these loads feed no dot). Each word decodes to
-    8 fp32 values (`fp4_word`), one FMA each against the activations, the group's sum times its
+    8 fp32 values (`_fp4_word`), one FMA each against the activations, the group's sum times its
     scale. `A_WORDS`: the activations are bf16 read as int32 words (2 values each, row stride in
     words), unpacked by a shift or a mask; else any float dtype, one load per value."""
     G: tl.constexpr = BLOCK_K // 32
