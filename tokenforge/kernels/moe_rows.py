@@ -3,14 +3,16 @@ MMA's left operand, the expert's few rows its narrow right one.
 
 A 128-token prefill of gpt-oss routes 512 pairs: 4 rows an expert on 120b (128 experts), 16 on
 20b (32). The grouped GEMM of kernels/moe.py puts the rows on the left (BLOCK_M 32 of them, most
-padding) and the decoded MXFP4 tile on the right, an operand Hopper's MMA reads from shared memory,
-so every decoded tile goes out to shared memory and back; on an H100 its two launches took 97 of
-103 ms of 120b's W1 prefill, some 20% of the read rate (bench/moe_prefill_profile.py, BENCHMARKS
-round 20). Per-row GEMVs with the decode done once a tile and FMAs over the rows were slower
-still (a cross-thread sum per row a step). Here out^T = W a^T: a program takes one block of
-`align`'s sorted pairs (ROWS_BLOCK_M rows of one expert, the MMA's N) and BLOCK_N weight rows (its
-M, 64 a warpgroup); the bytes decode in registers into the left operand, which the MMA may take
-from registers.
+padding) and the decoded MXFP4 tile on the right, in 1-byte loads; on an H100 its two launches
+took 97 of 103 ms of 120b's W1 prefill (bench/moe_prefill_profile.py, BENCHMARKS round 20). A
+first version of this file, per-row GEMVs decoding each tile once and walking the rows with FMAs,
+was slower still (a cross-thread sum per row a step) and was replaced. Here out^T = W a^T: a
+program takes one block of `align`'s sorted pairs (ROWS_BLOCK_M rows of one expert, the MMA's N)
+and BLOCK_N weight rows (its M, 64 a warpgroup); the bytes arrive in 16-byte copies (K steps
+divide K, so no load is masked along it), decode in registers and interleave back into k order as
+the left operand, one dot a step. Measured on an H100 against the grouped GEMMs (one MoE layer,
+`bench/moe_rows_sweep.py`): 1.6-3.5x faster at T = 32-512 on both gpt-oss shapes; W1 prefill of
+120b 104 -> 54 ms.
 
 In: `fused_moe`'s arguments with `align`'s layout at block size `ROWS_BLOCK_M`. Out: the GEMM's
 rows, with the epilogues of the other two paths (biases, SwiGLU or gpt-oss's clamped form,
@@ -29,8 +31,12 @@ from .moe_gemv import MOE_PDL, swiglu
 from .mxfp4 import fp4_pair, fp4_scale
 
 ROWS_BLOCK_M = 16          # rows of one expert a program takes, the MMA's N (align pads each expert's run to it)
-ROWS_PER_EXPERT = 32       # the most rows an expert averages (pairs / experts) for this path
-ROWS_TILE = (64, 128, 4, 3)   # BLOCK_N (the MMA's M: 64 a warpgroup), BLOCK_K, warps, stages
+# the most rows an expert averages (pairs / experts) for this path: up to 64 (gpt-oss-20b at T = 512)
+# it beat the grouped GEMMs 2.2x on an H100 (bench/moe_rows_sweep.py, BENCHMARKS round 20); past it, unmeasured
+ROWS_PER_EXPERT = 64
+# BLOCK_N (the MMA's M: 64 a warpgroup), BLOCK_K (the launch halves it until it divides K: 64 for
+# gpt-oss's 2880), warps, stages: 2 stages measured 1.84 against 2.21 ms for 3 on 120b's layer at T = 128
+ROWS_TILE = (64, 128, 4, 2)
 ENABLED = envs.moe_rows()
 
 
