@@ -16,6 +16,7 @@
 #   moe-w1      bench latency W1 of each of MOE_MODELS (default mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b)
 #   moe-rows-ab W1 of gpt-oss-20b and -120b with the MXFP4 row GEMVs (kernels/moe_rows.py, the default) and
 #               without (TOKENFORGE_MOE_ROWS=0), each pair in turn
+#   moe-w2-ab   W2 (bench throughput, no sweep) of ROWS_W2_MODELS (default gpt-oss-20b) with the row path and without
 #   moe-rows-sweep  bench/moe_rows_sweep.py: one gpt-oss MoE layer at T = 32, 128, 512, grouped GEMMs against
 #               the row path's tiles (fraction of the read rate)
 #   moe-prefill bench/moe_prefill_profile.py: W1's 128-token prefill alone for the dense 8B and PREFILL_MODELS
@@ -127,6 +128,16 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
         [ $v = grouped ] && export TOKENFORGE_MOE_ROWS=0 || unset TOKENFORGE_MOE_ROWS
         STEP_TAIL=6 step moe-$v-$m 150 python3 -m tokenforge.bench latency --model $m --load-format dummy \
           --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --results-dir "$W/moe-$v-$m"; keep "$W/moe-$v-$m" moe-$v-$m
+      done
+      unset TOKENFORGE_MOE_ROWS
+    done ;;
+  moe-w2-ab)
+    for m in ${ROWS_W2_MODELS:-gpt-oss-20b}; do
+      for v in rows grouped; do
+        [ $v = grouped ] && export TOKENFORGE_MOE_ROWS=0 || unset TOKENFORGE_MOE_ROWS
+        STEP_TAIL=8 step moe-w2-$v-$m 200 python3 -m tokenforge.bench throughput --model $m --load-format dummy \
+          --dtype bfloat16 --max-model-len 4096 --workload W2 --repeats 1 --sweep '' --results-dir "$W/moe-w2-$v-$m"
+        keep "$W/moe-w2-$v-$m" moe-w2-$v-$m
       done
       unset TOKENFORGE_MOE_ROWS
     done ;;
