@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 from pathlib import Path
 
 SHAPES = {"gpt-oss-20b": (32, 2880, 2880, 4), "gpt-oss-120b": (128, 2880, 2880, 4)}   # experts, hidden, inter, k
@@ -24,19 +23,10 @@ TILES = [(64, 128, 4, 2), (64, 128, 4, 3), (64, 128, 4, 4), (128, 128, 8, 2), (6
 
 
 def _time(fn, repeats: int = 20) -> float:
-    import torch  # noqa: PLC0415
+    """Median microseconds of `fn` by CUDA events, after 5 warm-ups (the benches' timer)."""
+    from tokenforge.bench.lib.ceilings import _cuda_median_ms  # noqa: PLC0415
 
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return _cuda_median_ms(fn, warmup=5, repeats=repeats) * 1e3
 
 
 def main() -> None:
