@@ -14,7 +14,7 @@
 #               side,expand_prologue=1": the side stream, the expand's prologue, both)
 #   qwen3-w1    bench latency qwen3-30b-a3b W1 with --profile-dir
 #   moe-w1      bench latency W1 of each of MOE_MODELS (default mixtral-8x7b qwen3-30b-a3b gpt-oss-20b gpt-oss-120b)
-#   moe-rows-ab W1 of gpt-oss-20b and -120b with the MXFP4 row GEMVs (kernels/moe_rows.py, the default) and
+#   moe-rows-ab W1 of gpt-oss-20b and -120b with the MXFP4 row path (kernels/moe_rows.py, the default) and
 #               without (TOKENFORGE_MOE_ROWS=0), each pair in turn
 #   moe-w2-ab   W2 (bench throughput, no sweep) of ROWS_W2_MODELS (default gpt-oss-20b) with the row path and without
 #   moe-rows-sweep  bench/moe_rows_sweep.py: one gpt-oss MoE layer at T = 32, 128, 512, grouped GEMMs against

@@ -31,7 +31,7 @@ SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chai
 LORA_TILES = "TOKENFORGE_LORA_TILES"            # bench: the batched LoRA kernels' tile arguments, "name=int,..."
 LORA_SIDE_STREAM = "TOKENFORGE_LORA_SIDE_STREAM"  # bench: "1" runs the LoRA shrink on a side stream beside the product
 LORA_SHRINK_IN_GEMM = "TOKENFORGE_LORA_SHRINK_IN_GEMM"  # bench: "1" computes the LoRA shrink in the base product
-MOE_ROWS = "TOKENFORGE_MOE_ROWS"                # bench: "0" turns off the MXFP4 MoE row GEMVs (kernels/moe_rows.py)
+MOE_ROWS = "TOKENFORGE_MOE_ROWS"                # bench: "0" turns off the MXFP4 MoE row path (kernels/moe_rows.py)
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -120,7 +120,7 @@ def lora_shrink_in_gemm() -> bool | None:
 
 
 def moe_rows() -> bool:
-    """Whether MXFP4 MoE batches of a few rows an expert take the row GEMVs (kernels/moe_rows.py,
+    """Whether MXFP4 MoE batches of a few rows an expert take the row path (kernels/moe_rows.py,
     read once at import; on unless the variable is "0", for A/B runs)."""
     return (_get(MOE_ROWS) or "1").strip() != "0"
 

@@ -23,8 +23,9 @@ per-row scales applied to the fp32 accumulators in the epilogue, before the bias
 Each expert's weights are read once per column tile for all the pairs routed to it, which makes
 decode (few pairs per expert) a pass over the selected experts' bytes.
 
-MXFP4 batches of a few rows an expert (a prefill's 4-32) take kernels/moe_rows.py instead: the
-same layout, each decoded tile multiplied by its block's rows without the MMA operand layout.
+MXFP4 batches of up to 64 rows an expert (a prefill's or a large decode batch's) take
+kernels/moe_rows.py instead: the same layout at 16-row blocks, computed transposed, so the decoded
+tile is the MMA's left operand (registers) and the block's rows its narrow right one.
 
 `moe_reference` is the plain torch computation the kernels are tested against and the CPU path.
 """
@@ -284,7 +285,7 @@ def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, str
 
 
 def _rows_moe(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local) -> torch.Tensor:
-    """`fused_moe` through the MXFP4 row GEMVs (kernels/moe_rows.py): a few rows an expert."""
+    """`fused_moe` through the MXFP4 row path (kernels/moe_rows.py): up to 64 rows an expert."""
     tokens, hidden = x.shape
     num_experts, inter, top_k = w13_args[0].shape[0], w13_args[0].shape[1] // 2, ids.shape[1]
     pairs = tokens * top_k

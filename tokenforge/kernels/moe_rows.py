@@ -35,7 +35,8 @@ ROWS_BLOCK_M = 16          # rows of one expert a program takes, the MMA's N (al
 # it beat the grouped GEMMs 2.2x on an H100 (bench/moe_rows_sweep.py, BENCHMARKS round 20); past it, unmeasured
 ROWS_PER_EXPERT = 64
 # BLOCK_N (the MMA's M: 64 a warpgroup), BLOCK_K (the launch halves it until it divides K: 64 for
-# gpt-oss's 2880), warps, stages: 2 stages measured 1.84 against 2.21 ms for 3 on 120b's layer at T = 128
+# gpt-oss's 2880), warps, stages: 2 stages the best or within 1% of it in 5 of the sweep's 6 (shape, T)
+# cases on an H100 (120b at T = 32: 16% behind 3-4 stages), 64-row tiles ahead of 128 in all
 ROWS_TILE = (64, 128, 4, 2)
 ENABLED = envs.moe_rows()
 
@@ -113,7 +114,7 @@ def _moe_rows_kernel(a_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, sorted_ids_ptr, exp
 def launch_rows(a: torch.Tensor, weight_args: tuple, bias: torch.Tensor | None, out: torch.Tensor,
                 alignment: tuple, weights: torch.Tensor, n: int, k: int, num_pairs: int, rows_per_a: int, *,
                 swiglu: bool, oai: bool, mul_weights: bool, alpha: float, limit: float) -> None:
-    """One GEMM of `fused_moe` as row GEMVs over `align`'s layout at ROWS_BLOCK_M. `weight_args`:
+    """One GEMM of `fused_moe` through the row path, over `align`'s layout at ROWS_BLOCK_M. `weight_args`:
     kernels/moe.py `_weight_args` of an MXFP4 projection; `weights`: the flat routing weights."""
     sorted_ids, experts, valid = alignment
     w, s, swe, swn, sse, ssn, fmt = weight_args
