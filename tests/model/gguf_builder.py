@@ -43,10 +43,10 @@ def random_k_blocks(rng: np.random.Generator, kind: str, dims: tuple[int, int]) 
 
 
 def write_tiny_gguf(path: Path, weight_type: str = "Q8_0", shape: TinyLlama = TinyLlama(), seed: int = 0,
-                    mixed: dict[str, str] | None = None) -> Path:
+                    mixed: dict[str, str] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
     """A `llama` GGUF with random weights: the matrices in `weight_type` (or `mixed[gguf name
     suffix]`), the norms in F32. Row lengths must be multiples of the type's block (256 for the
-    K-quants: use `K_SHAPE`)."""
+    K-quants: use `K_SHAPE`). `rope_freqs`: llama.cpp's per-dimension rotary divisors (Llama 3.1)."""
     rng = np.random.default_rng(seed)
     s = shape
     head_dim = s.hidden // s.heads
@@ -76,6 +76,8 @@ def write_tiny_gguf(path: Path, weight_type: str = "Q8_0", shape: TinyLlama = Ti
         norms.update({f"blk.{i}.attn_norm.weight": (s.hidden,), f"blk.{i}.ffn_norm.weight": (s.hidden,)})
     for name, dims in norms.items():
         writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(dims)).astype(np.float32))
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     for name, dims in matrices.items():
         kind = next((t for suffix, t in (mixed or {}).items() if name.endswith(suffix)), weight_type)
         values = (rng.standard_normal(dims) / np.sqrt(dims[1])).astype(np.float32)

@@ -35,6 +35,9 @@ class RopeScaling:
     beta_slow: float = 1.0                  # interpolated frequencies, in rotations
     truncate: bool = True                   # yarn only: round the ramp's ends to whole dims
     attention_factor: float | None = None   # yarn only: cos/sin scale (None: 0.1 ln(factor) + 1)
+    # per-dimension divisors of the inverse frequencies, after the type's own scaling: a GGUF's
+    # `rope_freqs` tensor, which is how llama.cpp stores Llama 3.1's llama3 scaling
+    freq_factors: tuple[float, ...] | None = None
 
 
 MOE_ACTIVATIONS = ("silu", "swiglu_oai")      # silu(gate) * up | gpt-oss's clamped SwiGLU

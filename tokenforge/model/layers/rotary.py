@@ -19,7 +19,15 @@ from tokenforge.model.layers.kernel_dispatch import triton_ops
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
-    """[D/2] fp32 inverse frequencies, with llama3 rescaling applied when configured."""
+    """[D/2] fp32 inverse frequencies, with the configured scaling (linear, YaRN, llama3) applied,
+    then divided by per-dimension `freq_factors` where the checkpoint gives them (GGUF)."""
+    inv_freq = _scaled_inverse_frequencies(head_dim, theta, scaling)
+    if scaling is not None and scaling.freq_factors is not None:
+        inv_freq = inv_freq / torch.tensor(scaling.freq_factors, dtype=torch.float32)
+    return inv_freq
+
+
+def _scaled_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is not None and scaling.rope_type == "linear":
         return inv_freq / scaling.factor

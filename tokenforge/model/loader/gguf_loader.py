@@ -8,6 +8,7 @@ head's rows interleaved for its rotary layout; `_unpermute` puts them back in HF
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -43,12 +44,13 @@ def arch_config_from_gguf(gguf: GGUFFile) -> ArchConfig:
     if arch not in _GGUF_ARCHITECTURES:
         raise GGUFFormatError(gguf.path, "metadata 'general.architecture'",
                               f"unsupported architecture {arch!r}; supported: {', '.join(_GGUF_ARCHITECTURES)}")
-    if "rope_freqs.weight" in gguf.tensors:
-        raise GGUFFormatError(gguf.path, "tensor 'rope_freqs.weight'", "per-dimension rope_freqs (Llama 3.1 rope "
-                              "scaling) are not supported yet; load the HF safetensors directory instead")
     fields = _MetadataFields(gguf, arch)
     heads = fields.count("attention.head_count")
     hidden = fields.count("embedding_length")
+    head_dim = fields.count("attention.key_length", 0) or fields.count("rope.dimension_count", 0) or hidden // heads
+    scaling = _rope_scaling(meta.get(f"{arch}.rope.scaling.type"), meta.get(f"{arch}.rope.scaling.factor"))
+    if ROPE_FREQS in gguf.tensors:
+        scaling = dataclasses.replace(scaling or RopeScaling(), freq_factors=_rope_freqs(gguf, head_dim))
     vocab = fields.count("vocab_size", gguf.array_lengths.get("tokenizer.ggml.tokens", 0))
     eos = [meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
     bos = meta.get("tokenizer.ggml.bos_token_id")
@@ -60,11 +62,10 @@ def arch_config_from_gguf(gguf: GGUFFile) -> ArchConfig:
             num_hidden_layers=fields.count("block_count", limit=len(gguf.tensors) // 9),    # 9 tensors a layer
             num_attention_heads=heads,
             num_key_value_heads=fields.count("attention.head_count_kv", heads),
-            head_dim=fields.count("attention.key_length", 0) or fields.count("rope.dimension_count", 0)
-            or hidden // heads,
+            head_dim=head_dim,
             vocab_size=vocab,
             rope_theta=fields.number("rope.freq_base", 10000.0),
-            rope_scaling=_rope_scaling(meta.get(f"{arch}.rope.scaling.type"), meta.get(f"{arch}.rope.scaling.factor")),
+            rope_scaling=scaling,
             rms_norm_eps=fields.number("attention.layer_norm_rms_epsilon", 1e-6),
             tie_word_embeddings="output.weight" not in gguf.tensors,
             attention_bias="blk.0.attn_q.bias" in gguf.tensors,
@@ -82,6 +83,20 @@ def arch_config_from_gguf(gguf: GGUFFile) -> ArchConfig:
 
 
 _MAX_CONTEXT = 1 << 24      # the rotary table is built for this many positions: refuse absurd ones
+# not a weight: llama.cpp's per-dimension rotary frequency divisors (Llama 3.1's llama3 scaling),
+# read into the config's RopeScaling.freq_factors
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freqs(gguf: GGUFFile, head_dim: int) -> tuple[float, ...]:
+    info = gguf.tensors[ROPE_FREQS]
+    if tuple(info.shape) != (head_dim // 2,):
+        raise GGUFFormatError(gguf.path, f"tensor {ROPE_FREQS!r} shape", f"{list(info.shape)} is not one factor per "
+                              f"rotary frequency (expected [{head_dim // 2}] for head_dim {head_dim})")
+    factors = gguf.load(ROPE_FREQS).float()
+    if not (torch.isfinite(factors).all() and (factors > 0).all()):
+        raise GGUFFormatError(gguf.path, f"tensor {ROPE_FREQS!r}", "holds a factor that is not a positive finite number")
+    return tuple(factors.tolist())
 
 
 class _MetadataFields:
@@ -128,6 +143,8 @@ def expected_tensor_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
 def _check_tensor_table(gguf: GGUFFile, config: ArchConfig) -> None:
     expected = expected_tensor_shapes(config)
     for name, info in gguf.tensors.items():
+        if name == ROPE_FREQS:              # checked by _rope_freqs
+            continue
         if name not in expected:
             raise GGUFFormatError(gguf.path, f"tensor {name!r}", f"has no counterpart in a {config.num_hidden_layers}"
                                   f"-layer {config.architecture} model")
@@ -150,6 +167,8 @@ def gguf_weights(gguf: GGUFFile, config: ArchConfig, wanted: Callable[[str], boo
     stage's) and `skip` (GGUF names: computed as stored) does not name, q/k rows back in HF order."""
     permuted = gguf.metadata["general.architecture"] in ("llama", "mistral")
     for name in gguf.tensors:
+        if name == ROPE_FREQS:              # in the config, not a weight
+            continue
         hf_name = _hf_name(name)
         if name in skip or not wanted(hf_name):
             continue
@@ -177,7 +196,7 @@ def stored_linear_tensors(gguf: GGUFFile, config: ArchConfig, layers: list[tuple
     gate|up), for each named linear (`layers`, as `quant.base.linear_layers` lists them). A tied
     LM head is made of `token_embd.weight`."""
     permuted = gguf.metadata["general.architecture"] in ("llama", "mistral")
-    gguf_names = {_hf_name(name): name for name in gguf.tensors}
+    gguf_names = {_hf_name(name): name for name in gguf.tensors if name != ROPE_FREQS}
     out: dict[str, list[StoredTensor]] = {}
     for module, layer in layers:
         prefix, _, leaf = module.rpartition(".")
