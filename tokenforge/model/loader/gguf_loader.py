@@ -21,12 +21,13 @@ from tokenforge.model.loader.gguf_file import GGUFFile, GGUFFormatError
 
 
 # GGUF `general.architecture` -> HF architecture (llama.cpp writes Mistral as "llama").
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM"}
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -135,6 +136,8 @@ def expected_tensor_shapes(config: ArchConfig) -> dict[str, tuple[int, ...]]:
                  "attn_v.weight": (kv, h), "attn_output.weight": (h, q), "ffn_gate.weight": (inter, h),
                  "ffn_up.weight": (inter, h), "ffn_down.weight": (h, inter),
                  "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)}
+    if config.architecture == "Qwen3ForCausalLM":     # an RMSNorm over each query and key head
+        per_layer.update({"attn_q_norm.weight": (config.head_dim,), "attn_k_norm.weight": (config.head_dim,)})
     for layer in range(config.num_hidden_layers):
         shapes.update({f"blk.{layer}.{name}": shape for name, shape in per_layer.items()})
     return shapes
