@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tokenforge.kernels import moe as kernels_moe
-from tokenforge.kernels import moe_decode, moe_gemv, moe_routing
+from tokenforge.kernels import moe_decode, moe_gemv, moe_routing, moe_rows
 from tokenforge.model.arch_config import MoeConfig
 from tokenforge.model.layers import moe as moe_layer
 
@@ -31,14 +31,15 @@ class _Launches:
 
 @pytest.fixture
 def stubbed(monkeypatch):
-    routing, gemm, gemv, topk_sum = _Launches(), _Launches(), _Launches(), _Launches()
+    routing, gemm, gemv, topk_sum, rows = _Launches(), _Launches(), _Launches(), _Launches(), _Launches()
     monkeypatch.setattr(moe_routing, "_route_align_kernel", routing)
     monkeypatch.setattr(kernels_moe, "_moe_gemm_kernel", gemm)
+    monkeypatch.setattr(moe_rows, "_moe_rows_kernel", rows)                # MXFP4 at up to 64 rows an expert
     monkeypatch.setattr(moe_gemv, "_moe_gemv_kernel", gemv)               # decode batches: per-pair GEMVs
     monkeypatch.setattr(moe_decode, "_topk_sum_kernel", topk_sum)          # the sum over k, either path
     monkeypatch.setattr(moe_routing, "require_triton", lambda *t: None)
     monkeypatch.setattr(kernels_moe, "require_triton", lambda *t: None)
-    return routing, gemm, gemv, topk_sum
+    return routing, gemm, gemv, topk_sum, rows
 
 
 def _block(style: str, expert_parallel: bool = False) -> moe_layer.SparseMoeBlock:
@@ -60,7 +61,7 @@ def _block(style: str, expert_parallel: bool = False) -> moe_layer.SparseMoeBloc
 @pytest.mark.parametrize("expert_parallel", [False, True])
 @pytest.mark.parametrize("tokens,one_launch", [(1, True), (16, True), (300, False)])
 def test_fused_moe_layer_needs_no_host_sync(stubbed, style, expert_parallel, tokens, one_launch):
-    routing, gemm, gemv, topk_sum = stubbed
+    routing, gemm, gemv, topk_sum, rows = stubbed
     block = _block(style, expert_parallel)
     with torch.inference_mode():
         out = block.routed(torch.empty(tokens, 64, dtype=torch.bfloat16, device="meta"))
@@ -71,7 +72,8 @@ def test_fused_moe_layer_needs_no_host_sync(stubbed, style, expert_parallel, tok
     routed = per_pair and tokens <= moe_routing.ROUTED_GEMV_TOKENS and \
         block.moe.num_experts <= moe_routing.ROUTED_GEMV_EXPERTS                 # the GEMVs route their own pairs
     assert routing.calls == (1 if one_launch and not routed else 0)
-    assert (gemv.calls, gemm.calls) == ((2, 0) if per_pair else (0, 2))
+    by_rows = not per_pair and moe_rows.rows_path(fmt, tokens * top_k, block.experts.num_local)
+    assert (gemv.calls, rows.calls, gemm.calls) == ((2, 0, 0) if per_pair else (0, 2, 0) if by_rows else (0, 0, 2))
     assert topk_sum.calls == 1
 
 
