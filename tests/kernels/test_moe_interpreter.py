@@ -66,8 +66,10 @@ def test_fused_moe_under_the_interpreter_with_tf32_rounding_matches_reference():
     proc = run_interpreted("tests.kernels.test_moe_interpreter", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     gemv_cases = sum(c[1] * c[5] <= GEMV_MAX_CASE_PAIRS for c in CASES)
+    rows_cases = sum(c[7].startswith("mxfp4") for c in CASES)
     routed = sum(c[0] * c[2] <= GEMV_MAX_CASE_PAIRS for c in ROUTING_CASES)
-    assert proc.stdout.count(" ok ") == len(CASES) + gemv_cases + 2 * len(ROUTING_CASES) + routed, proc.stdout
+    assert proc.stdout.count(" ok ") == len(CASES) + gemv_cases + rows_cases + 2 * len(ROUTING_CASES) + routed, \
+        proc.stdout
 
 
 def test_route_align_declines_batches_past_its_tile():
@@ -150,7 +152,7 @@ def _case(tokens, hidden, inter, experts, k, starved, variant, gen):
 
 
 def _main() -> int:
-    from tokenforge.kernels import moe
+    from tokenforge.kernels import moe, moe_rows
 
     _interpreter_compat()
     _emulate_tf32_dots()
@@ -160,13 +162,17 @@ def _main() -> int:
         args, ref_kwargs, fused_kwargs = _case(tokens, hidden, inter, experts, k, starved, variant, gen)
         assert not set(starved) & set(args[4].flatten().tolist())
         ref = moe.moe_reference(*args, **ref_kwargs)
-        for gemv in (False, True) if tokens * k <= GEMV_MAX_CASE_PAIRS else (False,):
+        paths = ["grouped", "gemv"] if tokens * k <= GEMV_MAX_CASE_PAIRS else ["grouped"]
+        if variant.startswith("mxfp4"):
+            paths.append("rows")                 # kernels/moe_rows.py, MXFP4's default past the GEMVs
+        for path in paths:
+            gemv = path == "gemv"
+            moe_rows.ENABLED = path == "rows"
             out = moe.fused_moe(*args, **fused_kwargs, gemv=gemv)
             err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
             good = err < 1e-5 and not out.isnan().any()
             failed += not good
             verdict = " ok " if good else " FAILED "
-            path = "gemv" if gemv else "grouped"
             print(f"{name:14s} {path:7s} T={tokens:<4d} k={k} pairs={tokens * k:<5d} {verdict} rel err {err:.1e}")
     for case in ROUTING_CASES:
         failed += _routing_case(*case)
