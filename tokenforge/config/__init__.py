@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from tokenforge.config.checks import check as _check, parse_kv_remote, parse_size, validate_kv_tiers, validate_speculative
+from tokenforge.config.checks import (check as _check, parse_kv_remote, parse_size, validate_kv_tiers,
+                                     validate_quantization, validate_speculative)
 from tokenforge.config.lora import LORA, LoRAConfig
 from tokenforge.source import resolve_hub_fields
 
@@ -67,37 +68,11 @@ class ModelConfig:
     calibration_token_ids: tuple[int, ...] | None = None   # the calibration text, encoded (engine_core.py)
 
     def validate(self) -> None:
-        self._validate_quantization()
+        validate_quantization(self, QUANTIZATION_MODES)
         _check(self.dtype in ("auto", "float32", "bfloat16", "float16"),
                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
-
-    def _validate_quantization(self) -> None:
-        _check(self.quantization in QUANTIZATION_MODES,
-               f"quantization must be one of {', '.join(m for m in QUANTIZATION_MODES if m)} (aliases 8bit, 4bit) "
-               f"or unset, got {self.quantization!r}")
-        if self.quantization_backend == "bitsandbytes":
-            equivalent = {"int4": "int4 (bitsandbytes 4-bit)", "int8": "int8 (bitsandbytes LLM.int8)"}
-            raise ValueError("quantization_backend 'bitsandbytes' is not supported: tokenforge quantizes with its own "
-                             "kernels (quantization_backend='tokenforge'); use quantization="
-                             + equivalent.get(self.quantization or "", "int8 (for 8-bit) or int4 (for 4-bit)"))
-        _check(self.quantization_backend == "tokenforge",
-               f"quantization_backend must be tokenforge, got {self.quantization_backend!r}")
-        g = self.quantization_group_size
-        _check(g >= 8 and g % 8 == 0, f"quantization_group_size must be a positive multiple of 8, got {g}")
-        _check(not self.quantize_lm_head or self.quantization in ("int8", "int4", "fp8", "fp8-sim"),
-               "quantize_lm_head needs a quantization mode")
-        _check(not self.quantization_calibration or self.quantization == "int4",
-               f"quantization_calibration applies to quantization='int4' only (GPTQ rounding of int4 groups), got "
-               f"quantization={self.quantization!r}")
-        _check(self.prune_rate is None or 0.0 <= self.prune_rate < 1.0,
-               f"prune_rate must be in [0, 1), got {self.prune_rate}")
-        _check(self.sparsity in (None, "2:4"),
-               f"sparsity {self.sparsity!r} is not supported: only 2:4 semi-structured sparsity (what sparse "
-               "tensor cores run)")
-        _check(not (self.sparsity and self.quantization),
-               f"sparsity 2:4 cannot be combined with quantization={self.quantization!r}: pick one")
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,33 @@ def parse_kv_remote(url: str) -> tuple[str, list[tuple[str, int]], int]:
     return m.group(1), nodes, int(m.group(3) or 0)
 
 
+def validate_quantization(m, modes) -> None:
+    """ModelConfig `m`'s quantization fields (`modes`: the accepted modes), each a ValueError naming the field."""
+    check(m.quantization in modes,
+          f"quantization must be one of {', '.join(q for q in modes if q)} (aliases 8bit, 4bit) "
+          f"or unset, got {m.quantization!r}")
+    if m.quantization_backend == "bitsandbytes":
+        equivalent = {"int4": "int4 (bitsandbytes 4-bit)", "int8": "int8 (bitsandbytes LLM.int8)"}
+        raise ValueError("quantization_backend 'bitsandbytes' is not supported: tokenforge quantizes with its own "
+                         "kernels (quantization_backend='tokenforge'); use quantization="
+                         + equivalent.get(m.quantization or "", "int8 (for 8-bit) or int4 (for 4-bit)"))
+    check(m.quantization_backend == "tokenforge",
+          f"quantization_backend must be tokenforge, got {m.quantization_backend!r}")
+    g = m.quantization_group_size
+    check(g >= 8 and g % 8 == 0, f"quantization_group_size must be a positive multiple of 8, got {g}")
+    check(not m.quantize_lm_head or m.quantization in ("int8", "int4", "fp8", "fp8-sim"),
+          "quantize_lm_head needs a quantization mode")
+    check(not m.quantization_calibration or m.quantization == "int4",
+          f"quantization_calibration applies to quantization='int4' only (GPTQ rounding of int4 groups), got "
+          f"quantization={m.quantization!r}")
+    check(m.prune_rate is None or 0.0 <= m.prune_rate < 1.0, f"prune_rate must be in [0, 1), got {m.prune_rate}")
+    check(m.sparsity in (None, "2:4"),
+          f"sparsity {m.sparsity!r} is not supported: only 2:4 semi-structured sparsity (what sparse "
+          "tensor cores run)")
+    check(not (m.sparsity and m.quantization),
+          f"sparsity 2:4 cannot be combined with quantization={m.quantization!r}: pick one")
+
+
 def validate_kv_tiers(c) -> None:
     for name in ("kv_offload_cpu_gb", "kv_offload_disk_gb"):
         check(getattr(c, name) >= 0, f"{name} must be >= 0, got {getattr(c, name)}")
