@@ -90,11 +90,12 @@ def check_reasoning_parser(settings: ServerSettings, config: EngineConfig):
     from tokenforge.engine.tokenization import FastTokenizerFiles, load_engine_tokenizer  # noqa: PLC0415
     from tokenforge.server.reasoning import get_reasoning_parser  # noqa: PLC0415
 
-    model = Path(config.model.model) if config.model.model else None
+    source = config.model.tokenizer or config.model.model
+    model = Path(source).expanduser() if source else None
     if model is not None and all((model / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         get_reasoning_parser(settings.reasoning_parser, FastTokenizerFiles(model))
         return None
-    tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format)
+    tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format, tokenizer=config.model.tokenizer)
     get_reasoning_parser(settings.reasoning_parser, tokenizer)
     return tokenizer
 

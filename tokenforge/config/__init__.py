@@ -8,6 +8,7 @@ live in `RuntimeInfo`, never mutated into the config.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from tokenforge.config.checks import (check as _check, parse_kv_remote, parse_size, validate_kv_tiers,
@@ -35,6 +36,9 @@ class ModelConfig:
                              "HF_HUB_OFFLINE=1), or a shipped config name (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
                              "llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")  # source.py
     revision: str | None = flag(None, "branch, tag or commit of a Hub model")
+    tokenizer: str | None = flag(None, "the tokenizer in place of the model's own: an HF directory (tokenizer.json) "
+                                 "or a .gguf file (vLLM's --tokenizer); its ids must fit the model's vocabulary",
+                                 metavar="PATH")
     dtype: str = flag("auto", "auto: bfloat16 on CUDA, float32 on the CPU, where a GGUF model computes its "
                       "quantized blocks as stored (8-bit activations); float32 there: the dequantized reference",
                       choices=("auto", "float32", "bfloat16", "float16"),
@@ -73,6 +77,8 @@ class ModelConfig:
                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
+        _check(self.tokenizer is None or os.path.exists(os.path.expanduser(self.tokenizer)),
+               f"tokenizer {self.tokenizer!r} does not exist (a directory with tokenizer.json, or a .gguf file)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,7 @@ def _load_tokenizer(config: EngineConfig):
 
     start = time.perf_counter()
     core_boot.mark("tokenizer_start")
-    tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format)
+    tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format, tokenizer=config.model.tokenizer)
     core_boot.mark("tokenizer_end")
     return tokenizer, time.perf_counter() - start
 

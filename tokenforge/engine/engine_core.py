@@ -105,11 +105,23 @@ def check_draft_tokenizer(config, tokenizer=None) -> None:
         draft = load_engine_tokenizer(sched.speculative_model)
     except (OSError, ValueError):
         return
-    target = tokenizer or load_engine_tokenizer(config.model.model, config.load.load_format)
+    target = tokenizer or load_engine_tokenizer(config.model.model, config.load.load_format,
+                                                tokenizer=config.model.tokenizer)
     vocab = [getattr(getattr(t, "hf", None), "get_vocab", None) for t in (target, draft)]
     if all(vocab) and vocab[0]() != vocab[1]():
         raise ValueError(f"speculative_model {sched.speculative_model!r} has another tokenizer than the target: "
                          "a draft model must use the target's tokenizer (the same token ids)")
+
+
+def check_tokenizer_fits(config, vocab_size: int, tokenizer=None) -> None:
+    """--tokenizer: its ids must index the model's embedding (ValueError naming both sizes)."""
+    path = config.model.tokenizer
+    if path is None:
+        return
+    size = (tokenizer or load_engine_tokenizer(config.model.model, config.load.load_format, tokenizer=path)).vocab_size
+    if size > vocab_size:
+        raise ValueError(f"tokenizer {path!r} has {size} tokens, more than the model's vocabulary of {vocab_size}: "
+                         "its ids would index past the embedding (use the model's own tokenizer or one of its size)")
 
 
 class EngineCore:
@@ -125,14 +137,15 @@ class EngineCore:
         self.executor = create_executor(config)
         t1, wall1 = time.perf_counter(), time.time()
         arch = self.executor.arch
+        check_tokenizer_fits(config, arch.vocab_size, tokenizer)
         self.config = config.with_max_model_len(
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
         self.num_kv_blocks = self.executor.init_kv_cache(self.config, defer_graphs=defer_graphs)
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
         self.startup_marks = {"engine_start": wall0, "loaded": wall1, "kv_ready": time.time()}   # the timeline's
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
-        model, load_format = self.config.model.model, self.config.load.load_format
-        self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format),
+        model, load_format, own = self.config.model.model, self.config.load.load_format, self.config.model.tokenizer
+        self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format, tokenizer=own),
                                         self.vocab_size)
         lora = self.config.lora
         drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,

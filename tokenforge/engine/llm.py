@@ -47,7 +47,8 @@ class LLM:
         self.sampling_defaults = sampling_defaults(self.config.model.model, generation_config,
                                                    override_generation_config)
         start = time.perf_counter()
-        self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format)
+        self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format,
+                                               tokenizer=self.config.model.tokenizer)
         loaded = time.perf_counter()
         self.engine = EngineCore(self.config, self.tokenizer, defer_graphs=False)   # no idle loop: all graphs now
         self.config = self.engine.config        # resolved: the device, batch limits, context length

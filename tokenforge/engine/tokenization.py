@@ -190,10 +190,13 @@ def render_chat_template(template: str | None, messages: list[dict[str, Any]], a
 
 
 def load_engine_tokenizer(model: str | Path | None, load_format: str = "auto",
-                          cache_dir: str | Path | None = None) -> Tokenizer | SyntheticTokenizer:
-    """The tokenizer for `model` as the engine loads it: the model's own, or, for dummy weights
-    from a bare architecture config (a .json, a shipped config name, or a directory with only a
-    config.json), a `SyntheticTokenizer` sized to that config."""
+                          cache_dir: str | Path | None = None, tokenizer: str | Path | None = None
+                          ) -> Tokenizer | SyntheticTokenizer:
+    """The tokenizer for `model` as the engine loads it: `tokenizer` where one is given (--tokenizer),
+    else the model's own, or, for dummy weights from a bare architecture config (a .json, a shipped
+    config name, or a directory with only a config.json), a `SyntheticTokenizer` sized to that config."""
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer, cache_dir)
     bare = _bare_config(model) if load_format == "dummy" else None
     if bare is not None:
         return SyntheticTokenizer.from_hf_config(json.loads(bare.read_text()))
@@ -211,7 +214,7 @@ def with_calibration_ids(config, tokenizer=None):
     if not m.quantization_calibration or m.calibration_token_ids is not None:
         return config
     text = calibration_text(m.quantization_calibration)
-    ids = (tokenizer or load_engine_tokenizer(m.model, config.load.load_format)).encode(text)
+    ids = (tokenizer or load_engine_tokenizer(m.model, config.load.load_format, tokenizer=m.tokenizer)).encode(text)
     check_calibration_tokens(m.quantization_calibration, len(ids))
     return dataclasses.replace(config, model=dataclasses.replace(m, calibration_token_ids=tuple(ids)))
 
