@@ -4,7 +4,8 @@ decode batch fastest on each real expert shape, so `kernels/moe.py`'s table can 
 In: an output folder (`tokenforge bench kernels --part moe_tiles --out OUT`). Out: per shape
 (bf16 experts; the gpt-oss shapes in MXFP4, as shipped) and batch (1 and 16), the engine's MoE step
 (`moe.engine_step`) timed as a CUDA graph for each candidate tile of the grouped GEMMs and of the
-per-pair GEMVs (kernels/moe_gemv.py; the MXFP4 shapes also at T = 4), with the table's own path
+per-pair GEMVs (kernels/moe_gemv.py; the MXFP4 shapes also at T = 4, and through the row path of
+kernels/moe_rows.py, which the grouped candidates turn off), with the table's own path
 and tiles first (chosen per GEMM), its fraction of the read rate, and the best, in `kernels_moe_tiles.json`. Candidates
 that do not fit in shared memory fail to launch and are recorded as errors.
 """
@@ -18,6 +19,7 @@ import torch
 
 from tokenforge.bench.kernels.common import start_run
 from tokenforge.bench.kernels.moe import SHAPES, _float_experts, _graph_time, _mxfp4_experts, engine_step
+from tokenforge.kernels import moe_rows
 
 TILES = ((64, 128, 4, 3), (32, 128, 4, 3), (32, 256, 4, 3), (64, 256, 4, 2), (128, 64, 4, 3), (64, 128, 8, 3),
          (32, 128, 2, 4))
@@ -45,17 +47,23 @@ def _rows(name: str, mxfp4: bool, smoke: bool, device, bw: float) -> list[dict]:
         grouped = [(False, tile) for tile in (MXFP4_TILES if mxfp4 else TILES)]
         gemv = [(True, tile) for tile in (MXFP4_GEMV_TILES if mxfp4 else GEMV_TILES)]
         candidates = (grouped[:1] + gemv[:1]) if smoke else grouped + gemv
+        if mxfp4:
+            candidates.append(("rows", None))           # the MXFP4 row path at its own tile
         for path, tile in ((None, None), *candidates):     # None: the table's own path and tiles
-            kind = "table" if path is None else "gemv" if path else "grouped"
+            kind = "table" if path is None else "rows" if path == "rows" else "gemv" if path else "grouped"
             label = f"{name}{'-mxfp4' if mxfp4 else ''} T={t} {kind} tile={tile or 'table'}"
+            gemv = None if path is None else path is True
+            enabled, moe_rows.ENABLED = moe_rows.ENABLED, kind in ("table", "rows") and moe_rows.ENABLED
             try:
                 seconds = _graph_time([lambda s=s: engine_step(x, logits, *experts[s], k, all_local=True, tile=tile,
-                                                               gemv=path)
+                                                               gemv=gemv)
                                        for s in range(len(experts))], repeats=30)
             except Exception as exc:  # noqa: BLE001 - a tile that cannot launch is a result too
                 rows.append({"case": label, "tile": list(tile or ()), "error": repr(exc)[:200]})
                 print(f"{label:56s} error {exc!r:.80}", flush=True)
                 continue
+            finally:
+                moe_rows.ENABLED = enabled
             rows.append({"case": label, "shape": name, "mxfp4": mxfp4, "tokens": t, "path": kind, "tile": list(tile or ()),
                          "table": tile is None, "us": seconds * 1e6, "frac_of_read": nbytes / seconds / bw})
             print(f"{label:56s} {seconds * 1e6:8.1f} us {nbytes / seconds / bw:6.1%} of read", flush=True)
