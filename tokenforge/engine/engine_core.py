@@ -113,11 +113,13 @@ def check_draft_tokenizer(config, tokenizer=None) -> None:
                          "a draft model must use the target's tokenizer (the same token ids)")
 
 
-def check_tokenizer_fits(config, vocab_size: int, tokenizer=None) -> None:
-    """--tokenizer: its ids must index the model's embedding (ValueError naming both sizes)."""
+def check_tokenizer_fits(config, arch, tokenizer=None) -> None:
+    """--tokenizer: its ids must index the model's embedding, `arch.vocab_size` (ValueError naming
+    both sizes). Nothing is read without the flag."""
     path = config.model.tokenizer
     if path is None:
         return
+    vocab_size = arch.vocab_size
     size = (tokenizer or load_engine_tokenizer(config.model.model, config.load.load_format, tokenizer=path)).vocab_size
     if size > vocab_size:
         raise ValueError(f"tokenizer {path!r} has {size} tokens, more than the model's vocabulary of {vocab_size}: "
@@ -137,7 +139,7 @@ class EngineCore:
         self.executor = create_executor(config)
         t1, wall1 = time.perf_counter(), time.time()
         arch = self.executor.arch
-        check_tokenizer_fits(config, arch.vocab_size, tokenizer)
+        check_tokenizer_fits(config, arch, tokenizer)
         self.config = config.with_max_model_len(
             resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
         self.num_kv_blocks = self.executor.init_kv_cache(self.config, defer_graphs=defer_graphs)
