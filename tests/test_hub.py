@@ -80,3 +80,15 @@ def test_local_paths_and_shipped_names_are_not_hub_ids(tmp_path):
     assert not looks_like_repo_id("llama-3.1-8b")
     assert not looks_like_repo_id(str(tmp_path))
     shutil.rmtree(tmp_path)
+
+
+def test_a_hub_id_tokenizer_resolves_to_its_snapshot_and_a_missing_one_is_one_line(offline, hub_cache):
+    """--tokenizer org/name: the snapshot's folder, as for --model; a repository not in the cache is
+    the same one-line error, calling it the tokenizer."""
+    from tokenforge.source import HubError
+
+    config = EngineConfig.from_kwargs(tokenizer="tokenforge-test/tiny", device="cpu")
+    assert Path(config.model.tokenizer) == hub_cache / "models--tokenforge-test--tiny" / "snapshots" / COMMITS["main"]
+    with pytest.raises(HubError, match="tokenizer 'tokenforge-test/missing' is not in the local Hugging Face cache "
+                                       "and HF_HUB_OFFLINE is set"):
+        EngineConfig.from_kwargs(tokenizer="tokenforge-test/missing", device="cpu")

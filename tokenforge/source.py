@@ -27,6 +27,8 @@ SHIPPED_CONFIG_DIR = Path(__file__).resolve().parent / "model" / "configs"
 ALLOW_PATTERNS = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                   "special_tokens_map.json", "tokenizer.model", "chat_template.jinja", "*.safetensors",
                   "model.safetensors.index.json"]
+TOKENIZER_PATTERNS = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                      "chat_template.jinja", "generation_config.json", "config.json"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -134,15 +136,21 @@ def looks_like_repo_id(model: str) -> bool:
 def resolve_hub_fields(model: dict) -> None:
     """A Hub id in `model["model"]` (org/name, not a local path) becomes its local snapshot, once, and
     the id is kept as `model_id`: every later reader (loader, tokenizer, workers) sees a folder, and a
-    missing model fails before anything is allocated."""
+    missing model fails before anything is allocated. A Hub id in `model["tokenizer"]` (--tokenizer)
+    becomes the snapshot of that repository's tokenizer files."""
     ref = model.get("model")
     if isinstance(ref, str) and not model.get("model_id") and looks_like_repo_id(ref):
         model["model_id"] = ref
         model["model"] = resolve_hub_model(ref, model.get("revision"))
+    tok = model.get("tokenizer")
+    if isinstance(tok, str) and looks_like_repo_id(tok):
+        model["tokenizer"] = resolve_hub_model(tok, None, TOKENIZER_PATTERNS, what="tokenizer")
 
 
-def resolve_hub_model(repo_id: str, revision: str | None = None) -> str:
-    """The local snapshot folder of `repo_id` at `revision` (downloaded unless offline)."""
+def resolve_hub_model(repo_id: str, revision: str | None = None, patterns: list[str] = ALLOW_PATTERNS,
+                      what: str = "model") -> str:
+    """The local snapshot folder of `repo_id` at `revision` (the files matching `patterns`,
+    downloaded unless offline); errors call it `what`."""
     try:
         from huggingface_hub import snapshot_download  # noqa: PLC0415 - only for Hub ids
         from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError,  # noqa: PLC0415
@@ -152,16 +160,16 @@ def resolve_hub_model(repo_id: str, revision: str | None = None) -> str:
     where = f"{repo_id!r}" + (f" at revision {revision!r}" if revision else "")
     offline = envs.hf_hub_offline()
     try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=ALLOW_PATTERNS,
+        return snapshot_download(repo_id, revision=revision, allow_patterns=patterns,
                                  cache_dir=envs.hf_hub_cache(), token=envs.hf_token(), local_files_only=offline)
     except GatedRepoError as err:
-        raise HubError(f"model {where} is gated: accept its licence on huggingface.co and set HF_TOKEN") from err
+        raise HubError(f"{what} {where} is gated: accept its licence on huggingface.co and set HF_TOKEN") from err
     except RevisionNotFoundError as err:
-        raise HubError(f"model {repo_id!r} has no revision {revision!r}") from err
+        raise HubError(f"{what} {repo_id!r} has no revision {revision!r}") from err
     except RepositoryNotFoundError as err:
-        raise HubError(f"model {where} was not found on the Hugging Face Hub (or it is private: set HF_TOKEN)") from err
+        raise HubError(f"{what} {where} was not found on the Hugging Face Hub (or it is private: set HF_TOKEN)") from err
     except LocalEntryNotFoundError as err:
         why = "HF_HUB_OFFLINE is set" if offline else "the Hub cannot be reached"
-        raise HubError(f"model {where} is not in the local Hugging Face cache and {why}") from err
+        raise HubError(f"{what} {where} is not in the local Hugging Face cache and {why}") from err
     except OSError as err:      # network errors from requests/httpx are OSErrors
-        raise HubError(f"could not fetch model {where} from the Hugging Face Hub: {err}") from err
+        raise HubError(f"could not fetch {what} {where} from the Hugging Face Hub: {err}") from err

@@ -36,9 +36,9 @@ class ModelConfig:
                              "HF_HUB_OFFLINE=1), or a shipped config name (llama-3.1-8b, llama-3.1-70b, qwen2.5-7b, "
                              "llama-3.2-1b) with --load-format dummy; default: bundled SmolLM2")  # source.py
     revision: str | None = flag(None, "branch, tag or commit of a Hub model")
-    tokenizer: str | None = flag(None, "the tokenizer in place of the model's own: an HF directory (tokenizer.json) "
-                                 "or a .gguf file (vLLM's --tokenizer); its ids must fit the model's vocabulary",
-                                 metavar="PATH")
+    tokenizer: str | None = flag(None, "the tokenizer in place of the model's own: an HF directory (tokenizer.json), "
+                                 "a .gguf file or a Hub id (vLLM's --tokenizer); its ids must fit the model's "
+                                 "vocabulary", metavar="PATH")
     dtype: str = flag("auto", "auto: bfloat16 on CUDA, float32 on the CPU, where a GGUF model computes its "
                       "quantized blocks as stored (8-bit activations); float32 there: the dequantized reference",
                       choices=("auto", "float32", "bfloat16", "float16"),
@@ -78,7 +78,8 @@ class ModelConfig:
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
         _check(self.tokenizer is None or os.path.exists(os.path.expanduser(self.tokenizer)),
-               f"tokenizer {self.tokenizer!r} does not exist (a directory with tokenizer.json, or a .gguf file)")
+               f"tokenizer {self.tokenizer!r} does not exist (a directory with tokenizer.json, a .gguf file or a "
+               "Hub id org/name)")
 
 
 @dataclass(frozen=True, slots=True)
