@@ -42,6 +42,28 @@ def random_k_blocks(rng: np.random.Generator, kind: str, dims: tuple[int, int]) 
     return blocks.reshape(dims[0], -1)
 
 
+def gguf_writer(path: Path, arch: str, s: TinyLlama, eps: float = 1e-5, theta: float = 10000.0,
+                head_dim: int | None = None) -> gguf.GGUFWriter:
+    """A writer with the architecture's metadata and a placeholder tokenizer (tokens t0, t1, ...)."""
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(s.layers)
+    writer.add_embedding_length(s.hidden)
+    writer.add_feed_forward_length(s.intermediate)
+    writer.add_head_count(s.heads)
+    writer.add_head_count_kv(s.kv_heads)
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_context_length(s.context)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_rope_freq_base(theta)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"t{i}" for i in range(s.vocab)])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    return writer
+
+
 def write_tiny_gguf(path: Path, weight_type: str = "Q8_0", shape: TinyLlama = TinyLlama(), seed: int = 0,
                     mixed: dict[str, str] | None = None, rope_freqs: np.ndarray | None = None) -> Path:
     """A `llama` GGUF with random weights: the matrices in `weight_type` (or `mixed[gguf name
@@ -50,19 +72,7 @@ def write_tiny_gguf(path: Path, weight_type: str = "Q8_0", shape: TinyLlama = Ti
     rng = np.random.default_rng(seed)
     s = shape
     head_dim = s.hidden // s.heads
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(s.layers)
-    writer.add_embedding_length(s.hidden)
-    writer.add_feed_forward_length(s.intermediate)
-    writer.add_head_count(s.heads)
-    writer.add_head_count_kv(s.kv_heads)
-    writer.add_context_length(s.context)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(s.vocab)])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    writer = gguf_writer(path, "llama", s)
     matrices = {"token_embd.weight": (s.vocab, s.hidden), "output.weight": (s.vocab, s.hidden)}
     norms = {"output_norm.weight": (s.hidden,)}
     for i in range(s.layers):

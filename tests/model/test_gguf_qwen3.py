@@ -4,10 +4,10 @@ transformers' logits, and a file missing a head norm is one error naming the ten
 
 from __future__ import annotations
 
-import gguf
 import pytest
 import torch
 
+from tests.model.gguf_builder import TinyLlama, gguf_writer
 from tokenforge.model.loader import load_model
 from tokenforge.model.loader.gguf_file import GGUFFormatError
 from tokenforge.model.loader.gguf_loader import _GLOBAL_NAMES, _LAYER_NAMES
@@ -44,20 +44,10 @@ def _gguf_name(hf_name: str) -> str | None:
 
 def _write(path, model, drop: str | None = None):
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(1000000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list([f"t{i}" for i in range(VOCAB)])
-    writer.add_eos_token_id(2)
+    shape = TinyLlama(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, layers=cfg.num_hidden_layers,
+                      heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads, vocab=VOCAB,
+                      context=cfg.max_position_embeddings)
+    writer = gguf_writer(path, "qwen3", shape, cfg.rms_norm_eps, 1000000.0, cfg.head_dim)
     for hf_name, tensor in model.state_dict().items():
         name = _gguf_name(hf_name)
         if hf_name == "lm_head.weight" or name == drop:
