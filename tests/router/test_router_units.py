@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from types import SimpleNamespace
 
@@ -151,3 +152,24 @@ def test_a_replica_is_ejected_after_failed_polls_and_readmitted_when_healthy():
     states, replica = asyncio.run(run())
     assert states == ["admitted", "admitted", "ejected", "admitted"]
     assert (replica.waiting, replica.version, replica.failures) == (2.0, "v1", 0)
+
+
+def test_the_router_hashes_prefixes_with_the_replicas_tokenizer(tmp_path):
+    """--tokenizer: replicas that run another tokenizer route by its ids (the router's prefix keys
+    must be the replicas' block hashes); the router takes the same flag."""
+    import shutil
+
+    from tokenforge.cli.router import add_router_parser
+    from tokenforge.engine.tokenization import load_tokenizer
+    from tokenforge.router.app import _hasher
+
+    shutil.copytree(load_tokenizer(None).hf.directory, tmp_path / "tok", dirs_exist_ok=True)
+    parser = argparse.ArgumentParser()
+    add_router_parser(parser.add_subparsers())
+    args = parser.parse_args(["router", "--replica", "http://r:1", "--tokenizer", str(tmp_path / "tok")])
+    settings = RouterSettings.from_args(args)
+    assert settings.tokenizer == str(tmp_path / "tok")
+    hasher = _hasher(settings)
+    assert hasher.tokenizer.source == str(tmp_path / "tok")
+    ids = hasher.tokenizer.encode("The quick brown fox jumps over the lazy dog, twice over, and then once more.")
+    assert hasher.prefix_key({"prompt": ids}) == compute_block_hashes(ids[:64], 16)[-1]

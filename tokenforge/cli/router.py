@@ -29,6 +29,8 @@ def add_router_parser(subparsers) -> argparse.ArgumentParser:
                         "(default); round-robin and least-loaded for comparison")
     p.add_argument("--model", default=None, help="tokenizer for prefix keys: the replicas' model (default bundled)")
     p.add_argument("--load-format", default=d.load_format)
+    p.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="the replicas' --tokenizer, when they run one: prefix keys are its token ids")
     p.add_argument("--block-size", type=int, default=d.block_size, help="the replicas' KV block size")
     p.add_argument("--prefix-blocks", type=int, default=d.prefix_blocks,
                    help="leading blocks hashed into the routing key (default %(default)s)")

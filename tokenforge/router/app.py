@@ -36,7 +36,7 @@ def _hasher(settings: RouterSettings):
     from tokenforge.engine.prefix_hasher import PromptPrefixHasher  # noqa: PLC0415
     from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415
 
-    tokenizer = load_engine_tokenizer(settings.model, settings.load_format)
+    tokenizer = load_engine_tokenizer(settings.model, settings.load_format, tokenizer=settings.tokenizer)
     return PromptPrefixHasher(tokenizer, settings.block_size, settings.prefix_blocks)
 
 

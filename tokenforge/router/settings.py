@@ -27,6 +27,7 @@ class RouterSettings:
     policy: str = "prefix"
     model: str | None = None                # tokenizer source for prefix keys (None = the bundled model)
     load_format: str = "auto"
+    tokenizer: str | None = None            # the replicas' --tokenizer, when they run one (prefix keys from it)
     block_size: int = 16                    # must match the replicas' --block-size
     prefix_blocks: int = 4                  # how many leading blocks make the routing key
     overload_waiting: int = 16              # a replica with this many waiting requests is overloaded
