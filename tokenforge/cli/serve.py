@@ -87,7 +87,7 @@ def check_reasoning_parser(settings: ServerSettings, config: EngineConfig):
     otherwise the engine's tokenizer is loaded now and returned, for the engine to use."""
     if settings.reasoning_parser is None:
         return None
-    from tokenforge.engine.tokenization import FastTokenizerFiles, load_engine_tokenizer  # noqa: PLC0415
+    from tokenforge.engine.tokenization import FastTokenizerFiles, config_tokenizer  # noqa: PLC0415
     from tokenforge.server.reasoning import get_reasoning_parser  # noqa: PLC0415
 
     source = config.model.tokenizer or config.model.model
@@ -95,7 +95,7 @@ def check_reasoning_parser(settings: ServerSettings, config: EngineConfig):
     if model is not None and all((model / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
         get_reasoning_parser(settings.reasoning_parser, FastTokenizerFiles(model))
         return None
-    tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format, tokenizer=config.model.tokenizer)
+    tokenizer = config_tokenizer(config)
     get_reasoning_parser(settings.reasoning_parser, tokenizer)
     return tokenizer
 

@@ -54,11 +54,11 @@ class RequestAbortedError(RuntimeError):
 # the lines are logged once the core is Ready, so a config the core refuses leaves its one error
 # line alone on the terminal.
 def _load_tokenizer(config: EngineConfig):
-    from tokenforge.engine.tokenization import load_engine_tokenizer  # noqa: PLC0415 - slow import
+    from tokenforge.engine.tokenization import config_tokenizer  # noqa: PLC0415 - slow import
 
     start = time.perf_counter()
     core_boot.mark("tokenizer_start")
-    tokenizer = load_engine_tokenizer(config.model.model, config.load.load_format, tokenizer=config.model.tokenizer)
+    tokenizer = config_tokenizer(config)
     core_boot.mark("tokenizer_end")
     return tokenizer, time.perf_counter() - start
 

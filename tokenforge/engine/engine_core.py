@@ -24,7 +24,7 @@ from tokenforge.engine.core_boot import process_start_time
 from tokenforge.engine.inflight import InFlightQueue, LaunchedStep
 from tokenforge.engine.startup import resolve_engine_config
 from tokenforge.engine.structured_output import GrammarMatchers
-from tokenforge.engine.tokenization import load_engine_tokenizer, with_calibration_ids
+from tokenforge.engine.tokenization import config_tokenizer, load_engine_tokenizer, with_calibration_ids
 from tokenforge.executor.compile_watch import WATCH
 from tokenforge.executor.factory import create_executor
 from tokenforge.executor.spec.burst import configured_burst_steps
@@ -105,8 +105,7 @@ def check_draft_tokenizer(config, tokenizer=None) -> None:
         draft = load_engine_tokenizer(sched.speculative_model)
     except (OSError, ValueError):
         return
-    target = tokenizer or load_engine_tokenizer(config.model.model, config.load.load_format,
-                                                tokenizer=config.model.tokenizer)
+    target = tokenizer or config_tokenizer(config)
     vocab = [getattr(getattr(t, "hf", None), "get_vocab", None) for t in (target, draft)]
     if all(vocab) and vocab[0]() != vocab[1]():
         raise ValueError(f"speculative_model {sched.speculative_model!r} has another tokenizer than the target: "
@@ -120,7 +119,7 @@ def check_tokenizer_fits(config, arch, tokenizer=None) -> None:
     if path is None:
         return
     vocab_size = arch.vocab_size
-    size = (tokenizer or load_engine_tokenizer(config.model.model, config.load.load_format, tokenizer=path)).vocab_size
+    size = (tokenizer or config_tokenizer(config)).vocab_size
     if size > vocab_size:
         raise ValueError(f"tokenizer {path!r} has {size} tokens, more than the model's vocabulary of {vocab_size}: "
                          "its ids would index past the embedding (use the model's own tokenizer or one of its size)")
@@ -146,9 +145,8 @@ class EngineCore:
         self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
         self.startup_marks = {"engine_start": wall0, "loaded": wall1, "kv_ready": time.time()}   # the timeline's
         logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
-        model, load_format, own = self.config.model.model, self.config.load.load_format, self.config.model.tokenizer
-        self.grammars = GrammarMatchers(lambda: tokenizer or load_engine_tokenizer(model, load_format, tokenizer=own),
-                                        self.vocab_size)
+        resolved = self.config
+        self.grammars = GrammarMatchers(lambda: tokenizer or config_tokenizer(resolved), self.vocab_size)
         lora = self.config.lora
         drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
                                     draft_shape(self.config),

@@ -22,7 +22,7 @@ from tokenforge.engine.generation_defaults import sampling_defaults
 from tokenforge.engine.output_processor import OutputProcessor
 from tokenforge.engine.processor import ProcessedRequest, Processor, PromptType
 from tokenforge.engine.tokenization import continue_final_message as continue_final_text
-from tokenforge.engine.tokenization import load_engine_tokenizer
+from tokenforge.engine.tokenization import config_tokenizer
 from tokenforge.messages import EngineStats, LoRARequest, RequestOutput
 from tokenforge.sampling_params import SamplingParams
 
@@ -47,8 +47,7 @@ class LLM:
         self.sampling_defaults = sampling_defaults(self.config.model.model, generation_config,
                                                    override_generation_config)
         start = time.perf_counter()
-        self.tokenizer = load_engine_tokenizer(self.config.model.model, self.config.load.load_format,
-                                               tokenizer=self.config.model.tokenizer)
+        self.tokenizer = config_tokenizer(self.config)
         loaded = time.perf_counter()
         self.engine = EngineCore(self.config, self.tokenizer, defer_graphs=False)   # no idle loop: all graphs now
         self.config = self.engine.config        # resolved: the device, batch limits, context length

@@ -203,6 +203,11 @@ def load_engine_tokenizer(model: str | Path | None, load_format: str = "auto",
     return load_tokenizer(model, cache_dir)
 
 
+def config_tokenizer(config) -> Tokenizer | SyntheticTokenizer:
+    """The tokenizer an EngineConfig names: `--tokenizer` where given, else the model's own."""
+    return load_engine_tokenizer(config.model.model, config.load.load_format, tokenizer=config.model.tokenizer)
+
+
 def with_calibration_ids(config, tokenizer=None):
     """The config with its int4 calibration text (`quantization_calibration`) encoded into
     `model.calibration_token_ids` and checked to hold one window, before any weight loads."""
@@ -214,7 +219,7 @@ def with_calibration_ids(config, tokenizer=None):
     if not m.quantization_calibration or m.calibration_token_ids is not None:
         return config
     text = calibration_text(m.quantization_calibration)
-    ids = (tokenizer or load_engine_tokenizer(m.model, config.load.load_format, tokenizer=m.tokenizer)).encode(text)
+    ids = (tokenizer or config_tokenizer(config)).encode(text)
     check_calibration_tokens(m.quantization_calibration, len(ids))
     return dataclasses.replace(config, model=dataclasses.replace(m, calibration_token_ids=tuple(ids)))
 
