@@ -43,6 +43,12 @@
 #               with `xz -9e` parts (`split -b 45200000 GGUF.xz .gpu/part.xz.`), three with plain 33 MB parts
 #   spec-real-k8  spec-real at K = 8 (none, ngram: bursts) (needs gguf-join)
 #   burst-kernels  the burst iteration's kernels against their references, bursts on a dummy tiny-llama (no GGUF)
+#   spec-w1-ab  spec-w1 (no profile, one repeat) with the bursts' conditional graph (IF=1) and without
+#               (TOKENFORGE_SPEC_BURST_IF=0: one iteration a replay, the iterations past a stop run)
+#   spec-small  W1 of the 135M shape (dummy) with the replay drafter (a = 0.8, K = SPEC_K, default 16), bursts
+#               with their conditional graph and without (IF=1, IF=0), each against no speculation
+#   spec-real-ab  spec-real at K = SPEC_K (default 16) on the grounded and chat prompts, with the conditional
+#               graph and without (IF=1, IF=0) (needs gguf-join)
 #   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-join)
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
@@ -166,6 +172,17 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
   spec-real-k8) STEP_TAIL=8 step spec-real-k8 200 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
                --output-len 192 --repeats 1 --methods none,ngram --num-speculative-tokens 8 --max-num-seqs 8 \
                --results-dir "$W/spec-real-k8"; keep "$W/spec-real-k8" spec-real-k8 ;;
+  spec-w1-ab) for v in 1 0; do TOKENFORGE_SPEC_BURST_IF=$v step spec-w1-if$v 170 python3 -m tokenforge.bench latency $M8 $Q \
+                --repeats 1 --speculative-method ngram --num-speculative-tokens 4 --replay-acceptance 0.8 \
+                --results-dir "$W/spec-w1-if$v"; keep "$W/spec-w1-if$v" spec-w1-if$v; done ;;
+  spec-small) for v in 1 0; do TOKENFORGE_SPEC_BURST_IF=$v step spec-small-if$v 120 python3 -m tokenforge.bench latency \
+                --model smollm2-135m --load-format dummy --dtype bfloat16 --max-model-len 2048 $Q --repeats 2 \
+                --speculative-method ngram --num-speculative-tokens ${SPEC_K:-16} --replay-acceptance 0.8 \
+                --results-dir "$W/spec-small-if$v"; keep "$W/spec-small-if$v" spec-small-if$v; done ;;
+  spec-real-ab) for v in 1 0; do TOKENFORGE_SPEC_BURST_IF=$v STEP_TAIL=12 step spec-real-if$v 240 python3 -m tokenforge.bench spec \
+                  --workload grounded,chat --num-prompts 8 --output-len 192 --repeats 1 --methods none,ngram \
+                  --num-speculative-tokens ${SPEC_K:-16} --max-num-seqs 8 --results-dir "$W/spec-real-if$v"
+                for f in "$W/spec-real-if$v"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/spec-real-if$v-$(basename "$f")"; done; done ;;
   w4-16) step w4-16 420 python3 -m tokenforge.bench serve --launch "$M8 --log-level warning" --request-rate ${W4_RATE:-16} \
            --num-prompts ${W4_N:-300} --input-len 1024 --output-len 1024 --results-dir "$W/w4-16"; keep "$W/w4-16" w4-16 ;;
   w4-prof) STEP_TAIL=60 step w4-prof 240 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts 300 \

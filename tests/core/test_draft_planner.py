@@ -138,7 +138,7 @@ def test_drafts_are_cut_where_the_check_says_and_sampling_features_draft():
 
 def test_bursts_go_to_a_lone_greedy_request_with_nobody_waiting():
     """burst_slots: S (K + 1) - 1 device draft slots for one greedy request that needs nothing per
-    token from the host, capped by max_tokens, the budget and the length cap; otherwise the host's
+    token from the host, capped by max_tokens (+ K), the budget and the length cap; otherwise the host's
     drafts (a batch, a request waiting to join the step, logprobs, penalties, sampling, a grammar)."""
     from tokenforge.core.outputs import DRAFT_TOKEN_ID
     from tokenforge.core.request import Request
@@ -155,10 +155,14 @@ def test_bursts_go_to_a_lone_greedy_request_with_nobody_waiting():
         return planner.drafts(req, budget=budget, max_len=max_len)
 
     assert drafts() == [DRAFT_TOKEN_ID] * 39
-    assert drafts(max_tokens=12) == [DRAFT_TOKEN_ID] * 10       # max_tokens: 11 more tokens at most
+    # max_tokens: 11 more tokens at most, which the device stops at, and the last iteration's K + 1
+    # rows may start one short of them
+    assert drafts(max_tokens=12) == [DRAFT_TOKEN_ID] * 14
     assert drafts(budget=20) == [DRAFT_TOKEN_ID] * 19
     assert drafts(max_len=20) == [DRAFT_TOKEN_ID] * 15
-    assert drafts(max_tokens=5) == [9] * 3                       # room for less than one iteration
+    assert drafts(max_tokens=5) == [DRAFT_TOKEN_ID] * 7
+    assert drafts(max_len=8) == [9] * 3                          # room for less than one iteration
+    assert drafts(max_tokens=2) == []                            # the last token: a plain decode
     for kw in ({"batch": 2}, {"waiting": True}, {"logprobs": 1}, {"repetition_penalty": 1.1},
                {"temperature": 0.7}, {"grammar": "start: /a+/"}):
         assert drafts(**kw) == [9] * 4, kw

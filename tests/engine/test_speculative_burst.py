@@ -115,6 +115,31 @@ def test_a_burst_stops_at_a_stop_id_and_a_stop_string(burst_llm, plain_llm):
     _assert_no_leak(burst_llm)
 
 
+@pytest.mark.parametrize("end", ["stop id", "max_tokens"])
+def test_a_burst_runs_no_iteration_past_its_stop(burst_llm, plain_llm, end):
+    """The device flag: the last burst's iterations end with the one that emitted the stop id (or the
+    last token max_tokens allows); the counters of the iterations after it stay zero."""
+    prompt = PROMPTS[1]
+    full = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    cut = next(i for i in range(4, 30) if full[i] not in full[:i])    # the stop's first occurrence
+    extra = {"stop_token_ids": [full[cut]]} if end == "stop id" else {"max_tokens": cut + 1}
+    params = SamplingParams(temperature=0.0, ignore_eos=True, **{"max_tokens": 30, **extra})
+    assert _ids(burst_llm, [prompt], params)[0] == full[:cut + 1]
+    burst = burst_llm.engine.executor.runner.burst
+    ran = int(burst.state[1])
+    counts = burst.counts.tolist()
+    emitted = [a + 1 for a in counts[2:2 + 2 * ran:2]]
+    start = int(burst.state[0]) - counts[0]              # the history's length when the burst began
+    stop_at = len(prompt_ids(burst_llm, prompt)) + cut + 1   # the history's length once the stop is in
+    assert start + sum(emitted[:-1]) < stop_at <= start + sum(emitted), (emitted, start, stop_at)
+    assert counts[1 + 2 * ran:] == [0] * (len(counts) - 1 - 2 * ran)
+    _assert_no_leak(burst_llm)
+
+
+def prompt_ids(llm, prompt):
+    return llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids
+
+
 def test_requests_a_burst_cannot_serve_take_the_plain_verify(burst_llm, greedy_without_speculation):
     """Logprobs, penalties, sampling, and a batch of several: no burst, and the same output as
     before bursts (greedy rows equal, one logprobs entry per token)."""

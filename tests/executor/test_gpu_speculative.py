@@ -72,9 +72,20 @@ def test_bursts_replay_their_graph_and_stay_exact():
     try:
         burst = llm.engine.executor.runner.burst
         assert burst.graph is not None and burst.launches > 0, "no burst replayed its CUDA graph"
+        # torch's if-node capture: the burst's iterations in one graph, skipped past a stop
+        assert burst.conditional == hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+        assert burst.max_steps == (32 if burst.conditional else 8)    # the bundled 135M model: the longest
         for i, (a, b) in enumerate(zip(base_ids, ids)):
             assert a == b, f"prompt {i}: {a} != {b}"
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, short, use_tqdm=False)] == base_short
+        # a stop id 20 tokens in: the output ends there, and the burst ran no iteration after it
+        stop = next(t for i, t in enumerate(base_ids[1]) if i >= 20 and t not in base_ids[1][:i])
+        params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, stop_token_ids=[stop])
+        got = llm.generate([PROMPTS[1]], params, use_tqdm=False)[0].outputs[0].token_ids
+        assert got == base_ids[1][:base_ids[1].index(stop) + 1]
+        ran, counts = int(burst.state[1]), burst.counts.tolist()
+        if burst.conditional:
+            assert ran < burst.max_steps and counts[1 + 2 * ran:] == [0] * (len(counts) - 1 - 2 * ran)
         stats = llm.engine.scheduler.drafts.stats()
         assert 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
         kv = llm.get_stats()
@@ -107,8 +118,10 @@ def test_bursts_on_a_dummy_model_equal_the_stepwise_verify(monkeypatch):
     stepwise, none_launched = run("0", **spec)
     monkeypatch.delenv("TOKENFORGE_SPEC_BURST")
     bursts, launched = run(None, **spec)
-    assert none_launched == 0 and launched > 0
-    assert stepwise == base and bursts == base
+    monkeypatch.setenv("TOKENFORGE_SPEC_BURST_IF", "0")   # one iteration a replay, no conditional nodes
+    replayed, replay_launched = run(None, **spec)
+    assert none_launched == 0 and launched > 0 and replay_launched > 0
+    assert stepwise == base and bursts == base and replayed == base
 
 
 def test_draft_model_on_the_gpu_is_exact():

@@ -62,6 +62,9 @@ def test_the_accept_kernel_equals_the_reference_over_iterations(device):
                 hist, torch.zeros(steps * (k + 1) + k + 1, dtype=torch.long, device=dev))
 
     got, want = fresh(device), fresh(torch.device("cpu"))
+    # no stop id among 0..5, budget and slots never reached: `go` stays set
+    limits = torch.tensor([1000, 1000] + [-1] * 4 + [77] * 4)
+    go_got, go_want = torch.zeros((), dtype=torch.bool, device=device), torch.zeros((), dtype=torch.bool)
     for _ in range(steps):
         pred = torch.tensor([rng.randrange(5) for _ in range(k + 1)])
         drafts = pred[:k].clone()
@@ -69,11 +72,52 @@ def test_the_accept_kernel_equals_the_reference_over_iterations(device):
         if miss < k:
             drafts[miss] = 9
         found = torch.tensor([rng.randrange(k + 1)])
-        sb.accept_update(pred.to(device), drafts.to(device), found.to(device), *got)
-        sb.accept_update_ref(pred, drafts, found, *want)
+        sb.accept_update(pred.to(device), drafts.to(device), found.to(device), *got, limits.to(device), go_got)
+        sb.accept_update_ref(pred, drafts, found, *want, limits, go_want)
         # the references write rejected rows into the scratch tails; the kernel writes nothing there
         cut = (None, None, capacity, steps * (k + 1))
         assert [t.cpu()[:c].tolist() for t, c in zip(got, cut)] == [t[:c].tolist() for t, c in zip(want, cut)]
+        assert bool(go_got) is bool(go_want) is True
     state, counts = want[0].tolist(), want[1].tolist()
     assert state[1] == steps and state[0] == 10 + counts[0]
     assert counts[0] == sum(a + 1 for a in counts[2::2])
+
+
+@pytest.mark.parametrize("case,limits,go", [
+    ("nothing ends it", [100, 100, 50, -1], True),
+    ("a stop id among the kept tokens", [100, 100, 22, -1], False),
+    ("a stop id only in a rejected row", [100, 100, 33, 44], True),
+    ("the token budget reached", [3, 100, -1, -1], False),
+    ("one token of budget left", [4, 100, -1, -1], True),
+    ("the next iteration's rows past the slots", [100, 6, -1, -1], False),
+    ("the next iteration's rows just fit", [100, 7, -1, -1], True),
+])
+def test_the_accept_kernel_says_whether_another_iteration_may_run(device, case, limits, go):
+    """An iteration of K = 4 that accepts 2 drafts: tokens 11, 22, then the target's 30 (rows 3-4,
+    33 and 44, are rejected); 3 tokens emitted, so the next rows reach slot 3 + 4 = 7."""
+    k = 4
+    pred = torch.tensor([11, 22, 30, 33, 44])
+    drafts, found = torch.tensor([11, 22, 5, 6]), torch.tensor([4])
+    for fn, dev in ((sb.accept_update, device), (sb.accept_update_ref, torch.device("cpu"))):
+        state = torch.tensor([10, 0, 1], device=dev)
+        counts = torch.zeros(3, dtype=torch.long, device=dev)
+        hist = torch.zeros(32, dtype=torch.long, device=dev)
+        out = torch.zeros(2 * (k + 1), dtype=torch.long, device=dev)
+        flag = torch.ones((), dtype=torch.bool, device=dev)
+        fn(pred.to(dev), drafts.to(dev), found.to(dev), state, counts, hist, out, torch.tensor(limits, device=dev),
+           flag)
+        assert counts.tolist()[:1] == [3] and hist[10:13].tolist() == [11, 22, 30], case
+        assert bool(flag) is go, (case, str(dev))
+
+
+def test_drafts_past_max_tokens_are_not_verified(device):
+    """Two tokens left of max_tokens: of the 4 drafts only the first counts (found 1), so the
+    iteration emits it and the target's next token, then stops."""
+    pred, drafts, found = torch.tensor([11, 22, 30, 33, 44]), torch.tensor([11, 22, 33, 44]), torch.tensor([4])
+    for fn, dev in ((sb.accept_update, device), (sb.accept_update_ref, torch.device("cpu"))):
+        state, counts = torch.tensor([10, 0, 1], device=dev), torch.zeros(3, dtype=torch.long, device=dev)
+        hist, out = torch.zeros(32, dtype=torch.long, device=dev), torch.zeros(10, dtype=torch.long, device=dev)
+        flag = torch.ones((), dtype=torch.bool, device=dev)
+        fn(pred.to(dev), drafts.to(dev), found.to(dev), state, counts, hist, out,
+           torch.tensor([2, 100, -1, -1], device=dev), flag)
+        assert counts.tolist() == [2, 1, 1] and out[:2].tolist() == [11, 22] and not bool(flag), str(dev)

@@ -100,14 +100,27 @@ def tree_drafts_apply(config) -> bool:
 
 
 BURST_STEPS = 8     # iterations a burst chains: ~45 ms of the 8B shape's verify steps, ~5 ms of a 135M model's
+MAX_BURST_STEPS = 32
+BURST_WEIGHT_BYTES = 16e9   # the 8B shape in bf16: BURST_STEPS; a smaller model takes more, to ~the same time
 
 
-def burst_steps(config, forced: int | None = None, host_proposer: bool = False) -> int:
+def burst_length(weight_bytes: int | None) -> int:
+    """Iterations a burst holds the device for a model of `weight_bytes` (None: BURST_STEPS). A
+    burst that ends early (EOS, max_tokens) skips the rest on the device, so only a request that
+    arrives meanwhile pays for the length: it waits up to ~50 ms. Fewer, longer bursts save the
+    host's read-back, scheduling and launch between two of them (~1-2 ms each)."""
+    if not weight_bytes:
+        return BURST_STEPS
+    return int(max(BURST_STEPS, min(MAX_BURST_STEPS, BURST_STEPS * BURST_WEIGHT_BYTES / weight_bytes)))
+
+
+def burst_steps(config, forced: int | None = None, host_proposer: bool = False, weight_bytes: int | None = None) -> int:
     """Verify iterations an n-gram burst chains on the device for a lone greedy request
     (executor/spec/burst.py; 0: no bursts). Where they apply by default: the n-gram method on one
-    GPU with CUDA graphs, no LoRA, no offloaded layers. `forced` (TOKENFORGE_SPEC_BURST) overrides
-    that: 0 off, N > 0 on any device, eager where there are no graphs (the CPU tests). None where a
-    bench's host proposer drafts in the n-gram method's place (`host_proposer`)."""
+    GPU with CUDA graphs, no LoRA, no offloaded layers; `burst_length(weight_bytes)` of them (bursts
+    that skip their iterations past a stop; None: BURST_STEPS). `forced` (TOKENFORGE_SPEC_BURST)
+    overrides that: 0 off, N > 0 on any device, eager where there are no graphs (the CPU tests).
+    None where a bench's host proposer drafts in the n-gram method's place (`host_proposer`)."""
     s = config.scheduler
     if s.speculative_method != "ngram" or host_proposer:
         return 0
@@ -117,4 +130,4 @@ def burst_steps(config, forced: int | None = None, host_proposer: bool = False) 
     on_graphs = (config.device.resolved_device() == "cuda" and not config.device.enforce_eager
                  and backend in ("auto", "triton"))
     single = config.parallel.world_size == 1 and not config.load.cpu_offload_gb
-    return BURST_STEPS if on_graphs and single and not config.lora.enable_lora else 0
+    return burst_length(weight_bytes) if on_graphs and single and not config.lora.enable_lora else 0

@@ -40,6 +40,7 @@ class ScheduledSequence:
     want_prompt_logprobs: bool = False   # this chunk lies in the prompt and the request asked for them
     banned_token_ids: tuple[int, ...] = ()   # -inf at this sample: EOS and stop ids before min_tokens
     num_draft_tokens: int = 0       # speculative decoding: the last d token_ids are drafts to verify
+    stop_ids: tuple[int, ...] = ()  # a drafted step's: EOS (unless ignored), stop ids (a burst stops at them)
     lora_slot: int = -1             # the device slot of its LoRA adapter (-1: the base model)
 
     @property

@@ -47,7 +47,7 @@ from tokenforge.core.outputs import (PLACEHOLDER_TOKEN_ID, ModelRunnerOutput, Sc
 from tokenforge.core.prompt_logprobs import take_prompt_logprobs, wants_prompt_logprobs
 from tokenforge.core.request import Request, RequestStatus, check_prompt_fits
 from tokenforge.core.speculation import DraftPlanner
-from tokenforge.core.stop_conditions import append_until_stop, banned_tokens
+from tokenforge.core.stop_conditions import append_until_stop, banned_tokens, stop_ids
 from tokenforge.messages import EngineCoreOutput, EngineCoreRequest, EngineStats
 
 
@@ -318,9 +318,8 @@ class Scheduler:
         token_ids.extend(drafts)
         sample = known_end == req.num_tokens_with_placeholders
         seq = ScheduledSequence(
-            request_id=req.request_id, token_ids=token_ids,
-            start_position=start, block_table=self.kv.block_table(req),
-            sample=sample, params=req.params,
+            request_id=req.request_id, token_ids=token_ids, start_position=start, block_table=self.kv.block_table(req),
+            sample=sample, params=req.params, stop_ids=stop_ids(req) if drafts else (),
             prompt_token_ids=req.prompt_token_ids, output_token_ids=req.output_token_ids,
             want_prompt_logprobs=req.params.prompt_logprobs is not None and wants_prompt_logprobs(req, start),
             banned_token_ids=banned_tokens(req) if sample else (), num_draft_tokens=len(drafts), lora_slot=req.lora_slot)

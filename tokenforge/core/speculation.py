@@ -192,7 +192,9 @@ class DraftPlanner:
         if room <= 0 or not self.shape.serves(req):
             return []
         if self.burst_slots and self._batch == 1 and self._quota is None and burst_serves(req):
-            slots = min(self.burst_slots, req.params.max_tokens - req.num_output_tokens - 1,
+            # the device stops at max_tokens (executor/spec/burst.py), but an iteration that starts
+            # one token short of it still writes its K + 1 rows
+            slots = min(self.burst_slots, req.params.max_tokens - req.num_output_tokens - 1 + self.k,
                         budget - 1, max_len - req.num_tokens - 1)
             if slots >= self.k:       # at least one iteration of K drafts
                 self.drafted_in_flight = True

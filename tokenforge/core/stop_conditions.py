@@ -31,9 +31,14 @@ def append_until_stop(req: Request, tokens: list[int], max_len: int) -> tuple[li
     return tokens, None
 
 
+def stop_ids(req: Request) -> tuple[int, ...]:
+    """The ids that end the request where it samples them: EOS (unless ignore_eos), then its stop ids."""
+    p = req.params
+    return (*(() if p.ignore_eos else req.eos_token_ids), *p.stop_token_ids)
+
+
 def banned_tokens(req: Request) -> tuple[int, ...]:
     """EOS (unless ignore_eos) and stop ids while this sample is before min_tokens."""
-    p = req.params
-    if p.min_tokens <= req.num_output_tokens + req.num_output_placeholders:
+    if req.params.min_tokens <= req.num_output_tokens + req.num_output_placeholders:
         return ()
-    return (*(() if p.ignore_eos else req.eos_token_ids), *p.stop_token_ids)
+    return stop_ids(req)

@@ -150,7 +150,7 @@ class EngineCore:
         lora = self.config.lora
         drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
                                     draft_shape(self.config),
-                                    configured_burst_steps(self.config))
+                                    configured_burst_steps(self.config, arch))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
                                    lora.max_loras if lora.enable_lora else 0)
         self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read

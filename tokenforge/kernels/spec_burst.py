@@ -9,7 +9,11 @@ program, so an iteration adds four launches (with the argmax) to the model's.
 
 State, all device tensors: hist [capacity + K + 1] int64 (the history, then scratch); state [3]
 int64 = (length: tokens known, iteration, live: 0 while capturing, when the KV store must write
-nowhere); counts [1 + 2 * steps] int64 = (emitted, then (drafts found, accepted) per iteration).
+nowhere); counts [1 + 2 * steps] int64 = (emitted, then (drafts found, accepted) per iteration);
+limits [2 + stops] int64 = (the tokens the request may still emit, the draft slots its KV holds,
+then its stop ids, -1 padded); go [] bool: whether another iteration may run, which `accept_update`
+clears once the burst emitted a stop id or its token budget, or the next iteration's K + 1 rows
+would pass the slots (the CUDA graph's conditional nodes skip the iterations after that).
 Each function has a torch reference (`*_ref`) with the same effect, used without Triton (the CPU)
 and by the tests.
 """
@@ -59,19 +63,26 @@ def prepare_rows_ref(hist: torch.Tensor, state: torch.Tensor, drafts: torch.Tens
 
 
 def accept_update_ref(pred: torch.Tensor, drafts: torch.Tensor, found: torch.Tensor, state: torch.Tensor,
-                      counts: torch.Tensor, hist: torch.Tensor, out: torch.Tensor) -> None:
-    """pred [K + 1] (the target's argmax per row): accept the drafts while they equal it, append
-    the accepted ones and the next token to hist and out, record (found, accepted), advance."""
+                      counts: torch.Tensor, hist: torch.Tensor, out: torch.Tensor, limits: torch.Tensor,
+                      go: torch.Tensor) -> None:
+    """pred [K + 1] (the target's argmax per row): accept the drafts while they equal it (those
+    before max_tokens: found is capped by the budget left), append the accepted ones and the next
+    token to hist and out, record (found, accepted), advance, and say in `go` whether another
+    iteration may run (no stop id emitted, budget and slots left)."""
     k1 = pred.shape[0]
     rows = torch.arange(k1, device=pred.device)
+    length, emitted = state[0:1], counts[0:1]
+    found = torch.minimum(found, (limits[0:1] - emitted - 1).clamp(min=0))    # no draft past max_tokens
     accepted = ((pred[:-1] == drafts) & (rows[:-1] < found)).to(torch.int32).cumprod(0).sum()
     keep = rows <= accepted
-    length, emitted = state[0:1], counts[0:1]
     hist.index_copy_(0, torch.where(keep, length + rows, hist.shape[0] - k1 + rows), pred)
     out.index_copy_(0, torch.where(keep, emitted + rows, out.shape[0] - k1 + rows), pred)
     counts.index_copy_(0, 1 + 2 * state[1:2] + rows[:2], torch.cat([found.view(1), accepted.view(1)]))
+    stopped = (keep[:, None] & (pred[:, None] == limits[None, 2:])).any()
     emitted += accepted + 1
     state[:2] += torch.stack([accepted + 1, torch.ones_like(accepted)])
+    more = (emitted[0] < limits[0]) & (emitted[0] + (k1 - 1) <= limits[1])
+    go.copy_(more & ~stopped)
 
 
 # ---- kernels ----------------------------------------------------------------------------------
@@ -127,28 +138,34 @@ def _prepare_kernel(hist_ptr, state_ptr, drafts_ptr, table_ptr, block_size, ids_
 
 
 @triton.jit
-def _accept_kernel(pred_ptr, drafts_ptr, found_ptr, state_ptr, counts_ptr, hist_ptr, out_ptr,
-                   K: tl.constexpr, K1_P: tl.constexpr):
+def _accept_kernel(pred_ptr, drafts_ptr, found_ptr, state_ptr, counts_ptr, hist_ptr, out_ptr, limits_ptr, go_ptr,
+                   K: tl.constexpr, K1_P: tl.constexpr, STOPS: tl.constexpr):
     r = tl.arange(0, K1_P)
     rows = r < K + 1
     pred = tl.load(pred_ptr + r, mask=rows, other=0)
     d = tl.load(drafts_ptr + r, mask=r < K, other=-1)
-    found = tl.load(found_ptr)
     length = tl.load(state_ptr)
     it = tl.load(state_ptr + 1)
     emitted = tl.load(counts_ptr)
+    found = tl.minimum(tl.load(found_ptr), tl.maximum(tl.load(limits_ptr) - emitted - 1, 0))   # none past max_tokens
     match = (pred == d) & (r < found) & (r < K)
     accepted = tl.min(tl.where(match, K1_P, r), axis=0)      # the first row that does not match
     accepted = tl.minimum(accepted, K)
     keep = rows & (r <= accepted)
     tl.store(hist_ptr + length + r, pred, mask=keep)
     tl.store(out_ptr + emitted + r, pred, mask=keep)
+    stops = tl.load(limits_ptr + 2 + tl.arange(0, STOPS))
+    hit = keep[:, None] & (pred[:, None] == stops[None, :])
+    stopped = tl.max(tl.max(hit.to(tl.int32), axis=1), axis=0)
+    now = emitted + accepted + 1
+    more = (now < tl.load(limits_ptr)) & (now + K <= tl.load(limits_ptr + 1)) & (stopped == 0)
     tl.debug_barrier()                  # every thread has read the counters before any is advanced
     tl.store(counts_ptr + 1 + 2 * it, found)
     tl.store(counts_ptr + 2 + 2 * it, accepted.to(tl.int64))
-    tl.store(counts_ptr, emitted + accepted + 1)
+    tl.store(counts_ptr, now)
     tl.store(state_ptr, length + accepted + 1)
     tl.store(state_ptr + 1, it + 1)
+    tl.store(go_ptr, more)
 
 
 # ---- launch -----------------------------------------------------------------------------------
@@ -177,9 +194,10 @@ def prepare_rows(hist, state, drafts, block_table, block_size: int, ids, positio
                           context_lens, K=k, K1_P=next_power_of_2(k + 1), num_warps=1)
 
 
-def accept_update(pred, drafts, found, state, counts, hist, out) -> None:
+def accept_update(pred, drafts, found, state, counts, hist, out, limits, go) -> None:
     if not use_kernels(pred.device):
-        return accept_update_ref(pred, drafts, found, state, counts, hist, out)
-    k = drafts.shape[0]
-    _accept_kernel[(1,)](pred, drafts, found, state, counts, hist, out, K=k, K1_P=next_power_of_2(k + 1),
-                         num_warps=1)
+        return accept_update_ref(pred, drafts, found, state, counts, hist, out, limits, go)
+    k, stops = drafts.shape[0], limits.shape[0] - 2
+    assert stops == next_power_of_2(stops), "limits: 2 + a power-of-two count of stop ids"
+    _accept_kernel[(1,)](pred, drafts, found, state, counts, hist, out, limits, go, K=k,
+                         K1_P=next_power_of_2(k + 1), STOPS=stops, num_warps=1)

@@ -9,17 +9,24 @@ keeps the request's history on the device and runs S iterations there, each:
   cost the same drafted or not) -> the last token and K drafts forwarded as K + 1 decode rows ->
   greedy verify against the target's argmax -> the accepted drafts and the bonus token appended
   to the history and to the burst's output;
-one CUDA graph replay an iteration, S replays queued back to back, one read-back at the end.
+one read-back at the end. On a GPU the S iterations are one CUDA graph, each inside a conditional
+node on the device flag `go`: the accept step clears it once the burst emitted a stop id (EOS, the
+request's stop_token_ids) or the tokens max_tokens leaves, or the next iteration's rows would pass
+the KV slots granted, and the iterations after that are skipped on the device at ~no cost.
+Without conditional nodes (a torch without them, TOKENFORGE_SPEC_BURST_IF=0) the graph holds
+one iteration, replayed up to (D + 1) // (K + 1) times (what fits in the slots whatever is
+accepted), and bursts stay at BURST_STEPS: the iterations past a stop run, and the scheduler cuts
+their tokens.
 
 The scheduler (core/speculation.py) grants a burst to a lone greedy request that needs nothing from
-the host per token: D device draft slots, its KV allocated for 1 + D tokens. S = (D + 1) // (K + 1)
-iterations always fit, whatever is accepted: an iteration writes K + 1 positions from the end of
-the history, which grows by at most K + 1. The step returns every emitted token and each
-iteration's (drafts found, accepted); the scheduler cuts the tokens at a stop and frees the slots
-past the last kept one, as after a plain verify. The tokens are a plain verify step's (the same
+the host per token: D device draft slots, its KV allocated for 1 + D tokens. An iteration writes
+K + 1 positions from the end of the history, so it may run while the tokens emitted so far plus K
+are at most D. The step returns every emitted token and each iteration's (drafts found, accepted);
+the scheduler cuts the tokens at a stop and frees the slots past the last kept one, as after a
+plain verify. The tokens are a plain verify step's (the same
 K + 1 rows through the same graph kernels and argmax). Without CUDA graphs (forced by
 TOKENFORGE_SPEC_BURST, the CPU tests) each iteration runs eagerly, with one host read per
-iteration for the attention metadata.
+iteration for the attention metadata and the flag.
 """
 
 from __future__ import annotations
@@ -28,13 +35,18 @@ from dataclasses import dataclass
 
 import torch
 
+import logging
+
 from tokenforge import envs
-from tokenforge.config.draft_tree import burst_steps
+from tokenforge.config.draft_tree import BURST_STEPS, burst_steps
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.kernels.spec_burst import accept_update, ngram_propose, prepare_rows
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
+
+logger = logging.getLogger(__name__)
+STOP_SLOTS = 16         # stop ids the device checks (EOS and stop_token_ids; more are cut by the host)
 
 
 class DeviceNgram:
@@ -80,15 +92,25 @@ class NoBurst:
         pass
 
 
-def configured_burst_steps(config) -> int:
-    """burst_steps with the environment's say (TOKENFORGE_SPEC_BURST, a bench's host proposer): what
-    the engine's draft planner and the runner both use, so they agree."""
-    return burst_steps(config, envs.spec_burst(), bool(envs.draft_proposer()))
+def configured_burst_steps(config, arch) -> int:
+    """burst_steps with the environment's say (TOKENFORGE_SPEC_BURST, a bench's host proposer) for
+    the model `arch`: what the engine's draft planner and the runner both use, so they agree."""
+    forced, host = envs.spec_burst(), bool(envs.draft_proposer())
+    if not burst_steps(config, forced, host):
+        return 0
+    weights = arch.weight_bytes() if forced is None and conditional_graphs() else None   # None: BURST_STEPS
+    return burst_steps(config, forced, host, weights)
 
 
 def make_burst(runner):
-    steps = configured_burst_steps(runner.config)
+    steps = configured_burst_steps(runner.config, runner.arch)
     return SpeculativeBurst(runner, steps) if steps and runner.rank.is_driver else NoBurst()
+
+
+def conditional_graphs() -> bool:
+    """Whether CUDA graphs here take conditional nodes (torch's if-node capture) and the environment
+    lets bursts use them (TOKENFORGE_SPEC_BURST_IF=0 replays a one-iteration graph instead)."""
+    return envs.spec_burst_conditional() and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
 
 
 class SpeculativeBurst:
@@ -112,6 +134,10 @@ class SpeculativeBurst:
         self.state = torch.zeros(3, dtype=torch.long, device=device)
         self.drafts = torch.zeros(self.k, dtype=torch.long, device=device)
         self.found = torch.zeros(1, dtype=torch.long, device=device)
+        # [tokens the request may still emit, its draft slots, stop ids (-1 pads)]; whether to go on
+        self.limits = torch.full((2 + STOP_SLOTS,), -1, dtype=torch.long, device=device)
+        self.go = torch.ones((), dtype=torch.bool, device=device)
+        self.conditional = False                     # the graph holds max_steps conditional iterations
         self.block_table = torch.zeros(-(-capacity // self.block_size), dtype=torch.int32, device=device)
         # the rows' inputs and metadata: the decode graphs' buffers, or (eager) these
         self._eager_rows = (torch.zeros(2, k1, dtype=torch.long, device=device),
@@ -130,7 +156,8 @@ class SpeculativeBurst:
         prepare_rows(self.hist, self.state, self.drafts, self.block_table, self.block_size, ids, positions, slots,
                      seq_lens, context_lens)
         pred = self.model.compute_logits(forward(ids, positions)).argmax(dim=-1)       # [K + 1]
-        accept_update(pred, self.drafts, self.found, self.state, self.counts, self.hist, self.out)
+        accept_update(pred, self.drafts, self.found, self.state, self.counts, self.hist, self.out, self.limits,
+                      self.go)
 
     def _row_buffers(self):
         """(ids, positions, slot mapping, seq lens, context lens) of the K + 1 rows."""
@@ -164,10 +191,32 @@ class SpeculativeBurst:
             self.counts.zero_()
             self.state[:2] = torch.tensor([1, 0])
             torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph, pool=g.pool, capture_error_mode="thread_local"):
-                self._iterate(self._graph_forward)
+            self.conditional = False
+            if conditional_graphs():
+                try:
+                    self.graph = self._capture_graph(self.max_steps)
+                    self.conditional = True
+                except RuntimeError as e:       # a capture these nodes cannot hold: one iteration a replay
+                    logger.warning("n-gram bursts: no conditional CUDA graph (%s); replaying one iteration", e)
+                    torch.cuda.synchronize()
+                    self.max_steps = min(self.max_steps, BURST_STEPS)   # the iterations past a stop run
+            if not self.conditional:
+                self.graph = self._capture_graph(0)
         torch.cuda.synchronize()
+
+    def _capture_graph(self, conditional_steps: int) -> torch.cuda.CUDAGraph:
+        """One iteration, or `conditional_steps` of them each run only while `go` holds."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.graphs.pool, capture_error_mode="thread_local"):
+            if not conditional_steps:
+                self._iterate(self._graph_forward)
+            for _ in range(conditional_steps):
+                graph.begin_capture_to_if_node(self.go)
+                try:
+                    self._iterate(self._graph_forward)
+                finally:
+                    graph.end_capture_to_conditional_node()
+        return graph
 
     # ---- a step ---------------------------------------------------------------------------------
     def takes(self, sched) -> bool:
@@ -179,19 +228,31 @@ class SpeculativeBurst:
     def launch(self, step) -> None:
         seq = step.sched.sequences[0]
         length = seq.start_position + 1
-        steps = min(self.max_steps, (seq.num_draft_tokens + 1) // (self.k + 1))
+        slots = seq.num_draft_tokens
         self.launches += 1
         self._upload(seq, length)
         self.counts.zero_()
         self.state.copy_(torch.tensor([length, 0, 1]), non_blocking=True)   # pageable: staged before return
+        stops = list(seq.stop_ids[:STOP_SLOTS])
+        budget = seq.params.max_tokens - len(seq.output_token_ids)
+        self.limits.copy_(torch.tensor([budget, slots] + stops + [-1] * (STOP_SLOTS - len(stops))),
+                          non_blocking=True)
+        self.go.fill_(True)                  # the scheduler grants at least one iteration's slots
+        steps = self.max_steps
         if self.graph is not None:
             table = self.graphs.buffers.block_tables
             table[: self.k + 1].copy_(self.block_table[None, : table.shape[1]].expand(self.k + 1, -1))
-            for _ in range(steps):
-                self.graph.replay()
+            if self.conditional:
+                self.graph.replay()          # the iterations past `go` are skipped on the device
+            else:                            # what fits the slots whatever is accepted
+                steps = min(self.max_steps, (slots + 1) // (self.k + 1))
+                for _ in range(steps):
+                    self.graph.replay()
         else:
             for _ in range(steps):
                 self._iterate(self._eager_forward)
+                if not bool(self.go):
+                    break
         result = torch.cat([self.counts[: 1 + 2 * steps], self.out[: steps * (self.k + 1)]])
         copied = None
         if self.device.type == "cuda":
