@@ -105,8 +105,8 @@ class SamplingParams:
             raise bad("min_tokens", ">= 0 and <= max_tokens", self.min_tokens)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
-                raise bad(name, f"an integer in [0, {MAX_LOGPROBS}]", value)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise bad(name, "an integer >= 0 (at most the engine's max_logprobs)", value)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

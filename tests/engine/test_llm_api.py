@@ -58,7 +58,7 @@ def test_too_long_prompt_names_both_lengths(llm):
     (dict(temperature=-0.1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"), (dict(top_k=-2), "top_k"), (dict(n=0), "n must"),
     (dict(max_tokens=0), "max_tokens"), (dict(min_p=1.5), "min_p"), (dict(repetition_penalty=0), "repetition_penalty"),
-    (dict(logprobs=21), "logprobs"), (dict(prompt_logprobs=21), "prompt_logprobs"),
+    (dict(logprobs=-1), "logprobs"), (dict(prompt_logprobs=True), "prompt_logprobs"),
     (dict(logit_bias={"x": 1}), "logit_bias keys"), (dict(logit_bias={-1: 1}), "logit_bias keys"),
     (dict(logit_bias={5: 101}), "logit_bias values"), (dict(logit_bias={5: float("nan")}), "logit_bias values"),
     (dict(logit_bias=[5]), "logit_bias must"),
@@ -66,6 +66,25 @@ def test_too_long_prompt_names_both_lengths(llm):
 def test_invalid_sampling_params(kwargs, needle):
     with pytest.raises(ValueError, match=needle):
         SamplingParams(**kwargs)
+
+
+def test_max_logprobs_caps_what_a_request_may_ask_for(llm):
+    """vLLM's max_logprobs: 20 by default (21 is refused naming it, the engine stays usable); an
+    engine started with 30 returns 30 alternatives a token, the sampled one's among them; -2 is
+    refused before anything loads."""
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{name} is 21, above the engine's max_logprobs 20"):
+            llm.generate("Hello", SamplingParams(max_tokens=2, **{name: 21}), use_tqdm=False)
+    _assert_idle(llm)
+    with pytest.raises(ValueError, match="max_logprobs must be >= 0, or -1"):
+        LLM(max_logprobs=-2)
+    wide = LLM(max_model_len=128, max_logprobs=30)
+    try:
+        out = wide.generate("Hello", SamplingParams(temperature=0, max_tokens=3, logprobs=30), use_tqdm=False)[0]
+        tokens, entries = out.outputs[0].token_ids, out.outputs[0].logprobs
+        assert len(entries) == 3 and all(len(e) >= 30 and t in e for t, e in zip(tokens, entries))
+    finally:
+        wide.shutdown()
 
 
 def test_params_list_must_match_prompts(llm):

@@ -71,6 +71,28 @@ def test_max_tokens_must_fit_beside_the_prompt_as_vllm_says(fake):
     assert out.usage.prompt_tokens + out.usage.completion_tokens <= 256
 
 
+def test_max_logprobs_flag_sets_the_cap_as_vllm_does():
+    """--max-logprobs 25: 25 alternatives a token come back, 26 is a 400 naming the flag (completions'
+    logprobs, chat's top_logprobs and prompt_logprobs alike)."""
+    server = fake_server("--max-model-len", "256", "--max-logprobs", "25", env={"TOKENFORGE_FAKE_STEP_S": "0.002"})
+    try:
+        client = _client(server)
+        out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="abc", max_tokens=2, logprobs=25)
+        assert [len(top) for top in out.choices[0].logprobs.top_logprobs] == [25, 25]
+        user = [{"role": "user", "content": "hi"}]
+        for call, kw, param in ((client.completions.create, {"prompt": "abc", "logprobs": 26}, "logprobs"),
+                                (client.chat.completions.create, {"messages": user, "logprobs": True, "top_logprobs": 26},
+                                 "top_logprobs"),
+                                (client.completions.create, {"prompt": "abc", "extra_body": {"prompt_logprobs": 26}},
+                                 "prompt_logprobs")):
+            with pytest.raises(openai.BadRequestError) as err:
+                call(model="SmolLM2-135M-Instruct", max_tokens=2, **kw)
+            body = err.value.body
+            assert body["param"] == param and "[0, 25] (the server's --max-logprobs), got 26" in body["message"], body
+    finally:
+        server.stop()
+
+
 def test_top_logprobs_zero_needs_no_logprobs(fake):
     """As vLLM: top_logprobs 0 asks for no alternatives, so logprobs may stay off (no logprobs come back)."""
     out = _client(fake).chat.completions.create(model="SmolLM2-135M-Instruct", messages=[{"role": "user", "content": "a"}],

@@ -44,6 +44,8 @@ class ModelConfig:
                       choices=("auto", "float32", "bfloat16", "float16"),
                       switches={"--fp16": "float16", "--half": "float16", "--bf16": "bfloat16"})
     max_model_len: int | None = flag(None, "context length (default: the model's)", "--max-seq-length")
+    max_logprobs: int = flag(20, "the most logprobs (and prompt_logprobs) a request may ask for, as vLLM's; "
+                             "-1: the whole vocabulary", metavar="N")
     seed: int = flag(0, "the random seed: of the dummy weights, and in generate of sampling too (each prompt's "
                      "sample is reproducible; greedy needs none)")
     model_version: str | None = flag(
@@ -77,6 +79,7 @@ class ModelConfig:
                f"dtype must be one of auto, float32, bfloat16, float16, got {self.dtype!r}")
         _check(self.max_model_len is None or self.max_model_len >= 1,
                f"max_model_len must be >= 1, got {self.max_model_len}")
+        _check(self.max_logprobs >= -1, f"max_logprobs must be >= 0, or -1 for the vocabulary, got {self.max_logprobs}")
         _check(self.tokenizer is None or os.path.exists(os.path.expanduser(self.tokenizer)),
                f"tokenizer {self.tokenizer!r} does not exist (a directory with tokenizer.json, a .gguf file or a "
                "Hub id org/name)")
@@ -380,3 +383,8 @@ class RuntimeInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_model_len: int
+    max_logprobs: int = 20          # the config's, the vocabulary for -1
+
+    @staticmethod
+    def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:
+        return vocab_size if max_logprobs == -1 else max_logprobs

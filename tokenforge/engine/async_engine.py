@@ -136,7 +136,8 @@ class AsyncEngine:
             client.shutdown()
             raise
         runtime = RuntimeInfo(num_kv_blocks=ready.num_kv_blocks, vocab_size=ready.vocab_size,
-                              eos_token_ids=tuple(tokenizer.eos_token_ids), max_model_len=ready.max_model_len)
+                              eos_token_ids=tuple(tokenizer.eos_token_ids), max_model_len=ready.max_model_len,
+                              max_logprobs=RuntimeInfo.logprobs_limit(config.model.max_logprobs, ready.vocab_size))
         # The core's resolved config (device, batch limits): this process never resolved them itself.
         resolved = decode_config(ready.config) if ready.config else config
         engine = cls(resolved.with_max_model_len(ready.max_model_len), runtime, tokenizer, client, stream_interval)

@@ -54,7 +54,8 @@ class LLM:
         logger.info("tokenizer loaded in %.2f s; ready in %.2f s", loaded - start, time.perf_counter() - start)
         self.runtime = RuntimeInfo(
             num_kv_blocks=self.engine.num_kv_blocks, vocab_size=self.engine.vocab_size,
-            eos_token_ids=tuple(self.tokenizer.eos_token_ids), max_model_len=self.engine.max_model_len)
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids), max_model_len=self.engine.max_model_len,
+            max_logprobs=RuntimeInfo.logprobs_limit(self.config.model.max_logprobs, self.engine.vocab_size))
         self.processor = Processor(self.engine.config, self.runtime, self.tokenizer)
         self._ids = itertools.count()
 

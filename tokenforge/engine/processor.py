@@ -79,6 +79,11 @@ class Processor:
             outside = [t for t in token_ids or () if t >= vocab]
             if outside:
                 raise ValueError(f"{name} holds token id {outside[0]}, outside the vocabulary [0, {vocab})")
+        limit = self.runtime.max_logprobs
+        for name, asked in (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs)):
+            if asked is not None and asked > limit:
+                raise ValueError(f"{name} is {asked}, above the engine's max_logprobs {limit} (raise it with "
+                                 "--max-logprobs / LLM(max_logprobs=...); -1: the whole vocabulary)")
         if lora_request is not None and not self.config.lora.enable_lora:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: the engine serves no LoRA adapters "
                              "(start it with enable_lora=True / --enable-lora)")

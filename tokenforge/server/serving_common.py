@@ -21,7 +21,7 @@ from tokenforge.engine.async_engine import (
     RequestStream,
 )
 from tokenforge.messages import LoRARequest, RequestOutput
-from tokenforge.sampling_params import MAX_LOGPROBS, SamplingParams
+from tokenforge.sampling_params import SamplingParams
 from tokenforge.server.auth import prefix_cache_salt
 from tokenforge.server.chat_template import ChatTemplateRenderer
 from tokenforge.server.errors import (
@@ -118,13 +118,12 @@ def build_sampling_params(ctx: ServingContext, req: SamplingFields, *, max_token
     caps = [cap for cap in (max_tokens if max_tokens is not None else limits.max_tokens_limit,
                             defaults.get("max_tokens")) if cap is not None]
     max_tokens = min(caps) if caps else None
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"{logprobs_param} must be an integer in [0, {MAX_LOGPROBS}], got {logprobs}",
-                          param=logprobs_param)
+    top = ctx.engine.runtime.max_logprobs
     prompt_logprobs = req.prompt_logprobs if prompt_logprobs is None else prompt_logprobs
-    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
-                          param="prompt_logprobs")
+    for name, asked in ((logprobs_param, logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if asked is not None and not 0 <= asked <= top:
+            raise bad_request(f"{name} must be an integer in [0, {top}] (the server's --max-logprobs), got {asked}",
+                              param=name)
     temperature = defaults.get("temperature", 1.0) if req.temperature is None else req.temperature
     if temperature > _MAX_TEMPERATURE:
         raise bad_request(f"temperature must be in [0, {_MAX_TEMPERATURE:g}], got {temperature}", param="temperature")
