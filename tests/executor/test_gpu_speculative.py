@@ -101,13 +101,19 @@ def test_bursts_on_a_dummy_model_equal_the_stepwise_verify(monkeypatch):
     prompts = [{"prompt_token_ids": ([5, 9, 13, 17, 21, 25] * 20)[:100 + 7 * i]} for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=61, ignore_eos=True)
 
+    burst_if = None
+
     def run(burst: str | None, **kw):
         if burst is not None:
             monkeypatch.setenv("TOKENFORGE_SPEC_BURST", burst)
         llm = LLM("tiny-llama", load_format="dummy", dtype="float32", max_model_len=512, max_num_seqs=1,
                   kv_cache_memory="256MiB", **kw)
         ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        launches = llm.engine.executor.runner.burst.launches if kw else 0
+        runner_burst = llm.engine.executor.runner.burst
+        launches = runner_burst.launches if kw else 0
+        if launches:       # if-nodes where torch has them, unless turned off
+            want = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and burst_if != "0"
+            assert runner_burst.conditional == want and runner_burst.max_steps == (32 if want else 8)
         kv = llm.get_stats()
         assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
         _free(llm)
@@ -119,6 +125,7 @@ def test_bursts_on_a_dummy_model_equal_the_stepwise_verify(monkeypatch):
     monkeypatch.delenv("TOKENFORGE_SPEC_BURST")
     bursts, launched = run(None, **spec)
     monkeypatch.setenv("TOKENFORGE_SPEC_BURST_IF", "0")   # one iteration a replay, no conditional nodes
+    burst_if = "0"
     replayed, replay_launched = run(None, **spec)
     assert none_launched == 0 and launched > 0 and replay_launched > 0
     assert stepwise == base and bursts == base and replayed == base
