@@ -28,7 +28,7 @@ REPLAY_ACCEPTANCE = "TOKENFORGE_REPLAY_ACCEPTANCE"  # bench serve: the served re
 REPLAY_PROMPT_LEN = "TOKENFORGE_REPLAY_PROMPT_LEN"  # bench serve: its prompts' length (where outputs begin)
 STABLE_DUMMY = "TOKENFORGE_STABLE_DUMMY"        # bench serve: dummy weights whose greedy tokens no batch shape changes
 SPEC_BURST = "TOKENFORGE_SPEC_BURST"            # n-gram bursts: iterations chained on the device ("0": off; any device)
-SPEC_BURST_IF = "TOKENFORGE_SPEC_BURST_IF"      # n-gram bursts: "0" replays one iteration's graph (no conditional nodes)
+SPEC_BURST_IF = "TOKENFORGE_SPEC_BURST_IF"      # n-gram bursts: "1" captures their iterations as conditional nodes
 LORA_TILES = "TOKENFORGE_LORA_TILES"            # bench: the batched LoRA kernels' tile arguments, "name=int,..."
 LORA_SIDE_STREAM = "TOKENFORGE_LORA_SIDE_STREAM"  # bench: "1" runs the LoRA shrink on a side stream beside the product
 LORA_SHRINK_IN_GEMM = "TOKENFORGE_LORA_SHRINK_IN_GEMM"  # bench: "1" computes the LoRA shrink in the base product
@@ -91,8 +91,9 @@ def spec_burst() -> int | None:
 
 
 def spec_burst_conditional() -> bool:
-    """Whether n-gram bursts may capture their iterations as CUDA-graph conditional nodes."""
-    return (_get(SPEC_BURST_IF) or "1").strip() != "0"
+    """Whether n-gram bursts capture their iterations as CUDA-graph conditional nodes (opt-in until
+    measured on a GPU: bench/NOTES.md, round 21)."""
+    return _truthy(SPEC_BURST_IF)
 
 
 LORA_TILE_ARGS = ("expand_block_n", "expand_warps", "expand_waves", "shrink_waves", "expand_prologue")

@@ -61,9 +61,12 @@ def test_graphed_verify_is_exact_and_frees_blocks(max_num_seqs, monkeypatch):
         _free(llm)
 
 
-def test_bursts_replay_their_graph_and_stay_exact():
+@pytest.mark.parametrize("burst_if", ["0", "1"])
+def test_bursts_replay_their_graph_and_stay_exact(burst_if, monkeypatch):
     """Batch 1 with the n-gram method runs in bursts (on by default on a GPU): greedy output equal to
-    greedy without speculation, a stop inside a burst where it is without, every block back."""
+    greedy without speculation, a stop inside a burst where it is without, every block back; with
+    TOKENFORGE_SPEC_BURST_IF=1 the iterations past the stop do not run."""
+    monkeypatch.setenv("TOKENFORGE_SPEC_BURST_IF", burst_if)
     base, base_ids = _generate(max_num_seqs=1)
     short = SamplingParams(temperature=0.0, max_tokens=13)
     base_short = [o.outputs[0].token_ids for o in base.generate(PROMPTS, short, use_tqdm=False)]
@@ -73,7 +76,7 @@ def test_bursts_replay_their_graph_and_stay_exact():
         burst = llm.engine.executor.runner.burst
         assert burst.graph is not None and burst.launches > 0, "no burst replayed its CUDA graph"
         # torch's if-node capture: the burst's iterations in one graph, skipped past a stop
-        assert burst.conditional == hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+        assert burst.conditional == (burst_if == "1" and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"))
         assert burst.max_steps == (32 if burst.conditional else 8)    # the bundled 135M model: the longest
         for i, (a, b) in enumerate(zip(base_ids, ids)):
             assert a == b, f"prompt {i}: {a} != {b}"
@@ -111,8 +114,8 @@ def test_bursts_on_a_dummy_model_equal_the_stepwise_verify(monkeypatch):
         ids = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runner_burst = llm.engine.executor.runner.burst
         launches = runner_burst.launches if kw else 0
-        if launches:       # if-nodes where torch has them, unless turned off
-            want = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and burst_if != "0"
+        if launches:       # if-nodes where torch has them, when asked for
+            want = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node") and burst_if == "1"
             assert runner_burst.conditional == want and runner_burst.max_steps == (32 if want else 8)
         kv = llm.get_stats()
         assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
@@ -124,8 +127,8 @@ def test_bursts_on_a_dummy_model_equal_the_stepwise_verify(monkeypatch):
     stepwise, none_launched = run("0", **spec)
     monkeypatch.delenv("TOKENFORGE_SPEC_BURST")
     bursts, launched = run(None, **spec)
-    monkeypatch.setenv("TOKENFORGE_SPEC_BURST_IF", "0")   # one iteration a replay, no conditional nodes
-    burst_if = "0"
+    monkeypatch.setenv("TOKENFORGE_SPEC_BURST_IF", "1")   # the iterations as conditional nodes
+    burst_if = "1"
     replayed, replay_launched = run(None, **spec)
     assert none_launched == 0 and launched > 0 and replay_launched > 0
     assert stepwise == base and bursts == base and replayed == base

@@ -9,11 +9,11 @@ keeps the request's history on the device and runs S iterations there, each:
   cost the same drafted or not) -> the last token and K drafts forwarded as K + 1 decode rows ->
   greedy verify against the target's argmax -> the accepted drafts and the bonus token appended
   to the history and to the burst's output;
-one read-back at the end. On a GPU the S iterations are one CUDA graph, each inside a conditional
-node on the device flag `go`: the accept step clears it once the burst emitted a stop id (EOS, the
+one read-back at the end. With TOKENFORGE_SPEC_BURST_IF=1 (opt-in: not yet measured on a GPU) the S
+iterations are one CUDA graph, each inside a conditional node on the device flag `go`: the accept step clears it once the burst emitted a stop id (EOS, the
 request's stop_token_ids) or the tokens max_tokens leaves, or the next iteration's rows would pass
 the KV slots granted, and the iterations after that are skipped on the device at ~no cost.
-Without conditional nodes (a torch without them, TOKENFORGE_SPEC_BURST_IF=0) the graph holds
+Without conditional nodes (the default, a torch without them) the graph holds
 one iteration, replayed up to (D + 1) // (K + 1) times (what fits in the slots whatever is
 accepted), and bursts stay at BURST_STEPS: the iterations past a stop run, and the scheduler cuts
 their tokens.
@@ -109,7 +109,7 @@ def make_burst(runner):
 
 def conditional_graphs() -> bool:
     """Whether CUDA graphs here take conditional nodes (torch's if-node capture) and the environment
-    lets bursts use them (TOKENFORGE_SPEC_BURST_IF=0 replays a one-iteration graph instead)."""
+    asks bursts to use them (TOKENFORGE_SPEC_BURST_IF=1; otherwise a one-iteration graph is replayed)."""
     return envs.spec_burst_conditional() and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
 
 
