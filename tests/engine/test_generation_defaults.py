@@ -73,10 +73,11 @@ def test_a_generation_config_path_without_one_is_refused(tmp_path):
 
 
 def _ctx(defaults: dict, max_tokens_limit=None):
+    from tokenforge.config import RuntimeInfo
     from tokenforge.server.serving_common import ServingContext
     from tokenforge.server.settings import ServerSettings
 
-    engine = SimpleNamespace(runtime=SimpleNamespace(vocab_size=1000, max_model_len=4096))
+    engine = SimpleNamespace(runtime=RuntimeInfo(num_kv_blocks=1, vocab_size=1000, eos_token_ids=(), max_model_len=4096))
     return ServingContext(engine, ServerSettings(max_tokens_limit=max_tokens_limit), None, "m", None,
                           sampling_defaults=defaults)
 

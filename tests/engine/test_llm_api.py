@@ -70,17 +70,17 @@ def test_invalid_sampling_params(kwargs, needle):
 
 def test_max_logprobs_caps_what_a_request_may_ask_for(llm):
     """vLLM's max_logprobs: 20 by default (21 is refused naming it, the engine stays usable); an
-    engine started with 30 returns 30 alternatives a token, the sampled one's among them; -2 is
-    refused before anything loads."""
+    engine started with 30 (tiny-llama, dummy weights) returns 30 alternatives a token, the
+    sampled one's among them; -2 is refused before anything loads."""
     for name in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=f"{name} is 21, above the engine's max_logprobs 20"):
             llm.generate("Hello", SamplingParams(max_tokens=2, **{name: 21}), use_tqdm=False)
     _assert_idle(llm)
     with pytest.raises(ValueError, match="max_logprobs must be >= 0, or -1"):
         LLM(max_logprobs=-2)
-    wide = LLM(max_model_len=128, max_logprobs=30)
+    wide = LLM("tiny-llama", load_format="dummy", dtype="float32", max_model_len=128, max_logprobs=30)
     try:
-        out = wide.generate("Hello", SamplingParams(temperature=0, max_tokens=3, logprobs=30), use_tqdm=False)[0]
+        out = wide.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, logprobs=30), use_tqdm=False)[0]
         tokens, entries = out.outputs[0].token_ids, out.outputs[0].logprobs
         assert len(entries) == 3 and all(len(e) >= 30 and t in e for t, e in zip(tokens, entries))
     finally:
