@@ -77,7 +77,8 @@ def _ctx(defaults: dict, max_tokens_limit=None):
     from tokenforge.server.serving_common import ServingContext
     from tokenforge.server.settings import ServerSettings
 
-    engine = SimpleNamespace(runtime=RuntimeInfo(num_kv_blocks=1, vocab_size=1000, eos_token_ids=(), max_model_len=4096))
+    runtime = RuntimeInfo(num_kv_blocks=1, vocab_size=1000, eos_token_ids=(), max_model_len=4096)
+    engine = SimpleNamespace(runtime=runtime)
     return ServingContext(engine, ServerSettings(max_tokens_limit=max_tokens_limit), None, "m", None,
                           sampling_defaults=defaults)
 

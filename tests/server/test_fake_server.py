@@ -80,9 +80,9 @@ def test_max_logprobs_flag_sets_the_cap_as_vllm_does():
         out = client.completions.create(model="SmolLM2-135M-Instruct", prompt="abc", max_tokens=2, logprobs=25)
         assert [len(top) for top in out.choices[0].logprobs.top_logprobs] == [25, 25]
         user = [{"role": "user", "content": "hi"}]
+        chat = {"messages": user, "logprobs": True, "top_logprobs": 26}
         for call, kw, param in ((client.completions.create, {"prompt": "abc", "logprobs": 26}, "logprobs"),
-                                (client.chat.completions.create, {"messages": user, "logprobs": True, "top_logprobs": 26},
-                                 "top_logprobs"),
+                                (client.chat.completions.create, chat, "top_logprobs"),
                                 (client.completions.create, {"prompt": "abc", "extra_body": {"prompt_logprobs": 26}},
                                  "prompt_logprobs")):
             with pytest.raises(openai.BadRequestError) as err:

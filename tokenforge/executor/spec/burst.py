@@ -9,14 +9,14 @@ keeps the request's history on the device and runs S iterations there, each:
   cost the same drafted or not) -> the last token and K drafts forwarded as K + 1 decode rows ->
   greedy verify against the target's argmax -> the accepted drafts and the bonus token appended
   to the history and to the burst's output;
-one read-back at the end. With TOKENFORGE_SPEC_BURST_IF=1 (opt-in: not yet measured on a GPU) the S
-iterations are one CUDA graph, each inside a conditional node on the device flag `go`: the accept step clears it once the burst emitted a stop id (EOS, the
-request's stop_token_ids) or the tokens max_tokens leaves, or the next iteration's rows would pass
-the KV slots granted, and the iterations after that are skipped on the device at ~no cost.
-Without conditional nodes (the default, a torch without them) the graph holds
-one iteration, replayed up to (D + 1) // (K + 1) times (what fits in the slots whatever is
-accepted), and bursts stay at BURST_STEPS: the iterations past a stop run, and the scheduler cuts
-their tokens.
+one read-back at the end. With TOKENFORGE_SPEC_BURST_IF=1 (opt-in: not yet measured on a GPU; torch
+2.11 cannot capture if-nodes, 2.13 can) the S iterations are one CUDA graph, each inside a
+conditional node on the device flag `go`: the accept step clears it once the burst emitted a stop
+id (EOS, the request's stop_token_ids) or the tokens max_tokens leaves, or when the next
+iteration's rows would pass the KV slots granted, and the iterations after that are skipped on the
+device at ~no cost. Without conditional nodes (the default) the graph holds one iteration,
+replayed up to (D + 1) // (K + 1) times (what fits in the slots whatever is accepted), and bursts
+stay at BURST_STEPS: the iterations past a stop run, and the scheduler cuts their tokens.
 
 The scheduler (core/speculation.py) grants a burst to a lone greedy request that needs nothing from
 the host per token: D device draft slots, its KV allocated for 1 + D tokens. An iteration writes
@@ -31,11 +31,10 @@ iteration for the attention metadata and the flag.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
-
-import logging
 
 from tokenforge import envs
 from tokenforge.config.draft_tree import BURST_STEPS, burst_steps
