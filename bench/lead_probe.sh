@@ -21,6 +21,8 @@
 #               the row path's tiles (fraction of the read rate)
 #   moe-prefill bench/moe_prefill_profile.py: W1's 128-token prefill alone for the dense 8B and PREFILL_MODELS
 #               (default qwen3-30b-a3b gpt-oss-20b gpt-oss-120b): wall time, device busy, kernels by time
+#   moe-wide-ab moe-prefill (WIDE_MODELS, default qwen3-30b-a3b gpt-oss-20b) and W1 of each, with the three-launch
+#               MoE routing of prefill-sized batches (kernels/moe_route_wide.py) and without (TOKENFORGE_MOE_WIDE_ROUTE=0)
 #   spec-w1     bench latency W1 with the replay drafter (acceptance 0.8, K = 4) and without, each with a profiled pass
 #   w4-16       bench serve 16 req/s, 300 x 1024/1024 (with its hardware floor: ceilings measured before the launch)
 #   w4-prof     bench/serve_step_profile.py: W4's 16 req/s arrivals on the engine alone, a profiled window of steps
@@ -150,6 +152,18 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
   moe-rows-sweep) STEP_TAIL=50 step moe-rows-sweep 200 python3 bench/moe_rows_sweep.py --out "$OUT" ;;
   moe-prefill) STEP_TAIL=80 step moe-prefill 300 python3 bench/moe_prefill_profile.py --out "$OUT" \
                 --models llama-3.1-8b ${PREFILL_MODELS:-qwen3-30b-a3b gpt-oss-20b gpt-oss-120b} ;;
+  moe-wide-ab)
+    for v in 1 0; do
+      TOKENFORGE_MOE_WIDE_ROUTE=$v STEP_TAIL=30 step moe-prefill-wide$v 200 python3 bench/moe_prefill_profile.py \
+        --out "$OUT/wide$v" --top 8 --repeats 5 --models ${WIDE_MODELS:-qwen3-30b-a3b gpt-oss-20b}
+    done
+    for m in ${WIDE_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do
+      for v in 1 0; do
+        TOKENFORGE_MOE_WIDE_ROUTE=$v STEP_TAIL=6 step moe-w1-$m-wide$v 150 python3 -m tokenforge.bench latency --model $m \
+          --load-format dummy --dtype bfloat16 --max-model-len 4096 $Q --repeats 1 --results-dir "$W/moe-w1-$m-wide$v"
+        keep "$W/moe-w1-$m-wide$v" moe-w1-$m-wide$v
+      done
+    done ;;
   spec-w1) step spec-w1 200 python3 -m tokenforge.bench latency $M8 $Q --repeats 2 --speculative-method ngram \
              --num-speculative-tokens 4 --replay-acceptance 0.8 --profile-dir "$W/spec-w1/prof" --results-dir "$W/spec-w1"; keep "$W/spec-w1" spec-w1
            grep -vE "it/s\]|INFO" "$W/spec-w1.log" >"$OUT/spec-w1.log" ;;

@@ -33,6 +33,7 @@ LORA_TILES = "TOKENFORGE_LORA_TILES"            # bench: the batched LoRA kernel
 LORA_SIDE_STREAM = "TOKENFORGE_LORA_SIDE_STREAM"  # bench: "1" runs the LoRA shrink on a side stream beside the product
 LORA_SHRINK_IN_GEMM = "TOKENFORGE_LORA_SHRINK_IN_GEMM"  # bench: "1" computes the LoRA shrink in the base product
 MOE_ROWS = "TOKENFORGE_MOE_ROWS"                # bench: "0" turns off the MXFP4 MoE row path (kernels/moe_rows.py)
+MOE_WIDE_ROUTE = "TOKENFORGE_MOE_WIDE_ROUTE"    # bench: "0" routes MoE prefills with torch (kernels/moe_route_wide.py)
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -130,6 +131,12 @@ def moe_rows() -> bool:
     """Whether MXFP4 MoE batches of a few rows an expert take the row path (kernels/moe_rows.py,
     read once at import; on unless the variable is "0", for A/B runs)."""
     return (_get(MOE_ROWS) or "1").strip() != "0"
+
+
+def moe_wide_route() -> bool:
+    """Whether MoE batches past the one-program routing take the three-launch route and align
+    (kernels/moe_route_wide.py, read once at import; on unless the variable is "0", for A/B runs)."""
+    return (_get(MOE_WIDE_ROUTE) or "1").strip() != "0"
 
 
 def replay_settings() -> tuple[float, int]:

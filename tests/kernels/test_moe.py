@@ -201,3 +201,29 @@ def test_mxfp4_rows_take_any_whole_group_width(device, hidden, inter, monkeypatc
                     ids.to(device), gemv=False)
     err = (out.float().cpu() - ref).norm() / ref.norm()
     assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
+
+
+@pytest.mark.parametrize("tokens,experts,k,order,first,num_local", [
+    (128, 128, 8, "softmax_topk", 0, None),        # Qwen3-30B-A3B's W1 prefill
+    (2048, 8, 2, "softmax_topk", 0, None),         # Mixtral, a long prefill chunk
+    (513, 128, 4, "topk_softmax", 32, 32),         # gpt-oss-120b under expert parallelism, a partial block
+])
+def test_route_align_wide_equals_route_and_align(device, tokens, experts, k, order, first, num_local):
+    """The three-launch routing of batches past one program (kernels/moe_route_wide.py) gives
+    `route` + `align`'s weights, local ids and layout exactly, at both blocks the GEMMs take."""
+    from tokenforge.kernels.moe_routing import fits, route_align
+
+    assert not fits(tokens, experts, k)
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens)).to(device)
+    count = experts if num_local is None else num_local
+    want_weights, want_ids = route(logits, k, order, renormalize=order == "softmax_topk")
+    local = want_ids - first
+    local = torch.where((local >= 0) & (local < count), local, count)
+    for block in (16, 64):
+        weights, ids, sorted_ids, expert_of_block, valid = route_align(logits, k, order, order == "softmax_topk",
+                                                                       block, first, num_local)
+        want_sorted, want_experts, want_valid = align(local, count, block)
+        assert torch.equal(ids, local) and torch.allclose(weights, want_weights, rtol=1e-6, atol=1e-7)
+        n = int(want_valid)
+        assert int(valid) == n and torch.equal(sorted_ids[:n], want_sorted[:n])
+        assert (sorted_ids[n:] == tokens * k).all() and torch.equal(expert_of_block, want_experts)

@@ -46,7 +46,13 @@ ROUTING_CASES = [
     (3, 8, 3, "softmax_topk", False, 0, None),         # norm_topk_prob off
     (5, 32, 4, "topk_softmax", False, 0, None),        # gpt-oss
     (13, 32, 4, "topk_softmax", False, 8, 8),          # expert parallelism: this rank holds 8..15
+    # past one program's tile: the three launches of kernels/moe_route_wide.py
+    (40, 8, 2, "softmax_topk", True, 0, None),         # Mixtral's 64-token blocks, one partial
+    (600, 128, 8, "softmax_topk", True, 0, None),      # Qwen3-30B-A3B prefill: 38 blocks, two offset chunks
+    (45, 32, 4, "topk_softmax", False, 8, 8),          # gpt-oss under expert parallelism
+    (33, 12, 6, "softmax_topk", False, 0, None),       # k = 6: 96 of a block's 128 pair slots
 ]
+WIDE_FROM_LOGITS = [(70, 32, 4, "mxfp4"), (40, 8, 2, "float")]   # fused_moe_from_logits: its block, the row path
 
 
 @pytest.mark.parametrize("pairs", [1, 2, 64, 65, 512, 1024, 1025, 65536])
@@ -68,15 +74,19 @@ def test_fused_moe_under_the_interpreter_with_tf32_rounding_matches_reference():
     gemv_cases = sum(c[1] * c[5] <= GEMV_MAX_CASE_PAIRS for c in CASES)
     rows_cases = sum(c[7].startswith("mxfp4") for c in CASES)
     routed = sum(c[0] * c[2] <= GEMV_MAX_CASE_PAIRS for c in ROUTING_CASES)
-    assert proc.stdout.count(" ok ") == len(CASES) + gemv_cases + rows_cases + 2 * len(ROUTING_CASES) + routed, \
-        proc.stdout
+    expected = len(CASES) + gemv_cases + rows_cases + 2 * len(ROUTING_CASES) + routed + len(WIDE_FROM_LOGITS)
+    assert proc.stdout.count(" ok ") == expected, proc.stdout
 
 
 def test_route_align_declines_batches_past_its_tile():
     from tokenforge.kernels.moe_routing import fits
 
+    from tokenforge.kernels.moe_route_wide import wide_fits
+
     assert fits(16, 128, 8) and fits(1, 8, 2) and not fits(0, 8, 2)
-    assert not fits(32, 128, 8)          # 256 pairs x 128 experts: the torch route + align
+    assert not fits(32, 128, 8)          # 256 pairs x 128 experts: the three-launch path
+    assert wide_fits(32, 128, 8) and wide_fits(16384, 256, 8) and wide_fits(17, 8, 2)
+    assert not wide_fits(16385, 128, 8) and not wide_fits(64, 257, 8) and not wide_fits(0, 8, 2)
 
 
 # ---- the child process --------------------------------------------------------------------------
@@ -176,7 +186,39 @@ def _main() -> int:
             print(f"{name:14s} {path:7s} T={tokens:<4d} k={k} pairs={tokens * k:<5d} {verdict} rel err {err:.1e}")
     for case in ROUTING_CASES:
         failed += _routing_case(*case)
+    for case in WIDE_FROM_LOGITS:
+        failed += _wide_from_logits_case(*case)
     return 1 if failed else 0
+
+
+def _wide_from_logits_case(tokens, experts, k, fmt) -> int:
+    """`fused_moe_from_logits` on a batch past `fits`: the routing of the three launches, aligned at the
+    block its GEMMs take (the MXFP4 row path's 16 included), against route + the reference."""
+    from tokenforge.kernels import moe
+    from tokenforge.kernels.moe_routing import fused_moe_from_logits, fits
+    from tokenforge.kernels.mxfp4 import Mxfp4Stack
+
+    assert not fits(tokens, experts, k)
+    gen = torch.Generator().manual_seed(tokens + experts)
+    hidden, inter = 64, 64
+    logits, x = torch.randn(tokens, experts, generator=gen), torch.randn(tokens, hidden, generator=gen)
+    if fmt == "mxfp4":
+        w13 = Mxfp4Stack(torch.randint(0, 256, (experts, 2 * inter, hidden // 32, 16), generator=gen, dtype=torch.uint8),
+                         torch.randint(120, 124, (experts, 2 * inter, hidden // 32), generator=gen, dtype=torch.uint8))
+        w2 = Mxfp4Stack(torch.randint(0, 256, (experts, hidden, inter // 32, 16), generator=gen, dtype=torch.uint8),
+                        torch.randint(120, 124, (experts, hidden, inter // 32), generator=gen, dtype=torch.uint8))
+        order, renorm = "topk_softmax", False
+    else:
+        w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5
+        w2 = torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5
+        order, renorm = "softmax_topk", True
+    weights, ids = moe.route(logits, k, order, renorm)
+    ref = moe.moe_reference(x, w13, w2, weights, ids)
+    out = fused_moe_from_logits(x, logits, w13, w2, k, order, renorm, all_local=True)
+    err = ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    good = err < 1e-5
+    print(f"{f'from logits T={tokens} E={experts} k={k} {fmt}':60s} {' ok ' if good else ' FAILED '} rel err {err:.1e}")
+    return not good
 
 
 def _routing_case(tokens, experts, k, order, renormalize, first, num_local) -> int:

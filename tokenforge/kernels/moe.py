@@ -284,12 +284,14 @@ def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, str
     return w, w, w.stride(0), w.stride(1), 0, 0, "float"
 
 
-def _rows_moe(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local) -> torch.Tensor:
-    """`fused_moe` through the MXFP4 row path (kernels/moe_rows.py): up to 64 rows an expert."""
+def _rows_moe(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local,
+              alignment=None) -> torch.Tensor:
+    """`fused_moe` through the MXFP4 row path (kernels/moe_rows.py): up to 64 rows an expert.
+    `alignment`: `align`'s result at ROWS_BLOCK_M, when the caller has it."""
     tokens, hidden = x.shape
     num_experts, inter, top_k = w13_args[0].shape[0], w13_args[0].shape[1] // 2, ids.shape[1]
     pairs = tokens * top_k
-    alignment = align(ids, num_experts, ROWS_BLOCK_M)
+    alignment = alignment if alignment is not None else align(ids, num_experts, ROWS_BLOCK_M)
     flat_weights = weights.reshape(-1).float().contiguous()
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     launch_rows(x, w13_args, w13_bias, act, alignment, flat_weights, inter, hidden, pairs, top_k, swiglu=True,
@@ -313,7 +315,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
     optional biases; activation "silu" or "swiglu_oai" (gpt-oss: clamp at `limit`, sigmoid gain
     `alpha`, up + 1). Ids equal to E (another rank's experts) contribute nothing. `alignment`:
     `align`'s result for these ids at `alignment_block(T * k, x.element_size())`, when the caller
-    has it already (kernels/moe_routing.py computes it with the routing, in one launch). `all_local`: no id is
+    has it already (kernels/moe_routing.py computes it with the routing; at ROWS_BLOCK_M where the
+    MXFP4 row path takes the batch). `all_local`: no id is
     another rank's (no expert parallelism), so every pair's row gets written and needs no zeroing.
     `tile`: (BLOCK_N, BLOCK_K, num_warps, num_stages) in place of the table's (the tile sweep of
     `tokenforge bench kernels --part moe_tiles`; the GEMV's own tile when it runs). `gemv`: run the
@@ -333,7 +336,8 @@ def fused_moe(x: torch.Tensor, w13, w2, weights: torch.Tensor, ids: torch.Tensor
         return gemv_moe(x, w13_args, w2_args, top_k, ids, weights, w13_bias, w2_bias, oai=oai, alpha=alpha,
                         limit=limit, all_local=all_local, tile=tile)
     if rows_path(w13_args[-1], pairs, num_experts):
-        return _rows_moe(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local)
+        return _rows_moe(x, w13_args, w2_args, weights, ids, w13_bias, w2_bias, oai, alpha, limit, all_local,
+                         alignment)
     sorted_ids, experts, valid = alignment if alignment is not None else align(ids, num_experts, block_m)
     pdl = MOE_PDL and use_pdl(x)
     w, s, swe, swn, sse, ssn, fmt = w13_args

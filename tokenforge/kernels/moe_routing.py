@@ -11,8 +11,9 @@ sentinel T*k, the expert of each block (-1 past the valid length), and the valid
 
 One program holds the batch in registers, so it runs while T*k and E stay small (a [pairs,
 experts] and a [pairs, pairs] tile of at most MAX_TILE elements) and T <= MAX_TOKENS: decode up to
-16 sequences on every shipped MoE; larger batches return None and take the torch path, where
-launches do not matter.
+16 sequences on every shipped MoE. Larger batches (prefills, big decode steps) take the same
+outputs from three launches (kernels/moe_route_wide.py); past those limits `route_align` returns
+None and the caller takes the torch `route` + `align`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
 from .moe import ROUTING_ORDERS, _weight_args, alignment_block, fused_moe, padded_length
 from .moe_decode import gemv_moe
 from .moe_gemv import gemv_pairs
+from .moe_route_wide import route_align_wide, wide_fits
+from .moe_rows import ROWS_BLOCK_M, rows_path
 from .moe_topk import route_rows
 
 MAX_TILE = 16384
@@ -100,18 +103,21 @@ def fits(tokens: int, num_experts: int, top_k: int) -> bool:
 def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool, block_m: int,
                 first: int = 0, num_local: int | None = None):
     """(weights [T, k] fp32, local ids [T, k] int64, sorted pair ids, expert per block, valid [1])
-    for router logits [T, E] of a batch that `fits`, else None. `first`/`num_local`: this rank's
-    experts under expert parallelism (default: all of them)."""
+    for router logits [T, E]: in one launch for a batch that `fits`, in three for one that
+    `wide_fits`, else None. `first`/`num_local`: this rank's experts under expert parallelism
+    (default: all of them)."""
     if order not in ROUTING_ORDERS:
         raise ValueError(f"unknown routing order {order!r}; supported: {', '.join(ROUTING_ORDERS)}")
     tokens, num_experts = logits.shape
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({num_experts})")
-    if not fits(tokens, num_experts, top_k):
-        return None
-    require_triton(logits)
     num_local = num_experts if num_local is None else num_local
     logits = logits if logits.stride(1) == 1 else logits.contiguous()
+    if not fits(tokens, num_experts, top_k):
+        if not wide_fits(tokens, num_experts, top_k):
+            return None
+        return route_align_wide(logits, top_k, order == "softmax_topk", renormalize, block_m, first, num_local)
+    require_triton(logits)
     pairs, device = tokens * top_k, logits.device
     cap = padded_length(pairs, num_local, block_m)                               # as `align` sizes it
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
@@ -131,14 +137,16 @@ def route_align(logits: torch.Tensor, top_k: int, order: str, renormalize: bool,
 
 def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k: int, order: str,
                           renormalize: bool, first: int = 0, num_local: int | None = None, **kwargs):
-    """`fused_moe` from the router's logits, routed and aligned in one launch: [T, H], or None
-    when the batch does not `fits` (the caller routes with torch). kwargs go to `fused_moe`.
+    """`fused_moe` from the router's logits, routed and aligned by `route_align` (one launch at
+    decode, three for larger batches): [T, H], or None when the batch fits neither (the caller
+    routes with torch). kwargs go to `fused_moe`.
     A batch of at most ROUTED_GEMV_TOKENS (and ROUTED_GEMV_EXPERTS) that takes the GEMVs (`gemv_pairs`, or
     `gemv=True`) needs no alignment: each GEMV program routes its own token (`_routed_gemv`), so
     no routing launch precedes them."""
     pairs = x.shape[0] * top_k
     gemv = kwargs.get("gemv")
-    limit = gemv_pairs(_weight_args(w13)[-1], x.shape[1], w2.shape[2], w13.shape[0]) if gemv is None else 0
+    fmt = _weight_args(w13)[-1]
+    limit = gemv_pairs(fmt, x.shape[1], w2.shape[2], w13.shape[0]) if gemv is None else 0
     routed = x.shape[0] <= ROUTED_GEMV_TOKENS and logits.shape[1] <= ROUTED_GEMV_EXPERTS
     if routed and (gemv or (gemv is None and pairs <= limit)):
         if order not in ROUTING_ORDERS:
@@ -147,7 +155,7 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k:
             raise ValueError(f"top_k={top_k} must be between 1 and the number of experts ({logits.shape[1]})")
         require_triton(x, logits)
         return _routed_gemv(x, logits, w13, w2, top_k, order, renormalize, first, **kwargs)
-    block = alignment_block(x.shape[0] * top_k, x.element_size())
+    block = ROWS_BLOCK_M if rows_path(fmt, pairs, w13.shape[0]) else alignment_block(pairs, x.element_size())
     plan = route_align(logits, top_k, order, renormalize, block, first, num_local)
     if plan is None:
         return None

@@ -279,7 +279,8 @@ class SparseMoeBlock(nn.Module):
 
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the selected experts [T, H]. On the fused path a decode-sized
-        batch routes and aligns in one launch; otherwise `route` then the experts."""
+        batch routes and aligns in one launch, a larger one in three; past those limits (and on
+        the CPU) `route` then the experts."""
         logits = self.gate(x)
         if self.experts.compute is _fused:
             out = _fused_from_logits(self.experts, x, logits)
