@@ -92,6 +92,18 @@ def main() -> None:
         return so
 
     engine._schedule = recording_schedule
+    # the time each step() spends waiting for the device to finish the step it reads back: near 0
+    # when the host is the bottleneck (the device ran dry), a step's device slack when it is not
+    collect, waited = engine.executor.collect, [0.0]
+
+    def timed_collect(handle):
+        t0 = time.perf_counter()
+        out = collect(handle)
+        waited[0] += time.perf_counter() - t0
+        return out
+
+    engine.executor.collect = timed_collect
+    waits: list[float] = []
     first, last, count, index = {}, {}, defaultdict(int), {}
     steps: list[tuple[float, float, int]] = []       # (start, end, step index in composition)
     prof, prof_steps, prof_span = None, [], None
@@ -113,9 +125,11 @@ def main() -> None:
             prof.__enter__()
             prof_span = [time.perf_counter() - start, None]
         t0 = time.perf_counter() - start
+        before = waited[0]
         outs = engine.step()
         t1 = time.perf_counter() - start
         steps.append((t0, t1, len(composition)))
+        waits.append(waited[0] - before)
         if prof is not None:
             prof_steps.append(steps[-1])
             if len(prof_steps) >= args.profile_steps:
@@ -146,7 +160,7 @@ def main() -> None:
         if floor and floor.get("tpot_ms", {}).get("p50"):
             result["tpot_p50_of_floor"] = floor["tpot_ms"]["p50"] / result["tpot_ms"]["p50"]
     if ceil:
-        result["steps_against_model"] = against_model(steps, shapes, cfg, ceil)
+        result["steps_against_model"] = against_model(steps, shapes, cfg, ceil, waits)
     if prof_steps:
         result["window"] = window_summary(kept, prof_steps, prof_span, composition, start)
     (out / "serve_step_profile.json").write_text(json.dumps(result, indent=1, default=str))
@@ -154,28 +168,32 @@ def main() -> None:
     print(json.dumps(result.get("window", {}), indent=1, default=str)[:6000])
 
 
-def against_model(steps, shapes, cfg, ceil) -> dict:
+def against_model(steps, shapes, cfg, ceil, waits) -> dict:
     """Each step's wall time (one engine.step() return to the next: with a step queued ahead,
     the device time of a step when the device is the bottleneck) beside the ideal step of the
-    floor (serve_floor.step_seconds) for what that step held, by kind of step."""
+    floor (serve_floor.step_seconds) for what that step held, by kind of step; and the time the
+    host waited on the device to read that step back (`wait_ms`; ~0: the host is the bottleneck)."""
     shape = workloads.ModelShape.from_config(cfg)
     device = serve_floor.Device(ceil["read_bw_tbps"], ceil["matmul_tflops"])
     out: dict = {}
-    for (_, end0, _), (_, end1, k) in zip(steps, steps[1:]):
+    for (_, end0, _), (_, end1, k), wait in zip(steps, steps[1:], waits[1:]):
         if k - 1 >= len(shapes) or k < 2:
             continue
         dec, chunks = shapes[k - 2]          # the step whose outputs this call returned (one queued ahead)
         kind = "decode" if not chunks else ("mixed" if dec else "prefill")
-        rec = out.setdefault(kind, {"steps": 0, "wall_ms": 0.0, "model_ms": 0.0, "rows": 0, "prefill_tokens": 0})
+        rec = out.setdefault(kind, {"steps": 0, "wall_ms": 0.0, "model_ms": 0.0, "rows": 0, "prefill_tokens": 0,
+                                    "wait_ms": 0.0})
         rec["steps"] += 1
         rec["wall_ms"] += (end1 - end0) * 1000
+        rec["wait_ms"] += wait * 1000
         rec["model_ms"] += serve_floor.step_seconds(shape, device, 2, 2, dec, chunks) * 1000
         rec["rows"] += len(dec)
         rec["prefill_tokens"] += sum(n for _, n in chunks)
     for rec in out.values():
         n = rec["steps"]
         rec.update(mean_wall_ms=rec["wall_ms"] / n, mean_model_ms=rec["model_ms"] / n, mean_decodes=rec["rows"] / n,
-                   mean_prefill_tokens=rec["prefill_tokens"] / n, model_of_wall=rec["model_ms"] / rec["wall_ms"])
+                   mean_prefill_tokens=rec["prefill_tokens"] / n, model_of_wall=rec["model_ms"] / rec["wall_ms"],
+                   mean_wait_ms=rec["wait_ms"] / n)
     return out
 
 
