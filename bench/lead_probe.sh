@@ -199,7 +199,7 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
                 for f in "$W/spec-real-if$v"/*.json; do [ -f "$f" ] && cp "$f" "$OUT/spec-real-if$v-$(basename "$f")"; done; done ;;
   w4-16) step w4-16 420 python3 -m tokenforge.bench serve --launch "$M8 --log-level warning" --request-rate ${W4_RATE:-16} \
            --num-prompts ${W4_N:-300} --input-len 1024 --output-len 1024 --results-dir "$W/w4-16"; keep "$W/w4-16" w4-16 ;;
-  w4-prof) STEP_TAIL=60 step w4-prof 240 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts 300 \
+  w4-prof) STEP_TAIL=60 step w4-prof 240 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts ${W4_N:-300} \
              --profile-at ${W4_AT:-12} --out "$W/w4-prof"; cp "$W/w4-prof/serve_step_profile.json" "$OUT/w4-prof.json" ;;
   gpu-tests) step gpu-tests 150 python3 -m pytest -q --timeout 140 -p no:cacheprovider tests/kernels/test_fused_ops.py \
                tests/model/test_moe_gpu.py ;;
