@@ -47,6 +47,19 @@ def test_chunked_cross_entropy_matches_full_logits():
     torch.testing.assert_close(grads[1], w.grad, rtol=1e-5, atol=1e-5)
     with torch.no_grad():
         assert linear_cross_entropy(h, w, labels, 10, torch.float64).item() == pytest.approx(ref.item(), rel=1e-6)
+    # a frozen weight (an EAGLE head's LM head): the same loss and hidden gradient, no weight gradient;
+    # the argmax hits from the same logits, with and without gradients
+    h.grad = None
+    correct = int(((h.detach() @ w.detach().t()).argmax(-1) == labels).sum())
+    assert 0 < correct < 37 - 8
+    for grad in (True, False):
+        stats = {}
+        with torch.set_grad_enabled(grad):
+            frozen = linear_cross_entropy(h, w.detach(), labels, 10, torch.float64, stats=stats)
+        assert int(stats["correct"]) == correct
+        torch.testing.assert_close(frozen.double(), ref.double(), rtol=1e-6, atol=1e-5)
+    (3 * linear_cross_entropy(h, w.detach(), labels, 10, torch.float64)).backward()
+    torch.testing.assert_close(h.grad, grads[0], rtol=1e-5, atol=1e-5)
 
 
 def test_schedule_warms_up_linearly_then_decays():

@@ -109,13 +109,15 @@ class EagleTrainer:
         self.metrics = MetricsLogger(self.run_dir, d.is_main, cfg.tensorboard)
         self.step = self.position = 0
         self._features: dict[int, torch.Tensor] = {}
+        self._labels: dict[int, torch.Tensor] = {}       # with the features: the target's argmax after each
         tokens = sum(len(s) for s in self.seqs)
         self._cache = tokens * self.arch.hidden_size * self.dtype.itemsize <= loss.feature_cache_bytes
 
     # ---- data ----
 
-    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(ids [B, S], lengths [B], target features [B, S, H]) of the listed sequences."""
+    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(ids [B, S], lengths [B], target features [B, S, H], the target's argmax tokens [B, S] when
+        the features are cached, else None) of the listed sequences."""
         seqs = [self.seqs[i] for i in indices]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -127,13 +129,17 @@ class EagleTrainer:
         if missing or not self._cache:
             fresh = self._target_features(ids)
             if not self._cache:
-                return ids, lengths, fresh
+                return ids, lengths, fresh, None
             for row, i in enumerate(indices):
-                self._features.setdefault(i, fresh[row, :len(self.seqs[i])].clone())
+                if i not in self._features:
+                    self._features[i] = fresh[row, :len(self.seqs[i])].clone()
+                    self._labels[i] = self._target_argmax(self._features[i])
         feats = torch.zeros(len(seqs), width, self.arch.hidden_size, dtype=self.dtype, device=self.d.device)
+        argmax = torch.zeros(len(seqs), width, dtype=torch.long, device=self.d.device)
         for row, i in enumerate(indices):
             feats[row, :len(self.seqs[i])] = self._features[i]
-        return ids, lengths, feats
+            argmax[row, :len(self.seqs[i])] = self._labels[i]
+        return ids, lengths, feats, argmax
 
     @torch.no_grad()
     def _target_features(self, ids: torch.Tensor) -> torch.Tensor:
@@ -141,8 +147,10 @@ class EagleTrainer:
 
     # ---- the step ----
 
-    def losses(self, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The head at p reads (token p+1, f_p) and predicts f_{p+1} (and so token p+2)."""
+    def losses(self, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor,
+               argmax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """The head at p reads (token p+1, f_p) and predicts f_{p+1} (and so token p+2). `argmax`:
+        the target's argmax token after each position (from cached features), else computed here."""
         b, s = ids.shape
         pos = torch.arange(s - 1, device=ids.device)
         with set_forward_context(TrainingMetadata.of(b, s - 1)):
@@ -154,7 +162,7 @@ class EagleTrainer:
         weight = self.target.lm_head.weight
         labels = torch.full((b, s - 1), IGNORE_INDEX, dtype=torch.long, device=ids.device)
         if self.loss_cfg.labels == "target":           # what the target would emit after p + 1
-            labels[valid] = self._target_argmax(feats[:, 1:][valid])
+            labels[valid] = (argmax[:, 1:] if argmax is not None else self._target_argmax(feats[:, 1:]))[valid]
         else:                                          # the sequence's own token p + 2
             labels[:, :-1] = ids[:, 2:]
             labels[~((pos[None, :] + 2) < lengths[:, None])] = IGNORE_INDEX
@@ -163,16 +171,15 @@ class EagleTrainer:
         keep = labels != IGNORE_INDEX                                     # [B, S-1]
         rows, kept = pred[keep], labels[keep]                             # [n, H], [n]
         count = kept.numel() or 1
-        token_loss = linear_cross_entropy(rows, weight.detach(), kept) / count
-        with torch.no_grad():
-            top = self.target.compute_logits(rows.detach().to(weight.dtype)).argmax(-1)
-            acc = (top == kept).sum() / count
+        stats: dict = {}                                  # the accuracy, from the loss's own logits
+        token_loss = linear_cross_entropy(rows, weight.detach(), kept, stats=stats) / count
+        acc = stats["correct"] / count
         total = self.loss_cfg.feature_weight * feat_loss + self.loss_cfg.token_weight * token_loss
         return {"loss": total, "feature_loss": feat_loss.detach(), "token_loss": token_loss.detach(), "accuracy": acc}
 
     @torch.no_grad()
     def _target_argmax(self, feats: torch.Tensor, rows: int = 4096) -> torch.Tensor:
-        """[B, S, H] target features -> [B, S] the target's argmax next tokens (chunked over rows)."""
+        """[..., H] target features -> [...] the target's argmax next tokens (chunked over rows)."""
         flat = feats.reshape(-1, feats.shape[-1])
         out = torch.cat([self.target.compute_logits(flat[i:i + rows]).argmax(-1) for i in range(0, len(flat), rows)])
         return out.view(feats.shape[:-1])

@@ -5,7 +5,7 @@ loss). Out: the summed token loss (float32 scalar); the caller divides by the to
 
 The logits are computed chunk by chunk, and each chunk's gradient (softmax minus one-hot) is
 turned into grad_hidden and grad_weight at once, in the forward pass. That is the same three
-matmuls a plain fwd+bwd does, but peak memory is one chunk of logits instead of the whole batch
+matmuls a plain fwd+bwd does (two when the weight is frozen, as an EAGLE head's LM head is), but peak memory is one chunk of logits instead of the whole batch
 (128k-vocab Llama-3: 32k tokens x 128k x 4 B = 16 GiB otherwise). On CUDA the elementwise part of a
 chunk is one compiled kernel that reads the logits once.
 """
@@ -47,20 +47,29 @@ def _chunk_fn(device: torch.device):
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int,
-                compute_dtype: torch.dtype) -> torch.Tensor:
+                compute_dtype: torch.dtype, stats: dict | None) -> torch.Tensor:
+        want_h, want_w = ctx.needs_input_grad[:2]     # a frozen LM head (EAGLE's) needs no [V, H] product
         with torch.autocast(hidden.device.type, enabled=False):
             h = hidden.to(compute_dtype)                            # [N, H]
             w = weight.to(compute_dtype)                            # [V, H]
             fn = _chunk_fn(hidden.device)
             loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-            grad_h = torch.empty_like(h)
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            grad_h = torch.empty_like(h) if want_h else None
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+            correct = torch.zeros((), dtype=torch.long, device=hidden.device)
             for start in range(0, h.shape[0], chunk_rows):
                 rows = slice(start, start + chunk_rows)
-                chunk_loss, grad_logits = fn(h[rows] @ w.t(), labels[rows])   # [n, V]
+                logits = h[rows] @ w.t()                                    # [n, V]
+                if stats is not None:
+                    correct += (logits.argmax(-1) == labels[rows]).sum()
+                chunk_loss, grad_logits = fn(logits, labels[rows])
                 loss += chunk_loss
-                grad_h[rows] = grad_logits @ w
-                grad_w += (grad_logits.t() @ h[rows]).float()
+                if want_h:
+                    grad_h[rows] = grad_logits @ w
+                if want_w:
+                    grad_w += (grad_logits.t() @ h[rows]).float()
+            if stats is not None:
+                stats["correct"] = correct
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (hidden.dtype, weight.dtype)
         return loss
@@ -69,28 +78,37 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * grad_loss).to(h_dtype), (grad_w * grad_loss).to(w_dtype), None, None, None
+        return (None if grad_h is None else (grad_h * grad_loss).to(h_dtype),
+                None if grad_w is None else (grad_w * grad_loss).to(w_dtype), None, None, None, None)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         chunk_rows: int = DEFAULT_CHUNK_ROWS,
-                         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Summed cross-entropy of softmax(hidden @ weight^T) against labels. hidden [..., H], labels [...]."""
+                         chunk_rows: int = DEFAULT_CHUNK_ROWS, compute_dtype: torch.dtype | None = None,
+                         stats: dict | None = None) -> torch.Tensor:
+    """Summed cross-entropy of softmax(hidden @ weight^T) against labels. hidden [..., H], labels [...].
+    The gradients (computed in the forward, chunk by chunk) are those of the inputs that need one.
+    `stats`: a dict that gets "correct", a count of the rows whose argmax is their label, taken
+    from the same logits."""
     h = hidden.reshape(-1, hidden.shape[-1])
     if not torch.is_grad_enabled():        # evaluation: the loss alone, one matmul per chunk
-        return _loss_only(h, weight, labels.reshape(-1), chunk_rows, compute_dtype or weight.dtype)
-    return _LinearCrossEntropy.apply(h, weight, labels.reshape(-1), chunk_rows, compute_dtype or weight.dtype)
+        return _loss_only(h, weight, labels.reshape(-1), chunk_rows, compute_dtype or weight.dtype, stats)
+    return _LinearCrossEntropy.apply(h, weight, labels.reshape(-1), chunk_rows, compute_dtype or weight.dtype, stats)
 
 
 def _loss_only(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int,
-               compute_dtype: torch.dtype) -> torch.Tensor:
+               compute_dtype: torch.dtype, stats: dict | None) -> torch.Tensor:
     w = weight.to(compute_dtype)
     total = torch.zeros((), dtype=torch.float32, device=h.device)
+    correct = torch.zeros((), dtype=torch.long, device=h.device)
     for start in range(0, h.shape[0], chunk_rows):
         rows = slice(start, start + chunk_rows)
         logits = (h[rows].to(compute_dtype) @ w.t()).float()                 # [n, V]
+        if stats is not None:
+            correct += (logits.argmax(-1) == labels[rows]).sum()
         total += torch.nn.functional.cross_entropy(logits, labels[rows], ignore_index=IGNORE_INDEX,
                                                    reduction="sum")
+    if stats is not None:
+        stats["correct"] = correct
     return total
 
 
