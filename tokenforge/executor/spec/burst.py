@@ -10,8 +10,8 @@ keeps the request's history on the device and runs S iterations there, each:
   greedy verify against the target's argmax -> the accepted drafts and the bonus token appended
   to the history and to the burst's output;
 one read-back at the end. With TOKENFORGE_SPEC_BURST_IF=1 (opt-in: not yet measured on a GPU; torch
-2.11 cannot capture if-nodes, 2.13 can) the S iterations are one CUDA graph, each inside a
-conditional node on the device flag `go`: the accept step clears it once the burst emitted a stop
+2.13 captures if-nodes, and on torch 2.11 executor/cond_graph.py builds them with cuda-python)
+the S iterations are one CUDA graph, each inside a conditional node on the device flag `go`: the accept step clears it once the burst emitted a stop
 id (EOS, the request's stop_token_ids) or the tokens max_tokens leaves, or when the next
 iteration's rows would pass the KV slots granted, and the iterations after that are skipped on the
 device at ~no cost. Without conditional nodes (the default) the graph holds one iteration,
@@ -39,6 +39,7 @@ import torch
 from tokenforge import envs
 from tokenforge.config.draft_tree import BURST_STEPS, burst_steps
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
+from tokenforge.executor import cond_graph
 from tokenforge.executor.cuda_graph import CudaGraphRunner
 from tokenforge.kernels.spec_burst import accept_update, ngram_propose, prepare_rows
 from tokenforge.model.attention.backend import AttentionBatch
@@ -107,9 +108,10 @@ def make_burst(runner):
 
 
 def conditional_graphs() -> bool:
-    """Whether CUDA graphs here take conditional nodes (torch's if-node capture) and the environment
-    asks bursts to use them (TOKENFORGE_SPEC_BURST_IF=1; otherwise a one-iteration graph is replayed)."""
-    return envs.spec_burst_conditional() and hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+    """Whether CUDA graphs here take conditional nodes (executor/cond_graph.py: torch's if-node
+    capture, or cuda-python's) and the environment asks bursts to use them
+    (TOKENFORGE_SPEC_BURST_IF=1; otherwise a one-iteration graph is replayed)."""
+    return envs.spec_burst_conditional() and cond_graph.builder() is not None
 
 
 class SpeculativeBurst:
@@ -210,11 +212,8 @@ class SpeculativeBurst:
             if not conditional_steps:
                 self._iterate(self._graph_forward)
             for _ in range(conditional_steps):
-                graph.begin_capture_to_if_node(self.go)
-                try:
+                with cond_graph.if_node(graph, self.go, self.graphs.pool):
                     self._iterate(self._graph_forward)
-                finally:
-                    graph.end_capture_to_conditional_node()
         return graph
 
     # ---- a step ---------------------------------------------------------------------------------
