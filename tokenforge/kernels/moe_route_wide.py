@@ -7,7 +7,7 @@ prefill each is a host launch: a Qwen3-30B-A3B 128-token prefill spent 85% of it
 the host (BENCHMARKS.md, round 20's `moe-prefill`). Here the same outputs come from three:
 
 1. `_route_blocks_kernel`, one program per block of TB tokens: the top-k routing of its rows
-   (`route_rows`, the decode path's), the routing weights and this rank's expert ids [T, k], and
+   (`route_and_store`, the decode path's), the routing weights and this rank's expert ids [T, k], and
    the block's count of pairs per expert [num_blocks, E_PAD].
 2. `_align_offsets_kernel`, one program: the experts' counts padded to BLOCK_M and their starts,
    each block's first slot per expert (the start plus the earlier blocks' counts), the padding of
@@ -29,7 +29,7 @@ from tokenforge import envs
 
 from ._triton import next_power_of_2, require_triton, tl, triton
 from .moe import padded_length
-from .moe_topk import route_rows
+from .moe_topk import route_and_store
 
 PAIR_SLOTS = 128          # a token block's pair slots (TB * K_PAD): the placement's [P, P] compare
 MAX_EXPERTS = 256         # the [TB, E_PAD] routing tile stays at most 4,096 elements past 128 experts
@@ -42,16 +42,9 @@ def _route_blocks_kernel(logits_ptr, weights_ptr, ids_ptr, hist_ptr, T, E, first
                          K: tl.constexpr, TB: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
                          SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
     b = tl.program_id(0)
-    rows = b * TB + tl.arange(0, TB)
-    kk = tl.arange(0, K_PAD)
     cols = tl.arange(0, E_PAD)
-    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
-    out = (rows < T)[:, None] & chosen
-    offs = rows[:, None] * K + kk[None, :]
-    tl.store(weights_ptr + offs, w, mask=out)
-    local = sel - first
-    local = tl.where((local >= 0) & (local < num_local), local, num_local)
-    tl.store(ids_ptr + offs, local.to(tl.int64), mask=out)
+    local, out = route_and_store(logits_ptr, weights_ptr, ids_ptr, b * TB + tl.arange(0, TB), T, E, first, num_local,
+                                 stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
     hits = (local[:, :, None] == cols[None, None, :]) & out[:, :, None]          # [TB, K_PAD, E_PAD]
     tl.store(hist_ptr + b * E_PAD + cols, tl.sum(tl.sum(hits.to(tl.int32), 0), 0))
 

@@ -26,7 +26,7 @@ from .moe_decode import gemv_moe
 from .moe_gemv import gemv_pairs
 from .moe_route_wide import route_align_wide, wide_fits
 from .moe_rows import ROWS_BLOCK_M, rows_path
-from .moe_topk import route_rows
+from .moe_topk import route_and_store
 
 MAX_TILE = 16384
 MAX_TOKENS = 16       # the decode CUDA-graph buckets 1, 2, 4, 8, 16 compile every variant at start-up
@@ -51,16 +51,9 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, sorted_ids_ptr, expert
     if USE_PDL:                           # launched while the router's GEMV drains: wait for its logits
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    rows = tl.arange(0, T_PAD)
     cols = tl.arange(0, E_PAD)
-    kk = tl.arange(0, K_PAD)
-    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
-    out = (rows < T)[:, None] & chosen
-    offs = rows[:, None] * K + kk[None, :]
-    tl.store(weights_ptr + offs, w, mask=out)
-    local = sel - first
-    local = tl.where((local >= 0) & (local < num_local), local, num_local)
-    tl.store(ids_ptr + offs, local.to(tl.int64), mask=out)
+    route_and_store(logits_ptr, weights_ptr, ids_ptr, tl.arange(0, T_PAD), T, E, first, num_local, stride_lt, K,
+                    E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
 
     pairs = T * K
     for c in range(0, cap, CHUNK):        # every slot starts as padding

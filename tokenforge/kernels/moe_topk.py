@@ -1,6 +1,6 @@
 """The top-k routing of router-logit rows inside a Triton program, shared by `route_align`
-(kernels/moe_routing.py: every row of a decode batch in one program) and the routed per-pair
-GEMVs (kernels/moe_gemv.py: each program routes its own token's row), so both select the same
+(kernels/moe_routing.py: every row of a decode batch in one program; kernels/moe_route_wide.py:
+a block of a larger batch's rows a program) and the routed per-pair GEMVs (kernels/moe_gemv.py: each program routes its own token's row), so both select the same
 experts with the same weights: the k largest (probabilities for softmax-then-top-k, logits for
 top-k-then-softmax), the lowest index first on a tie, as torch's topk on these inputs does.
 """
@@ -42,3 +42,19 @@ def route_rows(logits_ptr, rows, T, E, stride_lt, K: tl.constexpr, E_PAD: tl.con
         e = tl.where(chosen, tl.exp(top - top_max[:, None]), 0.0)
         w = e / tl.maximum(tl.sum(e, 1), 1e-30)[:, None]
     return w, sel, chosen
+
+
+@triton.jit
+def route_and_store(logits_ptr, weights_ptr, ids_ptr, rows, T, E, first, num_local, stride_lt, K: tl.constexpr,
+                    E_PAD: tl.constexpr, K_PAD: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """`route_rows` for `rows`, stored: routing weights [T, K] fp32 and this rank's expert ids [T, K]
+    int64 (experts before `first` or past `num_local` -> the sentinel num_local). Returns (the local
+    ids [T_PAD, K_PAD], the stored slots [T_PAD, K_PAD])."""
+    w, sel, chosen = route_rows(logits_ptr, rows, T, E, stride_lt, K, E_PAD, K_PAD, SOFTMAX_FIRST, RENORMALIZE)
+    out = (rows < T)[:, None] & chosen
+    offs = rows[:, None] * K + tl.arange(0, K_PAD)[None, :]
+    tl.store(weights_ptr + offs, w, mask=out)
+    local = sel - first
+    local = tl.where((local >= 0) & (local < num_local), local, num_local)
+    tl.store(ids_ptr + offs, local.to(tl.int64), mask=out)
+    return local, out
