@@ -11,8 +11,8 @@ Two builders, the first found is used:
   on the stream being captured, a conditional handle is made on the graph under capture, a
   one-thread kernel (NVRTC, compiled once a context) copies the flag into it, and an if-node
   joins the capture. Its body graph is then captured from a side stream whose allocations go to
-  the capture's pool (this thread's, while the body is captured), and the capture goes on after
-  the node.
+  the capture's pool (from the first node on, every allocation of the capturing thread does),
+  and the capture goes on after the node.
 `builder()` names the one in use (None: neither; the caller keeps its graph without the nodes).
 """
 
@@ -158,10 +158,22 @@ def _cuda_python_if(flag: torch.Tensor, pool):
     _check(runtime.cudaStreamBeginCaptureToGraph(side.cuda_stream, body, None, None, 0,
                                                  runtime.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
            "cudaStreamBeginCaptureToGraph")
-    torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+    _route_this_thread(device, pool)
     try:
         with torch.cuda.stream(side):
             yield
     finally:
-        torch._C._cuda_endAllocateToPool(device, pool)
         _check(runtime.cudaStreamEndCapture(side.cuda_stream), "cudaStreamEndCapture")
+
+
+def _route_this_thread(device: int, pool) -> None:
+    """Send every allocation this thread makes to the capture's pool, the body's side stream too:
+    torch routes the capture's allocations by its capture id, which the body's capture does not
+    share, and a pool takes one routing at a time. So the capture's routing is swapped for this
+    thread's until the capture ends (torch's capture_end removes it; the graph is captured from
+    this thread alone), and the pool's extra reference from the swap is given back."""
+    torch._C._cuda_endAllocateToPool(device, pool)
+    torch._C._cuda_beginAllocateCurrentThreadToPool(device, pool)
+    release = getattr(torch._C, "_cuda_releasePool", None)
+    if release is not None:
+        release(device, pool)
