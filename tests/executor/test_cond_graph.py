@@ -56,7 +56,7 @@ def test_bodies_run_while_the_flag_holds(use, dtype):
                 x.add_(1)
                 doubled = x * 2                       # allocated inside the body: the capture's pool
                 out.copy_(doubled)
-                flag.copy_((x < 3).to(dtype))         # the third iteration clears it
+                flag.copy_((x[0] < 3).to(dtype))      # the third iteration clears it
     for start in (1, 0):                              # set: three bodies run; clear: none
         x.zero_()
         out.zero_()
