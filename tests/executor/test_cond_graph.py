@@ -51,7 +51,7 @@ def test_bodies_run_while_the_flag_holds(use, dtype):
     graph = torch.cuda.CUDAGraph()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        for _ in range(4):
+        for _ in range(40):                           # more nodes than torch's pool has streams (32)
             with cond_graph.if_node(graph, flag, pool, use=use):
                 x.add_(1)
                 doubled = x * 2                       # allocated inside the body: the capture's pool

@@ -39,6 +39,7 @@ extern "C" __global__ void tf_if_from_int(cudaGraphConditionalHandle handle, con
 }
 """
 _KERNELS: dict[int, dict[int, object]] = {}      # context -> flag width -> CUfunction
+_SIDE: dict[int, torch.cuda.ExternalStream] = {}  # device -> the stream the bodies are captured from
 
 
 def _cuda_python():
@@ -154,7 +155,7 @@ def _cuda_python_if(flag: torch.Tensor, pool):
     _check(_with_edge_data(runtime.cudaStreamUpdateCaptureDependencies, stream, [node], 1,
                            runtime.cudaStreamUpdateCaptureDependenciesFlags.cudaStreamSetCaptureDependencies),
            "cudaStreamUpdateCaptureDependencies")
-    side = torch.cuda.Stream(device)
+    side = _side_stream(runtime, device)
     _check(runtime.cudaStreamBeginCaptureToGraph(side.cuda_stream, body, None, None, 0,
                                                  runtime.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
            "cudaStreamBeginCaptureToGraph")
@@ -164,6 +165,15 @@ def _cuda_python_if(flag: torch.Tensor, pool):
             yield
     finally:
         _check(runtime.cudaStreamEndCapture(side.cuda_stream), "cudaStreamEndCapture")
+
+
+def _side_stream(runtime, device: int) -> torch.cuda.ExternalStream:
+    """A stream of our own for the bodies' captures (one at a time), made once a device: torch's
+    pooled streams come round again after 32, and one of them is the stream being captured."""
+    if device not in _SIDE:
+        (raw,) = _check(runtime.cudaStreamCreateWithFlags(runtime.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
+        _SIDE[device] = torch.cuda.ExternalStream(int(raw), device=device)
+    return _SIDE[device]
 
 
 def _route_this_thread(device: int, pool) -> None:
