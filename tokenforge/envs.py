@@ -92,8 +92,8 @@ def spec_burst() -> int | None:
 
 
 def spec_burst_conditional() -> bool:
-    """Whether n-gram bursts capture their iterations as CUDA-graph conditional nodes (opt-in until
-    measured on a GPU: bench/NOTES.md, round 21)."""
+    """Whether n-gram bursts capture their iterations as CUDA-graph conditional nodes (opt-in:
+    exact but no faster than the one-iteration replays on an H100, bench/NOTES.md round 22)."""
     return _truthy(SPEC_BURST_IF)
 
 

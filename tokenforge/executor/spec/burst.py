@@ -9,8 +9,9 @@ keeps the request's history on the device and runs S iterations there, each:
   cost the same drafted or not) -> the last token and K drafts forwarded as K + 1 decode rows ->
   greedy verify against the target's argmax -> the accepted drafts and the bonus token appended
   to the history and to the burst's output;
-one read-back at the end. With TOKENFORGE_SPEC_BURST_IF=1 (opt-in: not yet measured on a GPU; torch
-2.13 captures if-nodes, and on torch 2.11 executor/cond_graph.py builds them with cuda-python)
+one read-back at the end. With TOKENFORGE_SPEC_BURST_IF=1 (opt-in: exact but no faster on an H100,
+bench/NOTES.md round 22; torch 2.13 captures if-nodes, executor/cond_graph.py builds them with
+cuda-python under 2.11)
 the S iterations are one CUDA graph, each inside a conditional node on the device flag `go`: the accept step clears it once the burst emitted a stop
 id (EOS, the request's stop_token_ids) or the tokens max_tokens leaves, or when the next
 iteration's rows would pass the KV slots granted, and the iterations after that are skipped on the
