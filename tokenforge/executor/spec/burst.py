@@ -11,9 +11,9 @@ keeps the request's history on the device and runs S iterations there, each:
   to the history and to the burst's output;
 one read-back at the end. With TOKENFORGE_SPEC_BURST_IF=1 (opt-in: exact but no faster on an H100,
 bench/NOTES.md round 22; torch 2.13 captures if-nodes, executor/cond_graph.py builds them with
-cuda-python under 2.11)
-the S iterations are one CUDA graph, each inside a conditional node on the device flag `go`: the accept step clears it once the burst emitted a stop
-id (EOS, the request's stop_token_ids) or the tokens max_tokens leaves, or when the next
+cuda-python under 2.11) the S iterations are one CUDA graph, each inside a conditional node on
+the device flag `go`: the accept step clears it once the burst emitted a stop id (EOS, the
+request's stop_token_ids) or the tokens max_tokens leaves, or when the next
 iteration's rows would pass the KV slots granted, and the iterations after that are skipped on the
 device at ~no cost. Without conditional nodes (the default) the graph holds one iteration,
 replayed up to (D + 1) // (K + 1) times (what fits in the slots whatever is accepted), and bursts
