@@ -129,3 +129,23 @@ def test_run_folders_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
     assert sorted(removed) == sorted([dirs[f"{gone.pid}-dead"], dirs["oldform-stale"]])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["unrelated", f"tokenforge-train-{os.getpid()}-mine", "tokenforge-train-oldform-fresh"])
+
+
+def test_eagle_losses_are_the_same_with_cached_and_fresh_target_features(tmp_path):
+    """The EAGLE trainer's cached path (features and the target's argmax labels kept) and its
+    uncached one (both recomputed each step) give the same losses and accuracy."""
+    from tokenforge.train.config import TrainConfig
+    from tokenforge.train.eagle import EagleLoss, EagleTrainer
+    from tokenforge.train.parallel import Dist
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (12, 9, 15)]
+    cfg = TrainConfig(data="-", output=str(tmp_path), model="tiny-llama", load_format="dummy", device="cpu",
+                      micro_batch_size=3, seq_len=32, dtype="float32")
+    got = []
+    for cache in (2 << 30, 0):
+        trainer = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(feature_cache_bytes=cache), seqs)
+        batch = trainer._batch([0, 1, 2])
+        assert (batch[3] is None) == (cache == 0)
+        got.append({k: float(v.detach()) for k, v in trainer.losses(*batch).items()})
+    assert got[0] == pytest.approx(got[1], rel=1e-6) and 0 < got[0]["token_loss"]

@@ -162,7 +162,7 @@ class EagleTrainer:
         weight = self.target.lm_head.weight
         labels = torch.full((b, s - 1), IGNORE_INDEX, dtype=torch.long, device=ids.device)
         if self.loss_cfg.labels == "target":           # what the target would emit after p + 1
-            labels[valid] = (argmax[:, 1:] if argmax is not None else self._target_argmax(feats[:, 1:]))[valid]
+            labels[valid] = argmax[:, 1:][valid] if argmax is not None else self._target_argmax(feats[:, 1:][valid])
         else:                                          # the sequence's own token p + 2
             labels[:, :-1] = ids[:, 2:]
             labels[~((pos[None, :] + 2) < lengths[:, None])] = IGNORE_INDEX
