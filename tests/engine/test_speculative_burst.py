@@ -198,13 +198,15 @@ def test_the_device_replay_drafts_the_continuation_at_the_chosen_acceptance():
 def test_a_burst_near_the_length_cap_and_a_full_kv_cache_stays_exact(plain_llm, monkeypatch):
     """A burst's slots capped by the context length (the request ends at max_model_len), in a large
     cache and in one of exactly the sequence's blocks: the plain engine's output, no preemption."""
-    long_prompt = {"prompt_token_ids": ([11, 22, 33, 44, 55, 66, 77] * 200)[:1000]}
+    long_prompt = {"prompt_token_ids": ([11, 22, 33, 44, 55, 66, 77] * 40)[:232]}
     params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
-    want = plain_llm.generate([long_prompt], params, use_tqdm=False)[0].outputs[0]
-    assert want.finish_reason == "length" and len(want.token_ids) == 24       # 1,024 - 1,000
+    # the plain engine's first 24 tokens: what a 256-token context leaves after the prompt
+    want = plain_llm.generate([long_prompt], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "length" and len(want.token_ids) == 24       # 256 - 232
     monkeypatch.setenv("TOKENFORGE_SPEC_BURST", "3")
-    for blocks in (256, 64):            # 64 blocks x 16 = 1,024 slots: one block free past the prompt
-        llm = LLM(None, num_kv_blocks=blocks, max_model_len=1024, block_size=16, dtype="float32",
+    for blocks in (64, 16):             # 16 blocks x 16 = 256 slots: one block free past the prompt
+        llm = LLM(None, num_kv_blocks=blocks, max_model_len=256, block_size=16, dtype="float32",
                   speculative_method="ngram", num_speculative_tokens=4)
         try:
             got = llm.generate([long_prompt], params, use_tqdm=False)[0].outputs[0]
