@@ -8,8 +8,9 @@ multiple of the M block (each of the three block configurations), a partial last
 biases with gpt-oss's clamped SwiGLU on MXFP4 experts, fp8 (e4m3, a scale per row) experts with
 and without biases, and another rank's expert ids.
 
-Also `route_align` (routing and alignment in one launch) against `route` + `align`, and the
-GEMMs on its layout. Runs in a child process (TRITON_INTERPRET must be set before Triton decorates the kernels), so
+Also `route_align` (routing and alignment in one launch, or in three past its tile) against
+`route` + `align`, the GEMMs on its layout, and `fused_moe_from_logits` past the tile (float
+experts, and MXFP4 on the row path's 16-row alignment). Runs in a child process (TRITON_INTERPRET must be set before Triton decorates the kernels), so
 it needs only Triton installed; about 10 s. Also: the block configurations fit in the shared
 memory of a Hopper block (the fp32 prefill tile once asked for 240 KiB and failed to launch).
 """
@@ -79,9 +80,8 @@ def test_fused_moe_under_the_interpreter_with_tf32_rounding_matches_reference():
 
 
 def test_route_align_declines_batches_past_its_tile():
-    from tokenforge.kernels.moe_routing import fits
-
     from tokenforge.kernels.moe_route_wide import wide_fits
+    from tokenforge.kernels.moe_routing import fits
 
     assert fits(16, 128, 8) and fits(1, 8, 2) and not fits(0, 8, 2)
     assert not fits(32, 128, 8)          # 256 pairs x 128 experts: the three-launch path
