@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_LOGPROBS = 20
 _GREEDY_EPS = 1e-5
 
 

@@ -20,6 +20,7 @@ __all__ = ["LORA", "LoRAConfig", "parse_kv_remote", "parse_size"]   # re-exporte
 
 QUANTIZATION_MODES = (None, "int8", "int4", "fp8", "fp8-sim")
 QUANTIZATION_ALIASES = {"8bit": "int8", "4bit": "int4"}    # the playbook's spellings
+DEFAULT_MAX_LOGPROBS = 20                                  # vLLM's default cap on logprobs per token
 TIERS, PARALLEL, CACHE = "KV cache tiers (device -> CPU -> disk -> Redis, keyed by prefix hash)", "parallelism", "engine cache"
 
 
@@ -44,7 +45,7 @@ class ModelConfig:
                       choices=("auto", "float32", "bfloat16", "float16"),
                       switches={"--fp16": "float16", "--half": "float16", "--bf16": "bfloat16"})
     max_model_len: int | None = flag(None, "context length (default: the model's)", "--max-seq-length")
-    max_logprobs: int = flag(20, "the most logprobs (and prompt_logprobs) a request may ask for, as vLLM's; "
+    max_logprobs: int = flag(DEFAULT_MAX_LOGPROBS, "the most logprobs (and prompt_logprobs) a request may ask for, as vLLM's; "
                              "-1: the whole vocabulary", metavar="N")
     seed: int = flag(0, "the random seed: of the dummy weights, and in generate of sampling too (each prompt's "
                      "sample is reproducible; greedy needs none)")
@@ -383,7 +384,7 @@ class RuntimeInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_model_len: int
-    max_logprobs: int = 20          # the config's, the vocabulary for -1
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS    # the config's, the vocabulary for -1
 
     @staticmethod
     def logprobs_limit(max_logprobs: int, vocab_size: int) -> int:

@@ -270,6 +270,11 @@ def shared_memory_bytes(block_m: int, block_n: int, block_k: int, element_size: 
     return NUM_STAGES * (block_m * block_k + 2 * block_k * block_n) * element_size
 
 
+def weight_format(w) -> str:
+    """A projection's expert format, as `_weight_args` names it: "mxfp4", "fp8" or "float"."""
+    return "mxfp4" if isinstance(w, Mxfp4Stack) else "fp8" if isinstance(w, Fp8Stack) else "float"
+
+
 def _weight_args(w) -> tuple[torch.Tensor, torch.Tensor, int, int, int, int, str]:
     """(codes or weights, scales, expert and row strides of each, format) for one projection; the
     format is "mxfp4", "fp8" or "float"."""

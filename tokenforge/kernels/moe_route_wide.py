@@ -32,7 +32,7 @@ from .moe import padded_length
 from .moe_topk import route_and_store
 
 PAIR_SLOTS = 128          # a token block's pair slots (TB * K_PAD): the placement's [P, P] compare
-MAX_EXPERTS = 256         # the [TB, E_PAD] routing tile stays at most 4,096 elements past 128 experts
+MAX_EXPERTS = 256         # the block's [TB, K_PAD, E_PAD] count tile: 128 x E_PAD elements (32K at 256)
 MAX_TOKENS = 16384        # past this the torch route + align (launch costs no longer matter there)
 ENABLED = envs.moe_wide_route()     # TOKENFORGE_MOE_WIDE_ROUTE=0: the torch route + align, for A/B runs
 

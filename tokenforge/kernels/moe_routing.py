@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ._triton import next_power_of_2, require_triton, tl, triton, use_pdl
-from .moe import ROUTING_ORDERS, _weight_args, alignment_block, fused_moe, padded_length
+from .moe import ROUTING_ORDERS, _weight_args, alignment_block, fused_moe, padded_length, weight_format
 from .moe_decode import gemv_moe
 from .moe_gemv import gemv_pairs
 from .moe_route_wide import route_align_wide, wide_fits
@@ -138,7 +138,7 @@ def fused_moe_from_logits(x: torch.Tensor, logits: torch.Tensor, w13, w2, top_k:
     no routing launch precedes them."""
     pairs = x.shape[0] * top_k
     gemv = kwargs.get("gemv")
-    fmt = _weight_args(w13)[-1]
+    fmt = weight_format(w13)
     limit = gemv_pairs(fmt, x.shape[1], w2.shape[2], w13.shape[0]) if gemv is None else 0
     routed = x.shape[0] <= ROUTED_GEMV_TOKENS and logits.shape[1] <= ROUTED_GEMV_EXPERTS
     if routed and (gemv or (gemv is None and pairs <= limit)):
