@@ -55,6 +55,11 @@
 #   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-join)
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
+#   prefill-ab  W1 (bench latency, --repeats 2) of each of PF_MODELS (default smollm2-135m llama-3.1-8b gpt-oss-20b) with
+#               short prompts replayed as decode-row graphs (executor/cuda_graph.py PrefillRows, the default) and
+#               without (TOKENFORGE_PREFILL_GRAPHS=0), each pair in turn
+#   graph-tests the CUDA-graph GPU tests: graphs against eager (short prompts as decode rows included), staged capture,
+#               the compile watch, the MoE models served with HF's greedy tokens
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
 # Before the call: `bash bench/device_wheels.sh` (fills .whl/), git log -1 --format='%H %s' >.device_commit,
 # and carry [".whl", ".device_commit"]
@@ -228,6 +233,14 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
     kill $SRV; wait $SRV 2>/dev/null ;;
   w4-steps) STEP_TAIL=60 step w4-steps 150 python3 bench/serve_step_profile.py --rate ${W4_RATE:-16} --num-prompts ${W4_N:-200} \
                --out "$W/w4-steps"; cp "$W/w4-steps/serve_step_profile.json" "$OUT/w4-steps.json" ;;
+  prefill-ab)
+    for m in ${PF_MODELS:-smollm2-135m llama-3.1-8b gpt-oss-20b}; do for v in 1 0; do
+      TOKENFORGE_PREFILL_GRAPHS=$v STEP_TAIL=6 step pf-$m-$v 150 python3 -m tokenforge.bench latency --model $m \
+        --load-format dummy --dtype bfloat16 --max-model-len 4096 $Q --repeats 2 --results-dir "$W/pf-$m-$v"
+      keep "$W/pf-$m-$v" pf-$m-$v; done; done ;;
+  graph-tests) STEP_TAIL=15 step graph-tests 240 python3 -m pytest -q --timeout 200 -p no:cacheprovider \
+                 tests/executor/test_gpu_engine.py tests/executor/test_staged_graphs_gpu.py \
+                 tests/executor/test_compile_watch_gpu.py tests/model/test_moe_gpu.py ;;
   *) echo "unknown step $part" | tee -a "$LOG" ;;
 esac; done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"

@@ -34,6 +34,7 @@ LORA_SIDE_STREAM = "TOKENFORGE_LORA_SIDE_STREAM"  # bench: "1" runs the LoRA shr
 LORA_SHRINK_IN_GEMM = "TOKENFORGE_LORA_SHRINK_IN_GEMM"  # bench: "1" computes the LoRA shrink in the base product
 MOE_ROWS = "TOKENFORGE_MOE_ROWS"                # bench: "0" turns off the MXFP4 MoE row path (kernels/moe_rows.py)
 MOE_WIDE_ROUTE = "TOKENFORGE_MOE_WIDE_ROUTE"    # bench: "0" routes MoE prefills with torch (kernels/moe_route_wide.py)
+PREFILL_GRAPHS = "TOKENFORGE_PREFILL_GRAPHS"    # bench: "0" runs every step with prompt rows eagerly (executor/cuda_graph.py)
 
 
 def _get(name: str, default: str | None = None) -> str | None:
@@ -139,6 +140,12 @@ def moe_wide_route() -> bool:
     return (_get(MOE_WIDE_ROUTE) or "1").strip() != "0"
 
 
+def prefill_graphs() -> bool:
+    """Whether steps with short prompts replay the decode-row CUDA graphs (executor/cuda_graph.py,
+    `PrefillRows`; on unless the variable is "0", for A/B runs)."""
+    return (_get(PREFILL_GRAPHS) or "1").strip() != "0"
+
+
 def replay_settings() -> tuple[float, int]:
     """(acceptance, prompt length) of the served replay drafter."""
     return float(_get(REPLAY_ACCEPTANCE, "0.8")), int(_get(REPLAY_PROMPT_LEN, "0"))
@@ -221,3 +228,4 @@ def set(name: str, value: str) -> None:  # noqa: A001 - the verb this module off
 def child_env(**overrides: str) -> dict[str, str]:
     """This process's environment plus `overrides`, for a child process."""
     return {**os.environ, **overrides}
+

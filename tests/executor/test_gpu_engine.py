@@ -2,7 +2,8 @@
 
 - the triton backend's logits match the torch backend's (tiny configs in fp32 and bf16, and the
   Llama-3.2-1B shape);
-- greedy outputs with CUDA graphs on and off are identical;
+- greedy outputs with CUDA graphs on and off are identical, and short prompts replayed as decode
+  rows give the eager prefill's prompt logprobs;
 - chunked prefill and prefix-cache hits give the same logprobs as a fresh full prefill.
 """
 
@@ -68,9 +69,26 @@ def test_cuda_graphs_match_eager():
         llm = _llm("tiny-llama", dtype="float32", enforce_eager=eager, max_num_seqs=16)
         tokens[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         if not eager:
-            assert llm.engine.executor.runner.graphs is not None
+            graphs = llm.engine.executor.runner.graphs
+            assert graphs is not None and graphs.prefill_replays > 0, "no prompt replayed a graph"
         _free(llm)
     assert tokens[True] == tokens[False]
+
+
+def test_short_prompts_replayed_as_decode_rows_match_eager_logprobs():
+    """Prompts that replay the decode-row graphs (executor/cuda_graph.py `PrefillRows`) give every
+    prompt position the eager prefill's logprob, with a cached prefix too (the second pass)."""
+    prompts = _prompts(6, 500, seed=2, lo=17, hi=200)
+    results = {}
+    for eager in (True, False):
+        llm = _llm("tiny-llama", dtype="float32", enforce_eager=eager, max_num_seqs=4)
+        results[eager] = _prompt_logprobs(llm, prompts) + _prompt_logprobs(llm, prompts)
+        if not eager:
+            assert llm.engine.executor.runner.graphs.prefill_replays >= len(prompts)
+        _free(llm)
+    for a, b in zip(results[True], results[False]):
+        assert len(a) == len(b)
+        assert (torch.tensor(a) - torch.tensor(b)).abs().max().item() <= 1e-4
 
 
 def test_chunked_prefill_and_prefix_hits_match_full_prefill():

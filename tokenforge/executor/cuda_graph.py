@@ -16,6 +16,16 @@ length-1 context, so they cost almost nothing and touch no real block.
 The Triton backend's `DecodeMetadataBuffers` hold the persistent metadata (slot mapping, lengths,
 block tables): each replay refills them in place with one host-to-device copy, so replays see
 the step's block tables and lengths without any allocation or host sync.
+
+Short prompts replay the same graphs (`PrefillRows`): a step with prompt rows runs as decode rows
+too, when its tokens fit a bucket (buckets up to PREFILL_ROWS_MAX are captured whatever
+max_num_seqs is) and the attention it adds stays small. An eager prefill is host-bound on small
+and MoE models (hundreds of launches from Python: ~12 ms for 128 tokens of a 135M model on an
+H100, whose device work is well under 1 ms); as decode rows each prompt row reads its whole
+context, where the prefill kernel reads it once per 16 rows, so the rule bounds those extra
+reads per layer (ROW_KV_BYTES_PER_LAYER, mostly from L2): fresh prompts of up to ~260 tokens
+on the 8B shape, 512 on the bundled 135M model; longer prompts and late chunks run eagerly.
+Tree drafts (non-causal rows) never replay. TOKENFORGE_PREFILL_GRAPHS=0 turns it off (A/B runs).
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import logging
 
 import torch
 
+from tokenforge import envs
 from tokenforge.executor.compile_watch import WATCH
 from tokenforge.executor.graph_stages import StagedCapture
 from tokenforge.model.attention.backend import AttentionBatch
@@ -33,13 +44,56 @@ from tokenforge.model.forward_context import set_forward_context
 logger = logging.getLogger(__name__)
 
 
-def capture_sizes(max_num_seqs: int, num_draft_tokens: int = 0) -> list[int]:
-    """Buckets up to max_num_seqs (the default CUDA batch, 512, captures 40; up to 1024, 48), and
-    with speculative decoding the verify rows of 1, 2, 4 and 8 sequences with K drafts each."""
+PREFILL_ROWS_MAX = 512     # the most tokens a step with prompt rows replays a graph for
+PREFILL_LADDER = (16, 32, 64, 128, 192, 256, 384, 512)   # the buckets short prompts add past max_num_seqs
+ROW_KV_BYTES_PER_LAYER = 128 * 2**20   # extra attention reads a layer may spend on prompt rows as decodes
+
+
+def capture_sizes(max_num_seqs: int, num_draft_tokens: int = 0, prefill_rows: int = 0) -> list[int]:
+    """Buckets up to max_num_seqs (the default CUDA batch, 512, captures 40; up to 1024, 48), with
+    speculative decoding the verify rows of 1, 2, 4 and 8 sequences with K drafts each, and with
+    `prefill_rows` the short-prompt ladder up to it."""
     sizes = [1, 2, 4, 8] + list(range(16, 257, 16)) + list(range(288, 513, 32)) + list(range(576, 1025, 64))
     decode = [s for s in sizes if s <= max_num_seqs] or [1]
     verify = [(1 + num_draft_tokens) * b for b in (1, 2, 4, 8) if b <= max_num_seqs] if num_draft_tokens else []
-    return sorted(set(decode + verify))
+    prefill = [s for s in PREFILL_LADDER if s <= prefill_rows]
+    return sorted(set(decode + verify + prefill))
+
+
+def row_excess_keys(batch: AttentionBatch) -> int:
+    """Keys the decode kernel reads per layer and kv head beyond the prefill kernel's when `batch`
+    runs as decode rows: a sequence of context c and q > 1 new tokens reads q*c + q(q+1)/2 keys
+    as rows, about ceil(q/16) * (c + q) through the prefill kernel's 16-query tiles."""
+    excess = 0
+    for q, c in zip(batch.query_lens, batch.context_lens):
+        if q > 1:
+            excess += q * c + q * (q + 1) // 2 - -(-q // 16) * (c + q)
+    return excess
+
+
+class PrefillRows:
+    """Whether a step with prompt rows replays a decode-row graph (module docstring): chosen from
+    the step's shape alone, so every tensor-parallel rank decides alike."""
+
+    def __init__(self, kv_bytes_per_token: int, max_rows: int) -> None:
+        self.kv_bytes_per_token = kv_bytes_per_token     # one layer's K and V of one token (all its kv heads)
+        self.max_rows = max_rows
+
+    @classmethod
+    def for_runner(cls, runner) -> PrefillRows | None:
+        cfg = runner.config.scheduler
+        rows = min(PREFILL_ROWS_MAX, cfg.max_num_batched_tokens)
+        caches = runner.kv_caches or []
+        if not envs.prefill_graphs() or not caches or rows < PREFILL_LADDER[0]:
+            return None
+        return cls(max(c[:, 0, 0].numel() * c.element_size() for c in caches), rows)
+
+    def fits(self, batch: AttentionBatch) -> bool:
+        if batch.tree_masks is not None and any(m is not None for m in batch.tree_masks):
+            return False
+        if sum(batch.query_lens) > self.max_rows:
+            return False
+        return row_excess_keys(batch) * self.kv_bytes_per_token <= ROW_KV_BYTES_PER_LAYER
 
 
 def decode_rows(batch: AttentionBatch) -> AttentionBatch:
@@ -56,7 +110,9 @@ class CudaGraphRunner:
     def __init__(self, runner, num_kv_blocks: int, defer: bool = False) -> None:
         self.runner = runner
         cfg = runner.config
-        self.sizes = capture_sizes(cfg.scheduler.max_num_seqs, cfg.scheduler.num_draft_tokens)
+        self.prefill = PrefillRows.for_runner(runner)
+        self.sizes = capture_sizes(cfg.scheduler.max_num_seqs, cfg.scheduler.num_draft_tokens,
+                                   self.prefill.max_rows if self.prefill is not None else 0)
         self.max_batch = self.sizes[-1]
         self.stages = StagedCapture(self.sizes, self._capture_one, defer)
         max_blocks = -(-cfg.scheduler.max_model_len // runner.block_size)
@@ -73,11 +129,16 @@ class CudaGraphRunner:
         self.capture_seconds = 0.0
         self._serving = False       # True once deferred captures begin: other threads may use CUDA then
         self.verify_replays = 0          # verify steps replayed (tests read it)
+        self.prefill_replays = 0         # steps with prompt rows replayed as decode rows
 
     def can_run(self, inputs) -> bool:
         """A batch of decode rows (a decode step, or a verify step as decode rows) whose bucket has a
-        graph (otherwise it runs eagerly: counted)."""
-        return inputs.rows_are_decodes and self.stages.bucket(inputs.num_tokens) is not None
+        graph (otherwise it runs eagerly: counted), or a step with prompt rows that `PrefillRows`
+        takes and whose bucket has a graph."""
+        if inputs.rows_are_decodes:
+            return self.stages.bucket(inputs.num_tokens) is not None
+        return (self.prefill is not None and self.prefill.fits(inputs.attn_batch)
+                and self.stages.bucket(inputs.num_tokens, count_miss=False) is not None)
 
     def capture(self) -> None:
         """Stage one (every bucket without `defer`), before the engine is Ready."""
@@ -136,7 +197,10 @@ class CudaGraphRunner:
         batch = inputs.attn_batch
         if not inputs.is_decode_only:
             batch = decode_rows(batch)
-            self.verify_replays += 1
+            if inputs.rows_are_decodes:
+                self.verify_replays += 1
+            else:
+                self.prefill_replays += 1
         self.buffers.fill(batch, padded_batch_size=size)
         if self.lora_indices is not None:
             self.lora_indices[:n].copy_(inputs.lora_indices, non_blocking=True)

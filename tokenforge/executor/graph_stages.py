@@ -72,14 +72,15 @@ class StagedCapture:
         self.capture_one(size)
         self.captured.add(size)
 
-    def bucket(self, num_seqs: int) -> int | None:
+    def bucket(self, num_seqs: int, count_miss: bool = True) -> int | None:
         """The captured graph a decode batch of `num_seqs` replays (its bucket), or None: it runs
-        eagerly (counted), because that bucket is not captured yet or the batch exceeds them all."""
+        eagerly (counted, unless `count_miss` is False: a step with prompt rows), because that
+        bucket is not captured yet or the batch exceeds them all."""
         for size in self.sizes:
             if size >= num_seqs:
                 if size in self.captured:
                     return size
                 break
-        if num_seqs <= self.max_batch:
+        if num_seqs <= self.max_batch and count_miss:
             self.eager_decode_steps += 1
         return None

@@ -63,8 +63,13 @@ def _pack_host(batch: AttentionBatch, num_rows: int, num_cols: int) -> np.ndarra
     ctx = np.asarray(batch.context_lens, dtype=np.int64)
     n = len(qlens)
     tables = np.zeros((num_rows, num_cols), dtype=np.int32)
-    for i, row in enumerate(batch.block_tables):
-        tables[i, : len(row)] = row
+    i = 0
+    while i < n:        # rows sharing one table object (a sequence's decode rows) are written at once
+        row, j = batch.block_tables[i], i + 1
+        while j < n and batch.block_tables[j] is row:
+            j += 1
+        tables[i:j, : len(row)] = row
+        i = j
     seq_idx = np.repeat(np.arange(n), qlens)                  # [T] owning sequence per token
     starts = np.concatenate(([0], np.cumsum(qlens)[:-1])) if n else np.zeros(0, np.int64)
     pos = np.arange(int(qlens.sum())) - starts[seq_idx] + ctx[seq_idx]
