@@ -4,6 +4,8 @@ ahead; output stays exactly the reference greedy chain under the async loop."""
 
 from __future__ import annotations
 
+import pytest
+
 from tokenforge.core.speculation import DraftPlanner, StepCost, tokens_per_step
 
 from tests.core.core_fakes import (FakeRunner, assert_pool_idle, make_request, make_scheduler, next_token,
@@ -169,6 +171,9 @@ def test_bursts_go_to_a_lone_greedy_request_with_nobody_waiting():
     planner.count_verify(39, 12, burst=[4, 3, 0, 0, 4, 4])  # 3 iterations; the second found nothing
     assert (planner.num_verify_steps, planner.num_drafted, planner.num_accepted) == (2, 8, 7)
     assert planner.accepted_per_position == [2, 2, 2, 1]
+    # the rule's estimate counts the empty iteration as a first draft rejected (its rows ran):
+    # accepted 4 * 0.98^3 + (3 * 0.98 + 0) * 0.98 + 4, reached 5 * 0.98^3 + ((4 * 0.98 + 1) * 0.98) + 4
+    assert planner.acceptance == pytest.approx((4 * 0.98**3 + 3 * 0.98**2 + 4) / (5 * 0.98**3 + 4 * 0.98**2 + 0.98 + 4))
     # a burst that a stop ended: counted up to the stop (5 kept tokens: the first iteration's 4 and one
     # more), the iterations past it not at all
     planner.reset_counters()

@@ -221,6 +221,8 @@ class DraftPlanner:
                     break
                 if found:
                     self._count(found, min(accepted, kept - 1))
+                else:       # its K + 1 rows ran all the same for one token: a first draft rejected, to the rule
+                    self._estimate(0, 1)
                 kept -= accepted + 1
 
     def _count(self, num_drafts: int, accepted: int) -> None:
@@ -231,8 +233,12 @@ class DraftPlanner:
         for i in range(accepted):
             self.accepted_per_position[i] += 1
         # drafts reached: up to and including the first rejected one
+        self._estimate(accepted, min(accepted + 1, num_drafts))
+
+    def _estimate(self, accepted: int, reached: int) -> None:
+        """The adaptive rule's decayed acceptance counts (not the metrics' totals)."""
         self._accepted = self._accepted * self.DECAY + accepted
-        self._reached = self._reached * self.DECAY + min(accepted + 1, num_drafts)
+        self._reached = self._reached * self.DECAY + reached
 
     def snapshot(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_verify_steps, self.num_drafted, self.num_accepted,
