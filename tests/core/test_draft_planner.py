@@ -202,3 +202,24 @@ def test_drafts_take_only_free_slots_and_never_preempt():
         assert result.tokens[rid] == reference_generate(prompt, lengths[rid]), rid
     assert sched.num_preemptions == 0 and planner.num_drafted > 0
     assert_pool_idle(sched)
+
+
+def test_a_measured_verify_cost_turns_low_acceptance_bursts_off():
+    """StepCost.calibrated: the runner's start-up timing (a verify of 1 + K rows against a one-row
+    decode) sets what leaving the one-row path costs. At a chat-like acceptance (0.27) and K = 16
+    the model's own cost (a verify ~1.1x a decode) speculates; the 135M model's measured 1.8x does
+    not; a grounded acceptance (0.72) still does; batches past one row pay it on both sides."""
+    gpu = StepCost(flat_rows=128.0, sync_cost=1.1)
+    measured = gpu.calibrated(1.8, 17)
+    assert measured.of(17) / measured.of(1) == pytest.approx(1.8)
+    assert measured.of(1) == gpu.of(1) and measured.of(64) / measured.of(32) == pytest.approx(gpu.of(64) / gpu.of(32))
+    assert gpu.calibrated(None, 17) is gpu and gpu.calibrated(0.5, 17).multi_row == 1.0
+
+    def k_at(cost: StepCost, acceptance: float, batch: int = 1) -> int:
+        planner = DraftPlanner(lambda history, k: [], 16, cost)
+        planner._accepted, planner._reached = acceptance * 100, 100.0
+        return planner.choose_k(batch)
+
+    assert k_at(gpu, 0.27) > 0 and k_at(measured, 0.27) == 0
+    assert k_at(measured, 0.72) > 0
+    assert k_at(measured, 0.27, batch=8) == k_at(gpu.calibrated(1.0, 17), 0.27, batch=8)

@@ -69,6 +69,9 @@ class FakeExecutor:
     def graph_counts(self) -> tuple[int, int]:
         return (len(self.graphs.pending), self.graphs.eager_decode_steps) if self.graphs else (0, 0)
 
+    def verify_cost_ratio(self, num_draft_tokens: int) -> float | None:
+        return None
+
     def launch(self, sched: SchedulerOutput, defer_sampling: bool = False) -> FakeHandle:
         assert not any(h.deferred for h in self.in_flight), "launched before the deferred step was sampled"
         if self.graphs is not None and sched.sequences and all(len(q.token_ids) == 1 for q in sched.sequences):

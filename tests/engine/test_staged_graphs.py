@@ -36,6 +36,13 @@ def test_stage_one_is_the_small_buckets_and_the_rest_come_smallest_first():
     assert stages.bucket(33) is None and stages.eager_decode_steps == 2        # above every bucket: not a miss
 
 
+def test_a_lone_requests_verify_bucket_is_in_stage_one():
+    captured = []
+    stages = StagedCapture(SIZES + (17,), captured.append, defer=True, first=[17])
+    stages.capture_initial()
+    assert captured == [17, 8, 4, 2, 1] and stages.pending == [16, 32]
+
+
 def test_without_deferral_every_bucket_is_captured_at_start_up():
     captured = []
     stages = StagedCapture(SIZES, captured.append, defer=False)

@@ -8,9 +8,13 @@ to k drafts, capped by its remaining max_tokens, the length cap and the step's t
 is then scheduled as 1 + d tokens and verified by the runner in one forward.
 
 Adaptive use: every step, `begin_step` picks k (0..K) for the running batch from the acceptance
-seen so far (a decayed count of accepted drafts over drafts reached, `acceptance`) and a cost model
+seen so far (a decayed count of accepted drafts over drafts reached, `acceptance`; a burst
+iteration that found nothing counts as a first draft rejected, since its rows ran) and a cost model
 of a forward over r rows (`StepCost`: a fixed part, the weights' read, plus r / flat_rows, and on a
-device whose steps are scheduled ahead (CUDA) the cost of a synchronous step). It keeps the k with
+device whose steps are scheduled ahead (CUDA) the cost of a synchronous step; on CUDA graphs the
+runner times a verify of 1 + K rows against a one-row decode at start-up, `StepCost.calibrated`:
+1.3x on the 8B shape, ~1.8x on the 135M model, whose one-row GEMVs are much faster than its
+verify's cuBLAS calls). It keeps the k with
 the most tokens per unit of cost; 0 means this step does not speculate. Speculating steps are
 synchronous (the drafts read the step before's tokens), others may be scheduled ahead as usual
 (`allows_step_ahead`). While the rule says 0, one step in `probe_every` still asks the proposer for
@@ -38,7 +42,7 @@ logprobs, penalties or banned ids, the others decode one token a step).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tokenforge.config.draft_tree import DraftTree
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
@@ -58,14 +62,23 @@ def allow_all(request_id: str, drafts: list[int]) -> int:
 
 @dataclass(frozen=True, slots=True)
 class StepCost:
-    """A forward over r rows costs 1 + r / flat_rows (1: the weights' read); a synchronous step
-    costs sync_cost times that where steps are otherwise scheduled ahead."""
+    """A forward over r rows costs 1 + r / flat_rows (1: the weights' read), times `multi_row` past
+    one row (where a single row takes a faster path: the GPU's GEMVs against cuBLAS); a
+    synchronous step costs sync_cost times that where steps are otherwise scheduled ahead."""
 
     flat_rows: float = 16.0
     sync_cost: float = 1.0
+    multi_row: float = 1.0
 
     def of(self, rows: int) -> float:
-        return 1.0 + rows / self.flat_rows
+        return (1.0 + rows / self.flat_rows) * (self.multi_row if rows > 1 else 1.0)
+
+    def calibrated(self, ratio: float | None, rows: int) -> StepCost:
+        """This cost with `multi_row` set so that a forward of `rows` rows costs `ratio` times a
+        one-row forward, as measured (the runner times its graphs at start-up); None: as it is."""
+        if ratio is None or rows < 2:
+            return self
+        return replace(self, multi_row=max(1.0, ratio * (1.0 + 1.0 / self.flat_rows) / (1.0 + rows / self.flat_rows)))
 
 
 class ChainShape:

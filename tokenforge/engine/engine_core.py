@@ -72,15 +72,22 @@ def draft_shape(config: EngineConfig) -> ChainShape | TreeShape:
 
 
 def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_all,
-                       shape: ChainShape | TreeShape | None = None, burst: int = 0) -> DraftPlanner | None:
+                       shape: ChainShape | TreeShape | None = None, burst: int = 0,
+                       verify_ratio: float | None = None) -> DraftPlanner | None:
     """The speculative method's proposer, chosen once (None without speculative decoding). The
     adaptive rule's step cost: on a GPU a forward costs about the same up to ~a hundred rows (the
-    weights' read dominates) and a synchronous step loses the overlap of async scheduling.
-    `check`: the grammar matchers' cut of a constrained request's drafts. `burst`: the verify
-    iterations of the runner's n-gram bursts (config.draft_tree.burst_steps; 0: none)."""
+    weights' read dominates) and a synchronous step loses the overlap of async scheduling;
+    `verify_ratio`, a verify of 1 + K rows over a one-row decode as the runner timed it, calibrates
+    what leaving the one-row path costs. `check`: the grammar matchers' cut of a constrained
+    request's drafts. `burst`: the verify iterations of the runner's n-gram bursts
+    (config.draft_tree.burst_steps; 0: none)."""
     if config.speculative_method is None:
         return None
     cost = StepCost(flat_rows=128.0, sync_cost=1.1) if on_gpu else StepCost(flat_rows=16.0, sync_cost=1.0)
+    cost = cost.calibrated(verify_ratio, 1 + config.num_draft_tokens)
+    if verify_ratio is not None:
+        logger.info("speculative decoding: a verify of %d rows costs %.2fx a one-row decode on this device",
+                    1 + config.num_draft_tokens, verify_ratio)
     if config.speculative_method in ("draft", "eagle"):     # the runner's draft model / head fills the slots
         return DraftPlanner(device_drafts, config.num_draft_tokens, cost, check=check, shape=shape)
     factory = envs.draft_proposer()
@@ -150,7 +157,8 @@ class EngineCore:
         lora = self.config.lora
         drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
                                     draft_shape(self.config),
-                                    configured_burst_steps(self.config, arch))
+                                    configured_burst_steps(self.config, arch),
+                                    self.executor.verify_cost_ratio(self.config.scheduler.num_draft_tokens))
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
                                    lora.max_loras if lora.enable_lora else 0)
         self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read

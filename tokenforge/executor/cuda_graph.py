@@ -114,7 +114,10 @@ class CudaGraphRunner:
         self.sizes = capture_sizes(cfg.scheduler.max_num_seqs, cfg.scheduler.num_draft_tokens,
                                    self.prefill.max_rows if self.prefill is not None else 0)
         self.max_batch = self.sizes[-1]
-        self.stages = StagedCapture(self.sizes, self._capture_one, defer)
+        k = cfg.scheduler.num_draft_tokens
+        # a lone speculating request's verify rows are the first graph it needs (and the adaptive
+        # rule's calibration, `replay_ratio`, times it at start-up)
+        self.stages = StagedCapture(self.sizes, self._capture_one, defer, first=[1 + k] if k else ())
         max_blocks = -(-cfg.scheduler.max_model_len // runner.block_size)
         device = runner.device
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
@@ -179,6 +182,28 @@ class CudaGraphRunner:
             self.pool = graph.pool()
         self.graphs[size] = graph
         self.outputs[size] = out
+
+    def replay_ratio(self, size: int, repeats: int = 10) -> float | None:
+        """Device time of a replay of bucket `size` over one of bucket 1, both on padding rows (no
+        KV is written or read; the linears, norms and launches run as in a step): what a verify
+        of `size` rows costs against a decode where one row takes a faster path (the GEMVs). None
+        when either bucket is not captured."""
+        if not {1, size} <= self.stages.captured:
+            return None
+        empty = AttentionBatch([], [], [], self.runner.block_size, self.runner.device)
+        self.buffers.fill(empty, padded_batch_size=self.max_batch)
+        seconds = {}
+        with torch.inference_mode():
+            for bucket in (1, size):
+                self.graphs[bucket].replay()                     # the graph's upload, not timed
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(repeats):
+                    self.graphs[bucket].replay()
+                end.record()
+                end.synchronize()
+                seconds[bucket] = start.elapsed_time(end)
+        return seconds[size] / seconds[1] if seconds[1] > 0 else None
 
     def release(self) -> None:
         """Free the graphs, their memory pool and the persistent buffers (engine shutdown)."""

@@ -64,6 +64,14 @@ class Executor:
         graphs = self.runner.graphs
         return graphs is not None and graphs.capture_next()
 
+    def verify_cost_ratio(self, num_draft_tokens: int) -> float | None:
+        """A verify of 1 + K rows over a one-row decode, timed on the CUDA graphs at start-up (None
+        without graphs or speculation): the adaptive rule's calibration (core/speculation.py)."""
+        graphs = self.runner.graphs
+        if not num_draft_tokens or not hasattr(graphs, "replay_ratio"):
+            return None
+        return graphs.replay_ratio(1 + num_draft_tokens)
+
     def graph_counts(self) -> tuple[int, int]:
         """(deferred CUDA-graph buckets not captured yet, decode steps run eagerly for want of one)."""
         graphs = self.runner.graphs

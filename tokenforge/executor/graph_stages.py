@@ -27,10 +27,11 @@ FIRST_STAGE_MAX_BATCH = 8
 
 class StagedCapture:
     def __init__(self, sizes: Iterable[int], capture_one: Callable[[int], None], defer: bool,
-                 first_stage_max: int = FIRST_STAGE_MAX_BATCH) -> None:
+                 first_stage_max: int = FIRST_STAGE_MAX_BATCH, first: Iterable[int] = ()) -> None:
+        """`first`: buckets stage one captures whatever their size (a lone request's verify rows)."""
         self.sizes = sorted(set(sizes))
         self.capture_one = capture_one
-        first = [s for s in self.sizes if s <= first_stage_max] or self.sizes[:1]
+        first = [s for s in self.sizes if s <= first_stage_max or s in set(first)] or self.sizes[:1]
         # At start-up largest first (the smaller graphs reuse the first one's memory pool); the
         # deferred ones smallest first, since the batches a growing load needs next are the small ones.
         self.initial = sorted(first if defer else self.sizes, reverse=True)
