@@ -138,3 +138,14 @@ def test_async_scheduling_matches_sync(kwargs):
     assert results[True] == results[False]
     if kwargs:
         assert preemptions[True] > 0
+
+
+def test_the_verify_cost_is_timed_on_the_graphs():
+    """The adaptive rule's calibration (Executor.verify_cost_ratio): a verify of 1 + K rows against
+    a one-row decode, timed on the captured graphs at start-up, is what the planner's cost uses."""
+    llm = _llm("tiny-llama", dtype="bfloat16", speculative_method="ngram", num_speculative_tokens=4, max_num_seqs=4)
+    ratio = llm.engine.executor.verify_cost_ratio(4)
+    cost = llm.engine.scheduler.drafts.cost
+    assert ratio is not None and 0.2 < ratio < 50, ratio
+    assert cost.of(5) / cost.of(1) == pytest.approx(max(ratio, (1 + 5 / 128) / (1 + 1 / 128)), rel=1e-6)
+    _free(llm)

@@ -66,9 +66,10 @@ class Executor:
 
     def verify_cost_ratio(self, num_draft_tokens: int) -> float | None:
         """A verify of 1 + K rows over a one-row decode, timed on the CUDA graphs at start-up (None
-        without graphs or speculation): the adaptive rule's calibration (core/speculation.py)."""
+        without graphs or speculation, and under tensor parallelism, whose graphs hold collectives
+        the other ranks would have to join): the adaptive rule's calibration (core/speculation.py)."""
         graphs = self.runner.graphs
-        if not num_draft_tokens or not hasattr(graphs, "replay_ratio"):
+        if not num_draft_tokens or not hasattr(graphs, "replay_ratio") or self.runner.rank.tp_size > 1:
             return None
         return graphs.replay_ratio(1 + num_draft_tokens)
 
