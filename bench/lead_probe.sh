@@ -58,6 +58,7 @@
 #   prefill-ab  W1 (bench latency, --repeats 2) of each of PF_MODELS (default smollm2-135m llama-3.1-8b gpt-oss-20b) with
 #               short prompts replayed as decode-row graphs (executor/cuda_graph.py PrefillRows, the default) and
 #               without (TOKENFORGE_PREFILL_GRAPHS=0), each pair in turn
+#   calib-tests the start-up verify-cost timing (Executor.verify_cost_ratio) and the short-prompt graph tests
 #   graph-tests the CUDA-graph GPU tests: graphs against eager (short prompts as decode rows included), staged capture,
 #               the compile watch, the MoE models served with HF's greedy tokens
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
@@ -238,6 +239,8 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
       TOKENFORGE_PREFILL_GRAPHS=$v STEP_TAIL=6 step pf-$m-$v 150 python3 -m tokenforge.bench latency --model $m \
         --load-format dummy --dtype bfloat16 --max-model-len 4096 $Q --repeats 2 --results-dir "$W/pf-$m-$v"
       keep "$W/pf-$m-$v" pf-$m-$v; done; done ;;
+  calib-tests) STEP_TAIL=8 step calib-tests 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider \
+                 tests/executor/test_gpu_engine.py -k "verify_cost or short_prompts or match_eager" ;;
   graph-tests) STEP_TAIL=15 step graph-tests 240 python3 -m pytest -q --timeout 200 -p no:cacheprovider \
                  tests/executor/test_gpu_engine.py tests/executor/test_staged_graphs_gpu.py \
                  tests/executor/test_compile_watch_gpu.py tests/model/test_moe_gpu.py ;;
