@@ -228,4 +228,3 @@ def set(name: str, value: str) -> None:  # noqa: A001 - the verb this module off
 def child_env(**overrides: str) -> dict[str, str]:
     """This process's environment plus `overrides`, for a child process."""
     return {**os.environ, **overrides}
-

@@ -31,10 +31,11 @@ class StagedCapture:
         """`first`: buckets stage one captures whatever their size (a lone request's verify rows)."""
         self.sizes = sorted(set(sizes))
         self.capture_one = capture_one
-        first = [s for s in self.sizes if s <= first_stage_max or s in set(first)] or self.sizes[:1]
+        must = set(first)
+        stage_one = [s for s in self.sizes if s <= first_stage_max or s in must] or self.sizes[:1]
         # At start-up largest first (the smaller graphs reuse the first one's memory pool); the
         # deferred ones smallest first, since the batches a growing load needs next are the small ones.
-        self.initial = sorted(first if defer else self.sizes, reverse=True)
+        self.initial = sorted(stage_one if defer else self.sizes, reverse=True)
         self.pending = [s for s in self.sizes if s not in self.initial]
         self.captured: set[int] = set()
         self.initial_seconds = 0.0
