@@ -92,3 +92,33 @@ def test_the_rule_reads_the_kv_cache_and_the_switch(monkeypatch):
 def test_the_switch_values(monkeypatch, value, on):
     monkeypatch.setenv("TOKENFORGE_PREFILL_GRAPHS", value)
     assert (PrefillRows.for_runner(_runner()) is not None) == on
+
+
+
+def _graph_runner(captured: list[int], rule: PrefillRows | None):
+    from tokenforge.executor.cuda_graph import CudaGraphRunner   # noqa: PLC0415 - its policy only, no CUDA
+    graphs = object.__new__(CudaGraphRunner)
+    graphs.stages = StagedCapture([1, 8, 16, 64, 512], lambda size: None, defer=True)
+    graphs.stages.captured = set(captured)
+    graphs.prefill = rule
+    return graphs
+
+
+def _inputs(*seqs: tuple[int, int], decodes: bool = False, masks=None) -> SimpleNamespace:
+    batch = _batch(*seqs, masks=masks)
+    return SimpleNamespace(attn_batch=batch, num_tokens=sum(batch.query_lens), rows_are_decodes=decodes)
+
+
+def test_the_graph_runner_takes_decodes_and_the_prompts_the_rule_takes():
+    graphs = _graph_runner([1, 8, 16, 64], PrefillRows(KV_135M, PREFILL_ROWS_MAX))
+    assert graphs.can_run(_inputs((40, 1), (9, 5), decodes=True))            # a decode and a verify, as before
+    assert graphs.can_run(_inputs((0, 60)))                                   # a short prompt: bucket 64
+    assert graphs.can_run(_inputs((0, 12), (30, 1)))                          # a prompt beside a decode: bucket 16
+    assert not graphs.can_run(_inputs((0, 300)))                              # bucket 512 not captured yet ...
+    assert graphs.stages.eager_decode_steps == 0                              # ... which is not an eager decode
+    assert not graphs.can_run(_inputs((0, 600)))                              # past the rule's rows
+    tree = TreeMask(3, torch.ones(4, 4, dtype=torch.bool))
+    assert not graphs.can_run(_inputs((3, 4), masks=[tree]))                  # tree drafts: never
+    assert not _graph_runner([1, 8, 16, 64], None).can_run(_inputs((0, 60)))  # TOKENFORGE_PREFILL_GRAPHS=0
+    assert not graphs.can_run(_inputs(*[(5, 1)] * 300, decodes=True))         # a decode batch without its graph ...
+    assert graphs.stages.eager_decode_steps == 1                              # ... is counted, as before
