@@ -12,9 +12,9 @@ seen so far (a decayed count of accepted drafts over drafts reached, `acceptance
 iteration that found nothing counts as a first draft rejected, since its rows ran) and a cost model
 of a forward over r rows (`StepCost`: a fixed part, the weights' read, plus r / flat_rows, and on a
 device whose steps are scheduled ahead (CUDA) the cost of a synchronous step; on CUDA graphs the
-runner times a verify of 1 + K rows against a one-row decode at start-up, `StepCost.calibrated`:
-1.3x on the 8B shape, ~1.8x on the 135M model, whose one-row GEMVs are much faster than its
-verify's cuBLAS calls). It keeps the k with
+runner times a verify of 1 + K rows, with an EAGLE head's draft graph, against a one-row decode at
+start-up, `StepCost.calibrated`: a verify ~1.3x a decode on the 8B shape and ~1.8x on the 135M
+model, whose one-row GEMVs are much faster than its verify's cuBLAS calls). It keeps the k with
 the most tokens per unit of cost; 0 means this step does not speculate. Speculating steps are
 synchronous (the drafts read the step before's tokens), others may be scheduled ahead as usual
 (`allows_step_ahead`). While the rule says 0, one step in `probe_every` still asks the proposer for

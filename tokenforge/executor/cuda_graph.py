@@ -60,6 +60,18 @@ def capture_sizes(max_num_seqs: int, num_draft_tokens: int = 0, prefill_rows: in
     return sorted(set(decode + verify + prefill))
 
 
+def time_replays(graph: torch.cuda.CUDAGraph, repeats: int = 10) -> float:
+    """Device seconds a replay of `graph` takes (the mean of `repeats`, after one untimed replay)."""
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
 def row_excess_keys(batch: AttentionBatch) -> int:
     """Keys the decode kernel reads per layer and kv head beyond the prefill kernel's when `batch`
     runs as decode rows: a sequence of context c and q > 1 new tokens reads q*c + q(q+1)/2 keys
@@ -116,7 +128,7 @@ class CudaGraphRunner:
         self.max_batch = self.sizes[-1]
         k = cfg.scheduler.num_draft_tokens
         # a lone speculating request's verify rows are the first graph it needs (and the adaptive
-        # rule's calibration, `replay_ratio`, times it at start-up)
+        # rule's calibration, `replay_seconds`, times it at start-up)
         self.stages = StagedCapture(self.sizes, self._capture_one, defer, first=[1 + k] if k else ())
         max_blocks = -(-cfg.scheduler.max_model_len // runner.block_size)
         device = runner.device
@@ -183,27 +195,16 @@ class CudaGraphRunner:
         self.graphs[size] = graph
         self.outputs[size] = out
 
-    def replay_ratio(self, size: int, repeats: int = 10) -> float | None:
-        """Device time of a replay of bucket `size` over one of bucket 1, both on padding rows (no
-        KV is written or read; the linears, norms and launches run as in a step): what a verify
-        of `size` rows costs against a decode where one row takes a faster path (the GEMVs). None
-        when either bucket is not captured."""
-        if not {1, size} <= self.stages.captured:
+    def replay_seconds(self, size: int) -> float | None:
+        """Device seconds of a replay of bucket `size` on padding rows (no KV written or read; the
+        linears, norms and launches run as in a step), or None when it is not captured: the
+        adaptive rule's calibration (Executor.verify_cost_ratio)."""
+        if size not in self.stages.captured:
             return None
         empty = AttentionBatch([], [], [], self.runner.block_size, self.runner.device)
         self.buffers.fill(empty, padded_batch_size=self.max_batch)
-        seconds = {}
         with torch.inference_mode():
-            for bucket in (1, size):
-                self.graphs[bucket].replay()                     # the graph's upload, not timed
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(repeats):
-                    self.graphs[bucket].replay()
-                end.record()
-                end.synchronize()
-                seconds[bucket] = start.elapsed_time(end)
-        return seconds[size] / seconds[1] if seconds[1] > 0 else None
+            return time_replays(self.graphs[size])
 
     def release(self) -> None:
         """Free the graphs, their memory pool and the persistent buffers (engine shutdown)."""

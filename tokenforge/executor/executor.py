@@ -65,17 +65,24 @@ class Executor:
         return graphs is not None and graphs.capture_next()
 
     def verify_cost_ratio(self, num_draft_tokens: int) -> float | None:
-        """A verify of 1 + K rows over a one-row decode, timed on the CUDA graphs at start-up (None
-        without graphs or speculation, and under tensor parallelism, whose graphs hold collectives
-        the other ranks would have to join): the adaptive rule's calibration (core/speculation.py)."""
+        """A speculative step of one sequence (its draft graph, if the drafter has one, and the verify
+        of 1 + K rows) over a one-row decode, timed on the CUDA graphs at start-up: the adaptive
+        rule's calibration (core/speculation.py). None without graphs or speculation, and under
+        tensor parallelism, whose graphs hold collectives the other ranks would have to join. A
+        drafter that is not timed (a draft model) counts for nothing: the verify alone."""
         graphs = self.runner.graphs
-        if not num_draft_tokens or not hasattr(graphs, "replay_ratio") or self.runner.rank.tp_size > 1:
+        if not num_draft_tokens or not hasattr(graphs, "replay_seconds") or self.runner.rank.tp_size > 1:
             return None
         try:
-            return graphs.replay_ratio(1 + num_draft_tokens)
+            one, verify = graphs.replay_seconds(1), graphs.replay_seconds(1 + num_draft_tokens)
+            timed = getattr(self.runner.drafter, "draft_seconds", None)
+            draft = timed(num_draft_tokens) if timed is not None else None
         except RuntimeError as exc:     # a calibration, not a requirement: the rule keeps its model cost
             logger.warning("could not time the verify graph (%s); the adaptive rule uses its model cost", exc)
             return None
+        if not one or verify is None:
+            return None
+        return (verify + (draft or 0.0)) / one
 
     def graph_counts(self) -> tuple[int, int]:
         """(deferred CUDA-graph buckets not captured yet, decode steps run eagerly for want of one)."""

@@ -37,6 +37,10 @@ class NoDrafter:
     def attention_layers(self) -> list:
         return []
 
+    def draft_seconds(self, k: int) -> float:
+        """Device seconds of drafting (the adaptive rule's calibration): none here."""
+        return 0.0
+
     def init_kv_cache(self, num_blocks: int) -> None:
         pass
 

@@ -107,6 +107,10 @@ class EagleDrafter:
             logger.info("EAGLE head: draft graphs for batches %s captured in %.2f s", graphs.buckets, seconds)
         self.graphs = graphs
 
+    def draft_seconds(self, k: int) -> float | None:
+        """Device seconds of drafting k tokens for one sequence (its graph; None when eager)."""
+        return self.graphs.replay_seconds(1, k) if self.graphs is not None else None
+
     def release(self) -> None:
         if self.graphs is not None:
             self.graphs.release()

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from tokenforge.executor.cuda_graph import decode_rows
+from tokenforge.executor.cuda_graph import decode_rows, time_replays
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.attention.triton_backend import DecodeMetadataBuffers
 from tokenforge.model.forward_context import set_forward_context
@@ -102,6 +102,15 @@ class EagleGraphs:
             tokens = head.draft_tokens(out)
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
+
+    def replay_seconds(self, b: int, d: int) -> float | None:
+        """Device seconds of the (b, d) draft graph on padding rows (None if not captured): the
+        head's share of a speculative step, for the adaptive rule's calibration."""
+        if (b, d) not in self.graphs:
+            return None
+        self._metadata(self.buckets[-1])
+        with torch.inference_mode():
+            return time_replays(self.graphs[(b, d)])
 
     def release(self) -> None:
         for graph in self.graphs.values():
