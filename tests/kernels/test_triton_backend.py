@@ -49,6 +49,27 @@ def test_decode_buffers_fill_pads_and_keeps_addresses():
         buffers.fill(AttentionBatch([2], [0], [[1]], 4, CPU))
 
 
+def test_wide_decode_buffers_take_only_the_columns_a_batch_uses(monkeypatch):
+    """A fill whose unused columns would pass FULL_WIDTH_SLACK writes the used ones only (the full
+    width is max_model_len / block_size: 8,192 at 128k tokens); every row reads within its table."""
+    from tokenforge.model.attention import triton_backend                           # noqa: PLC0415
+    monkeypatch.setattr(triton_backend, "FULL_WIDTH_SLACK", 16)
+    buffers = DecodeMetadataBuffers(max_batch_size=8, max_blocks_per_seq=64, device=CPU)
+    buffers.block_tables.fill_(77)                                                 # a wide earlier step's tables
+    batch = AttentionBatch([1, 1, 1], [5, 0, 12], [[1, 2], [3], [4, 5, 6, 7]], 4, CPU)
+    meta = buffers.fill(batch, padded_batch_size=4)                                # 4 rows x 60 unused: compact
+    assert meta.slot_mapping.tolist() == _expected_slots(batch) + [-1]
+    assert meta.seq_lens.tolist() == [6, 1, 13, 0]
+    assert meta.block_tables[:, :4].tolist() == [[1, 2, 0, 0], [3, 0, 0, 0], [4, 5, 6, 7], [0, 0, 0, 0]]
+    assert (meta.block_tables[:, 4:] == 77).all()                                  # never read, not rewritten
+    meta = buffers.fill(AttentionBatch([1], [2], [[9]], 4, CPU), padded_batch_size=1)   # 63 unused: compact too
+    assert meta.block_tables[0, 0].item() == 9 and meta.slot_mapping.tolist() == [38]
+    assert buffers.slot_mapping.tolist() == [38] + [-1] * 7 and buffers.seq_lens.tolist() == [3] + [0] * 7
+    monkeypatch.setattr(triton_backend, "FULL_WIDTH_SLACK", 10**6)
+    meta = buffers.fill(batch, padded_batch_size=4)                                # one full-width copy
+    assert (meta.block_tables[:, 4:] == 0).all() and meta.block_tables[2, :4].tolist() == [4, 5, 6, 7]
+
+
 def _run_forward(device, dtype, query_lens, context_lens, num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16):
     """Random batch through backend.forward (stores k/v, then attends); returns (out, reference)."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]

@@ -80,6 +80,9 @@ def _pack_host(batch: AttentionBatch, num_rows: int, num_cols: int) -> np.ndarra
     return np.concatenate([slots.astype(np.int32), np.full(pad_tokens, -1, np.int32), lens.ravel(), tables.ravel()])
 
 
+FULL_WIDTH_SLACK = 32768    # unused table entries a fill may copy (128 KB) to stay one contiguous copy
+
+
 class DecodeMetadataBuffers:
     """Persistent device buffers that decode metadata is written into (CUDA-graph inputs)."""
 
@@ -101,17 +104,28 @@ class DecodeMetadataBuffers:
         rows = padded_batch_size or n
         assert all(q == 1 for q in batch.query_lens), "DecodeMetadataBuffers holds decode batches only"
         assert n <= rows <= self.max_batch_size, f"batch {n} / padded {rows} exceeds {self.max_batch_size}"
-        assert all(len(t) <= self.max_blocks for t in batch.block_tables), "block table wider than buffers"
-        packed = _pack_host(batch, rows, self.max_blocks)   # [slots(rows) | lens(2*rows) | tables]
+        used = max((len(t) for t in batch.block_tables), default=1) or 1
+        assert used <= self.max_blocks, "block table wider than buffers"
+        # A row never reads past its own table (its seq_len masks the rest), so only the columns the
+        # batch uses need writing; the full width is max_model_len / block_size (8,192 at 128k
+        # tokens). One contiguous copy of the full width while that is small (a second copy costs
+        # ~10 us of host time a step), else the used columns alone.
+        cols = self.max_blocks if rows * (self.max_blocks - used) <= FULL_WIDTH_SLACK else used
+        packed = _pack_host(batch, rows, cols)              # [slots(rows) | lens(2*rows) | tables]
         r = self.max_batch_size
-        host = np.zeros(3 * r + rows * self.max_blocks, dtype=np.int32)
+        host = np.zeros(3 * r + (rows * cols if cols == self.max_blocks else 0), dtype=np.int32)
         host[:r] = -1                                       # slots past the batch store nothing
         host[:rows] = packed[:rows]
         host[r: r + rows] = packed[rows: 2 * rows]
         host[2 * r: 2 * r + rows] = packed[2 * rows: 3 * rows]
-        host[3 * r:] = packed[3 * rows:]
-        # pageable source: the call returns once the data is staged, so `host` may be freed
-        self.storage[: host.size].copy_(torch.from_numpy(host), non_blocking=True)
+        # pageable sources: each call returns once its data is staged, so the arrays may be freed
+        if cols == self.max_blocks:
+            host[3 * r:] = packed[3 * rows:]
+            self.storage[: host.size].copy_(torch.from_numpy(host), non_blocking=True)
+        else:
+            self.storage[: 3 * r].copy_(torch.from_numpy(host), non_blocking=True)
+            tables = torch.from_numpy(packed[3 * rows:].reshape(rows, cols))
+            self.block_tables[:rows, :cols].copy_(tables, non_blocking=True)
         seq_lens = [c + 1 for c in batch.context_lens]
         return TritonAttentionMetadata(
             slot_mapping=self.slot_mapping[:rows], query_start_loc=self.query_start_loc[: rows + 1],
