@@ -187,5 +187,8 @@ def test_spec_smoke_on_the_bundled_model(tmp_path):
         rows = r["methods"]
         assert set(rows) == {"none", "ngram"} and rows["none"]["speedup_vs_none"] == 1.0
         assert rows["ngram"]["spec_decode"] is not None and rows["none"]["spec_decode"] is None
+        # the rule's cost of a K = 4 verify against a decode: the CPU's model (no graphs to time)
+        assert rows["ngram"]["spec_decode"]["verify_cost"] == pytest.approx((1 + 5 / 16) / (1 + 1 / 16))
+        assert rows["ngram"]["prefill_graph_replays"] == 0                      # no CUDA graphs here
         assert rows["ngram"]["engine_steps"]["count"] > 0 and rows["ngram"]["prompts_equal_to_none"] in (0, 1)
         assert r["workload_args"]["batch_size"] == 1 and r["workload_args"]["num_prompts"] == 1

@@ -253,6 +253,11 @@ class DraftPlanner:
         self._accepted = self._accepted * self.DECAY + accepted
         self._reached = self._reached * self.DECAY + reached
 
+    def verify_cost(self) -> float:
+        """What the rule takes a step of one sequence with K drafts to cost against a one-row decode
+        (the calibrated ratio on CUDA graphs; the bench JSON reports it)."""
+        return self.cost.of(1 + self.k) / self.cost.of(1)
+
     def snapshot(self) -> SpecDecodeStats:
         return SpecDecodeStats(self.num_verify_steps, self.num_drafted, self.num_accepted,
                                list(self.accepted_per_position))

@@ -91,7 +91,7 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], proposer=None, *
     from tokenforge.model.quant import kernel_plan  # noqa: PLC0415 - torch waits until the bench runs
 
     args.quant_kernels = kernel_plan.chosen()
-    stats = drafts.stats() if drafts is not None else None
+    stats = {**drafts.stats(), "verify_cost": drafts.verify_cost()} if drafts is not None else None
     harness.shutdown(llm)
     return timing, harness.token_ids(outs), stats
 

@@ -103,11 +103,12 @@ def measure(args: argparse.Namespace, method: str, workloads: dict[str, list[str
             steps = _timed_steps(llm, prompts, params)
             tokens = sum(len(x) for x in ids)
             median = statistics.median(runs)
-            stats = drafts.stats() if drafts is not None else None
+            stats = {**drafts.stats(), "verify_cost": drafts.verify_cost()} if drafts is not None else None
             row = {"method": method, "output_tokens": tokens, "runs_s": runs, "median_s": median,
                    "output_tok_s": tokens / median, "ms_per_token": median / tokens * 1e3, "spec_decode": stats,
                    "head_graph_replays": getattr(getattr(drafter, "graphs", None), "replays", 0) - replays0,
                    "bursts": getattr(llm.engine.executor.runner.burst, "launches", 0),
+                   "prefill_graph_replays": getattr(llm.engine.executor.runner.graphs, "prefill_replays", 0),
                    "engine_steps": steps, "engine": dict(args.resolved_engine)}
             if getattr(args, "profile_dir", None):
                 row["profile"] = _profiled(llm, prompts[:2], params, args.profile_dir)
