@@ -10,7 +10,8 @@ import pytest
 
 from tokenforge import LLM, SamplingParams
 from tokenforge.executor.compile_watch import WATCH, CompileWatch
-from tokenforge.executor.warmup import deferred_decode_batches, warm_up, warm_up_batches
+from tokenforge.executor.graph_stages import StagedCapture
+from tokenforge.executor.warmup import deferred_decode_batches, eager_decode_sizes, warm_up, warm_up_batches
 
 
 def test_watch_counts_start_up_and_warns_after_ready(caplog):
@@ -57,6 +58,20 @@ def test_deferred_buckets_get_one_eager_decode_per_kernel_variant():
     # capped by the sequence limit and by the blocks there are (one per sequence)
     assert [len(q) for q, _ in deferred_decode_batches(pending, splits, 64, 100, 15)] == [16, 24, 40]
     assert deferred_decode_batches(pending, splits, 512, 8, 15) == []
+
+
+def test_the_decode_sizes_that_run_eagerly_are_warmed():
+    """Deferred buckets while graphs are staged; none once all are captured; every size without
+    graphs (--enforce-eager: each split count's kernels compiled at its first request before)."""
+    stages = StagedCapture([1, 8, 16, 64], lambda size: None, defer=True)
+    stages.capture_initial()
+    graphs = type("Graphs", (), {"stages": stages})()
+    assert eager_decode_sizes(graphs, 64) == [16, 64]
+    while stages.capture_next():
+        pass
+    assert eager_decode_sizes(graphs, 64) == []
+    assert eager_decode_sizes(None, 5) == [1, 2, 3, 4, 5]
+    assert eager_decode_sizes(object(), 5) == []            # a runner of its own (the CPU's native decode)
 
 
 def test_warm_up_runs_on_a_real_runner_and_the_engine_still_answers():

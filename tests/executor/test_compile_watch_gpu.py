@@ -13,9 +13,10 @@ from tokenforge.executor.compile_watch import WATCH
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-def test_no_compile_after_ready_on_a_varied_mix():
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_no_compile_after_ready_on_a_varied_mix(enforce_eager):
     llm = LLM(model="tiny-llama", load_format="dummy", dtype="bfloat16", max_model_len=2048,
-              gpu_memory_utilization=0.3)
+              gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
     try:
         assert WATCH.ready and WATCH.before_ready > 0, "the Triton hook saw no start-up compile"
         shared = list(range(100, 400))

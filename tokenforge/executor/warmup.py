@@ -11,7 +11,8 @@ they hold is overwritten when a sequence is given them) and the LM head over the
 The CUDA graphs captured just before cover their decode buckets; the buckets deferred to idle
 time (graph_stages.py) run eagerly until then, so one eager decode batch per kernel variant the
 attention backend names for them (`decode_variant`: the split-KV decode's split count) runs too:
-a batch of 12 before bucket 16 is captured then compiles nothing.
+a batch of 12 before bucket 16 is captured then compiles nothing. Without graphs
+(--enforce-eager) every decode batch is eager: one batch per variant over all sizes.
 """
 
 from __future__ import annotations
@@ -49,6 +50,17 @@ def warm_up_batches(block_size: int, max_tokens: int, max_len: int, max_seqs: in
     return out
 
 
+def eager_decode_sizes(graphs, max_num_seqs: int) -> list[int]:
+    """Decode batch sizes that may run eagerly after start-up: the CUDA graphs' deferred buckets,
+    none when every bucket is captured, every size up to max_num_seqs without graphs
+    (--enforce-eager, offloaded weights), whose decode kernels would otherwise compile on the
+    first request of each split count."""
+    if graphs is None:
+        return list(range(1, max_num_seqs + 1))
+    stages = getattr(graphs, "stages", None)
+    return list(stages.pending) if stages is not None else []
+
+
 def deferred_decode_batches(pending: list[int], variant, max_seqs: int, num_blocks: int,
                             context: int) -> list[tuple[list[int], list[int]]]:
     """One decode batch (`context` cached tokens per sequence, one block each) per distinct
@@ -71,11 +83,11 @@ def warm_up(runner, num_blocks: int) -> float:
     sched = runner.config.scheduler
     batches = warm_up_batches(runner.block_size, sched.max_num_batched_tokens, sched.max_model_len,
                               sched.max_num_seqs, num_blocks)
-    stages = getattr(getattr(runner, "graphs", None), "stages", None)
+    sizes = eager_decode_sizes(getattr(runner, "graphs", None), sched.max_num_seqs)
     variant = getattr(runner.backend, "decode_variant", None)
-    if stages is not None and stages.pending and variant is not None:
+    if sizes and variant is not None:
         num_kv_heads = runner.kv_caches[0].shape[3]
-        batches += deferred_decode_batches(stages.pending, lambda b: variant(b, num_kv_heads, runner.device),
+        batches += deferred_decode_batches(sizes, lambda b: variant(b, num_kv_heads, runner.device),
                                            sched.max_num_seqs, num_blocks, runner.block_size - 1)
     for query_lens, context_lens in batches:
         tables, next_block = [], 0
