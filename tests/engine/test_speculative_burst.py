@@ -17,24 +17,25 @@ from tokenforge.executor.spec.burst import DeviceNgram, NoBurst, SpeculativeBurs
 from tokenforge.executor.spec.ngram import NgramProposer
 
 
-def _lookup(ngram_min, ngram_max, hist, length, k, capacity):
+def _lookup(ngram_min, ngram_max, hist, length, k, capacity, resync):
     drafts, found = torch.zeros(k, dtype=torch.long), torch.zeros(1, dtype=torch.long)
-    DeviceNgram(ngram_min, ngram_max, capacity)(hist, torch.tensor([length, 0, 1]), drafts, found)
+    DeviceNgram(ngram_min, ngram_max, capacity, resync)(hist, torch.tensor([length, 0, 1]), drafts, found)
     return drafts[:int(found)].tolist()
 
 
+@pytest.mark.parametrize("resync", [False, True])
 @pytest.mark.parametrize("ngram_min,ngram_max,k", [(1, 4, 4), (2, 4, 4), (1, 2, 7), (3, 3, 2)])
-def test_device_lookup_equals_the_host_lookup(ngram_min, ngram_max, k):
+def test_device_lookup_equals_the_host_lookup(ngram_min, ngram_max, k, resync):
     rng = random.Random(ngram_min * 100 + ngram_max * 10 + k)
-    capacity, host = 96, NgramProposer(ngram_min, ngram_max)
+    capacity, host = 96, NgramProposer(ngram_min, ngram_max, resync)
     found = 0
     for trial in range(300):
         length = rng.randint(1, capacity)
-        vocab = rng.choice([2, 3, 5, 20])
+        vocab = rng.choice([2, 3, 5, 20, 60])
         history = [rng.randrange(vocab) for _ in range(length)]
         hist = torch.tensor(history + [rng.randrange(50) for _ in range(capacity + k + 1 - length)])
         want = host.propose_one(history, k)
-        assert _lookup(ngram_min, ngram_max, hist, length, k, capacity) == want, (trial, history)
+        assert _lookup(ngram_min, ngram_max, hist, length, k, capacity, resync) == want, (trial, history)
         found += bool(want)
     assert 50 < found < 300       # both outcomes were exercised
 

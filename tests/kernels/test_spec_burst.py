@@ -1,5 +1,6 @@
 """The burst iteration's kernels (kernels/spec_burst.py) against their torch references: the n-gram
-lookup over random histories (matches found and not, lengths across the 1,024-position chunks), the
+lookup over random histories (matches found and not, exact and re-synchronised, lengths across
+the kernel's 512-position chunks), the
 rows and metadata (live and capturing), and the greedy accept with its counters, over several
 iterations. GPU, or Triton's interpreter on the CPU; the references themselves are checked against
 the host lookup and the engine in tests/engine/test_speculative_burst.py."""
@@ -14,22 +15,36 @@ import torch
 from tokenforge.kernels import spec_burst as sb
 
 
-@pytest.mark.parametrize("ngram_min,ngram_max,k", [(1, 4, 4), (2, 3, 7), (3, 3, 1)])
-def test_the_ngram_kernel_equals_the_reference(device, ngram_min, ngram_max, k):
+@pytest.mark.parametrize("ngram_min,ngram_max,k,resync", [(1, 4, 4, True), (1, 4, 4, False), (2, 3, 7, True),
+                                                           (3, 3, 1, False)])
+def test_the_ngram_kernel_equals_the_reference(device, ngram_min, ngram_max, k, resync):
     rng = random.Random(k)
-    capacity = 2100                      # ends past one chunk of 1,024
+    capacity = 2100                      # sources past several chunks of 512
     for trial in range(12):
         length = rng.choice([1, 2, 5, 300, 1500, capacity])
-        vocab = rng.choice([3, 7, 50])
+        vocab = rng.choice([3, 7, 50, 5000])
         hist = torch.randint(vocab, (capacity + k + 1,), generator=torch.Generator().manual_seed(trial)).to(device)
         state = torch.tensor([length, 0, 1], device=device)
         got = (torch.zeros(k, dtype=torch.long, device=device), torch.zeros(1, dtype=torch.long, device=device))
         want = (torch.zeros(k, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-        sb.ngram_propose(hist, state, *got, ngram_min, ngram_max, capacity)
-        sb.ngram_propose_ref(hist.cpu(), state.cpu(), *want, ngram_min, ngram_max, capacity)
+        sb.ngram_propose(hist, state, *got, ngram_min, ngram_max, capacity, resync)
+        sb.ngram_propose_ref(hist.cpu(), state.cpu(), *want, ngram_min, ngram_max, capacity, resync)
         n = int(want[1])
         assert int(got[1]) == n, (trial, length)
         assert got[0][:n].tolist() == want[0][:n].tolist(), (trial, length)
+
+
+@pytest.mark.parametrize("resync", [True, False])
+def test_the_ngram_kernel_resyncs_past_a_replaced_token(device, resync):
+    # 0..999 (past one chunk), then 500, 501 and a new token where 502 stood: with resync, the
+    # drafts go on from 503; without, nothing matches the last token
+    capacity, k = 1100, 4
+    history = list(range(1000)) + [500, 501, 7777]
+    hist = torch.tensor(history + [0] * (capacity + k + 1 - len(history)))
+    for fn, dev in ((sb.ngram_propose, device), (sb.ngram_propose_ref, torch.device("cpu"))):
+        drafts, found = torch.zeros(k, dtype=torch.long, device=dev), torch.zeros(1, dtype=torch.long, device=dev)
+        fn(hist.to(dev), torch.tensor([len(history), 0, 1], device=dev), drafts, found, 1, 4, capacity, resync)
+        assert drafts.cpu()[:int(found)].tolist() == ([503, 504, 505, 506] if resync else [])
 
 
 @pytest.mark.parametrize("live", [1, 0])

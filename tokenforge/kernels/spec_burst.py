@@ -24,26 +24,45 @@ import torch
 
 from ._triton import HAS_TRITON, _interpreting, next_power_of_2, tl, triton
 
+CONTEXT = 8     # executor/spec/ngram.py's CONTEXT: the tie-break's window (a power of 2 for the kernel)
+
 # ---- torch references -------------------------------------------------------------------------
 
 
+def _match_runs_ref(hist: torch.Tensor, end: torch.Tensor, sources: torch.Tensor, ngram_max: int) -> torch.Tensor:
+    """Per source s [capacity]: how many tokens (<= ngram_max) of hist[..end] equal hist[..s], backwards."""
+    t = torch.arange(ngram_max, device=hist.device)
+    back = sources[None, :] - t[:, None]                               # [t, s]
+    suffix = hist[(end - t).clamp(min=0)]
+    match = (hist[back.clamp(min=0)] == suffix[:, None]) & (back >= 0)
+    return match.to(torch.int32).cumprod(0).sum(0)
+
+
 def ngram_propose_ref(hist: torch.Tensor, state: torch.Tensor, drafts: torch.Tensor, found: torch.Tensor,
-                      ngram_min: int, ngram_max: int, capacity: int) -> None:
-    """drafts [K] <- the tokens after the latest earlier occurrence of the longest suffix of n =
-    ngram_max..ngram_min tokens of hist[:length]; found [1] <- how many of them are real (0: none)."""
+                      ngram_min: int, ngram_max: int, capacity: int, resync: bool = False) -> None:
+    """drafts [K] <- executor/spec/ngram.py's rule over hist[:length]: the tokens after the source c
+    of the longest match of n = ngram_max..ngram_min tokens ending at the last one (resync: if there
+    is none, ending at the one before it, the last token having replaced hist[c]), the one whose
+    CONTEXT tokens share the most with the history's last ones, then the latest; found [1] <- how
+    many of them are real (0: none)."""
     k, device = drafts.shape[0], hist.device
     length = state[0:1]
-    ends = torch.arange(capacity, device=device)
-    t = torch.arange(ngram_max, device=device)
-    back = ends[None, :] - t[:, None]
-    suffix = hist[(length - 1 - t).clamp(min=0)]
-    match = (hist[back.clamp(min=0)] == suffix[:, None]) & (back >= 0)
-    match = match.to(torch.int32).cumprod(0).bool()                 # [t, e]: the last t + 1 tokens match
-    match &= (ends <= length - 2)[None, :] & (t <= length - 2)[:, None]   # a token follows; n < length
-    last = torch.where(match, ends, -1).amax(1)                     # the latest end for n = t + 1
-    best = torch.where((last >= 0) & (t >= ngram_min - 1), t, -1).amax()
-    start = last.gather(0, best.clamp(min=0).view(1)) + 1
-    found.copy_(torch.where(best >= 0, torch.minimum(length - start, torch.full_like(start, k)), 0))
+    c = torch.arange(capacity, device=device)
+    valid = c <= length - 2                                             # a token follows c
+    runs = torch.where(valid, _match_runs_ref(hist, length - 1, c, ngram_max), 0)
+    if resync:
+        shifted = torch.where(valid, _match_runs_ref(hist, length - 2, c - 1, ngram_max), 0)
+        runs = torch.where(runs.amax() >= ngram_min, runs, shifted)
+    best = runs.amax()
+    j = torch.arange(CONTEXT, device=device)
+    back = c[None, :] - j[:, None]                                      # [CONTEXT, c]
+    window = torch.where(back >= 0, hist[back.clamp(min=0)], -1)
+    tail = torch.where(length - 1 - j >= 0, hist[(length - 1 - j).clamp(min=0)], -2)
+    overlap = (window[None, :, :] == tail[:, None, None]).any(1).sum(0)
+    score = torch.where(valid & (runs == best) & (best >= ngram_min), overlap * capacity + c, -1)
+    top = score.amax().view(1)
+    start = top % capacity + 1
+    found.copy_(torch.where(top >= 0, torch.minimum(length - start, torch.full_like(start, k)), 0))
     drafts.copy_(hist[(start + torch.arange(k, device=device)).clamp(max=capacity - 1)])
 
 
@@ -89,29 +108,51 @@ def accept_update_ref(pred: torch.Tensor, drafts: torch.Tensor, found: torch.Ten
 
 
 @triton.jit
+def _runs_block(hist_ptr, end, src, valid, NGRAM_MAX: tl.constexpr):
+    """Per lane: how many tokens (<= NGRAM_MAX) of hist[..end] equal hist[..src], backwards."""
+    run = valid
+    runs = tl.zeros_like(src)
+    for t in tl.static_range(NGRAM_MAX):
+        back = src - t
+        ok = run & (back >= 0)
+        tok = tl.load(hist_ptr + back, mask=ok, other=-1)
+        suf = tl.load(hist_ptr + tl.maximum(end - t, 0))
+        run = ok & (tok == suf)
+        runs += run.to(tl.int64)
+    return runs
+
+
+@triton.jit
 def _ngram_kernel(hist_ptr, state_ptr, drafts_ptr, found_ptr, capacity,
-                  NGRAM_MIN: tl.constexpr, NGRAM_MAX: tl.constexpr, NMAX_P: tl.constexpr,
+                  NGRAM_MIN: tl.constexpr, NGRAM_MAX: tl.constexpr, CONTEXT: tl.constexpr, RESYNC: tl.constexpr,
                   K: tl.constexpr, K_P: tl.constexpr, BLOCK: tl.constexpr):
     length = tl.load(state_ptr)
     offs = tl.arange(0, BLOCK)
-    t_idx = tl.arange(0, NMAX_P)
-    lasts = tl.full([NMAX_P], -1, tl.int64)
-    for start in range(0, length - 1, BLOCK):          # window ends e <= length - 2
-        e = start + offs
-        run = e <= length - 2
-        for t in tl.static_range(NGRAM_MAX):
-            back = e - t
-            ok = run & (back >= 0)
-            tok = tl.load(hist_ptr + back, mask=ok, other=-1)
-            suf = tl.load(hist_ptr + tl.maximum(length - 1 - t, 0))
-            run = ok & (tok == suf) & (length - 2 >= t)
-            m = tl.max(tl.where(run, e, -1), axis=0)
-            lasts = tl.where(t_idx == t, tl.maximum(lasts, m), lasts)
-    usable = (lasts >= 0) & (t_idx >= NGRAM_MIN - 1) & (t_idx < NGRAM_MAX)
-    best = tl.max(tl.where(usable, t_idx, -1), axis=0)
-    last = tl.sum(tl.where(t_idx == best, lasts, 0), axis=0)
-    first = last + 1
-    count = tl.where(best >= 0, tl.minimum(length - first, K), 0)
+    j = tl.arange(0, CONTEXT)
+    # the best (run, overlap, c) as one key, (run * (CONTEXT + 1) + overlap) * capacity + c: exact
+    # matches, and (RESYNC) matches ending one token earlier
+    best_exact = tl.full([], -1, tl.int64)
+    best_shift = tl.full([], -1, tl.int64)
+    for start in range(0, length - 1, BLOCK):          # sources c <= length - 2
+        c = (start + offs).to(tl.int64)
+        valid = c <= length - 2
+        back = c[None, :] - j[:, None]                  # [CONTEXT, BLOCK]
+        window = tl.load(hist_ptr + back, mask=valid[None, :] & (back >= 0), other=-1)
+        overlap = tl.zeros([BLOCK], tl.int64)
+        for i in tl.static_range(CONTEXT):
+            tail = tl.load(hist_ptr + tl.maximum(length - 1 - i, 0))
+            tail = tl.where(length - 1 - i >= 0, tail, -2)
+            overlap += tl.max((window == tail).to(tl.int64), axis=0)
+        runs = _runs_block(hist_ptr, length - 1, c, valid, NGRAM_MAX)
+        key = (runs * (CONTEXT + 1) + overlap) * capacity + c
+        best_exact = tl.maximum(best_exact, tl.max(tl.where(valid & (runs >= NGRAM_MIN), key, -1), axis=0))
+        if RESYNC:
+            runs = _runs_block(hist_ptr, length - 2, c - 1, valid, NGRAM_MAX)
+            key = (runs * (CONTEXT + 1) + overlap) * capacity + c
+            best_shift = tl.maximum(best_shift, tl.max(tl.where(valid & (runs >= NGRAM_MIN), key, -1), axis=0))
+    top = tl.where(best_exact >= 0, best_exact, best_shift)
+    first = top % capacity + 1
+    count = tl.where(top >= 0, tl.minimum(length - first, K), 0)
     ks = tl.arange(0, K_P)
     d = tl.load(hist_ptr + tl.minimum(first + ks, capacity - 1), mask=ks < K, other=0)
     tl.store(drafts_ptr + ks, d, mask=ks < K)
@@ -176,12 +217,13 @@ def use_kernels(device: torch.device) -> bool:
     return HAS_TRITON and (device.type == "cuda" or _interpreting())
 
 
-def ngram_propose(hist, state, drafts, found, ngram_min: int, ngram_max: int, capacity: int) -> None:
+def ngram_propose(hist, state, drafts, found, ngram_min: int, ngram_max: int, capacity: int,
+                  resync: bool = False) -> None:
     if not use_kernels(hist.device):
-        return ngram_propose_ref(hist, state, drafts, found, ngram_min, ngram_max, capacity)
+        return ngram_propose_ref(hist, state, drafts, found, ngram_min, ngram_max, capacity, resync)
     k = drafts.shape[0]
     _ngram_kernel[(1,)](hist, state, drafts, found, capacity, NGRAM_MIN=ngram_min, NGRAM_MAX=ngram_max,
-                        NMAX_P=next_power_of_2(ngram_max), K=k, K_P=next_power_of_2(k), BLOCK=1024, num_warps=4)
+                        CONTEXT=CONTEXT, RESYNC=resync, K=k, K_P=next_power_of_2(k), BLOCK=512, num_warps=4)
 
 
 def prepare_rows(hist, state, drafts, block_table, block_size: int, ids, positions, slots, seq_lens,

@@ -53,14 +53,14 @@ STOP_SLOTS = 16         # stop ids the device checks (EOS and stop_token_ids; mo
 class DeviceNgram:
     """spec/ngram.py's lookup over the device history (kernels/spec_burst.py `ngram_propose`)."""
 
-    def __init__(self, ngram_min: int, ngram_max: int, capacity: int) -> None:
-        self.ngram_min, self.ngram_max, self.capacity = ngram_min, ngram_max, capacity
+    def __init__(self, ngram_min: int, ngram_max: int, capacity: int, resync: bool = True) -> None:
+        self.ngram_min, self.ngram_max, self.capacity, self.resync = ngram_min, ngram_max, capacity, resync
 
     def begin(self, history: list[int]) -> None:
         """A burst starts (host side): the n-gram lookup needs nothing more than the history."""
 
     def __call__(self, hist: torch.Tensor, state: torch.Tensor, drafts: torch.Tensor, found: torch.Tensor) -> None:
-        ngram_propose(hist, state, drafts, found, self.ngram_min, self.ngram_max, self.capacity)
+        ngram_propose(hist, state, drafts, found, self.ngram_min, self.ngram_max, self.capacity, self.resync)
 
 
 @dataclass(slots=True)
@@ -125,7 +125,8 @@ class SpeculativeBurst:
         self.capacity = capacity = cfg.max_model_len           # the longest history
         # n down to 1 (below --ngram-min): an iteration's K + 1 rows cost the same drafted or not, so
         # a short match's drafts are free tokens when they hold (bundled model, grounded, K = 8:
-        # 2.54 -> 3.01 tokens an iteration; bench/NOTES.md round 13)
+        # 2.54 -> 3.01 tokens an iteration; bench/NOTES.md round 13); and for the same reason the
+        # lookup re-synchronises after a replaced token (spec/ngram.py rule 2)
         self.proposer = DeviceNgram(1, cfg.ngram_max, capacity)
         # the history, then K + 1 scratch slots that rows past the accepted ones write into
         self.hist = torch.zeros(capacity + k1, dtype=torch.long, device=device)
