@@ -29,6 +29,7 @@ directory; the committed records in bench/results only with an explicit --result
     structured  throughput of a batch with half the requests grammar-constrained, against all free
     lora        W2 / W1 over N random rank-r adapters (all seven projections) against the bare model
     spec        batch-1 speculative decoding on the bundled model and real text (grounded / chat), per method
+    spec-replay the n-gram proposer replayed offline over greedy answers: tokens per verify step, modelled speed-up
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ MODULES: dict[str, str] = {
     "prefix": "offline.prefix", "parallel": "offline.parallel", "coldstart": "serving.coldstart",
     "tiers": "offline.tiers", "serve": "serving.serve_spec", "frontend": "serving.frontend", "storm": "serving.storm",
     "kernels": "kernels", "train": "offline.train", "structured": "offline.structured", "lora": "offline.lora",
-    "spec": "offline.spec",
+    "spec": "offline.spec", "spec-replay": "offline.spec_replay",
 }
 
 BENCHES: dict[str, str] = {
@@ -59,6 +60,7 @@ BENCHES: dict[str, str] = {
     "structured": "throughput cost of grammar-constrained requests (half of a batch against none)",
     "lora": "multi-LoRA throughput (N random rank-r adapters) against the bare model in the same run",
     "spec": "speculative decoding on a real model and text (grounded / chat) at batch 1, against none",
+    "spec-replay": "n-gram drafts' tokens per verify step replayed offline over greedy answers, modelled speed-up",
 }
 
 
