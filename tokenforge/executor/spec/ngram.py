@@ -74,7 +74,7 @@ class NgramProposer:
             runs = match_runs(tokens, length - 2, sources - 1, self.ngram_max)
         if runs.max() < self.ngram_min:
             return []
-        best = runs.max()
-        score = np.where(runs == best, context_overlap(tokens, length, sources) * length + sources, -1)
-        start = int(score.argmax()) + 1
+        best = sources[runs == runs.max()]                # the candidates of the longest match
+        score = context_overlap(tokens, length, best) * length + best
+        start = int(best[score.argmax()]) + 1
         return tokens[start:start + k].tolist()
