@@ -37,6 +37,7 @@ def _executor(graphs, drafter=None, tp_size: int = 1) -> Executor:
     executor = object.__new__(Executor)
     executor.runner = SimpleNamespace(graphs=graphs, rank=SimpleNamespace(tp_size=tp_size),
                                       drafter=drafter if drafter is not None else NoDrafter())
+    executor._verify_costs = {}
     return executor
 
 
@@ -46,6 +47,16 @@ def test_the_verify_and_the_drafters_graph_over_a_decode():
     assert _executor(graphs, _Drafter(0.4e-3)).verify_cost_ratio(16) == pytest.approx(2.6)   # an EAGLE head's graph
     assert _executor(graphs, _Drafter(None)).verify_cost_ratio(16) == pytest.approx(1.8)     # not timed: the verify
     assert _executor(_Graphs({1: 0.5e-3})).verify_cost_ratio(16) is None                    # no verify graph
+
+
+def test_the_ratio_is_timed_once_per_k():
+    """The rule's figure, not a new timing each call (replays vary by a few tenths of a percent)."""
+    graphs = _Graphs({1: 0.5e-3, 5: 0.7e-3, 17: 0.9e-3})
+    executor = _executor(graphs)
+    first = executor.verify_cost_ratio(4)
+    graphs.seconds = {1: 0.5e-3, 5: 0.8e-3, 17: 0.9e-3}
+    assert executor.verify_cost_ratio(4) == first == pytest.approx(1.4) and graphs.asked == [1, 5]
+    assert executor.verify_cost_ratio(16) == pytest.approx(1.8) and graphs.asked == [1, 5, 1, 17]
 
 
 def test_no_speculation_no_graphs_and_tensor_parallelism_give_none():

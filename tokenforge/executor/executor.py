@@ -31,6 +31,7 @@ class Executor:
         self.load_seconds = time.perf_counter() - start
         logger.info("model loaded in %.2f s (%s, %s)", self.load_seconds, self.runner.device, self.runner.dtype)
         self.tiers = None
+        self._verify_costs: dict[int, float | None] = {}     # K -> the timed ratio (verify_cost_ratio)
 
     @property
     def arch(self):
@@ -69,7 +70,13 @@ class Executor:
         of 1 + K rows) over a one-row decode, timed on the CUDA graphs at start-up: the adaptive
         rule's calibration (core/speculation.py). None without graphs or speculation, and under
         tensor parallelism, whose graphs hold collectives the other ranks would have to join. A
-        drafter that is not timed (a draft model) counts for nothing: the verify alone."""
+        drafter that is not timed (a draft model) counts for nothing: the verify alone. Timed once
+        per K; later calls return the same figure (what the rule was given)."""
+        if num_draft_tokens not in self._verify_costs:
+            self._verify_costs[num_draft_tokens] = self._time_verify_cost(num_draft_tokens)
+        return self._verify_costs[num_draft_tokens]
+
+    def _time_verify_cost(self, num_draft_tokens: int) -> float | None:
         graphs = self.runner.graphs
         if not num_draft_tokens or not hasattr(graphs, "replay_seconds") or self.runner.rank.tp_size > 1:
             return None

@@ -20,8 +20,10 @@ forward overwrites them, in stream order: nothing waits for the host.
 The head's paged KV shares the target's block tables and block count, as a draft model's does
 (draft.py): a slot holds the head's KV of the same position. On CUDA a step whose sequences all
 draft the same number of tokens after a catch-up of at most K + 1 rows (every verify step at a steady batch) replays
-one CUDA graph for the catch-up and the K - 1 decodes (eagle_graphs.py); other steps (a prefill's
-catch-up, mixed draft counts near max_tokens) run the head eagerly. Drafts are the head's argmax
+one CUDA graph for the catch-up and the K - 1 decodes (eagle_graphs.py), and a step that drafts
+nothing (the adaptive rule's k = 0) replays the catch-up alone, so the head costs an idle engine one
+small replay a step, not an eager forward on the host's path; other steps (a prefill's catch-up,
+mixed draft counts near max_tokens) run the head eagerly. Drafts are the head's argmax
 (q one-hot), so the verify stays exact under greedy and rejection sampling.
 """
 
@@ -140,6 +142,9 @@ class EagleDrafter:
         if self._graphable(plan, drafted):
             self._draft_graphed(step, plan, drafted)
             return
+        if not drafted and self.graphs is not None and plan is not None and self.graphs.fits(plan[4]):
+            self._catch_up_graphed(step, plan)
+            return
         caught = self._catch_up(plan)          # {index in batch: its last row in self._out}
         if drafted:
             self._draft(step, drafted, caught)
@@ -160,6 +165,13 @@ class EagleDrafter:
                                  [seqs[i].start_position for i in order], d)
         rows = torch.tensor([row + j for _, row, _ in drafted for j in range(d)], device=self.device)
         step.inputs.input_ids.index_copy_(0, rows, tokens.reshape(-1))
+
+    def _catch_up_graphed(self, step, plan) -> None:
+        """A step that drafts nothing: the catch-up alone, one replay (the d = 0 graph)."""
+        feats, ids, index, t, qlens, ctx, tables, last = plan
+        order = sorted(last)
+        self.graphs.run(feats, ids, index, t, qlens, ctx, tables, [last[i] for i in order],
+                        [step.sched.sequences[i].start_position for i in order], 0)
 
     def _features(self, prev_step) -> torch.Tensor | None:
         rows = prev_step.inputs.query_start_loc[-1]

@@ -7,7 +7,9 @@ sequence), for steps where every caught-up sequence drafts the same d <= K token
 most K + 1 rows (every verify step at a steady batch; a prefill's catch-up runs eagerly).
 Out: the drafts [N, d] written into the step's draft rows of the input ids.
 
-One graph per (bucket, d): the adaptive rule may pick any d from 1 to K for a step.
+One graph per (bucket, d): the adaptive rule may pick any d from 1 to K for a step, and d = 0 is the
+catch-up alone, for steps that draft nothing (the rule said 0): the head's KV keeps up with the
+target at the cost of one graph replay, no LM head, so the rule can turn drafting back on.
 The catch-up runs as decode rows (cuda_graph.decode_rows: row r of a sequence is a decode whose
 context is the r tokens before it), padded to (K + 1) x bucket rows with slot -1, so its shape is
 fixed; each sequence's last row is picked by an index that is a graph input. The K - 1 decodes
@@ -62,7 +64,7 @@ class EagleGraphs:
         t0 = time.perf_counter()
         with torch.inference_mode():
             for b in self.buckets:
-                for d in range(1, self.k + 1):
+                for d in range(self.k + 1):
                     self._capture(b, d)
         return time.perf_counter() - t0
 
@@ -86,11 +88,14 @@ class EagleGraphs:
         self.graphs[(b, d)], self.outputs[(b, d)] = graph, out
 
     def _body(self, b: int, rows: int, metadata: list, d: int) -> torch.Tensor:
-        """The d drafts of b sequences from the static buffers' first `rows` catch-up rows -> tokens [b, d]."""
+        """The d drafts of b sequences from the static buffers' first `rows` catch-up rows -> tokens [b, d]
+        (d = 0: the catch-up alone, writing the head's KV)."""
         head = self.head
         hidden = head.combine(self.feats[:rows])
         with set_forward_context(_made(metadata[0]), None):
             out, nxt = head(self.ids[:rows], self.positions[:rows], hidden)
+        if d == 0:
+            return out.new_empty((b, 0), dtype=torch.long)
         last = self.index[:b]
         tokens, hidden = head.draft_tokens(out[last]), nxt[last]
         drafts = [tokens]
@@ -129,8 +134,9 @@ class EagleGraphs:
 
     def run(self, feats: torch.Tensor, ids: torch.Tensor, index: torch.Tensor, t: int, qlens: list[int],
             ctx: list[int], tables: list, last: list[int], starts: list[int], d: int) -> torch.Tensor:
-        """The d drafts [N, d] of the N sequences caught up (in order); `index` holds the catch-up's
-        feature rows, token rows (into `ids`) and positions, t each (as the eager path builds it)."""
+        """The d drafts [N, d] of the N sequences caught up (in order; d = 0: the catch-up alone);
+        `index` holds the catch-up's feature rows, token rows (into `ids`) and positions, t each (as
+        the eager path builds it)."""
         n = len(qlens)
         b = self.bucket(n)
         self.feats[:t].copy_(feats[index[:t]])

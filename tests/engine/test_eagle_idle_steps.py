@@ -1,0 +1,40 @@
+"""Steps where the adaptive rule drafts nothing still catch the EAGLE head up on the target's
+features (executor/spec/eagle.py): with the head's graphs that is one replay of the catch-up graph
+alone (d = 0, eagle_graphs.py), and the drafts of the steps after it are the ones the eager
+catch-up gives, token for token. (Skipping the catch-up there would leave the head's KV of those
+positions stale, and its drafts would differ.)"""
+
+from __future__ import annotations
+
+import itertools
+
+from tests.engine.test_speculative_eagle import TINY, _engine, _greedy, tiny_llama  # noqa: F401 - a fixture
+from tests.executor.spec.eagle_heads import write_eagle1
+
+
+def test_steps_that_draft_nothing_keep_the_head_caught_up(tiny_llama, tmp_path):  # noqa: F811
+    prompts = [{"prompt_token_ids": p} for p in ([1, 5, 9, 200, 3], list(range(10, 90)))]
+    head = write_eagle1(tmp_path / "head", TINY)
+    runs = []
+    for graphed in (False, True):
+        llm = _engine(tiny_llama, speculative_method="eagle", speculative_model=head, num_speculative_tokens=4,
+                      max_num_seqs=4)
+        steps = itertools.count()
+        llm.engine.scheduler.drafts.choose_k = lambda batch: 4 if next(steps) % 3 == 2 else 0   # two idle, one drafts
+        drafter = llm.engine.executor.runner.drafter
+        depths = []
+        if graphed:
+            drafter.enable_graphs(capture=False)
+            replay = drafter.graphs.run
+            drafter.graphs.run = lambda *a: depths.append(a[-1]) or replay(*a)
+        inputs, before = [], drafter.before_forward
+        drafter.before_forward = lambda step: (before(step), inputs.append(step.inputs.input_ids.tolist()))
+        ids = _greedy(llm, prompts, 40)
+        stats = llm.engine.scheduler.drafts.stats()
+        kv = llm.get_stats()
+        llm.shutdown()
+        assert kv.num_free_blocks == kv.num_kv_blocks
+        runs.append((ids, inputs, stats))
+    assert runs[1] == runs[0]
+    assert runs[0][2]["num_drafts"] >= 10, runs[0][2]
+    assert depths.count(0) >= 15 and any(d > 0 for d in depths), depths
