@@ -59,6 +59,7 @@
 #               short prompts replayed as decode-row graphs (executor/cuda_graph.py PrefillRows, the default) and
 #               without (TOKENFORGE_PREFILL_GRAPHS=0), each pair in turn
 #   calib-tests the start-up verify-cost timing (Executor.verify_cost_ratio) and the short-prompt graph tests
+#   moe-gpu-diag tests/model/test_moe_gpu.py alone, stopping at the first failure, with its traceback
 #   graph-tests the CUDA-graph GPU tests: graphs against eager (short prompts as decode rows included), staged capture,
 #               the compile watch, the MoE models served with HF's greedy tokens
 # Out: $OUT/lead_probe.log (each step's tail), JSON results and profile summaries under $OUT.
@@ -244,6 +245,8 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
   graph-tests) STEP_TAIL=15 step graph-tests 240 python3 -m pytest -q --timeout 200 -p no:cacheprovider \
                  tests/executor/test_gpu_engine.py tests/executor/test_staged_graphs_gpu.py \
                  tests/executor/test_compile_watch_gpu.py tests/model/test_moe_gpu.py ;;
+  moe-gpu-diag) STEP_TAIL=80 step moe-gpu-diag 200 python3 -m pytest -q -x -rE --tb=short --timeout 180 -p no:cacheprovider \
+                 tests/model/test_moe_gpu.py ;;
   *) echo "unknown step $part" | tee -a "$LOG" ;;
 esac; done
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$LOG"
