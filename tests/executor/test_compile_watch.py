@@ -5,11 +5,12 @@ compiles nothing after Ready, is tests/executor/test_compile_watch_gpu.py."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 
 from tokenforge import LLM, SamplingParams
-from tokenforge.executor.compile_watch import WATCH, CompileWatch
+from tokenforge.executor.compile_watch import WATCH, CompileWatch, describe_compile
 from tokenforge.executor.graph_stages import StagedCapture
 from tokenforge.executor.warmup import deferred_decode_batches, eager_decode_sizes, warm_up, warm_up_batches
 
@@ -25,6 +26,18 @@ def test_watch_counts_start_up_and_warns_after_ready(caplog):
     assert "compiled after start-up" in caplog.text and "_decode_kernel[BLOCK=64]" in caplog.text
     watch.reset()
     assert (watch.ready, watch.before_ready, watch.compiles_after_ready) == (False, 0, 0)
+
+
+def test_a_compile_is_named_by_its_constexprs_and_scalar_types():
+    """The post-compile hook's arguments as Triton 3.6 passes them (its `repr` lists no arguments):
+    the warning says which specialisation compiled."""
+    fn = SimpleNamespace(name="_decode_split_kernel", jit_function=SimpleNamespace(arg_names=["q_ptr", "ctx", "SPLITS", "BLOCK"]))
+    compile_ = {"constants": {(2,): 8, (3,): 64}, "signature": {"q_ptr": "*bf16", "ctx": "i32", "SPLITS": "constexpr",
+                                                                 "BLOCK": "constexpr"}, "num_warps": 4, "num_stages": 2}
+    what = describe_compile({"fn": fn, "compile": compile_, "repr": "_decode_split_kernel[num_warps=4](q_ptr: ()"})
+    assert what == "_decode_split_kernel[SPLITS=8, BLOCK=64; num_warps=4, num_stages=2](ctx: i32)"
+    assert describe_compile({"repr": "k[num_warps=4]( a:  i32 )"}) == "k[num_warps=4]( a: i32 )"    # older Triton
+    assert describe_compile({"key": "abc"}) == "abc"
 
 
 @pytest.mark.parametrize("max_tokens,max_len,max_seqs,num_blocks", [(2048, 4096, 256, 1000), (64, 128, 2, 20),

@@ -82,13 +82,31 @@ class CompileWatch:
         previous = getattr(holder, attr)
 
         def hook(*args, **kwargs):
-            what = " ".join(str(kwargs.get("repr") or kwargs.get("key") or "a kernel").split())
-            self.note("triton", what[:600])
+            self.note("triton", describe_compile(kwargs)[:600])
             return previous(*args, **kwargs) if previous is not None else None
 
         setattr(holder, attr, hook)
         self._triton_installed = True
         return True
+
+
+def describe_compile(kwargs: dict) -> str:
+    """A Triton compile as `kernel[constexprs](scalar args' types)`, from the post-compile hook's
+    keyword arguments (Triton 3.6: `fn`, the `compile` dict with `constants` keyed by argument
+    index paths and `signature` by name); else its `repr` (whose argument list Triton 3.6 leaves
+    empty), else its key."""
+    info, compile_ = kwargs.get("fn"), kwargs.get("compile")
+    names = getattr(getattr(info, "jit_function", None), "arg_names", None)
+    if isinstance(compile_, dict) and isinstance(compile_.get("constants"), dict) and names:
+        def name(path):
+            index = path[0] if isinstance(path, tuple) and path else path
+            return names[index] if isinstance(index, int) and index < len(names) else str(path)
+        consts = ", ".join(f"{name(k)}={v}" for k, v in compile_["constants"].items())
+        scalars = ", ".join(f"{k}: {v}" for k, v in (compile_.get("signature") or {}).items()
+                            if isinstance(v, str) and not v.startswith("*") and v != "constexpr")
+        opts = f"num_warps={compile_.get('num_warps')}, num_stages={compile_.get('num_stages')}"
+        return f"{getattr(info, 'name', 'a kernel')}[{consts}; {opts}]({scalars})"
+    return " ".join(str(kwargs.get("repr") or kwargs.get("key") or "a kernel").split())
 
 
 WATCH = CompileWatch()
