@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import gc
 import os
 import sys
@@ -94,6 +96,28 @@ def once_per_run(tmp_path_factory):
     return get
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """HF's GGUF model load parses the file twice (for the config, then for the weights: a few
+    seconds of one core each for the bundled model) and builds gguf's tensor-name map anew for
+    each of the 272 tensors. Both are pure functions of their arguments, so within one load they
+    are memoized: the model is equal, tensor for tensor, to HF's unaided load (16 s -> 9.4 s here)."""
+    import gguf
+
+    real_reader, readers = gguf.GGUFReader, {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf, "GGUFReader", reader)
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        yield
+
+
 def _hf_gguf_model():
     import torch
     from transformers import AutoModelForCausalLM
@@ -101,7 +125,8 @@ def _hf_gguf_model():
     from tokenforge.model.loader import find_bundled_gguf
 
     gguf = find_bundled_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     return model.eval()
 
 
