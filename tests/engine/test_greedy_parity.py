@@ -18,9 +18,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
 ONE_AT_A_TIME = (0, 2, 5, 10)
 
 
-def _run(llm: LLM, hf_greedy, one_at_a_time: bool = False) -> None:
+def _run(llm: LLM, hf_greedy, one_at_a_time: bool = False, as_text: bool = False) -> list:
+    """`as_text`: PROMPTS go in as text, for the engine's tokenizer, instead of HF's token ids."""
     chosen = ONE_AT_A_TIME if one_at_a_time else range(len(hf_greedy))
-    prompts = [{"prompt_token_ids": hf_greedy[i][0]} for i in chosen]
+    prompts = [PROMPTS[i] if as_text else {"prompt_token_ids": hf_greedy[i][0]} for i in chosen]
     if one_at_a_time:
         outs = [llm.generate(p, GREEDY, use_tqdm=False)[0] for p in prompts]
     else:
@@ -31,6 +32,7 @@ def _run(llm: LLM, hf_greedy, one_at_a_time: bool = False) -> None:
     stats = llm.get_stats()
     assert stats.num_free_blocks == stats.num_kv_blocks, "KV blocks leaked"
     assert stats.num_running == 0 and stats.num_waiting == 0
+    return outs
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +40,16 @@ def default_llm():
     return LLM(max_num_batched_tokens=2048, dtype="float32")
 
 
-def test_all_at_once_and_prefix_cache_second_pass(default_llm, hf_greedy):
-    _run(default_llm, hf_greedy)
+def test_all_at_once_and_prefix_cache_second_pass(default_llm, hf_reference, hf_greedy):
+    """The first pass takes PROMPTS as text: the engine's tokenizer gives HF's ids, and its text is
+    HF's decode of the same tokens. The second, as token ids, must hit the prefix cache."""
+    tok, _ = hf_reference
+    outs = _run(default_llm, hf_greedy, as_text=True)
+    for out, (ids, ref) in zip(outs, hf_greedy):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
     before = default_llm.get_stats()
-    _run(default_llm, hf_greedy)   # the second pass must hit the prefix cache and still match
+    _run(default_llm, hf_greedy)
     after = default_llm.get_stats()
     hits = after.prefix_cache_hits - before.prefix_cache_hits
     assert hits >= sum(len(ids) // 16 * 16 - 16 for ids, _ in hf_greedy), hits
@@ -49,14 +57,6 @@ def test_all_at_once_and_prefix_cache_second_pass(default_llm, hf_greedy):
 
 def test_one_request_at_a_time(default_llm, hf_greedy):
     _run(default_llm, hf_greedy, one_at_a_time=True)
-
-
-def test_text_matches_hf_decode(default_llm, hf_reference, hf_greedy):
-    tok, _ = hf_reference
-    outs = default_llm.generate(PROMPTS[:4], GREEDY, use_tqdm=False)
-    for out, (ids, ref) in zip(outs, hf_greedy):
-        assert out.prompt_token_ids == ids
-        assert out.outputs[0].text == tok.decode(ref, skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("kwargs", [
