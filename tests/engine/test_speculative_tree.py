@@ -48,15 +48,17 @@ def head(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline():
+def baseline(greedy_without_speculation):
     """Without speculation, per prompt of the first three (the tests use no other): (its token
-    ids, its greedy output); and the first two prompts' seeded samples."""
+    ids, its greedy output: the first MAX_TOKENS of the run's shared greedy reference, which the
+    engine gives alone as batched); and the first two prompts' seeded samples, from an engine of
+    one sequence at a time (the third prompt, one token, only for its ids)."""
     llm = _engine()
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = [(o.prompt_token_ids, o.outputs[0].token_ids) for o in llm.generate(PROMPTS[:3], params, use_tqdm=False)]
-    seeded = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:2], SEEDED, use_tqdm=False)]
+    params = [SEEDED, SEEDED, SamplingParams(temperature=0.0, max_tokens=1)]
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
     llm.shutdown()
-    return outs, seeded
+    greedy = [(o.prompt_token_ids, ids[:MAX_TOKENS]) for o, ids in zip(outs, greedy_without_speculation)]
+    return greedy, [o.outputs[0].token_ids for o in outs[:2]]
 
 
 @pytest.fixture(scope="module")
