@@ -102,12 +102,12 @@ def test_a_burst_stops_where_the_plain_engine_stops(burst_llm, plain_llm, max_to
 
 def test_a_burst_stops_at_a_stop_id_and_a_stop_string(burst_llm, plain_llm):
     prompt = PROMPTS[0]
-    full = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
-    stop_id = full[9]
+    full = plain_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    stop_id = full.token_ids[9]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
     assert _ids(burst_llm, [prompt], params)[0] == _ids(plain_llm, [prompt], params)[0]
-    text = plain_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0].text
+    text = full.text
     stop = text[len(text) // 2: len(text) // 2 + 4]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
     want = plain_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
@@ -117,11 +117,12 @@ def test_a_burst_stops_at_a_stop_id_and_a_stop_string(burst_llm, plain_llm):
 
 
 @pytest.mark.parametrize("end", ["stop id", "max_tokens"])
-def test_a_burst_runs_no_iteration_past_its_stop(burst_llm, plain_llm, end):
+def test_a_burst_runs_no_iteration_past_its_stop(burst_llm, greedy_without_speculation, end):
     """The device flag: the last burst's iterations end with the one that emitted the stop id (or the
-    last token max_tokens allows); the counters of the iterations after it stay zero."""
+    last token max_tokens allows); the counters of the iterations after it stay zero. The plain
+    engine's first 30 tokens are the run's shared greedy reference's (a lone request's, as above)."""
     prompt = PROMPTS[1]
-    full = _ids(plain_llm, [prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    full = greedy_without_speculation[1][:30]
     cut = next(i for i in range(4, 30) if full[i] not in full[:i])    # the stop's first occurrence
     extra = {"stop_token_ids": [full[cut]]} if end == "stop id" else {"max_tokens": cut + 1}
     params = SamplingParams(temperature=0.0, ignore_eos=True, **{"max_tokens": 30, **extra})
