@@ -54,11 +54,33 @@ def baseline(greedy_without_speculation):
 
 
 @pytest.mark.parametrize("writer", [write_eagle1, write_eagle3], ids=["eagle", "eagle3"])
-def test_a_random_head_on_the_bundled_model_is_exact(baseline, tmp_path, writer):
-    ids, stats = _run(None, writer(tmp_path / "head"), PROMPTS)
+def test_a_random_head_on_the_bundled_model_is_exact(baseline, tmp_path, writer, monkeypatch):
+    """Greedy rows equal the output without speculation; a sampled request in the same verify
+    batches (PROMPTS[1] again, at temperature 1) goes through the rejection rule and gets its
+    tokens. One batch for both: a separate sampled run of its own cost ~10 s."""
+    calls = []
+    real = roles.SpeculativeDriver.verify
+
+    def spy(self, plan, logits, batch):
+        calls.append(batch is not None and not batch.all_greedy)      # sampled rows among the verified
+        return real(self, plan, logits, batch)
+
+    monkeypatch.setattr(roles.SpeculativeDriver, "verify", spy)
+    llm = _engine(speculative_method="eagle", speculative_model=writer(tmp_path / "head"), num_speculative_tokens=3)
+    llm.engine.scheduler.drafts.adaptive = False      # draft every step: the verify path runs throughout
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True)
+    outs = llm.generate(PROMPTS + PROMPTS[1:2], [greedy] * len(PROMPTS) + [sampled], use_tqdm=False)
+    stats = llm.engine.scheduler.drafts.stats()
+    kv = llm.get_stats()
+    llm.shutdown()
+    assert kv.num_free_blocks == kv.num_kv_blocks, "KV blocks leaked"
+    ids = [o.outputs[0].token_ids for o in outs]
     for i, (a, b) in enumerate(zip(baseline, ids)):
         assert a == b, f"prompt {i}: {a} != {b}"
     assert stats["num_draft_tokens"] > 50, stats
+    assert any(calls), "no sampled row was verified by the rejection rule"
+    assert len(ids[-1]) == 24
 
 
 @pytest.fixture(scope="module")
@@ -87,29 +109,6 @@ def test_a_random_head_on_a_tiny_llama_is_exact(tiny_llama, tmp_path, writer):
     ids, stats = _run(tiny_llama, writer(tmp_path / "head", TINY, **kw), prompts, k=4, max_tokens=40)
     assert ids == base
     assert stats["num_draft_tokens"] > 50, stats
-
-
-def test_sampled_requests_go_through_the_rejection_sampler(baseline, tmp_path, monkeypatch):
-    calls = []
-    real = roles.SpeculativeDriver.verify
-
-    def spy(self, plan, logits, batch):
-        calls.append(batch is not None and not batch.all_greedy)      # sampled rows among the verified
-        return real(self, plan, logits, batch)
-
-    monkeypatch.setattr(roles.SpeculativeDriver, "verify", spy)
-    llm = _engine(speculative_method="eagle", speculative_model=write_eagle1(tmp_path / "head"), num_speculative_tokens=3)
-    llm.engine.scheduler.drafts.adaptive = False
-    # one greedy and one sampled request in the same verify batches (four took twice the suite's time)
-    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True)]
-    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
-    kv = llm.get_stats()
-    llm.shutdown()
-    assert kv.num_free_blocks == kv.num_kv_blocks
-    assert any(calls), "no sampled row was verified by the rejection rule"
-    assert outs[0].outputs[0].token_ids == baseline[0]
-    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
 
 
 def test_the_published_layouts_load_with_the_authors_names(tmp_path):
