@@ -100,18 +100,20 @@ def test_a_burst_stops_where_the_plain_engine_stops(burst_llm, plain_llm, max_to
     _assert_no_leak(burst_llm)
 
 
-def test_a_burst_stops_at_a_stop_id_and_a_stop_string(burst_llm, plain_llm):
+def test_a_burst_stops_at_a_stop_id_and_a_stop_string(burst_llm, plain_llm, greedy_without_speculation):
+    """The stops are picked from the plain engine's first 30 greedy tokens (the run's shared
+    reference, as above); each stopped run is compared with the plain engine's own."""
     prompt = PROMPTS[0]
-    full = plain_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True),
-                              use_tqdm=False)[0].outputs[0]
-    stop_id = full.token_ids[9]
+    full = greedy_without_speculation[0][:30]
+    stop_id = full[9]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id])
     assert _ids(burst_llm, [prompt], params)[0] == _ids(plain_llm, [prompt], params)[0]
-    text = full.text
+    text = plain_llm.get_tokenizer().decode(full)
     stop = text[len(text) // 2: len(text) // 2 + 4]
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[stop])
     want = plain_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     got = burst_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert want.finish_reason == "stop" and len(want.token_ids) < 30      # the stop string was met
     assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
     _assert_no_leak(burst_llm)
 
