@@ -85,14 +85,18 @@ def test_async_engine_falls_back_to_sync_for_penalties_and_stays_correct(sync_ru
     assert [[(c.token_ids, c.finish_reason, c.text) for c in o.outputs] for o in again] == sync_outputs
 
 
-def test_a_prefix_computed_in_the_same_step_is_shared_and_correct():
+def test_a_prefix_computed_in_the_same_step_is_shared_and_correct(sync_run):
     """Blocks are registered when scheduled: a request admitted in the same step as the one that
-    computes its prefix shares those blocks (the KV store of a layer precedes its attention)."""
+    computes its prefix shares those blocks (the KV store of a layer precedes its attention). The
+    engine is the module's synchronous one (prefix caching on, as by default; it never saw these
+    prompts)."""
     prompt = "The history of the printing press begins in the fifteenth century. " * 8
     params = SamplingParams(max_tokens=6, temperature=0.0)
     reference = LLM(max_model_len=512, dtype="float32", enable_prefix_caching=False)     # each prompt alone
     alone, longer = (reference.generate(p, params, use_tqdm=False)[0] for p in (prompt, prompt + " And"))
-    llm = LLM(max_model_len=512, dtype="float32")
+    reference.shutdown()
+    llm = sync_run[0]
+    assert llm.engine.config.cache.enable_prefix_caching
     first, second = llm.generate([prompt, prompt + " And"], params, use_tqdm=False)
     assert second.num_cached_tokens >= 64 and first.num_cached_tokens == 0
     assert first.outputs[0].token_ids == alone.outputs[0].token_ids
