@@ -39,6 +39,27 @@ def test_outputs_match_tp1(widened_model, tp1_outputs, layout, in_flight):
     assert not multiprocessing.active_children()              # the workers are gone
 
 
+def test_a_start_that_fails_past_the_executor_leaves_nothing_joined(widened_model, tp1_outputs, monkeypatch):
+    """A TP engine whose start fails after its workers joined (here the draft planner's set-up)
+    takes them and the process group down with it, so the next TP engine in this process starts
+    and serves (it used to wait forever in its first group, on the stale one)."""
+    import torch.distributed as dist
+
+    from tokenforge.engine import engine_core
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("injected: the start fails after the executor exists")
+
+    monkeypatch.setattr(engine_core, "make_draft_planner", fail)
+    with pytest.raises(RuntimeError, match="injected"):
+        LLM(widened_model, **ENGINE, tensor_parallel_size=2)
+    assert not dist.is_initialized()
+    assert not multiprocessing.active_children()
+    monkeypatch.undo()
+    with LLM(widened_model, **ENGINE, tensor_parallel_size=2) as llm:
+        assert_same_outputs(run_mixed(llm), tp1_outputs)
+
+
 def test_pipelined_steps_with_preemption_and_shared_prefixes(widened_model):
     """Three steps in flight on two stages, more requests than a step takes, prompts sharing a
     prefix block, two grammar-constrained requests (masks filled at launch, used at collect), a KV

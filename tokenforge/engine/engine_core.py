@@ -143,32 +143,39 @@ class EngineCore:
         config = with_calibration_ids(config, tokenizer)      # a bad calibration text fails before loading
         check_draft_tokenizer(config, tokenizer)
         self.executor = create_executor(config)
-        t1, wall1 = time.perf_counter(), time.time()
-        arch = self.executor.arch
-        check_tokenizer_fits(config, arch, tokenizer)
-        self.config = config.with_max_model_len(
-            resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
-        self.num_kv_blocks = self.executor.init_kv_cache(self.config, defer_graphs=defer_graphs)
-        self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
-        self.startup_marks = {"engine_start": wall0, "loaded": wall1, "kv_ready": time.time()}   # the timeline's
-        logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
-        resolved = self.config
-        self.grammars = GrammarMatchers(lambda: tokenizer or config_tokenizer(resolved), self.vocab_size)
-        lora = self.config.lora
-        drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
-                                    draft_shape(self.config),
-                                    configured_burst_steps(self.config, arch),
-                                    self.executor.verify_cost_ratio(self.config.scheduler.num_draft_tokens))
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
-                                   lora.max_loras if lora.enable_lora else 0)
-        self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read
-        if self.scheduler.tiers is not None:
-            self.executor.init_kv_tiers(self.config)
-        # With speculative decoding, steps that draft run synchronously (their drafts read the
-        # step before's tokens) and the others may still be scheduled ahead (DraftPlanner).
-        mode = self.config.scheduler.async_scheduling
-        # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
-        self.async_scheduling = mode if mode is not None else self.executor.is_async_device
+        try:
+            t1, wall1 = time.perf_counter(), time.time()
+            arch = self.executor.arch
+            check_tokenizer_fits(config, arch, tokenizer)
+            self.config = config.with_max_model_len(
+                resolve_max_model_len(config.model.max_model_len, arch.max_position_embeddings))
+            self.num_kv_blocks = self.executor.init_kv_cache(self.config, defer_graphs=defer_graphs)
+            self.startup_phases = startup_phases(t1 - t0, time.perf_counter() - t1, self.executor)
+            self.startup_marks = {"engine_start": wall0, "loaded": wall1, "kv_ready": time.time()}   # the timeline's
+            logger.info("start-up: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.startup_phases.items()))
+            resolved = self.config
+            self.grammars = GrammarMatchers(lambda: tokenizer or config_tokenizer(resolved), self.vocab_size)
+            lora = self.config.lora
+            drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
+                                        draft_shape(self.config),
+                                        configured_burst_steps(self.config, arch),
+                                        self.executor.verify_cost_ratio(self.config.scheduler.num_draft_tokens))
+            self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
+                                       lora.max_loras if lora.enable_lora else 0)
+            self.lora_keys: dict[tuple[str, int, str], str] = {}   # (name, id, path) -> fingerprint, once read
+            if self.scheduler.tiers is not None:
+                self.executor.init_kv_tiers(self.config)
+            # With speculative decoding, steps that draft run synchronously (their drafts read the
+            # step before's tokens) and the others may still be scheduled ahead (DraftPlanner).
+            mode = self.config.scheduler.async_scheduling
+            # Auto: on where launches are asynchronous (CUDA); on the CPU a launch runs the model.
+            self.async_scheduling = mode if mode is not None else self.executor.is_async_device
+        except BaseException:
+            # a start that fails past this point (a check, the KV cache, the calibration) takes its
+            # workers, process group and device memory down with it: the next engine in this
+            # process starts clean (a TP engine left behind made the next one wait on its group)
+            self.executor.shutdown()
+            raise
         WATCH.mark_ready()
 
     @property

@@ -59,6 +59,7 @@ class MultiprocExecutor(Executor):
         self._closing = False
         self.ring: ShmRing | None = None
         self.tiers = None          # KV tiers: one process only (parallel_check refuses them here)
+        self._verify_costs: dict[int, float | None] = {}
         device = config.device.resolved_device()
         envs.set_default("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         use_engine_cache(config)       # before the workers start: they inherit the environment
@@ -75,6 +76,7 @@ class MultiprocExecutor(Executor):
             self._start_runner(config)
         except BaseException:
             self._kill_workers()
+            parallel_state.destroy_distributed()     # a group left joined would hang the next engine's
             raise
 
     def _start_runner(self, config: EngineConfig) -> None:
