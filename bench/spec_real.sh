@@ -10,7 +10,8 @@
 # GEN_SAMPLES=N: N answers per training prompt (sampled past the first). NGRAM_K=8: also n-gram with K = 8 on the
 # NGRAM_WORKLOADS (default grounded); PROFILE=1: one profiled pass per method (tables in bench.log).
 # CPU smoke: TRAIN_STEPS=3 TRAIN_PROMPTS=4 GEN_TOKENS=16 PROMPTS=1 OUT_LEN=16 bash bench/spec_real.sh OUT
-# Out: $OUT/spec_real.log (every step's tail), $OUT/{train,bench}.log, $OUT/spec/*.json, $OUT/train_metrics.jsonl.
+# Out: $OUT/spec_real.log (every step's tail), $OUT/{train,bench}.log, $OUT/spec/*.json (the K = NGRAM_K pass's
+# workloads in one ngram-kK.json, {file: result}), $OUT/train_metrics.jsonl: 8 files at most (what a device call returns).
 NAME=spec_real; BUDGET=${BUDGET:-300}
 source "$(dirname "$0")/device_steps.sh" "$@"
 TRAIN_PROMPTS=${TRAIN_PROMPTS:-400}; GEN_TOKENS=${GEN_TOKENS:-256}; TRAIN_STEPS=${TRAIN_STEPS:-1000}
@@ -30,7 +31,9 @@ if [ -n "${NGRAM_K:-}" ]; then   # n-gram with more drafts a step on the grounde
   STEP_TAIL=12 step bench-k "${BENCH_K_LIMIT:-90}" python3 -m tokenforge.bench spec --workload "${NGRAM_WORKLOADS:-grounded}" \
     --num-prompts "$PROMPTS" --output-len "$OUT_LEN" --repeats "$REPEATS" --methods none,ngram \
     --num-speculative-tokens "$NGRAM_K" --max-num-seqs 8 --results-dir "$W/k"
-  for f in "$W"/k/*.json; do cp "$f" "$OUT/spec/ngram-k$NGRAM_K-$(basename "$f")" 2>/dev/null; done
+  # one file for every workload's JSON: the device tool returns at most 8 files a call
+  python3 -c "import glob, json, os, sys; json.dump({os.path.basename(f): json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'), indent=1)" \
+    "$W/k" "$OUT/spec/ngram-k$NGRAM_K.json" 2>>"$LOG"
 fi
 cp "$W/train.log" "$W/bench.log" "$OUT/" 2>/dev/null
 echo "total $(( $(date +%s) - START ))s" | tee -a "$LOG"
