@@ -28,6 +28,10 @@ def test_k_follows_acceptance_and_batch():
     assert gpu.choose_k(512) == 0                                   # a full batch: extra rows cost
     gpu._accepted, gpu._reached = 0.0, 100.0                        # nothing is ever accepted
     assert gpu.choose_k(1) == 0
+    gpu._accepted, gpu._reached = 4.0, 5.0                          # back: the answer follows (memoised)
+    assert gpu.choose_k(1) == 4 and gpu.choose_k(1) == 4
+    gpu.cost = gpu.cost.calibrated(20.0, 5)                         # a verify measured at 20x a decode
+    assert gpu.choose_k(1) == 0
     cpu = DraftPlanner(_never, 4, StepCost(flat_rows=4.0, sync_cost=1.2))
     assert cpu.choose_k(1) > 0 and cpu.choose_k(6) == 0
 
