@@ -31,7 +31,8 @@ def test_watch_counts_start_up_and_warns_after_ready(caplog):
 def test_a_compile_is_named_by_its_constexprs_and_scalar_types():
     """The post-compile hook's arguments as Triton 3.6 passes them (its `repr` lists no arguments):
     the warning says which specialisation compiled."""
-    fn = SimpleNamespace(name="_decode_split_kernel", jit_function=SimpleNamespace(arg_names=["q_ptr", "ctx", "SPLITS", "BLOCK"]))
+    fn = SimpleNamespace(name="_decode_split_kernel",
+                         jit_function=SimpleNamespace(arg_names=["q_ptr", "ctx", "SPLITS", "BLOCK"]))
     compile_ = {"constants": {(2,): 8, (3,): 64}, "signature": {"q_ptr": "*bf16", "ctx": "i32", "SPLITS": "constexpr",
                                                                  "BLOCK": "constexpr"}, "num_warps": 4, "num_stages": 2}
     what = describe_compile({"fn": fn, "compile": compile_, "repr": "_decode_split_kernel[num_warps=4](q_ptr: ()"})

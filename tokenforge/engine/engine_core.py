@@ -156,8 +156,8 @@ class EngineCore:
             resolved = self.config
             self.grammars = GrammarMatchers(lambda: tokenizer or config_tokenizer(resolved), self.vocab_size)
             lora = self.config.lora
-            drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device, self.grammars.allowed_drafts,
-                                        draft_shape(self.config),
+            drafts = make_draft_planner(self.config.scheduler, self.executor.is_async_device,
+                                        self.grammars.allowed_drafts, draft_shape(self.config),
                                         configured_burst_steps(self.config, arch),
                                         self.executor.verify_cost_ratio(self.config.scheduler.num_draft_tokens))
             self.scheduler = Scheduler(self.config.scheduler, self.config.cache, self.num_kv_blocks, drafts,
