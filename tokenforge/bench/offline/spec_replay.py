@@ -30,7 +30,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", default="grounded,grounded-held-out,chat",
                    help="comma list of: " + ", ".join(sorted(text_prompts.WORKLOADS)))
     p.add_argument("--k", default="4,8,16", help="comma list of draft counts K")
-    p.add_argument("--costs", default="4:1.25,16:1.8", help="K:c pairs, a verify of K drafts in decode steps")
+    p.add_argument("--costs", default=",".join(f"{k}:{c}" for k, c in ngram_replay.MEASURED_COSTS.items()),
+                   help="K:c pairs, a verify of K drafts in decode steps (default: the measured ones)")
     p.add_argument("--ids", default=None, help="read the answers from this JSON instead of generating them")
     p.add_argument("--save-ids", default=None, help="write the generated answers to this JSON")
 
