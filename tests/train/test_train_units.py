@@ -149,3 +149,40 @@ def test_eagle_losses_are_the_same_with_cached_and_fresh_target_features(tmp_pat
         assert (batch[3] is None) == (cache == 0)
         got.append({k: float(v.detach()) for k, v in trainer.losses(*batch).items()})
     assert got[0] == pytest.approx(got[1], rel=1e-6) and 0 < got[0]["token_loss"]
+
+
+def test_eagle_training_time_test_depths_see_what_the_drafting_head_sees(tmp_path):
+    """EagleLoss(ttt_length=3): depth d's prediction at position p equals the head run as it drafts:
+    one causal sequence of the catch-up rows 0..p (the target's features), then one row a depth,
+    each fed the row before's output and the next token. Depth 1 alone is EAGLE's plain training
+    (the same losses as before the unrolling, checked against the formula's terms)."""
+    from tokenforge.model.forward_context import set_forward_context
+    from tokenforge.train.config import TrainConfig
+    from tokenforge.train.eagle import EagleLoss, EagleTrainer
+    from tokenforge.train.parallel import Dist
+
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (14, 11)]
+    cfg = TrainConfig(data="-", output=str(tmp_path), model="tiny-llama", load_format="dummy", device="cpu",
+                      micro_batch_size=2, seq_len=32, dtype="float32")
+    trainer = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(ttt_length=3), seqs)
+    ids, lengths, feats, argmax = trainer._batch([0, 1])
+    with torch.no_grad():
+        preds = trainer.predictions(ids, feats)
+        assert len(preds) == 3
+        for row, p in ((0, 0), (0, 6), (1, 7), (0, 10)):
+            tokens, positions, hidden = ids[row, 1:p + 2], torch.arange(p + 1), feats[row, :p + 1].float()
+            for d in range(3):
+                with set_forward_context(None):                     # one causal sequence
+                    out, _ = trainer.head(tokens, positions, hidden)
+                torch.testing.assert_close(preds[d][row, p], out[-1], rtol=1e-5, atol=1e-5)
+                tokens = torch.cat([tokens, ids[row, p + d + 2:p + d + 3]])
+                positions = torch.cat([positions, torch.tensor([p + d + 1])])
+                hidden = torch.cat([hidden, out[-1:]])
+        # depth 0 of the unrolled run is the plain (one-depth) head
+        plain = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(), seqs)
+        torch.testing.assert_close(plain.predictions(ids, feats)[0], preds[0])
+    out = trainer.losses(ids, lengths, feats, argmax)
+    assert {"accuracy", "accuracy_1", "accuracy_2"} <= set(out) and out["loss"].requires_grad
+    out["loss"].backward()
+    assert trainer.head.fc.weight.grad.abs().sum() > 0

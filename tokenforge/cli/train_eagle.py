@@ -40,6 +40,9 @@ def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
                     "export) after this many seconds of steps, even before --max-steps")
     tr.add_argument("--token-loss-weight", type=float, default=0.5, help="with --draft-head: weight of the token "
                     "loss beside the feature loss (weight 1)")
+    tr.add_argument("--ttt-length", type=int, default=1, help="with --draft-head: training-time test, the draft "
+                    "depths trained at each position, each fed the head's own prediction from the depth before "
+                    "(EAGLE-3's; 1: the target's features only)")
 
 
 def _prompts(args) -> list[str]:
@@ -89,8 +92,8 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
         raise ValueError("--draft-head trains on the target's own generations: it takes no --data")
     if args.lora_rank:
         raise ValueError("--draft-head trains a new head: it does not combine with --lora-rank")
-    if args.num_prompts < 1 or args.gen_tokens < 1 or args.gen_samples < 1:
-        raise ValueError("--num-prompts, --gen-tokens and --gen-samples must be positive")
+    if args.num_prompts < 1 or args.gen_tokens < 1 or args.gen_samples < 1 or args.ttt_length < 1:
+        raise ValueError("--num-prompts, --gen-tokens, --gen-samples and --ttt-length must be positive")
     target = args.target if args.target is not None else args.model
     args.target = target
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -104,7 +107,7 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
     else:
         while not sequences.is_file():      # rank 0 is generating
             time.sleep(2)
-    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight), args.max_seconds)
+    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight, ttt_length=args.ttt_length), args.max_seconds)
     if final is not None:
         print(f"trained (up to {cfg.max_steps} steps); EAGLE head in {final} (--speculative-method eagle "
               f"--speculative-model {final})")

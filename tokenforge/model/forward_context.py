@@ -10,7 +10,8 @@ Three kinds of metadata, one model forward:
 - `None` (a profiling run before the cache exists): the tokens are one causal sequence, uncached;
 - `TrainingMetadata` (training and evaluation of a [B, S] batch flattened to B*S tokens): each row
   is its own causal sequence from position 0, uncached, and the layers run their differentiable
-  torch implementations (`is_training()`), since the Triton kernels have no backward.
+  torch implementations (`is_training()`), since the Triton kernels have no backward;
+  `UnrolledMetadata`, its subclass, for a draft head's passes over its own predictions.
 
 `lora_indices` [T] is the adapter slot of each token row (-1: none), read by multi-adapter LoRA
 hooks (model/layers/lora.py); None when no adapters are served.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -35,6 +36,19 @@ class TrainingMetadata:
     def of(batch_size: int, seq_len: int) -> TrainingMetadata:
         """One object per shape: compiled layers that read the context see the same object each step."""
         return TrainingMetadata(batch_size, seq_len)
+
+
+@dataclass(frozen=True, slots=True)
+class UnrolledMetadata(TrainingMetadata):
+    """Training-time test of a draft head (train/eagle.py): pass `depth` of several over the same
+    B rows of S positions, the head fed its own predicted features from the pass before. Pass 0 is
+    causal; pass d's row i attends pass 0's keys of rows <= i and row i's keys of passes 1..d,
+    which is what the head drafting its (d + 1)-th token sees at inference (the catch-up's KV over
+    the target's features, then its own drafts' KV). `kv`: each layer's (k, v) of every pass so
+    far, shared by the passes of one batch (model/attention/torch_backend.py `unrolled_attention`)."""
+
+    depth: int = 0
+    kv: dict = field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclass(slots=True)

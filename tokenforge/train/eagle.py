@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenforge.model.arch_config import ArchConfig
-from tokenforge.model.forward_context import TrainingMetadata, set_forward_context
+from tokenforge.model.forward_context import TrainingMetadata, UnrolledMetadata, set_forward_context
 from tokenforge.model.loader import load_model
 from tokenforge.model.loader.eagle import save_eagle_head
 from tokenforge.model.models.eagle import EagleHead, EagleSpec
@@ -57,6 +57,10 @@ class EagleLoss:
     # verify accepts; sampled or prompt text does not teach the head other tokens), "data" = the
     # sequence's own next-next token
     labels: str = "target"
+    # training-time test (EAGLE-3's): draft depths trained per position, each fed the head's own
+    # predicted feature from the depth before (1: the target's features only, EAGLE's training)
+    ttt_length: int = 1
+    ttt_decay: float = 0.8           # depth d's loss weight: ttt_decay ** d
 
 
 def head_spec(target: ArchConfig) -> EagleSpec:
@@ -76,6 +80,16 @@ def init_head(head: EagleHead, seed: int) -> None:
             p.data.zero_()
         else:
             p.data.fill_(1.0)
+
+
+def _shifted(x: torch.Tensor, start: int, n: int) -> torch.Tensor:
+    """x[:, start:start + n], zero-padded at the end to n columns (what runs past a row's end is
+    masked by the caller)."""
+    part = x[:, start:start + n]
+    if part.shape[1] == n:
+        return part
+    pad = torch.zeros((x.shape[0], n - part.shape[1], *x.shape[2:]), dtype=x.dtype, device=x.device)
+    return torch.cat([part, pad], dim=1)
 
 
 def read_sequences(path: Path) -> list[list[int]]:
@@ -147,35 +161,63 @@ class EagleTrainer:
 
     # ---- the step ----
 
+    def predictions(self, ids: torch.Tensor, feats: torch.Tensor) -> list[torch.Tensor]:
+        """The head's predicted features [B, S-1, H] at each draft depth (EagleLoss.ttt_length of them).
+        Depth 0 at p reads (token p+1, f_p) and predicts f_{p+1}; depth d at p reads (token p+d+1,
+        depth d-1's prediction at p) at position p+d and predicts f_{p+d+1}: the head's (d+1)-th
+        draft after a catch-up that ended at p, fed the tokens a greedy verify accepts, and
+        attending what it attends then (forward_context.UnrolledMetadata)."""
+        b, s = ids.shape
+        n, depth = s - 1, self.loss_cfg.ttt_length
+        pos = torch.arange(n, device=ids.device)
+        hidden = feats[:, :-1].reshape(b * n, -1).float()
+        kv: dict = {}
+        out = []
+        for d in range(depth):
+            meta = TrainingMetadata.of(b, n) if depth == 1 else UnrolledMetadata(b, n, d, kv)
+            with set_forward_context(meta):
+                pred, hidden = self.wrapped(_shifted(ids, 1 + d, n).reshape(-1), (pos + d).repeat(b), hidden)
+            out.append(pred.view(b, n, -1))
+        return out
+
     def losses(self, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor,
                argmax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """The head at p reads (token p+1, f_p) and predicts f_{p+1} (and so token p+2). `argmax`:
-        the target's argmax token after each position (from cached features), else computed here."""
+        """Feature and token losses of every draft depth (`predictions`), depth d weighted
+        ttt_decay ** d. `argmax`: the target's argmax token after each position (from cached
+        features), else computed here. "accuracy" is depth 0's (the first draft's), accuracy_d
+        depth d's."""
         b, s = ids.shape
-        pos = torch.arange(s - 1, device=ids.device)
-        with set_forward_context(TrainingMetadata.of(b, s - 1)):
-            pred, _ = self.wrapped(ids[:, 1:].reshape(-1), pos.repeat(b), feats[:, :-1].reshape(b * (s - 1), -1).float())
-        pred = pred.view(b, s - 1, -1)
-        valid = (pos[None, :] + 1) < lengths[:, None]                     # f_{p+1} exists
-        feat_err = F.smooth_l1_loss(pred, feats[:, 1:].float(), reduction="none").mean(-1)
-        feat_loss = (feat_err * valid).sum() / valid.sum().clamp(min=1)
+        n = s - 1
+        pos = torch.arange(n, device=ids.device)
         weight = self.target.lm_head.weight
-        labels = torch.full((b, s - 1), IGNORE_INDEX, dtype=torch.long, device=ids.device)
-        if self.loss_cfg.labels == "target":           # what the target would emit after p + 1
-            labels[valid] = argmax[:, 1:][valid] if argmax is not None else self._target_argmax(feats[:, 1:][valid])
-        else:                                          # the sequence's own token p + 2
-            labels[:, :-1] = ids[:, 2:]
-            labels[~((pos[None, :] + 2) < lengths[:, None])] = IGNORE_INDEX
-        # the vocabulary-wide products (most of a step's work) run over labelled rows only, not
-        # over the batch's padding
-        keep = labels != IGNORE_INDEX                                     # [B, S-1]
-        rows, kept = pred[keep], labels[keep]                             # [n, H], [n]
-        count = kept.numel() or 1
-        stats: dict = {}                                  # the accuracy, from the loss's own logits
-        token_loss = linear_cross_entropy(rows, weight.detach(), kept, stats=stats) / count
-        acc = stats["correct"] / count
-        total = self.loss_cfg.feature_weight * feat_loss + self.loss_cfg.token_weight * token_loss
-        return {"loss": total, "feature_loss": feat_loss.detach(), "token_loss": token_loss.detach(), "accuracy": acc}
+        total = feat_total = token_total = 0.0
+        norm = 0.0
+        stats_out: dict[str, torch.Tensor] = {}
+        for d, pred in enumerate(self.predictions(ids, feats)):
+            w = self.loss_cfg.ttt_decay ** d
+            valid = (pos[None, :] + 1 + d) < lengths[:, None]             # f_{p+d+1} exists
+            feat_err = F.smooth_l1_loss(pred, _shifted(feats, 1 + d, n).float(), reduction="none").mean(-1)
+            feat_loss = (feat_err * valid).sum() / valid.sum().clamp(min=1)
+            labels = torch.full((b, n), IGNORE_INDEX, dtype=torch.long, device=ids.device)
+            if self.loss_cfg.labels == "target":       # what the target would emit after p + d + 1
+                labels[valid] = (_shifted(argmax, 1 + d, n)[valid] if argmax is not None
+                                 else self._target_argmax(_shifted(feats, 1 + d, n)[valid]))
+            else:                                      # the sequence's own token p + d + 2
+                labels = torch.where((pos[None, :] + 2 + d) < lengths[:, None], _shifted(ids, 2 + d, n), labels)
+            # the vocabulary-wide products (most of a step's work) run over labelled rows only, not
+            # over the batch's padding
+            keep = labels != IGNORE_INDEX                                 # [B, S-1]
+            rows, kept = pred[keep], labels[keep]                         # [m, H], [m]
+            count = kept.numel() or 1
+            stats: dict = {}                              # the accuracy, from the loss's own logits
+            token_loss = linear_cross_entropy(rows, weight.detach(), kept, stats=stats) / count
+            stats_out["accuracy" if d == 0 else f"accuracy_{d}"] = stats["correct"] / count
+            total = total + w * (self.loss_cfg.feature_weight * feat_loss + self.loss_cfg.token_weight * token_loss)
+            feat_total = feat_total + w * feat_loss.detach()
+            token_total = token_total + w * token_loss.detach()
+            norm += w
+        return {"loss": total / norm, "feature_loss": feat_total / norm, "token_loss": token_total / norm,
+                **stats_out}
 
     @torch.no_grad()
     def _target_argmax(self, feats: torch.Tensor, rows: int = 4096) -> torch.Tensor:

@@ -205,6 +205,39 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     return out.transpose(1, 2).reshape(num_tokens, num_heads, head_dim)
 
 
+def unrolled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, meta, layer: int,
+                       spec) -> torch.Tensor:
+    """A draft head's training-time test (forward_context.UnrolledMetadata): q/k/v [B * S, H, D] of
+    pass `meta.depth` -> [B * S, Hq, D]. Pass 0 is causal; pass d's row i attends pass 0's keys of
+    rows <= i and row i's keys of passes 1..d (each pass's k/v kept in `meta.kv[layer]`)."""
+    if spec.sliding_window is not None or spec.sinks:
+        raise NotImplementedError("a draft head's unrolled training takes full attention without sinks")
+    passes = meta.kv.setdefault(layer, [])
+    if len(passes) != meta.depth:
+        raise ValueError(f"unrolled attention: pass {meta.depth} of layer {layer} after {len(passes)} passes")
+    passes.append((k, v))
+    b, s = meta.batch_size, meta.seq_len
+    if meta.depth == 0:
+        return causal_attention(q, k, v, scale, None, b)
+    heads, dim = q.shape[1], q.shape[2]
+
+    def rows(x: torch.Tensor) -> torch.Tensor:           # [B * S, Hkv, D] -> [B, Hq, S, D]
+        x = x.view(b, s, x.shape[1], dim).transpose(1, 2)
+        return x.repeat_interleave(heads // x.shape[1], dim=1)
+
+    qb = rows(q)
+    k0, v0 = rows(passes[0][0]), rows(passes[0][1])
+    scores = (qb @ k0.transpose(-1, -2)).masked_fill(
+        ~torch.ones(s, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    own = [rows(pk) for pk, _ in passes[1:]]
+    scores = torch.cat([scores] + [(qb * kd).sum(-1, keepdim=True) for kd in own], dim=-1) * scale
+    probs = scores.float().softmax(dim=-1).to(q.dtype)   # [B, Hq, S, S + d]
+    out = probs[..., :s] @ v0
+    for j, (_, pv) in enumerate(passes[1:]):
+        out = out + probs[..., s + j:s + j + 1] * rows(pv)
+    return out.transpose(1, 2).reshape(b * s, heads, dim)
+
+
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, d: DecodeGroup, key_mask: torch.Tensor | None, scale: float,
             kv_scales: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Hq, D] -> [B, Hq, D], attending over each sequence's cached keys."""

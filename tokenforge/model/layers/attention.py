@@ -25,8 +25,8 @@ from torch import nn
 
 from tokenforge.model.attention.backend import AttentionBackend
 from tokenforge.model.attention.spec import FULL_ATTENTION, AttentionSpec
-from tokenforge.model.attention.torch_backend import TorchAttentionBackend, causal_attention
-from tokenforge.model.forward_context import TrainingMetadata, get_forward_context
+from tokenforge.model.attention.torch_backend import TorchAttentionBackend, causal_attention, unrolled_attention
+from tokenforge.model.forward_context import TrainingMetadata, UnrolledMetadata, get_forward_context
 from tokenforge.model.layers.kernel_dispatch import triton_ops
 from tokenforge.model.layers.parallel import new_parameter
 
@@ -76,7 +76,10 @@ class Attention(nn.Module):
         self._observe(k, v)
         if metadata is None or isinstance(metadata, TrainingMetadata):     # no KV cache
             rows = 1 if metadata is None else metadata.batch_size
-            out = causal_attention(q, k, v, self.scale, self.spec.sliding_window, rows, self.sinks)
+            if isinstance(metadata, UnrolledMetadata):
+                out = unrolled_attention(q, k, v, self.scale, metadata, self.layer_idx, self.spec)
+            else:
+                out = causal_attention(q, k, v, self.scale, self.spec.sliding_window, rows, self.sinks)
         else:
             out = self.backend.forward(q, k, v, self.kv_cache, metadata, self.scale, **self._per_call())
         return out.reshape(q.shape[0], self.num_heads * self.head_dim)
