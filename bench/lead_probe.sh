@@ -53,6 +53,8 @@
 #   spec-real-ab  spec-real at K = SPEC_K (default 16) on the grounded and chat prompts, with the conditional
 #               graph and without (IF=1, IF=0) (needs gguf-join)
 #   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-join)
+#   spec-k16    bench spec, n-gram K = 16 on grounded, grounded-held-out and chat (needs gguf-join), one JSON
+#   eagle-ttt   spec_real.sh with TTT (default "1 3"): EAGLE heads by --ttt-length on held-out chat (needs gguf-join)
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 #   prefill-ab  W1 (bench latency, --repeats 2) of each of PF_MODELS (default smollm2-135m llama-3.1-8b gpt-oss-20b) with
@@ -188,6 +190,16 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
   burst-kernels) step burst-kernels 120 python3 -m pytest -q --timeout 100 -p no:cacheprovider tests/kernels/test_spec_burst.py \
                    tests/executor/test_cond_graph.py tests/executor/test_gpu_speculative.py -k "kernel or dummy or flag" ;;
   burst-tests) step burst-tests 240 python3 -m pytest -q --timeout 200 -p no:cacheprovider tests/executor/test_gpu_speculative.py ;;
+  spec-k16)  # n-gram K = 16 (bursts) on the three bundled workloads, every JSON packed in one file (needs gguf-join)
+    STEP_TAIL=30 step spec-k16 260 python3 -m tokenforge.bench spec --workload grounded,grounded-held-out,chat \
+      --num-prompts 8 --output-len 192 --repeats 2 --methods none,ngram --num-speculative-tokens 16 --max-num-seqs 8 \
+      --results-dir "$W/k16"
+    python3 -c "import glob, json, os, sys; json.dump({os.path.basename(f): json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'), indent=1)" \
+      "$W/k16" "$OUT/spec-k16.json" 2>>"$LOG" ;;
+  eagle-ttt)  # bench/spec_real.sh: heads trained with --ttt-length 1 and 3 (TTT), benched on held-out chat (needs gguf-join)
+    TTT="${TTT:-1 3}" WORKLOADS=chat METHODS=none,eagle GEN_SAMPLES=4 TRAIN_PROMPTS=480 TRAIN_STEPS=400 TRAIN_SECONDS=${TRAIN_SECONDS:-60} \
+      BUDGET=$(( BUDGET - ($(date +%s) - START) - 10 )) bash bench/spec_real.sh "$OUT/eagle"
+    rm -f "$OUT/eagle/bench.log" "$OUT/eagle/train.log" ;;
   spec-real) STEP_TAIL=20 step spec-real 240 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
                --output-len 192 --repeats 1 --methods none,ngram-stepwise,ngram --max-num-seqs 8 --results-dir "$W/spec-real"
              keep "$W/spec-real" spec-real ;;

