@@ -199,6 +199,7 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
   eagle-ttt)  # bench/spec_real.sh: heads trained with --ttt-length 1 and 3 (TTT), benched on held-out chat (needs gguf-join)
     TTT="${TTT:-1 3}" WORKLOADS=chat METHODS=none,eagle GEN_SAMPLES=4 TRAIN_PROMPTS=480 TRAIN_STEPS=400 TRAIN_SECONDS=${TRAIN_SECONDS:-60} \
       BUDGET=$(( BUDGET - ($(date +%s) - START) - 10 )) bash bench/spec_real.sh "$OUT/eagle"
+    grep -h "compiled after start-up" /tmp/spec_real/*.log 2>/dev/null | cut -c1-400 | sort | uniq -c | head -8 >>"$LOG"
     rm -f "$OUT/eagle/bench.log" "$OUT/eagle/train.log" ;;
   spec-real) STEP_TAIL=20 step spec-real 240 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
                --output-len 192 --repeats 1 --methods none,ngram-stepwise,ngram --max-num-seqs 8 --results-dir "$W/spec-real"
