@@ -58,3 +58,21 @@ def test_compiled_fsdp_step_lowers_loss():
     batch = [(tokens[:, :-1], tokens[:, 1:])]
     losses = [step.run(batch).mean_loss() for _ in range(8)]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_the_chunk_kernel_compiles_at_most_twice_over_changing_row_counts():
+    """A draft head's batches label a different number of rows each step: the compiled chunk
+    kernel takes them with one more (dynamic) compile, not one compile per count."""
+    from torch._dynamo.utils import counters
+
+    from tokenforge.train import loss as loss_mod
+
+    torch._dynamo.reset()
+    loss_mod._compiled_chunk = None
+    counters.clear()
+    w = (torch.randn(3000, 64, device="cuda") * 0.05).to(torch.bfloat16)
+    for rows in (517, 900, 1203, 64, 2999, 1500, 333, 2048, 777, 1111):
+        h = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, 3000, (rows,), device="cuda")
+        linear_cross_entropy(h, w, labels, compute_dtype=torch.bfloat16).backward()
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])

@@ -40,7 +40,11 @@ def _chunk_fn(device: torch.device):
     if device.type != "cuda":
         return _chunk_loss_and_grad
     if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=False)
+        # dynamic=None: a second row count recompiles once with the rows dynamic. A draft head's
+        # batches label a different number of rows each step, and dynamic=False recompiled every
+        # new count until dynamo's limit (8), seconds each (device log, round 24); a
+        # pretraining step's fixed chunks keep their static kernel
+        _compiled_chunk = torch.compile(_chunk_loss_and_grad, dynamic=None)
     return _compiled_chunk
 
 
