@@ -199,10 +199,10 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
     python3 -c "import glob, json, os, sys; json.dump({os.path.basename(f): json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'), indent=1)" \
       "$W/k16" "$OUT/spec-k16.json" 2>>"$LOG" ;;
   eagle-ttt)  # bench/spec_real.sh: heads trained with --ttt-length 1 and 3 (TTT), benched on held-out chat (needs gguf-join)
-    TTT="${TTT:-1 3}" WORKLOADS=chat METHODS=none,eagle GEN_SAMPLES=4 TRAIN_PROMPTS=480 TRAIN_STEPS=400 TRAIN_SECONDS=${TRAIN_SECONDS:-60} \
+    PROFILE=${PROFILE-1} TTT="${TTT:-1 3}" WORKLOADS=chat METHODS=none,eagle GEN_SAMPLES=4 TRAIN_PROMPTS=480 TRAIN_STEPS=400 TRAIN_SECONDS=${TRAIN_SECONDS:-60} \
       BUDGET=$(( BUDGET - ($(date +%s) - START) - 10 )) bash bench/spec_real.sh "$OUT/eagle"
     grep -h "compiled after start-up" /tmp/spec_real/*.log 2>/dev/null | cut -c1-400 | sort | uniq -c | head -8 >>"$LOG"
-    rm -f "$OUT/eagle/bench.log" "$OUT/eagle/train.log" ;;
+    rm -f "$OUT/eagle/train.log" ;;
   spec-real) STEP_TAIL=20 step spec-real 240 python3 -m tokenforge.bench spec --workload grounded --num-prompts 8 \
                --output-len 192 --repeats 1 --methods none,ngram-stepwise,ngram --max-num-seqs 8 --results-dir "$W/spec-real"
              keep "$W/spec-real" spec-real ;;
