@@ -54,6 +54,7 @@
 #               graph and without (IF=1, IF=0) (needs gguf-join)
 #   burst-tests the speculative GPU tests (bursts and per-step verify graphs; needs gguf-join)
 #   train-tests the training GPU tests (tests/train/test_gpu_train.py: the chunked loss's compiles, FSDP)
+#   watch-tests the compile watch's GPU tests (no compile after Ready: plain, LoRA, EAGLE)
 #   spec-k16    bench spec, n-gram K = 16 on grounded, grounded-held-out and chat (needs gguf-join), one JSON
 #   eagle-ttt   spec_real.sh with TTT (default "1 3"): EAGLE heads by --ttt-length on held-out chat (needs gguf-join)
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
@@ -192,6 +193,7 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
                    tests/executor/test_cond_graph.py tests/executor/test_gpu_speculative.py -k "kernel or dummy or flag" ;;
   burst-tests) step burst-tests 240 python3 -m pytest -q --timeout 200 -p no:cacheprovider tests/executor/test_gpu_speculative.py ;;
   train-tests) step train-tests 150 python3 -m pytest -q --timeout 120 -p no:cacheprovider tests/train/test_gpu_train.py ;;
+  watch-tests) step watch-tests 200 python3 -m pytest -q --timeout 150 -p no:cacheprovider tests/executor/test_compile_watch_gpu.py ;;
   spec-k16)  # n-gram K = 16 (bursts) on the three bundled workloads, every JSON packed in one file (needs gguf-join)
     STEP_TAIL=30 step spec-k16 260 python3 -m tokenforge.bench spec --workload grounded,grounded-held-out,chat \
       --num-prompts 8 --output-len 192 --repeats 2 --methods none,ngram --num-speculative-tokens 16 --max-num-seqs 8 \

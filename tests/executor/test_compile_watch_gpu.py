@@ -55,3 +55,23 @@ def test_no_lora_kernel_compiles_after_ready(tmp_path):
         assert WATCH.after_ready == [], WATCH.after_ready
     finally:
         llm.shutdown()
+
+
+def test_no_eagle_kernel_compiles_after_ready(tmp_path):
+    """An EAGLE engine's eager head passes (the catch-up after a prefill, its decodes before the
+    first graphed step) reuse the kernels the warm-up compiled: their packed metadata put seq_lens
+    at offsets of every alignment, which the unused scale and sink pointers (given seq_lens) were
+    specialised on (round 24's device log: both decode kernels compiled at a first request)."""
+    from tests.executor.spec.eagle_heads import write_eagle1                         # noqa: PLC0415
+    llm = LLM(model="smollm2-135m", load_format="dummy", dtype="bfloat16", max_model_len=2048,
+              gpu_memory_utilization=0.3, speculative_method="eagle", speculative_model=write_eagle1(tmp_path / "h"),
+              num_speculative_tokens=4)
+    try:
+        llm.engine.scheduler.drafts.adaptive = False                 # draft every step, whatever is accepted
+        prompts = [[(5 * i + j) % 4000 + 1 for j in range(n)] for i, n in enumerate((3, 17, 64, 129, 250, 41))]
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+        for batch in (1, 2, 6):
+            llm.generate(prompts[:batch], params, use_tqdm=False)
+        assert WATCH.after_ready == [], WATCH.after_ready
+    finally:
+        llm.shutdown()

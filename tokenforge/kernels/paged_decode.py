@@ -48,8 +48,12 @@ def _key_tiles(seq_len, window, BLOCK_N: tl.constexpr, SLIDING: tl.constexpr):
 
 
 # Per-step counts and metadata pointers unspecialised, as in paged_prefill (eager decode batches
-# past the captured buckets would otherwise meet new variants after start-up).
-@triton.jit(do_not_specialize=["num_splits", "window", "stride_bt", "block_tables_ptr", "seq_lens_ptr"])
+# past the captured buckets would otherwise meet new variants after start-up). scale_ptr and
+# sinks_ptr too: without fp8 scales or sinks they carry seq_lens, whose alignment in an eager
+# batch's packed metadata varies with the batch (the EAGLE head's eager decodes compiled both
+# kernels at a first request, device log round 24).
+@triton.jit(do_not_specialize=["num_splits", "window", "stride_bt", "block_tables_ptr", "seq_lens_ptr", "scale_ptr",
+                               "sinks_ptr"])
 def _decode_split_kernel(
     q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr, scale_ptr, sinks_ptr,
     qk_scale, num_splits, window,
@@ -155,7 +159,7 @@ def _merge_head(part_out_ptr, part_lse_ptr, row0, active, o_ptr, sink, SPLITS_PA
     tl.store(o_ptr + d, o.to(o_ptr.dtype.element_ty))
 
 
-@triton.jit(do_not_specialize=["num_splits", "window", "seq_lens_ptr"])
+@triton.jit(do_not_specialize=["num_splits", "window", "seq_lens_ptr", "sinks_ptr"])
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, sinks_ptr, num_splits, window, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS_PAD: tl.constexpr, SLIDING: tl.constexpr,

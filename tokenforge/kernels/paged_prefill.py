@@ -80,9 +80,10 @@ def _attend_tile(acc, m, l, q, k_base, bt_row, t, q_pos, seq_len, qk_scale, d, w
 
 # The per-step counts and metadata pointers are not specialised (Triton would compile one variant per
 # "== 1" / "divisible by 16" / 16-byte-aligned combination of them: a request could meet a new
-# one after start-up). The data pointers and strides keep their specialisation (vector loads).
+# one after start-up). The data pointers and strides keep their specialisation (vector loads). The
+# fp8 scales' and sinks' pointers carry seq_lens when unused, so they go unspecialised as well.
 @triton.jit(do_not_specialize=["num_seqs", "window", "stride_bt", "block_tables_ptr", "query_start_loc_ptr",
-                               "seq_lens_ptr"])
+                               "seq_lens_ptr", "scale_ptr", "sinks_ptr"])
 def _prefill_kernel(
     q_ptr, kv_ptr, out_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, scale_ptr, sinks_ptr,
     qk_scale, num_seqs, window,
