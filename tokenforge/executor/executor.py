@@ -30,7 +30,12 @@ class Executor:
         self.runner = ModelRunner(config)
         self.load_seconds = time.perf_counter() - start
         logger.info("model loaded in %.2f s (%s, %s)", self.load_seconds, self.runner.device, self.runner.dtype)
-        self.tiers = None
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The state every executor starts with, whatever builds its model (MultiprocExecutor builds
+        none here and does not run Executor.__init__)."""
+        self.tiers = None                                     # KV tiers: build_tiers, one process only
         self._verify_costs: dict[int, float | None] = {}     # K -> the timed ratio (verify_cost_ratio)
 
     @property

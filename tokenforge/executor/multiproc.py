@@ -58,8 +58,7 @@ class MultiprocExecutor(Executor):
         self.workers: list[multiprocessing.process.BaseProcess] = []
         self._closing = False
         self.ring: ShmRing | None = None
-        self.tiers = None          # KV tiers: one process only (parallel_check refuses them here)
-        self._verify_costs: dict[int, float | None] = {}
+        self._init_state()         # no KV tiers here: one process only (parallel_check refuses them)
         device = config.device.resolved_device()
         envs.set_default("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         use_engine_cache(config)       # before the workers start: they inherit the environment
