@@ -62,6 +62,11 @@ class EagleLoss:
     ttt_length: int = 1
     ttt_decay: float = 0.8           # depth d's loss weight: ttt_decay ** d
 
+    def __post_init__(self) -> None:
+        if self.ttt_length < 1 or self.ttt_decay <= 0:
+            raise ValueError(f"EagleLoss: ttt_length must be >= 1 and ttt_decay > 0, got {self.ttt_length}, "
+                             f"{self.ttt_decay}")
+
 
 def head_spec(target: ArchConfig) -> EagleSpec:
     """An EAGLE (v1) head of one layer shaped like the target's layers."""
