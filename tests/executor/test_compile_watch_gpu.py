@@ -18,7 +18,9 @@ def test_no_compile_after_ready_on_a_varied_mix(enforce_eager):
     llm = LLM(model="tiny-llama", load_format="dummy", dtype="bfloat16", max_model_len=2048,
               gpu_memory_utilization=0.3, enforce_eager=enforce_eager)
     try:
-        assert WATCH.ready and WATCH.before_ready > 0, "the Triton hook saw no start-up compile"
+        # the hook is in place (a start-up compile is seen only when no earlier engine in this process
+        # compiled the same kernels: the eager arm after the graphs arm compiles nothing new)
+        assert WATCH.ready and WATCH._triton_installed, "the Triton compile hook is not installed"
         shared = list(range(100, 400))
         prompts = [[7] * n for n in (3, 16, 33, 100, 257, 1000)] + [shared + [5], shared + [6, 7, 8], shared[:48] + [9]]
         variants = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),

@@ -149,3 +149,18 @@ def test_the_verify_cost_is_timed_on_the_graphs():
     assert ratio is not None and 0.2 < ratio < 50, ratio
     assert cost.of(5) / cost.of(1) == pytest.approx(max(ratio, (1 + 5 / 128) / (1 + 1 / 128)), rel=1e-6)
     _free(llm)
+
+
+def test_a_step_index_upload_does_not_wait_for_the_queued_work():
+    """executor/input_batch.py `device_index`: the indices a step gathers with are copied behind
+    the work already queued, without synchronising the stream (torch.tensor(..., device=cuda)
+    would: an async step then waits for the step in flight; an EAGLE engine's idle steps cost
+    1.17 ms against 0.51 without speculation on an H100, round 25)."""
+    from tokenforge.executor.input_batch import device_index
+
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)                  # ~0.1 s of queued device work
+    index = device_index([3, 1, 2], torch.device("cuda"))
+    assert not torch.cuda.current_stream().query(), "the upload waited for the queued kernel"
+    torch.cuda.synchronize()
+    assert index.tolist() == [3, 1, 2] and index.dtype == torch.long

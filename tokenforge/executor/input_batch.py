@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenforge.core.outputs import PLACEHOLDER_TOKEN_ID, ScheduledSequence
+from tokenforge.executor.sampling_batch import upload
 from tokenforge.model.attention.backend import AttentionBatch
 
 
@@ -42,7 +43,14 @@ class InputBatch:
         """Indices of the last token of each listed sequence (a slice when that is all of them)."""
         if self.is_decode_only and len(rows) == self.num_seqs:
             return slice(None)
-        return torch.tensor([self.query_start_loc[r + 1] - 1 for r in rows], device=self.input_ids.device)
+        return device_index([self.query_start_loc[r + 1] - 1 for r in rows], self.input_ids.device)
+
+
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """Indices [N] (int64) on `device` for a step's gathers, copied behind the device's queued work
+    from pinned pages. `torch.tensor(values, device=cuda)` synchronises the stream: an async step
+    then waits for the step in flight, a synchronous one for its own forward, before the host goes on."""
+    return upload(torch.tensor(values, dtype=torch.long), device)
 
 
 def build_inputs(seqs: list[ScheduledSequence], block_size: int, device: torch.device,

@@ -98,7 +98,8 @@ def measure(args: argparse.Namespace, prompts: list[list[int]], proposer=None, *
 
 def measure_speculative(args: argparse.Namespace, prompts: list[list[int]], vocab: int) -> dict:
     """Speculation and none, in the same run: the ratio, the acceptance, and greedy equality."""
-    base_timing, base_ids, _ = measure(args, prompts, speculative_method=None, num_speculative_tokens=None)
+    base_timing, base_ids, _ = measure(args, prompts, speculative_method=None, num_speculative_tokens=None,
+                                       speculative_model=None, speculative_tree=False)
     harness.release_memory()
     proposer = None
     if args.replay_acceptance is not None:

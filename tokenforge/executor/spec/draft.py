@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
+from tokenforge.executor.input_batch import device_index
 from tokenforge.executor.kv_cache import allocate_kv_caches
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
@@ -117,13 +118,13 @@ class DraftModel:
             known_rows.extend(range(start, start + n))
             qlens.append(n)
         batch = inputs.attn_batch
-        rows = torch.tensor(known_rows, device=self.device)
+        rows = device_index(known_rows, self.device)
         known = AttentionBatch(qlens, batch.context_lens, batch.block_tables, self.block_size, self.device)
         hidden = self._forward(known, inputs.input_ids[rows], inputs.positions[rows])
         if not drafted:
             return
         last = [sum(qlens[:i + 1]) - 1 for i, _, _ in drafted]
-        tokens = self._argmax(hidden[torch.tensor(last, device=self.device)])           # [N] d_1
+        tokens = self._argmax(hidden[device_index(last, self.device)])           # [N] d_1
         self._decode_chain(step, drafted, tokens)
 
     def _decode_chain(self, step, drafted: list[tuple[int, int, int]], tokens: torch.Tensor) -> None:
@@ -137,15 +138,15 @@ class DraftModel:
         tables = [inputs.attn_batch.block_tables[i] for i, _, _ in drafted]
         for j in range(k):
             live = [m for m, (_, _, d) in enumerate(drafted) if d > j]          # still drafting
-            index = torch.tensor([first[m] + j for m in live], device=self.device)
+            index = device_index([first[m] + j for m in live], self.device)
             inputs.input_ids.index_copy_(0, index, tokens)
             ctx = [pos[m] + j for m in live]
             batch = AttentionBatch([1] * len(live), ctx, [tables[m] for m in live], self.block_size, self.device)
-            hidden = self._forward(batch, inputs.input_ids[index], torch.tensor(ctx, device=self.device))
+            hidden = self._forward(batch, inputs.input_ids[index], device_index(ctx, self.device))
             nxt = [n for n, m in enumerate(live) if drafted[m][2] > j + 1]      # those wanting d_{j+2}
             if not nxt:
                 return
-            tokens = self._argmax(hidden[torch.tensor(nxt, device=self.device)])
+            tokens = self._argmax(hidden[device_index(nxt, self.device)])
 
     def _forward(self, batch: AttentionBatch, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         with set_forward_context(self.backend.build_metadata(batch), None):

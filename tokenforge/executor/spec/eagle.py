@@ -34,6 +34,7 @@ import logging
 import torch
 
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
+from tokenforge.executor.input_batch import device_index
 from tokenforge.executor.kv_cache import allocate_kv_caches
 from tokenforge.executor.spec.eagle_graphs import EagleGraphs
 from tokenforge.model.attention.backend import AttentionBatch
@@ -163,7 +164,7 @@ class EagleDrafter:
         d = drafted[0][2]
         tokens = self.graphs.run(feats, ids, index, t, qlens, ctx, tables, [last[i] for i in order],
                                  [seqs[i].start_position for i in order], d)
-        rows = torch.tensor([row + j for _, row, _ in drafted for j in range(d)], device=self.device)
+        rows = device_index([row + j for _, row, _ in drafted for j in range(d)], self.device)
         step.inputs.input_ids.index_copy_(0, rows, tokens.reshape(-1))
 
     def _catch_up_graphed(self, step, plan) -> None:
@@ -210,7 +211,7 @@ class EagleDrafter:
             last[i] = len(feat_rows) - 1
         if not qlens:
             return None
-        index = torch.tensor(feat_rows + tok_rows + positions, device=self.device)
+        index = device_index(feat_rows + tok_rows + positions, self.device)
         ids = torch.cat([prev.inputs.input_ids[:n_prev], inputs.input_ids])
         return feats, ids, index, len(feat_rows), qlens, ctx, tables, last
 
@@ -238,23 +239,23 @@ class EagleDrafter:
         if not live:
             return
         out_rows, next_hidden = self._out
-        pick = torch.tensor([caught[i] for i, _, _ in live], device=self.device)
+        pick = device_index([caught[i] for i, _, _ in live], self.device)
         tokens, hidden = self.head.draft_tokens(out_rows[pick]), next_hidden[pick]
         start = [seqs[i].start_position for i, _, _ in live]       # S': the position of the known token
         tables = [inputs.attn_batch.block_tables[i] for i, _, _ in live]
         k = max(d for _, _, d in live)
         current = list(range(len(live)))                           # indices into live, still drafting
         for j in range(k):
-            index = torch.tensor([live[m][1] + j for m in current], device=self.device)
+            index = device_index([live[m][1] + j for m in current], self.device)
             inputs.input_ids.index_copy_(0, index, tokens)
             nxt = [n for n, m in enumerate(current) if live[m][2] > j + 1]
             if not nxt:
                 return
-            keep = torch.tensor(nxt, device=self.device)
+            keep = device_index(nxt, self.device)
             current = [current[n] for n in nxt]
             ctx = [start[m] + j for m in current]
             batch = AttentionBatch([1] * len(current), ctx, [tables[m] for m in current], self.block_size, self.device)
-            rows, hidden = self._forward(batch, tokens[keep], torch.tensor(ctx, device=self.device), hidden[keep])
+            rows, hidden = self._forward(batch, tokens[keep], device_index(ctx, self.device), hidden[keep])
             tokens = self.head.draft_tokens(rows)
 
     def _forward(self, batch: AttentionBatch, ids: torch.Tensor, positions: torch.Tensor,

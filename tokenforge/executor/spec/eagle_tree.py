@@ -25,6 +25,7 @@ import logging
 import torch
 
 from tokenforge.config.draft_tree import DraftTree
+from tokenforge.executor.input_batch import device_index
 from tokenforge.executor.spec.eagle import EagleDrafter
 from tokenforge.executor.spec.tree_verify import TreeTensors
 from tokenforge.model.attention.backend import AttentionBatch, TreeMask
@@ -86,8 +87,8 @@ class EagleTreeDrafter(EagleDrafter):
             last = first
             while last + 1 < n and tree.depths[last + 1] == depth:
                 last += 1
-            parents = torch.tensor([p - level_start for p in tree.parents[first:last + 1]], device=self.device)
-            ranks = torch.tensor(tree.ranks[first:last + 1], device=self.device)
+            parents = device_index([p - level_start for p in tree.parents[first:last + 1]], self.device)
+            ranks = device_index(tree.ranks[first:last + 1], self.device)
             top = self.head.draft_topk(rows, max(tree.ranks[first:last + 1]) + 1)    # [parents, k]
             tokens = top[parents, ranks]                                             # [level]
             inputs.input_ids[root + first:root + last + 1] = tokens

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tokenforge.executor.input_batch import device_index
 from tokenforge.executor.roles import (Driver, HostCopy, StepInFlight, TPFollower, broadcast_sampled, copy_back,
                                        prompt_logits)
 from tokenforge.executor.sampler import LogprobsTensors, SamplerOutput
@@ -73,7 +74,7 @@ def plain_logits(role, step: StepInFlight) -> torch.Tensor | None:
     rows = [step.inputs.query_start_loc[index[id(s)] + 1] - 1 for s in step.sampling]
     if not rows:
         return None
-    return role.model.compute_logits(step.hidden[torch.tensor(rows, device=step.hidden.device)])
+    return role.model.compute_logits(step.hidden[device_index(rows, step.hidden.device)])
 
 
 def _split_plain(role, step: StepInFlight) -> None:
