@@ -17,7 +17,7 @@ NAME=spec_real; BUDGET=${BUDGET:-300}
 source "$(dirname "$0")/device_steps.sh" "$@"
 TRAIN_PROMPTS=${TRAIN_PROMPTS:-400}; GEN_TOKENS=${GEN_TOKENS:-256}; TRAIN_STEPS=${TRAIN_STEPS:-1000}
 PROMPTS=${PROMPTS:-8}; OUT_LEN=${OUT_LEN:-192}; REPEATS=${REPEATS:-1}; METHODS=${METHODS:-none,ngram,eagle,eagle-eager}
-RUN=$W/head; TTT=(${TTT:-1})      # TTT="1 3": a head per --ttt-length, on the same generated sequences
+RUN=$W/head; TTT=(${TTT:-3})      # TTT="1 3": a head per --ttt-length, on the same generated sequences
 train_head() {   # run ttt-length: the first generates the sequences, the others reuse them (--resume)
   local run=$1 ttt=$2 resume=()
   [ "$run" != "$RUN" ] && mkdir -p "$run/distill" && cp "$RUN/distill/sequences.jsonl" "$run/distill/" 2>/dev/null && resume=(--resume)

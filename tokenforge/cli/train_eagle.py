@@ -40,9 +40,10 @@ def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
                     "export) after this many seconds of steps, even before --max-steps")
     tr.add_argument("--token-loss-weight", type=float, default=0.5, help="with --draft-head: weight of the token "
                     "loss beside the feature loss (weight 1)")
-    tr.add_argument("--ttt-length", type=int, default=1, help="with --draft-head: training-time test, the draft "
+    tr.add_argument("--ttt-length", type=int, default=3, help="with --draft-head: training-time test, the draft "
                     "depths trained at each position, each fed the head's own prediction from the depth before "
-                    "(EAGLE-3's; 1: the target's features only)")
+                    "(EAGLE-3's; 1: the target's features only; 3 accepted the later drafts more often on the "
+                    "bundled model, BENCHMARKS.md round 25)")
 
 
 def _prompts(args) -> list[str]:
