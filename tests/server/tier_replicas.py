@@ -144,7 +144,7 @@ def wait_for_metric(server: ServerProcess, name: str, at_least: float, timeout: 
         value = metric_sum(server, name, **labels)
         if value >= at_least or time.monotonic() > deadline:
             return value
-        time.sleep(0.2)
+        time.sleep(0.05)
 
 
 def check_shared_prefix(a: ServerProcess, b: ServerProcess, seed: int, prefix_len: int = 1500) -> dict:
