@@ -8,6 +8,7 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -44,7 +45,8 @@ def test_redis_sigkill_mid_stream_loses_nothing_and_hits_resume(replicas, redis_
     a, b = replicas
     rng = random.Random(nonce())
     prompts = [random_ids(rng, 200) for _ in range(8)]
-    expected = [complete(a, p, 6, cache_salt="reference")[0] for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:      # batched, as the streams below are
+        expected = list(pool.map(lambda p: complete(a, p, 6, cache_salt="reference")[0], prompts))
     errors_before = metric_sum(b, "tokenforge:kv_tier_errors_total") + metric_sum(a, "tokenforge:kv_tier_errors_total")
     got: list[str | None] = [None] * len(prompts)
 
