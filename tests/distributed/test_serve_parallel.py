@@ -48,7 +48,7 @@ def test_serve_tp2_answers_openai_then_dies_cleanly_with_a_worker(widened_model,
         assert server.proc.wait(30) != 0
         deadline = time.monotonic() + 30
         while processes_with_env(marker) and time.monotonic() < deadline:
-            time.sleep(0.2)
+            time.sleep(0.05)
         assert processes_with_env(marker) == []
     finally:
         server.stop()

@@ -55,7 +55,7 @@ def _wait_for(router, url: str, adapter: str, timeout: float = 20.0) -> None:
         listed = {r["url"]: r.get("adapters", []) for r in httpx.get(router.url + "/router/replicas").json()["replicas"]}
         if adapter in listed.get(url, []):
             return
-        time.sleep(0.2)
+        time.sleep(0.05)
     raise AssertionError(f"the router never saw {adapter} on {url}")
 
 

@@ -8,10 +8,11 @@ import os
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from .tier_replicas import (RedisProcess, check_shared_prefix_ttft, complete, metric_sum, nonce, random_ids,
+from .tier_replicas import (RedisProcess, check_shared_prefix, complete, metric_sum, nonce, random_ids,
                             serve_pair, wait_for_metric)
 
 pytestmark = pytest.mark.skipif(not os.environ.get("TOKENFORGE_TEST_REDIS_URL"),
@@ -31,20 +32,21 @@ def replicas(redis_server):
 
 
 def test_replica_b_restores_the_prefix_replica_a_computed(replicas):
-    """Through `tokenforge serve` and a standalone Redis. The 1,500-token TTFT target (3x) is
-    tests/executor/test_kv_remote_replicas.py's (the same engines and Redis client, in process);
-    a 640-token prefix (40 blocks) checks the same mechanism here in a third of the time, with a 2x
-    floor: idle it runs ~6-7x, but with both cores loaded by the suite's other worker it measured
-    2.86x (2026-12-06), and a load must not fail it."""
+    """Through `tokenforge serve` and a standalone Redis: a 640-token prefix (40 blocks) computed
+    by A is restored by B, which computes none of it (the engines' counters; see
+    check_shared_prefix) and answers with A's tokens. The TTFT this buys (~6-7x idle) was asserted
+    here as a 2x floor, which a loaded host could break; tests/executor/test_kv_remote_replicas.py
+    checks the 1,500-token prompt of the 3x target in process."""
     a, b = replicas
-    check_shared_prefix_ttft(a, b, nonce(), prefix_len=640, min_ratio=2.0)
+    check_shared_prefix(a, b, nonce(), prefix_len=640)
 
 
 def test_redis_sigkill_mid_stream_loses_nothing_and_hits_resume(replicas, redis_server):
     a, b = replicas
     rng = random.Random(nonce())
     prompts = [random_ids(rng, 200) for _ in range(8)]
-    expected = [complete(a, p, 6, cache_salt="reference")[0] for p in prompts]
+    with ThreadPoolExecutor(len(prompts)) as pool:      # batched, as the streams below are
+        expected = list(pool.map(lambda p: complete(a, p, 6, cache_salt="reference")[0], prompts))
     errors_before = metric_sum(b, "tokenforge:kv_tier_errors_total") + metric_sum(a, "tokenforge:kv_tier_errors_total")
     got: list[str | None] = [None] * len(prompts)
 
