@@ -10,7 +10,8 @@ max_tokens cap; answers end at EOS as a user's would). Each request runs alone (
 after another, greedy, after one untimed pass over the prompts (graphs, caches, the drafter's
 catch-up all warm; its drafts counters reset after it).
 Out: per method output tok/s (output tokens / wall time of the timed passes, prefill included),
-the speed-up over `none`, the drafts' acceptance (rate, mean acceptance length = tokens emitted
+the speed-up over `none` (with another method, none runs twice, first and last, each its own
+engine, and the faster pass is the reference: `passes_tok_s`), the drafts' acceptance (rate, mean acceptance length = tokens emitted
 per verify step), and whether the greedy output equals `none`'s token for token.
 """
 
@@ -35,6 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    " (the first is the reference; include none for the speed-up)")
     p.add_argument("--chat-skip", type=int, default=256, help="chat workload: skip the first N built-in chat "
                    "prompts (those `tokenforge train --draft-head eagle --num-prompts N` trained on)")
+    p.add_argument("--none-passes", type=int, default=2, help="with none and another method: run none again after "
+                   "the others (its own engine) and take the faster none for the speed-up (1: once, first)")
 
 
 def _methods(args: argparse.Namespace) -> list[str]:
@@ -170,6 +173,11 @@ def main(args: argparse.Namespace) -> dict:
     methods = _methods(args)
     workloads = _prompt_sets(args)
     per_method = {m: measure(args, m, workloads) for m in methods}
+    # none again after the others: the first engine of a run measured 0.74-0.89 ms a step on an H100
+    # where none took 0.51 minutes later on the same machine (BENCHMARKS.md round 25), and a speed-up
+    # must not rest on a slow baseline; the faster none pass is the reference
+    again = (measure(args, "none", workloads) if "none" in methods and len(methods) > 1
+             and getattr(args, "none_passes", 1) > 1 else None)
     ref = methods[0]
     results = []
     for name, prompts in workloads.items():
@@ -182,6 +190,8 @@ def main(args: argparse.Namespace) -> dict:
                                    "chat_skip": args.chat_skip if name == "chat" else None}
         rows = {m: per_method[m][name][0] for m in methods}
         ids = {m: per_method[m][name][1] for m in methods}
+        if again is not None:
+            rows["none"] = _faster_none(rows["none"], again[name][0], again[name][1] == ids["none"])
         for method, row in rows.items():
             row["greedy_equal_to_" + ref] = ids[method] == ids[ref]
             row["prompts_equal_to_" + ref] = sum(a == b for a, b in zip(ids[method], ids[ref]))
@@ -192,6 +202,14 @@ def main(args: argparse.Namespace) -> dict:
         print_summary(result, ref)
         results.append(result)
     return {"results": results}
+
+
+def _faster_none(first: dict, second: dict, same_tokens: bool) -> dict:
+    """none's row for the speed-ups: the faster of its two passes, with both passes' tok/s."""
+    best = dict(max(first, second, key=lambda row: row["output_tok_s"]))
+    best["passes_tok_s"] = [first["output_tok_s"], second["output_tok_s"]]
+    best["passes_greedy_equal"] = same_tokens
+    return best
 
 
 def print_summary(r: dict, ref: str) -> None:
