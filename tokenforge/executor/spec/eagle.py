@@ -36,6 +36,7 @@ import torch
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
 from tokenforge.executor.input_batch import device_index
 from tokenforge.executor.kv_cache import allocate_kv_caches
+from tokenforge.executor.spec.eagle_defer import DeferredCatchUp
 from tokenforge.executor.spec.eagle_graphs import EagleGraphs
 from tokenforge.model.attention.backend import AttentionBatch
 from tokenforge.model.forward_context import set_forward_context
@@ -72,6 +73,7 @@ class EagleDrafter:
                         if spec.version == 3 else None)
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: EagleGraphs | None = None
+        self.deferred: DeferredCatchUp | None = None      # with the graphs: idle steps' catch-up kept for later
         self._last = None          # (the previous step, {request_id: (first row, rows, start position)})
 
     @property
@@ -109,6 +111,7 @@ class EagleDrafter:
                 return
             logger.info("EAGLE head: draft graphs for batches %s captured in %.2f s", graphs.buckets, seconds)
         self.graphs = graphs
+        self.deferred = DeferredCatchUp(width, self.runner.dtype, self.device)
 
     def draft_seconds(self, k: int) -> float | None:
         """Device seconds of drafting k tokens for one sequence (its graph; None when eager)."""
@@ -120,6 +123,8 @@ class EagleDrafter:
             self.graphs = None
         if self.capture is not None:
             self.capture.remove()
+        if self.deferred is not None:
+            self.deferred.drop()
         for module in self.head.modules():
             module._parameters.clear()
             module._buffers.clear()
@@ -140,6 +145,10 @@ class EagleDrafter:
                 drafted.append((i, inputs.query_start_loc[i] + len(s.token_ids) - d, d))
         self._last = (step, {s.request_id: (inputs.query_start_loc[i], len(s.token_ids), s.start_position)
                              for i, s in enumerate(seqs)})
+        if self.deferred is not None:
+            if not drafted and self._defer(seqs, plan):
+                return
+            self.deferred.flush(self, seqs)    # before anything reads the head's KV of those positions
         if self._graphable(plan, drafted):
             self._draft_graphed(step, plan, drafted)
             return
@@ -149,6 +158,17 @@ class EagleDrafter:
         caught = self._catch_up(plan)          # {index in batch: its last row in self._out}
         if drafted:
             self._draft(step, drafted, caught)
+
+    def _defer(self, seqs, plan) -> bool:
+        """A step that drafts nothing at batch 1 keeps its catch-up rows' features for later
+        (eagle_defer.py) instead of running the head: True when it did."""
+        if len(seqs) != 1 or plan is None or len(plan[4]) != 1:
+            return False
+        feats, _, index, t, _, ctx, _, _ = plan
+        if not self.deferred.takes(seqs[0].request_id, ctx[0], t):
+            return False
+        self.deferred.add(seqs[0].request_id, ctx[0], feats, index[:t])
+        return True
 
     def _graphable(self, plan, drafted) -> bool:
         if self.graphs is None or plan is None or not drafted:
