@@ -22,7 +22,8 @@ The head's paged KV shares the target's block tables and block count, as a draft
 draft the same number of tokens after a catch-up of at most K + 1 rows (every verify step at a steady batch) replays
 one CUDA graph for the catch-up and the K - 1 decodes (eagle_graphs.py), and a step that drafts
 nothing (the adaptive rule's k = 0) replays the catch-up alone, so the head costs an idle engine one
-small replay a step, not an eager forward on the host's path; other steps (a prefill's catch-up,
+small replay a step, not an eager forward on the host's path (at batch 1 not even that: the rows'
+features are kept and run as one pass before the next draft, eagle_defer.py); other steps (a prefill's catch-up,
 mixed draft counts near max_tokens) run the head eagerly. Drafts are the head's argmax
 (q one-hot), so the verify stays exact under greedy and rejection sampling.
 """
