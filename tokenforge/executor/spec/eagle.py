@@ -138,17 +138,18 @@ class EagleDrafter:
     def before_forward(self, step) -> None:
         """Catch the head up on the previous step's rows, then fill this step's draft slots."""
         seqs, inputs = step.sched.sequences, step.inputs
-        plan = self._plan_catch_up(step)
         drafted = []                           # (index in batch, row of d_1, d)
         for i, s in enumerate(seqs):
             d = s.num_draft_tokens if s.sample else 0
             if d and s.token_ids[-1] == DRAFT_TOKEN_ID:
                 drafted.append((i, inputs.query_start_loc[i] + len(s.token_ids) - d, d))
+        deferred = self.deferred is not None and not drafted and self._defer(seqs)
+        plan = None if deferred else self._plan_catch_up(step)
         self._last = (step, {s.request_id: (inputs.query_start_loc[i], len(s.token_ids), s.start_position)
                              for i, s in enumerate(seqs)})
+        if deferred:
+            return
         if self.deferred is not None:
-            if not drafted and self._defer(seqs, plan):
-                return
             self.deferred.flush(self, seqs)    # before anything reads the head's KV of those positions
         if self._graphable(plan, drafted):
             self._draft_graphed(step, plan, drafted)
@@ -160,15 +161,22 @@ class EagleDrafter:
         if drafted:
             self._draft(step, drafted, caught)
 
-    def _defer(self, seqs, plan) -> bool:
-        """A step that drafts nothing at batch 1 keeps its catch-up rows' features for later
-        (eagle_defer.py) instead of running the head: True when it did."""
-        if len(seqs) != 1 or plan is None or len(plan[4]) != 1:
+    def _defer(self, seqs) -> bool:
+        """A step that drafts nothing at batch 1 keeps the previous step's valid rows' features for
+        later (eagle_defer.py) instead of running the head on them: True when it did. (Those rows
+        are contiguous: one copy, no plan.)"""
+        if len(seqs) != 1 or self._last is None:
             return False
-        feats, _, index, t, _, ctx, _, _ = plan
-        if not self.deferred.takes(seqs[0].request_id, ctx[0], t):
+        prev, records = self._last
+        s = seqs[0]
+        rec = records.get(s.request_id)
+        if rec is None or prev.hidden is None:
             return False
-        self.deferred.add(seqs[0].request_id, ctx[0], feats, index[:t])
+        row0, n, start = rec
+        m = s.start_position - start                      # rows of the previous step now valid
+        if not 0 < m <= n or not self.deferred.takes(s.request_id, start, m):
+            return False
+        self.deferred.add(s.request_id, start, self._features(prev)[row0:row0 + m])
         return True
 
     def _graphable(self, plan, drafted) -> bool:

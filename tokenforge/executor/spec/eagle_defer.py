@@ -7,7 +7,7 @@ at batch 1, whose steps are host-bound, an EAGLE engine that drafted almost noth
 of none on an H100 (BENCHMARKS.md round 25).
 
 What: at batch 1 (one running sequence) an idle step only copies the previous step's feature rows
-into a ring [R, F] (one gather); their tokens are the request's own, known on the host by the time
+into a ring [R, F] (one copy: they are contiguous); their tokens are the request's own, known on the host by the time
 they are needed. Before anything reads the head's KV again (a step that drafts, a wider batch, a
 full ring) one eager head pass runs over the kept rows as a chunk at their positions, writing the
 same KV the per-step catch-ups would have. A request that ends or changes drops what it kept (its
@@ -42,12 +42,12 @@ class DeferredCatchUp:
         return (request_id == self.request_id and first == self.first + self.count
                 and self.count + rows <= len(self.ring))
 
-    def add(self, request_id: str, first: int, feats: torch.Tensor, rows: torch.Tensor) -> None:
-        """Keep the features at `rows` of `feats` (positions first, first + 1, ...)."""
-        n = rows.numel()
+    def add(self, request_id: str, first: int, feats: torch.Tensor) -> None:
+        """Keep the feature rows `feats` [n, F] (positions first, first + 1, ...): one copy."""
+        n = feats.shape[0]
         if self.count == 0:
             self.request_id, self.first = request_id, first
-        torch.index_select(feats, 0, rows, out=self.ring[self.count:self.count + n])
+        self.ring[self.count:self.count + n].copy_(feats)
         self.count += n
 
     def flush(self, drafter, seqs) -> None:
