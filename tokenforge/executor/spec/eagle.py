@@ -150,7 +150,7 @@ class EagleDrafter:
         if deferred:
             return
         if self.deferred is not None:
-            self.deferred.flush(self, seqs)    # before anything reads the head's KV of those positions
+            self.deferred.flush(seqs, self.run_chunk)    # before anything reads the head's KV of those positions
         if self._graphable(plan, drafted):
             self._draft_graphed(step, plan, drafted)
             return
@@ -169,15 +169,19 @@ class EagleDrafter:
             return False
         prev, records = self._last
         s = seqs[0]
-        rec = records.get(s.request_id)
-        if rec is None or prev.hidden is None:
+        valid = _valid_rows(records, s) if prev.hidden is not None else None
+        if valid is None or not self.deferred.takes(s.request_id, valid[2], valid[1]):
             return False
-        row0, n, start = rec
-        m = s.start_position - start                      # rows of the previous step now valid
-        if not 0 < m <= n or not self.deferred.takes(s.request_id, start, m):
-            return False
+        row0, m, start = valid
         self.deferred.add(s.request_id, start, self._features(prev)[row0:row0 + m])
         return True
+
+    def run_chunk(self, block_table: list[int], first: int, ids: torch.Tensor, features: torch.Tensor) -> None:
+        """The head over one sequence's rows at positions first.. (their target features and the
+        tokens after them), writing its KV there; the outputs are not kept (eagle_defer.py's flush)."""
+        n = features.shape[0]
+        batch = AttentionBatch([n], [first], [block_table], self.block_size, self.device)
+        self._forward(batch, ids, device_index(list(range(first, first + n)), self.device), self.head.combine(features))
 
     def _graphable(self, plan, drafted) -> bool:
         if self.graphs is None or plan is None or not drafted:
@@ -223,13 +227,10 @@ class EagleDrafter:
         n_prev = prev.inputs.query_start_loc[-1]
         feat_rows, tok_rows, positions, qlens, ctx, tables, last = [], [], [], [], [], [], {}
         for i, s in enumerate(seqs):
-            rec = records.get(s.request_id)
-            if rec is None:
+            valid = _valid_rows(records, s)
+            if valid is None:
                 continue
-            row0, n, start = rec
-            m = s.start_position - start                  # rows of the previous step now valid
-            if not 0 < m <= n:
-                continue
+            row0, m, start = valid
             feat_rows.extend(range(row0, row0 + m))
             tok_rows.extend(range(row0 + 1, row0 + m))    # the tokens after them: the previous step's ...
             tok_rows.append(n_prev + inputs.query_start_loc[i])   # ... then this step's first
@@ -291,3 +292,14 @@ class EagleDrafter:
                  hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with set_forward_context(self.backend.build_metadata(batch), None):
             return self.head(ids, positions, hidden)
+
+
+def _valid_rows(records: dict, seq) -> tuple[int, int, int] | None:
+    """(first row, count, start position) of `seq`'s rows in the previous step whose features are
+    now valid (the accepted rows of a verify, all of a prefill chunk or a decode), or None."""
+    rec = records.get(seq.request_id)
+    if rec is None:
+        return None
+    row0, n, start = rec
+    m = seq.start_position - start
+    return (row0, m, start) if 0 < m <= n else None

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from tokenforge.executor.input_batch import device_index
-from tokenforge.model.attention.backend import AttentionBatch
 
 ROWS = 256          # rows kept before a flush (an idle stretch longer than this flushes once per ROWS steps)
 
@@ -50,9 +49,10 @@ class DeferredCatchUp:
         self.ring[self.count:self.count + n].copy_(feats)
         self.count += n
 
-    def flush(self, drafter, seqs) -> None:
-        """Run the head over the kept rows (one eager pass), if their request still runs and its
-        tokens after them are known; then keep nothing."""
+    def flush(self, seqs, run_chunk) -> None:
+        """Run the head over the kept rows (`run_chunk(block_table, first, ids, features)`: one eager
+        pass, EagleDrafter.run_chunk), if their request still runs and the tokens after them are
+        known; then keep nothing."""
         n, first = self.count, self.first
         self.count = 0
         if n == 0:
@@ -63,10 +63,7 @@ class DeferredCatchUp:
         history = seq.prompt_token_ids + seq.output_token_ids
         if len(history) < first + n + 1:
             return                         # the tokens after them are not known yet: left stale, drafts stay exact
-        ids = device_index(history[first + 1:first + n + 1], self.device)
-        positions = device_index(list(range(first, first + n)), self.device)
-        batch = AttentionBatch([n], [first], [seq.block_table], drafter.block_size, self.device)
-        drafter._forward(batch, ids, positions, drafter.head.combine(self.ring[:n]))
+        run_chunk(seq.block_table, first, device_index(history[first + 1:first + n + 1], self.device), self.ring[:n])
         self.flushes += 1
 
     def drop(self) -> None:
