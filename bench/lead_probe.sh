@@ -56,7 +56,7 @@
 #   train-tests the training GPU tests (tests/train/test_gpu_train.py: the chunked loss's compiles, FSDP)
 #   watch-tests the compile watch's GPU tests (no compile after Ready: plain, LoRA, EAGLE)
 #   spec-k16    bench spec, n-gram K = 16 on grounded, grounded-held-out and chat (needs gguf-join), one JSON
-#   eagle-ttt   spec_real.sh with TTT (default "1 3"): EAGLE heads by --ttt-length on held-out chat (needs gguf-join)
+#   eagle-ttt   spec_real.sh with TTT (default "3 eagle3:3"): an EAGLE and an EAGLE-3 head on held-out chat (needs gguf-join)
 #   spec-real   bench spec, bundled SmolLM2, grounded prompts: none, ngram-stepwise, ngram (bursts) (needs gguf-join)
 #   w4-steps    serve_step_profile at 16 req/s, 200 prompts (fits an H100's KV): each step's wall time against the floor's
 #   prefill-ab  W1 (bench latency, --repeats 2) of each of PF_MODELS (default smollm2-135m llama-3.1-8b gpt-oss-20b) with
@@ -200,8 +200,8 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
       --results-dir "$W/k16"
     python3 -c "import glob, json, os, sys; json.dump({os.path.basename(f): json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'), indent=1)" \
       "$W/k16" "$OUT/spec-k16.json" 2>>"$LOG" ;;
-  eagle-ttt)  # bench/spec_real.sh: heads trained with --ttt-length 1 and 3 (TTT), benched on held-out chat (needs gguf-join)
-    PROFILE=${PROFILE-1} TTT="${TTT:-1 3}" WORKLOADS=chat METHODS=none,eagle GEN_SAMPLES=4 TRAIN_PROMPTS=480 TRAIN_STEPS=400 TRAIN_SECONDS=${TRAIN_SECONDS:-60} \
+  eagle-ttt)  # bench/spec_real.sh: heads per TTT entry ([kind:]ttt-length), benched on held-out chat (needs gguf-join)
+    PROFILE=${PROFILE-1} TTT="${TTT:-3 eagle3:3}" WORKLOADS=chat METHODS=none,eagle GEN_SAMPLES=4 TRAIN_PROMPTS=480 TRAIN_STEPS=400 TRAIN_SECONDS=${TRAIN_SECONDS:-60} \
       BUDGET=$(( BUDGET - ($(date +%s) - START) - 10 )) bash bench/spec_real.sh "$OUT/eagle"
     grep -h "compiled after start-up" /tmp/spec_real/*.log 2>/dev/null | cut -c1-400 | sort | uniq -c | head -8 >>"$LOG"
     rm -f "$OUT/eagle/train.log" ;;

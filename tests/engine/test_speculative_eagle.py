@@ -1,8 +1,8 @@
 """The `eagle` method: EAGLE and EAGLE-3 heads in their authors' layout draft on the device from
 the target's features; greedy output equals greedy without speculation, token for token, whatever
 the acceptance (random heads), on the bundled model and a tiny random Llama; sampled requests go
-through the rejection sampler; bad heads are refused before any model loads; a head trained by
-`tokenforge train --draft-head eagle` loads and is accepted more often than a random one."""
+through the rejection sampler; bad heads are refused before any model loads; heads trained by
+`tokenforge train --draft-head eagle|eagle3` load and are accepted more often than random ones."""
 
 from __future__ import annotations
 
@@ -219,10 +219,26 @@ def test_a_trained_head_loads_and_beats_a_random_one(tmp_path):
     # head trained this briefly has learnt to predict (held-out acceptance needs minutes of training)
     seqs = [json.loads(line) for line in (run / "distill" / "sequences.jsonl").read_text().splitlines()]
     prompts = [{"prompt_token_ids": s[:-24]} for s in seqs[:6]]
-    _, trained = _run(None, str(final), prompts)
+    ids, trained = _run(None, str(final), prompts)
     _, random = _run(None, write_eagle1(tmp_path / "random"), prompts)
     assert trained["acceptance_rate"] > random["acceptance_rate"] + 0.15, (trained, random)
     assert trained["accepted_per_position"][0] > trained["num_drafts"] / 3, trained
+    # an EAGLE-3 head on the same generations (--resume reuses them): the three layers' features,
+    # its own LM head over the draft vocabulary the text needs, exported with d2t and t2d
+    run3 = tmp_path / "run3"
+    (run3 / "distill").mkdir(parents=True)
+    shutil.copy(run / "distill" / "sequences.jsonl", run3 / "distill" / "sequences.jsonl")
+    cmd3 = [*cmd[:5], "eagle3", "--output", str(run3), *cmd[8:], "--resume"]
+    done = subprocess.run(cmd3, cwd=ROOT, capture_output=True, text=True, env={**os.environ,
+                          "PYTHONPATH": str(ROOT)}, timeout=1500)
+    assert done.returncode == 0, done.stderr[-2000:]
+    config = json.loads((run3 / "final" / "config.json").read_text())
+    vocab = config["draft_vocab_size"]
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and vocab % 256 == 0 and vocab < 49152 // 4
+    ids3, trained3 = _run(None, str(run3 / "final"), prompts)
+    _, random3 = _run(None, write_eagle3(tmp_path / "random3", draft_vocab=vocab), prompts)
+    assert ids3 == ids, "greedy output changed with the EAGLE-3 head"
+    assert trained3["acceptance_rate"] > random3["acceptance_rate"] + 0.15, (trained3, random3)
 
 
 @pytest.mark.parametrize("writer", [write_eagle1, write_eagle3], ids=["eagle", "eagle3"])

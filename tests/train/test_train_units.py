@@ -131,10 +131,14 @@ def test_run_folders_of_dead_processes_are_removed_and_live_ones_kept(tmp_path):
         ["unrelated", f"tokenforge-train-{os.getpid()}-mine", "tokenforge-train-oldform-fresh"])
 
 
-def test_eagle_losses_are_the_same_with_cached_and_fresh_target_features(tmp_path):
+@pytest.mark.parametrize("version", [1, 3], ids=["eagle", "eagle3"])
+def test_eagle_losses_are_the_same_with_cached_and_fresh_target_features(tmp_path, version):
     """The EAGLE trainer's cached path (features and the target's argmax labels kept) and its
-    uncached one (both recomputed each step) give the same losses and accuracy."""
+    uncached one (both recomputed each step) give the same losses and accuracy; EAGLE-3's features
+    are the three feature layers' residual streams."""
     from tokenforge.train.config import TrainConfig
+    from tokenforge.model.models.eagle import default_aux_layers
+    from tokenforge.train.draft_heads import DraftHead
     from tokenforge.train.eagle import EagleLoss, EagleTrainer
     from tokenforge.train.parallel import Dist
 
@@ -144,20 +148,59 @@ def test_eagle_losses_are_the_same_with_cached_and_fresh_target_features(tmp_pat
                       micro_batch_size=3, seq_len=32, dtype="float32")
     got = []
     for cache in (2 << 30, 0):
-        trainer = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(feature_cache_bytes=cache), seqs)
+        trainer = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(feature_cache_bytes=cache), seqs,
+                               head=DraftHead(version))
         batch = trainer._batch([0, 1, 2])
-        assert (batch[3] is None) == (cache == 0)
+        assert bool(trainer._features) == (cache > 0)
         got.append({k: float(v.detach()) for k, v in trainer.losses(*batch).items()})
     assert got[0] == pytest.approx(got[1], rel=1e-6) and 0 < got[0]["token_loss"]
+    if version == 3:       # the residual streams entering layers 2, L/2, L-3, as the drafter's AuxCapture takes them
+        ids, _, feats, _ = batch
+        hidden = trainer.target.config.hidden_size
+        streams = {}
+        hooks = [trainer.target.model.layers[i].register_forward_pre_hook(
+            lambda m, a, i=i: streams.__setitem__(i, a[1] if a[2] is None else a[1] + a[2]))
+            for i in range(trainer.target.config.num_hidden_layers)]
+        with torch.no_grad():
+            trainer.target(ids, None)
+        for h in hooks:
+            h.remove()
+        assert trainer.head.spec.aux_layer_ids == default_aux_layers(len(streams)) and feats.shape[-1] == 3 * hidden
+        for slot, layer in enumerate(trainer.head.spec.aux_layer_ids):
+            torch.testing.assert_close(feats[..., slot * hidden:(slot + 1) * hidden], streams[layer].view(*ids.shape, -1))
 
 
-def test_eagle_training_time_test_depths_see_what_the_drafting_head_sees(tmp_path):
+def test_the_draft_vocabulary_is_the_most_frequent_tokens():
+    """EAGLE-3's draft vocabulary: the most frequent tokens (ties to the lower id), ascending; by
+    default the fewest covering 99.5% of the text in multiples of 256, capped by the vocabulary."""
+    from tokenforge.train.draft_heads import DraftHead, draft_vocabulary
+
+    seqs = [[0, 7, 7, 7, 5, 5, 9, 3], [1, 9, 7, 4]]        # first tokens (never a label) not counted
+    ids, covered = draft_vocabulary(seqs, 16, 3)
+    assert ids.tolist() == [5, 7, 9] and covered == pytest.approx(8 / 10)
+    ids, covered = draft_vocabulary(seqs, 16, 4)
+    assert ids.tolist() == [3, 5, 7, 9]                    # 3 and 4 tie once each: the lower id
+    ids, covered = draft_vocabulary(seqs, 1000)
+    assert len(ids) == 256 and covered == 1.0 and {3, 4, 5, 7, 9} <= set(ids.tolist())
+    assert len(draft_vocabulary(seqs, 100)[0]) == 100
+    many = [list(range(600)) * 2]                          # 600 tokens equally often: 597 cover 99.5%
+    assert len(draft_vocabulary(many, 1000)[0]) == 768
+    with pytest.raises(ValueError, match="larger than the target's 16"):
+        draft_vocabulary(seqs, 16, 17)
+    with pytest.raises(ValueError, match="EAGLE-3's"):
+        DraftHead(version=1, draft_vocab_size=64)
+
+
+@pytest.mark.parametrize("version", [1, 3], ids=["eagle", "eagle3"])
+def test_eagle_training_time_test_depths_see_what_the_drafting_head_sees(tmp_path, version):
     """EagleLoss(ttt_length=3): depth d's prediction at position p equals the head run as it drafts:
-    one causal sequence of the catch-up rows 0..p (the target's features), then one row a depth,
-    each fed the row before's output and the next token. Depth 1 alone is EAGLE's plain training
-    (the same losses as before the unrolling, checked against the formula's terms)."""
+    one causal sequence of the catch-up rows 0..p (the target's features; EAGLE-3's through its
+    fc), then one row a depth, each fed the row before's output (EAGLE-3's pre-norm one) and the
+    next token. Depth 1 alone is EAGLE's plain training (the same losses as before the unrolling,
+    checked against the formula's terms)."""
     from tokenforge.model.forward_context import set_forward_context
     from tokenforge.train.config import TrainConfig
+    from tokenforge.train.draft_heads import DraftHead
     from tokenforge.train.eagle import EagleLoss, EagleTrainer
     from tokenforge.train.parallel import Dist
 
@@ -165,24 +208,28 @@ def test_eagle_training_time_test_depths_see_what_the_drafting_head_sees(tmp_pat
     seqs = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (14, 11)]
     cfg = TrainConfig(data="-", output=str(tmp_path), model="tiny-llama", load_format="dummy", device="cpu",
                       micro_batch_size=2, seq_len=32, dtype="float32")
-    trainer = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(ttt_length=3), seqs)
+    trainer = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(ttt_length=3), seqs,
+                           head=DraftHead(version))
     ids, lengths, feats, argmax = trainer._batch([0, 1])
     with torch.no_grad():
         preds = trainer.predictions(ids, feats)
         assert len(preds) == 3
         for row, p in ((0, 0), (0, 6), (1, 7), (0, 10)):
-            tokens, positions, hidden = ids[row, 1:p + 2], torch.arange(p + 1), feats[row, :p + 1].float()
+            tokens, positions = ids[row, 1:p + 2], torch.arange(p + 1)
+            hidden = trainer.head.combine(feats[row, :p + 1].float())
             for d in range(3):
                 with set_forward_context(None):                     # one causal sequence
-                    out, _ = trainer.head(tokens, positions, hidden)
+                    out, nxt = trainer.head(tokens, positions, hidden)
                 torch.testing.assert_close(preds[d][row, p], out[-1], rtol=1e-5, atol=1e-5)
                 tokens = torch.cat([tokens, ids[row, p + d + 2:p + d + 3]])
                 positions = torch.cat([positions, torch.tensor([p + d + 1])])
-                hidden = torch.cat([hidden, out[-1:]])
+                hidden = torch.cat([hidden, nxt[-1:]])
         # depth 0 of the unrolled run is the plain (one-depth) head
-        plain = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(), seqs)
+        plain = EagleTrainer(cfg, Dist(0, 1, 0, torch.device("cpu")), EagleLoss(), seqs, head=DraftHead(version))
         torch.testing.assert_close(plain.predictions(ids, feats)[0], preds[0])
     out = trainer.losses(ids, lengths, feats, argmax)
     assert {"accuracy", "accuracy_1", "accuracy_2"} <= set(out) and out["loss"].requires_grad
     out["loss"].backward()
     assert trainer.head.fc.weight.grad.abs().sum() > 0
+    if version == 3:       # its own LM head learns (EAGLE's is the target's, frozen), the draft map does not
+        assert trainer.head.lm_head.weight.grad.abs().sum() > 0 and out["feature_loss"] == 0

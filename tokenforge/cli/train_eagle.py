@@ -1,10 +1,12 @@
-"""`tokenforge train --draft-head eagle --target MODEL --output RUN`: self-distillation of an
-EAGLE head. The target answers the built-in chat prompts (train/chat_prompts.py, or --prompts
-FILE: one user message per line) with the engine, greedily or sampled (--gen-temperature), and
---gen-samples N - 1 more times sampled (--sample-temperature: more distinct text per prompt); the
-token lists (prompt + answer) go to RUN/distill/sequences.jsonl, which a resumed run reuses.
-Then train/eagle.py trains the head on the target's features of those sequences and exports
-RUN/final (load it with --speculative-method eagle --speculative-model RUN/final).
+"""`tokenforge train --draft-head eagle|eagle3 --target MODEL --output RUN`: self-distillation of
+an EAGLE or EAGLE-3 head (eagle3: three layers' features, its own LM head over a draft
+vocabulary, --draft-vocab-size). The target answers the built-in chat prompts
+(train/chat_prompts.py, or --prompts FILE: one user message per line) with the engine, greedily
+or sampled (--gen-temperature), and --gen-samples N - 1 more times sampled (--sample-temperature:
+more distinct text per prompt); the token lists (prompt + answer) go to
+RUN/distill/sequences.jsonl, which a resumed run reuses. Then train/eagle.py trains the head on
+the target's features of those sequences and exports RUN/final (load it with
+--speculative-method eagle --speculative-model RUN/final).
 
 Under torchrun rank 0 generates and the other ranks wait for its file; all of them train (DDP).
 """
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from tokenforge import envs
 
-DRAFT_HEADS = ("eagle",)
+DRAFT_HEADS = ("eagle", "eagle3")
 
 
 def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
@@ -40,6 +42,9 @@ def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
                     "export) after this many seconds of steps, even before --max-steps")
     tr.add_argument("--token-loss-weight", type=float, default=0.5, help="with --draft-head: weight of the token "
                     "loss beside the feature loss (weight 1)")
+    tr.add_argument("--draft-vocab-size", type=int, default=0, help="with --draft-head eagle3: the rows of "
+                    "its LM head, the most frequent tokens of the generated text (default 0: as many as cover "
+                    "99.5%% of it, in multiples of 256)")
     tr.add_argument("--ttt-length", type=int, default=3, help="with --draft-head: training-time test, the draft "
                     "depths trained at each position, each fed the head's own prediction from the depth before "
                     "(EAGLE-3's; 1: the target's features only; 3 accepted the later drafts more often on the "
@@ -87,6 +92,7 @@ def generate_sequences(args, out: Path) -> int:
 
 def run_draft_head_train(args: argparse.Namespace) -> int:
     from tokenforge.train.config import TrainConfig  # noqa: PLC0415
+    from tokenforge.train.draft_heads import DraftHead  # noqa: PLC0415
     from tokenforge.train.eagle import SEQUENCES, EagleLoss, train_eagle_head  # noqa: PLC0415
 
     if args.data is not None:
@@ -95,6 +101,10 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
         raise ValueError("--draft-head trains a new head: it does not combine with --lora-rank")
     if args.num_prompts < 1 or args.gen_tokens < 1 or args.gen_samples < 1 or args.ttt_length < 1:
         raise ValueError("--num-prompts, --gen-tokens, --gen-samples and --ttt-length must be positive")
+    if args.draft_vocab_size < 0 or (args.draft_vocab_size and args.draft_head != "eagle3"):
+        raise ValueError("--draft-vocab-size is a positive size, and only EAGLE-3's (--draft-head eagle3): an "
+                         "EAGLE head reads the target's LM head")
+    head = DraftHead(version=3 if args.draft_head == "eagle3" else 1, draft_vocab_size=args.draft_vocab_size)
     target = args.target if args.target is not None else args.model
     args.target = target
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
@@ -108,8 +118,10 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
     else:
         while not sequences.is_file():      # rank 0 is generating
             time.sleep(2)
-    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight, ttt_length=args.ttt_length), args.max_seconds)
+    final = train_eagle_head(cfg, EagleLoss(token_weight=args.token_loss_weight, ttt_length=args.ttt_length),
+                             args.max_seconds, head)
     if final is not None:
-        print(f"trained (up to {cfg.max_steps} steps); EAGLE head in {final} (--speculative-method eagle "
+        name = "EAGLE-3" if head.version == 3 else "EAGLE"
+        print(f"trained (up to {cfg.max_steps} steps); {name} head in {final} (--speculative-method eagle "
               f"--speculative-model {final})")
     return 0

@@ -1,17 +1,26 @@
-"""`tokenforge train --draft-head eagle`: train an EAGLE head on the target's own features.
+"""`tokenforge train --draft-head eagle|eagle3`: train an EAGLE or EAGLE-3 head on the target's
+own features.
 
 In: the target model (frozen) and its own generations for a prompt set (self-distillation: the
 CLI generates them with the engine and writes RUN/distill/sequences.jsonl, one token list per
 line, prompt + output). Out: RUN/checkpoints/step_*/ (resumable, as `tokenforge train`'s),
 RUN/metrics.jsonl and RUN/final/, the head in the layout the server loads
-(model/loader/eagle.py: config.json + model.safetensors, EAGLE (v1) tensor names).
+(model/loader/eagle.py: config.json + model.safetensors, the authors' tensor names).
 
 The head (one decoder layer, model/models/eagle.py) sees at position p the next token and the
 target's final-normed feature f_p, and is trained to predict f_{p+1}: a smooth-L1 loss on the
 feature plus a cross-entropy loss of the target's LM head over the prediction against token
 p+2 as the target would pick it (the argmax of its LM head on f_{p+1}; on the target's own
 greedy answers that is the sequence's token, on sampled answers and prompt text it is not;
-EagleLoss(labels="data") takes the sequence's). The features come from the frozen target's forward over each
+EagleLoss(labels="data") takes the sequence's).
+
+An EAGLE-3 head (DraftHead(version=3)) reads instead the residual streams entering three target
+layers (default_aux_layers), has no feature loss, and its own LM head over a draft vocabulary:
+the training text's most frequent tokens (`draft_vocabulary`), its rows and final norm started
+from the target's; a position whose label is outside it teaches nothing. Each draft reads that
+smaller LM head (the per-draft cost EAGLE's full one dominates on small targets).
+
+The features come from the frozen target's forward over each
 batch (kept on the device for the whole run when they fit in `feature_cache_bytes`, else
 recomputed per step). One process, or DDP under torchrun (the head's gradients all-reduced;
 each rank takes its slice of every global batch); optimizer, schedule and checkpoints are the
@@ -30,14 +39,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenforge.model.arch_config import ArchConfig
 from tokenforge.model.forward_context import TrainingMetadata, UnrolledMetadata, set_forward_context
 from tokenforge.model.loader import load_model
 from tokenforge.model.loader.eagle import save_eagle_head
-from tokenforge.model.models.eagle import EagleHead, EagleSpec
+from tokenforge.model.models.eagle import EagleHead
 from tokenforge.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from tokenforge.train.config import TrainConfig
 from tokenforge.train.data import SampleOrder
+from tokenforge.train.draft_heads import DraftHead, draft_vocabulary, head_spec, init_head, run_with_streams
 from tokenforge.train.loss import IGNORE_INDEX, linear_cross_entropy
 from tokenforge.train.metrics import MetricsLogger
 from tokenforge.train.optim import build_optimizer, build_scheduler
@@ -68,25 +77,6 @@ class EagleLoss:
                              f"{self.ttt_decay}")
 
 
-def head_spec(target: ArchConfig) -> EagleSpec:
-    """An EAGLE (v1) head of one layer shaped like the target's layers."""
-    arch = target.replace(num_hidden_layers=1, tie_word_embeddings=False, moe=None, layer_types=(),
-                          sliding_window=None)
-    return EagleSpec(version=1, arch=arch, target_hidden_size=target.hidden_size,
-                     draft_vocab_size=target.vocab_size, fc_bias=True)
-
-
-def init_head(head: EagleHead, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for name, p in head.named_parameters():
-        if p.dim() >= 2:
-            p.data.copy_(torch.randn(p.shape, generator=g) * 0.02)
-        elif name.endswith("bias"):
-            p.data.zero_()
-        else:
-            p.data.fill_(1.0)
-
-
 def _shifted(x: torch.Tensor, start: int, n: int) -> torch.Tensor:
     """x[:, start:start + n], zero-padded at the end to n columns (what runs past a row's end is
     masked by the caller)."""
@@ -108,35 +98,59 @@ def read_sequences(path: Path) -> list[list[int]]:
 
 class EagleTrainer:
     def __init__(self, cfg: TrainConfig, d: Dist, loss: EagleLoss, sequences: list[list[int]],
-                 max_seconds: float | None = None) -> None:
-        self.cfg, self.d, self.loss_cfg, self.max_seconds = cfg, d, loss, max_seconds
+                 max_seconds: float | None = None, head: DraftHead = DraftHead()) -> None:
+        self.cfg, self.d, self.loss_cfg, self.max_seconds, self.head_cfg = cfg, d, loss, max_seconds, head
         self.run_dir = Path(cfg.output)
         self.dtype = compute_dtype(cfg, d.device)
         torch.manual_seed(cfg.seed)
         loaded = load_model(cfg.model, cfg.load_format, self.dtype, d.device, cfg.seed)
         self.target = loaded.model.eval().requires_grad_(False)
         self.arch = loaded.arch_config
+        self.seqs = [s[:cfg.seq_len] for s in sequences]
+        strategy = resolve_strategy(cfg, d.world_size)
+        self.t2d: torch.Tensor | None = None    # EAGLE-3: target id -> draft id, -1 outside the draft vocabulary
+        if head.version == 3:
+            if strategy == "fsdp":
+                raise ValueError("an EAGLE-3 head trains under --strategy ddp (its LM head is read by the loss, "
+                                 "outside the sharded forward FSDP needs)")
+            vocab_ids, covered = draft_vocabulary(self.seqs, self.arch.vocab_size, head.draft_vocab_size, head.coverage)
+            logger.info("EAGLE-3 draft vocabulary: %d of %d tokens, covering %.2f%% of the training text",
+                        len(vocab_ids), self.arch.vocab_size, 100 * covered)
         with torch.device(d.device):
-            self.head = EagleHead(head_spec(self.arch), torch.float32)
+            self.head = EagleHead(head_spec(self.arch, head.version, None if head.version == 1 else len(vocab_ids)),
+                                  torch.float32)
         init_head(self.head, cfg.seed)
+        if head.version == 3:
+            self._start_from_the_target(vocab_ids.to(d.device))
         self.head.share(self.target)
-        self.wrapped = wrap_model(self.head, resolve_strategy(cfg, d.world_size), d, self.dtype)
+        self.wrapped = wrap_model(self.head, strategy, d, self.dtype)
         self.optimizer = build_optimizer(self.wrapped, cfg.lr, cfg.weight_decay, (cfg.beta1, cfg.beta2), d.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.warmup_steps, cfg.max_steps, cfg.scheduler, cfg.min_lr_ratio)
-        self.seqs = [s[:cfg.seq_len] for s in sequences]
         self.order = SampleOrder(len(self.seqs), cfg.seed)
         self.metrics = MetricsLogger(self.run_dir, d.is_main, cfg.tensorboard)
         self.step = self.position = 0
         self._features: dict[int, torch.Tensor] = {}
         self._labels: dict[int, torch.Tensor] = {}       # with the features: the target's argmax after each
         tokens = sum(len(s) for s in self.seqs)
-        self._cache = tokens * self.arch.hidden_size * self.dtype.itemsize <= loss.feature_cache_bytes
+        self.width = self.arch.hidden_size * (1 if head.version == 1 else len(self.head.spec.aux_layer_ids))
+        self._cache = tokens * self.width * self.dtype.itemsize <= loss.feature_cache_bytes
+
+    @torch.no_grad()
+    def _start_from_the_target(self, vocab_ids: torch.Tensor) -> None:
+        """EAGLE-3: the draft map, and the LM head's rows and final norm taken from the target's, so
+        the first steps already read the target's own token directions."""
+        n = vocab_ids.numel()
+        self.head.d2t.copy_(vocab_ids - torch.arange(n, device=vocab_ids.device))
+        self.head.lm_head.weight.copy_(self.target.lm_head.weight[vocab_ids].float())
+        self.head.norm.weight.copy_(self.target.model.norm.weight.float())
+        self.t2d = torch.full((self.arch.vocab_size,), -1, dtype=torch.long, device=vocab_ids.device)
+        self.t2d[vocab_ids] = torch.arange(n, device=vocab_ids.device)
 
     # ---- data ----
 
-    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(ids [B, S], lengths [B], target features [B, S, H], the target's argmax tokens [B, S] when
-        the features are cached, else None) of the listed sequences."""
+    def _batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids [B, S], lengths [B], target features [B, S, F], the target's argmax tokens [B, S]) of
+        the listed sequences."""
         seqs = [self.seqs[i] for i in indices]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -146,14 +160,14 @@ class EagleTrainer:
         lengths = torch.tensor([len(s) for s in seqs], device=self.d.device)
         missing = [i for i in indices if i not in self._features]
         if missing or not self._cache:
-            fresh = self._target_features(ids)
+            fresh, fresh_argmax = self._target_features(ids)
             if not self._cache:
-                return ids, lengths, fresh, None
+                return ids, lengths, fresh, fresh_argmax
             for row, i in enumerate(indices):
                 if i not in self._features:
                     self._features[i] = fresh[row, :len(self.seqs[i])].clone()
-                    self._labels[i] = self._target_argmax(self._features[i])
-        feats = torch.zeros(len(seqs), width, self.arch.hidden_size, dtype=self.dtype, device=self.d.device)
+                    self._labels[i] = fresh_argmax[row, :len(self.seqs[i])].clone()
+        feats = torch.zeros(len(seqs), width, self.width, dtype=self.dtype, device=self.d.device)
         argmax = torch.zeros(len(seqs), width, dtype=torch.long, device=self.d.device)
         for row, i in enumerate(indices):
             feats[row, :len(self.seqs[i])] = self._features[i]
@@ -161,8 +175,14 @@ class EagleTrainer:
         return ids, lengths, feats, argmax
 
     @torch.no_grad()
-    def _target_features(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.target(ids, None)                                     # [B, S, H], final-normed
+    def _target_features(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the head's input features [B, S, F]: the final-normed hidden state for EAGLE, the residual
+        streams entering the feature layers for EAGLE-3; the target's argmax next tokens [B, S])."""
+        if self.head_cfg.version == 1:
+            final = self.target(ids, None)                                 # [B, S, H], final-normed
+            return final, self._target_argmax(final)
+        final, feats = run_with_streams(self.target, ids, self.head.spec.aux_layer_ids)
+        return feats, self._target_argmax(final)
 
     # ---- the step ----
 
@@ -180,42 +200,49 @@ class EagleTrainer:
         out = []
         for d in range(depth):
             meta = TrainingMetadata.of(b, n) if depth == 1 else UnrolledMetadata(b, n, d, kv)
-            with set_forward_context(meta):
-                pred, hidden = self.wrapped(_shifted(ids, 1 + d, n).reshape(-1), (pos + d).repeat(b), hidden)
+            with set_forward_context(meta):     # depth 0 reads the target's features (EAGLE-3: through fc)
+                pred, hidden = self.wrapped(_shifted(ids, 1 + d, n).reshape(-1), (pos + d).repeat(b), hidden, d == 0)
             out.append(pred.view(b, n, -1))
         return out
 
     def losses(self, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor,
-               argmax: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Feature and token losses of every draft depth (`predictions`), depth d weighted
-        ttt_decay ** d. `argmax`: the target's argmax token after each position (from cached
-        features), else computed here. "accuracy" is depth 0's (the first draft's), accuracy_d
-        depth d's."""
+               argmax: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Feature (EAGLE only) and token losses of every draft depth (`predictions`), depth d
+        weighted ttt_decay ** d. `argmax`: the target's argmax token after each position. "accuracy"
+        is depth 0's (the first draft's), accuracy_d depth d's (EAGLE-3: over the labels its draft
+        vocabulary holds)."""
         b, s = ids.shape
         n = s - 1
         pos = torch.arange(n, device=ids.device)
-        weight = self.target.lm_head.weight
+        v3 = self.t2d is not None
+        # EAGLE scores its rows with the target's (frozen) LM head, EAGLE-3 with its own
+        weight = unwrap(self.wrapped).lm_head.weight if v3 else self.target.lm_head.weight.detach()
         total = feat_total = token_total = 0.0
         norm = 0.0
         stats_out: dict[str, torch.Tensor] = {}
         for d, pred in enumerate(self.predictions(ids, feats)):
             w = self.loss_cfg.ttt_decay ** d
             valid = (pos[None, :] + 1 + d) < lengths[:, None]             # f_{p+d+1} exists
-            feat_err = F.smooth_l1_loss(pred, _shifted(feats, 1 + d, n).float(), reduction="none").mean(-1)
-            feat_loss = (feat_err * valid).sum() / valid.sum().clamp(min=1)
+            if v3:                                      # EAGLE-3 predicts tokens only
+                feat_loss = torch.zeros((), device=ids.device)
+            else:
+                feat_err = F.smooth_l1_loss(pred, _shifted(feats, 1 + d, n).float(), reduction="none").mean(-1)
+                feat_loss = (feat_err * valid).sum() / valid.sum().clamp(min=1)
             labels = torch.full((b, n), IGNORE_INDEX, dtype=torch.long, device=ids.device)
             if self.loss_cfg.labels == "target":       # what the target would emit after p + d + 1
-                labels[valid] = (_shifted(argmax, 1 + d, n)[valid] if argmax is not None
-                                 else self._target_argmax(_shifted(feats, 1 + d, n)[valid]))
+                labels[valid] = _shifted(argmax, 1 + d, n)[valid]
             else:                                      # the sequence's own token p + d + 2
                 labels = torch.where((pos[None, :] + 2 + d) < lengths[:, None], _shifted(ids, 2 + d, n), labels)
+            if v3:                                      # as draft ids; outside the draft vocabulary: no label
+                drafted = self.t2d[labels.clamp(min=0)]
+                labels = torch.where((labels != IGNORE_INDEX) & (drafted >= 0), drafted, IGNORE_INDEX)
             # the vocabulary-wide products (most of a step's work) run over labelled rows only, not
             # over the batch's padding
             keep = labels != IGNORE_INDEX                                 # [B, S-1]
             rows, kept = pred[keep], labels[keep]                         # [m, H], [m]
             count = kept.numel() or 1
             stats: dict = {}                              # the accuracy, from the loss's own logits
-            token_loss = linear_cross_entropy(rows, weight.detach(), kept, stats=stats) / count
+            token_loss = linear_cross_entropy(rows, weight, kept, stats=stats) / count
             stats_out["accuracy" if d == 0 else f"accuracy_{d}"] = stats["correct"] / count
             total = total + w * (self.loss_cfg.feature_weight * feat_loss + self.loss_cfg.token_weight * token_loss)
             feat_total = feat_total + w * feat_loss.detach()
@@ -280,7 +307,11 @@ class EagleTrainer:
 
     def _state(self) -> dict:
         return {"step": self.step, "position": self.position, "seed": self.cfg.seed, "seq_len": self.cfg.seq_len,
-                "num_sequences": len(self.seqs), "draft_head": "eagle"}
+                "num_sequences": len(self.seqs), "draft_head": self._kind(),
+                "draft_vocab_size": self.head.spec.draft_vocab_size}
+
+    def _kind(self) -> str:
+        return "eagle" if self.head_cfg.version == 1 else "eagle3"
 
     def _save(self) -> Path:
         return save_checkpoint(self.run_dir, self.wrapped, self.optimizer, self.scheduler, self._state(), self.d,
@@ -290,6 +321,11 @@ class EagleTrainer:
         path = latest_checkpoint(self.run_dir) if self.cfg.resume else None
         if path is None:
             return
+        saved = json.loads((path / "trainer.json").read_text())
+        kind, vocab = saved.get("draft_head", "eagle"), saved.get("draft_vocab_size", self.arch.vocab_size)
+        if (kind, vocab) != (self._kind(), self.head.spec.draft_vocab_size):
+            raise ValueError(f"cannot resume from {path}: it holds an {kind} head with a draft vocabulary of {vocab} "
+                             f"tokens, this run trains an {self._kind()} head with {self.head.spec.draft_vocab_size}")
         meta = load_checkpoint(path, self.wrapped, self.optimizer, self.scheduler, self.d)
         if meta.get("num_sequences") != len(self.seqs):
             raise ValueError(f"cannot resume from {path}: it was trained on {meta.get('num_sequences')} sequences, "
@@ -308,13 +344,14 @@ class EagleTrainer:
         return out
 
 
-def train_eagle_head(cfg: TrainConfig, loss: EagleLoss | None = None, max_seconds: float | None = None) -> Path | None:
+def train_eagle_head(cfg: TrainConfig, loss: EagleLoss | None = None, max_seconds: float | None = None,
+                     head: DraftHead = DraftHead()) -> Path | None:
     """Train on RUN/distill/sequences.jsonl (written by the CLI); returns RUN/final (rank 0).
     `max_seconds`: stop (checkpoint and export) after that much training time, steps left or not."""
     cfg = cfg.validated()
     sequences = read_sequences(Path(cfg.output) / SEQUENCES)
     d = init_distributed(cfg.device)
     try:
-        return EagleTrainer(cfg, d, loss or EagleLoss(), sequences, max_seconds).fit()
+        return EagleTrainer(cfg, d, loss or EagleLoss(), sequences, max_seconds, head).fit()
     finally:
         destroy_distributed()

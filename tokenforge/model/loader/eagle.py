@@ -170,6 +170,10 @@ def save_eagle_head(head: EagleHead, out: str | Path, dtype: torch.dtype = torch
     if spec.version == 3:
         tensors = {k.replace("layers.0.", "midlayer."): v for k, v in tensors.items()}
     tensors = {k: (v if k == "d2t" else v.to(dtype)).detach().cpu().contiguous() for k, v in tensors.items()}
+    if spec.version == 3:      # the authors' target-vocabulary mask beside d2t (loaders that want it)
+        t2d = torch.zeros(arch.vocab_size, dtype=torch.bool)
+        t2d[torch.arange(spec.draft_vocab_size) + tensors["d2t"]] = True
+        tensors["t2d"] = t2d
     save_file(tensors, str(out / "model.safetensors"))
     config = {"architectures": ["LlamaForCausalLMEagle3" if spec.version == 3 else "LlamaForCausalLM"],
               "model_type": "llama", "hidden_size": arch.hidden_size, "intermediate_size": arch.intermediate_size,

@@ -117,9 +117,13 @@ class EagleHead(nn.Module):
         """Target features [T, F] -> the head's hidden input [T, H] (EAGLE-3's fc; EAGLE's is in forward)."""
         return self.fc(features) if self.spec.version == 3 else features
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (rows for `draft_tokens` / `logits` [T, H], the next step's hidden input [T, H])."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                features: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (rows for `draft_tokens` / `logits` [T, H], the next step's hidden input [T, H]).
+        `features`: `hidden` is the target's raw features [T, F], combined here (training calls the
+        head once, through its DDP wrapper, so EAGLE-3's fc runs inside that call)."""
+        if features:
+            hidden = self.combine(hidden)
         embeds = self.embed(input_ids)
         if self.spec.version == 1:
             hidden, residual = self.fc(torch.cat([embeds.to(hidden.dtype), hidden], dim=-1)), None
