@@ -201,7 +201,7 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
     python3 -c "import glob, json, os, sys; json.dump({os.path.basename(f): json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + '/*.json'))}, open(sys.argv[2], 'w'), indent=1)" \
       "$W/k16" "$OUT/spec-k16.json" 2>>"$LOG" ;;
   eagle-ttt)  # bench/spec_real.sh: heads per TTT entry ([kind:]ttt-length), benched on held-out chat (needs gguf-join)
-    PROFILE=${PROFILE-1} TTT="${TTT:-3 eagle3:3}" WORKLOADS=chat METHODS=none,eagle GEN_SAMPLES=4 TRAIN_PROMPTS=480 TRAIN_STEPS=400 TRAIN_SECONDS=${TRAIN_SECONDS:-60} \
+    PROFILE=${PROFILE-1} TTT="${TTT:-3 eagle3:3}" WORKLOADS=chat METHODS=none,eagle GEN_SAMPLES=4 TRAIN_PROMPTS=480 TRAIN_STEPS=${TRAIN_STEPS:-1500} TRAIN_SECONDS=${TRAIN_SECONDS:-75} \
       BUDGET=$(( BUDGET - ($(date +%s) - START) - 10 )) bash bench/spec_real.sh "$OUT/eagle"
     grep -h "compiled after start-up" /tmp/spec_real/*.log 2>/dev/null | cut -c1-400 | sort | uniq -c | head -8 >>"$LOG"
     rm -f "$OUT/eagle/train.log" ;;
