@@ -10,7 +10,6 @@ aliases: --data-loader-workers, --preprocess-type tokenize, --sharding_strategy,
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import sys
 import time
@@ -74,18 +73,25 @@ def _add_train_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--model", default=None, help="GGUF, HF dir, an earlier run's dir, or a shipped config name "
                     "with --load-format dummy (random init); default: the bundled SmolLM2")
     tr.add_argument("--load-format", default="auto", choices=["auto", "gguf", "safetensors", "dummy"])
-    tr.add_argument("--max-steps", type=int, default=d.max_steps)
-    tr.add_argument("--lr", type=float, default=d.lr)
+    # None: this mode's default (pretraining: TrainConfig's; --draft-head: HEAD_RECIPE, cli/train_eagle.py;
+    # train/config.py config_values)
+    tr.add_argument("--max-steps", type=int, default=None, help=f"default {d.max_steps} ({_head('max_steps')} with "
+                    "--draft-head)")
+    tr.add_argument("--lr", type=float, default=None, help=f"default {d.lr} ({_head('lr')} with --draft-head)")
     tr.add_argument("--min-lr-ratio", type=float, default=d.min_lr_ratio, help="final lr / peak lr")
-    tr.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    tr.add_argument("--scheduler", choices=["linear", "cosine", "constant"], default=d.scheduler)
+    tr.add_argument("--warmup-steps", type=int, default=None, help=f"default {d.warmup_steps} "
+                    f"({_head('warmup_steps')} with --draft-head)")
+    tr.add_argument("--scheduler", choices=["linear", "cosine", "constant"], default=None,
+                    help=f"default {d.scheduler} ({_head('scheduler')} with --draft-head)")
     tr.add_argument("--optimizer", choices=["adamw"], default=d.optimizer)
     tr.add_argument("--weight-decay", type=float, default=d.weight_decay)
     tr.add_argument("--grad-clip", type=float, default=d.grad_clip, help="max gradient norm (0: off)")
-    tr.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size, help="sequences per micro batch")
+    tr.add_argument("--micro-batch-size", type=int, default=None, help=f"sequences per micro batch (default "
+                    f"{d.micro_batch_size}; {_head('micro_batch_size')} with --draft-head)")
     tr.add_argument("--global-batch-tokens", type=int, default=None,
                     help="tokens per optimizer step (default: one micro batch per rank)")
-    tr.add_argument("--seq-len", type=int, default=d.seq_len)
+    tr.add_argument("--seq-len", type=int, default=None, help=f"default {d.seq_len} ({_head('seq_len')} with "
+                    "--draft-head)")
     tr.add_argument("--save-every", "--save-frequency", type=int, default=d.save_every, help="0: only at the end")
     tr.add_argument("--keep-last", type=int, default=d.keep_last, help="checkpoints kept (0: all)")
     tr.add_argument("--eval-every", type=int, default=d.eval_every, help="0: only at the end")
@@ -111,6 +117,12 @@ def _add_train_args(tr: argparse.ArgumentParser) -> None:
     from tokenforge.cli.train_eagle import add_draft_head_args  # noqa: PLC0415
 
     add_draft_head_args(tr)
+
+
+def _head(name: str):
+    from tokenforge.cli.train_eagle import HEAD_RECIPE  # noqa: PLC0415
+
+    return HEAD_RECIPE[name]
 
 
 def _load_tokenizer(model: str | None, load_format: str = "auto"):
@@ -163,7 +175,7 @@ def run_preprocess(args: argparse.Namespace) -> int:
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from tokenforge.train.config import TrainConfig  # noqa: PLC0415
+    from tokenforge.train.config import TrainConfig, config_values  # noqa: PLC0415
     from tokenforge.train.trainer import train  # noqa: PLC0415
 
     if args.draft_head is not None:
@@ -172,8 +184,7 @@ def run_train(args: argparse.Namespace) -> int:
         return run_draft_head_train(args)
     if args.data is None:
         raise ValueError("--data is required (a `tokenforge preprocess` output directory)")
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in fields}).validated()
+    cfg = TrainConfig(**config_values(vars(args), {})).validated()
     if envs.rank() == 0:       # progress lines from rank 0 only
         logging.getLogger("tokenforge.train").setLevel(logging.INFO)
     result = train(cfg, _load_tokenizer(args.model and _run_final(args.model), args.load_format))

@@ -14,7 +14,6 @@ Under torchrun rank 0 generates and the other ranks wait for its file; all of th
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import time
@@ -23,6 +22,11 @@ from pathlib import Path
 from tokenforge import envs
 
 DRAFT_HEADS = ("eagle", "eagle3")
+# --draft-head's defaults for the flags it shares with pretraining: what took a head on the bundled
+# model from 2.04 to 2.66 tokens a drafting step on held-out chat (BENCHMARKS.md round 26: 1,500
+# steps, ~53 s on an H100; on a CPU, bound it with --max-steps or --max-seconds)
+HEAD_RECIPE = {"max_steps": 1500, "lr": 1e-3, "warmup_steps": 20, "scheduler": "cosine", "micro_batch_size": 16,
+               "seq_len": 384}
 
 
 def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
@@ -31,10 +35,11 @@ def add_draft_head_args(tr: argparse.ArgumentParser) -> None:
     tr.add_argument("--target", default=None, help="with --draft-head: the model the head drafts for (default: bundled)")
     tr.add_argument("--prompts", default=None, metavar="FILE", help="with --draft-head: user messages, one per line "
                     "(default: the built-in chat prompts)")
-    tr.add_argument("--num-prompts", type=int, default=256, help="with --draft-head: prompts to generate from")
+    tr.add_argument("--num-prompts", type=int, default=480, help="with --draft-head: prompts to generate from "
+                    "(the built-in set holds 488)")
     tr.add_argument("--gen-tokens", type=int, default=256, help="with --draft-head: tokens generated per prompt")
     tr.add_argument("--gen-temperature", type=float, default=0.0, help="with --draft-head: 0 greedy, else sampled")
-    tr.add_argument("--gen-samples", type=int, default=1, help="with --draft-head: answers per prompt; past the "
+    tr.add_argument("--gen-samples", type=int, default=4, help="with --draft-head: answers per prompt; past the "
                     "first (at --gen-temperature) each is sampled at --sample-temperature with its own seed")
     tr.add_argument("--sample-temperature", type=float, default=0.8, help="with --draft-head and --gen-samples > 1: "
                     "the extra answers' temperature")
@@ -91,7 +96,7 @@ def generate_sequences(args, out: Path) -> int:
 
 
 def run_draft_head_train(args: argparse.Namespace) -> int:
-    from tokenforge.train.config import TrainConfig  # noqa: PLC0415
+    from tokenforge.train.config import TrainConfig, config_values  # noqa: PLC0415
     from tokenforge.train.draft_heads import DraftHead  # noqa: PLC0415
     from tokenforge.train.eagle import SEQUENCES, EagleLoss, train_eagle_head  # noqa: PLC0415
 
@@ -107,8 +112,8 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
     head = DraftHead(version=3 if args.draft_head == "eagle3" else 1, draft_vocab_size=args.draft_vocab_size)
     target = args.target if args.target is not None else args.model
     args.target = target
-    fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in fields}
+    values = config_values(vars(args), HEAD_RECIPE)
+    args.seq_len = values["seq_len"]           # the generation's context (generate_sequences)
     cfg = TrainConfig(**{**values, "data": str(Path(args.output) / "distill"), "model": target}).validated()
     sequences = Path(args.output) / SEQUENCES
     if envs.rank() == 0:

@@ -86,3 +86,21 @@ class TrainConfig:
 
     def replace(self, **changes) -> TrainConfig:
         return dataclasses.replace(self, **changes).validated()
+
+
+# Flags whose default depends on the mode (pretraining: TrainConfig's; `--draft-head`: its recipe,
+# cli/train_eagle.py HEAD_RECIPE): the CLI leaves them None when not given.
+MODE_FLAGS = ("max_steps", "lr", "warmup_steps", "scheduler", "micro_batch_size", "seq_len")
+
+
+def config_values(flags: dict, defaults: dict) -> dict:
+    """TrainConfig's fields from parsed flags: a MODE_FLAGS flag left None takes `defaults`' value,
+    else TrainConfig's own default."""
+    fields = {f.name for f in dataclasses.fields(TrainConfig)}
+    values = {k: v for k, v in flags.items() if k in fields}
+    for name in MODE_FLAGS:
+        if values.get(name) is None:
+            values.pop(name, None)
+            if name in defaults:
+                values[name] = defaults[name]
+    return values
