@@ -227,3 +227,41 @@ def test_a_measured_verify_cost_turns_low_acceptance_bursts_off():
     assert k_at(gpu, 0.27) > 0 and k_at(measured, 0.27) == 0
     assert k_at(measured, 0.72) > 0
     assert k_at(measured, 0.27, batch=8) == k_at(gpu.calibrated(1.0, 17), 0.27, batch=8)
+
+
+def test_measured_step_times_turn_off_drafting_that_costs_more_than_the_model_says():
+    """StepTimes: with a clock, the planner times pure decode steps at small batches. Drafting steps
+    measured at 4x an idle one (the model says 1.2x: a head run per op on a CPU) make the rule stop
+    drafting at an acceptance where the model alone drafts; a run of drafting steps is broken by one
+    without drafts so the idle time stays measured; a stall (the engine idle between requests) is
+    not taken as a step; without a clock nothing changes."""
+    from tokenforge.core.request import Request
+
+    now = [0.0]
+    planner = DraftPlanner(lambda history, k: [9] * k, 4, StepCost(flat_rows=16.0), probe_every=8,
+                           clock=lambda: now[0])
+    req = Request.from_engine_core_request(make_request("r", [1, 2, 3], max_tokens=10_000))
+    req.append_output_token(5)
+
+    def step(idle_s, drafted_s, stall=0.0):
+        """One scheduler step of the lone request; returns the k it drafted."""
+        planner.begin_step(1)
+        req.num_computed_tokens = req.num_tokens - 1
+        drafts = planner.drafts(req, budget=64, max_len=1 << 20)
+        now[0] += (drafted_s if drafts else idle_s) + stall
+        return len(drafts)
+
+    assert planner.choose_k(1) == 4 and planner.times.scale(1) == 1.0
+    ks = [step(0.010, 0.040) for _ in range(80)]
+    assert ks[:8] == [4] * 8 and 0 in ks[8:10]                   # the 9th drafting step in a row is timed idle
+    assert planner.times.scale(1) == pytest.approx(0.040 / 0.010 / StepCost(flat_rows=16.0).of(5) * 1.0625, rel=1e-6)
+    assert ks[-27:].count(4) <= 3 and planner.choose_k(1) == 0    # 4x a decode for ~3.4 tokens: off but probes
+    # drafting as cheap as the model says: back on once the dearer samples leave the window
+    for _ in range(200):
+        step(0.010, 0.010 * StepCost(flat_rows=16.0).of(5) / StepCost(flat_rows=16.0).of(1))
+    assert planner.times.scale(1) == pytest.approx(1.0) and planner.choose_k(1) == 4
+    before = planner.times.scale(1)
+    step(0.010, 0.010, stall=5.0)                                 # a 5-s pause is not a step's cost
+    assert planner.times.scale(1) == pytest.approx(before)
+    untimed = DraftPlanner(lambda history, k: [9] * k, 4, StepCost(flat_rows=16.0), probe_every=8)
+    assert untimed.times is None and untimed.choose_k(1) == 4

@@ -208,7 +208,8 @@ def test_a_trained_head_loads_and_beats_a_random_one(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "tokenforge", "train", "--draft-head", "eagle", "--output", str(run),
            "--num-prompts", "6", "--gen-tokens", "48", "--max-steps", "16", "--micro-batch-size", "4",
-           "--seq-len", "160", "--lr", "2e-3", "--warmup-steps", "4", "--save-every", "8", "--no-tensorboard"]
+           "--seq-len", "160", "--lr", "2e-3", "--warmup-steps", "4", "--scheduler", "linear", "--gen-samples", "1",
+           "--save-every", "8", "--no-tensorboard"]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ,
                           "PYTHONPATH": str(ROOT)}, timeout=1500)
     assert done.returncode == 0, done.stderr[-2000:]

@@ -41,8 +41,10 @@ logprobs, penalties or banned ids, the others decode one token a step).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from statistics import median
 
 from tokenforge.config.draft_tree import DraftTree
 from tokenforge.core.outputs import DRAFT_TOKEN_ID
@@ -107,6 +109,46 @@ class TreeShape:
         return p.logprobs is None and not p.shapes_logits and not banned_tokens(req)
 
 
+class StepTimes:
+    """The measured side of the cost: wall time between step starts (`clock`), for pure decode steps
+    (every running request decoding, none joining) of up to `max_batch` requests, by batch size and
+    by whether the step drafted. A drafting step's time is divided by the model's cost of it over a
+    one-row-per-request step, so that `scale(batch)` says how much dearer drafting is than the model
+    takes it to be (1.0 until `min_samples` of each are seen): what start-up calibration misses,
+    such as a host that runs an EAGLE head per op (the CPU) or a step's host work. Bursts are not
+    timed (a burst step emits many tokens). The last `window` samples of each count (medians), and
+    a sample over 10x its median (the engine idle between requests) is dropped."""
+
+    def __init__(self, clock: Callable[[], float], max_batch: int = 8, window: int = 8, min_samples: int = 4) -> None:
+        self.clock, self.max_batch, self.window, self.min_samples = clock, max_batch, window, min_samples
+        self._times: dict[tuple[int, bool], deque] = {}
+        self._last_start: float | None = None
+
+    def step_started(self, last: tuple[int, float] | None) -> None:
+        """A step starts; `last`: the step before's (batch, the model's cost ratio of its drafting, 0.0
+        when it drafted nothing), or None when it is not timed (not a pure decode step, a burst)."""
+        now = self.clock()
+        if self._last_start is not None and last is not None:
+            batch, ratio = last
+            self._add((batch, ratio > 0), (now - self._last_start) / (ratio or 1.0))
+        self._last_start = now
+
+    def _add(self, key: tuple[int, bool], value: float) -> None:
+        q = self._times.setdefault(key, deque(maxlen=self.window))
+        if len(q) >= self.min_samples and value > 10 * median(q):
+            return
+        q.append(value)
+
+    def samples(self, batch: int, drafted: bool) -> int:
+        return len(self._times.get((batch, drafted), ()))
+
+    def scale(self, batch: int) -> float:
+        idle, drafted = self._times.get((batch, False)), self._times.get((batch, True))
+        if not idle or not drafted or len(idle) < self.min_samples or len(drafted) < self.min_samples:
+            return 1.0
+        return median(drafted) / median(idle)
+
+
 def burst_serves(req: Request) -> bool:
     """A request a burst may serve: greedy, and nothing per token that the host computes (logprobs,
     penalties, a logit bias, banned ids, a grammar)."""
@@ -132,8 +174,14 @@ class DraftPlanner:
 
     def __init__(self, proposer: Proposer, num_draft_tokens: int, cost: StepCost | None = None,
                  probe_every: int = 64, probe_requests: int = 8, check: DraftCheck = allow_all,
-                 shape: ChainShape | TreeShape | None = None, burst_slots: int = 0) -> None:
+                 shape: ChainShape | TreeShape | None = None, burst_slots: int = 0,
+                 clock: Callable[[], float] | None = None) -> None:
         self.proposer = proposer
+        # measured step times (None: the cost model alone); with them, a run of probe_every drafting
+        # steps at a timed batch size is broken by one that drafts nothing, to keep its baseline timed
+        self.times = StepTimes(clock) if clock is not None else None
+        self._drafting_run = 0
+        self._step = (0, False, 0, 0, False)      # this step's (batch, a request may join, decoding, rows, burst)
         self.burst_slots = burst_slots       # device draft slots of a burst (0: no bursts)
         self._batch = 0                      # running requests this step
         self.check = check
@@ -169,12 +217,14 @@ class DraftPlanner:
         if not self.adaptive:
             return self.k
         batch = max(batch, 1)
-        key = (batch, self._accepted, self._reached, self.cost)
+        scale = self.times.scale(batch) if self.times is not None and batch <= self.times.max_batch else 1.0
+        key = (batch, self._accepted, self._reached, self.cost, scale)
         if key == self._chosen[0]:     # nothing verified since (a step that drafts nothing): ~6 us a call saved
             return self._chosen[1]
         best_k, best = 0, batch / self.cost.of(batch)
         for k in range(1, self.k + 1):
-            rate = batch * tokens_per_step(self.acceptance, k) / (self.cost.of(batch * (1 + k)) * self.cost.sync_cost)
+            rate = batch * tokens_per_step(self.acceptance, k) / (
+                self.cost.of(batch * (1 + k)) * self.cost.sync_cost * scale)
             if rate > best:
                 best_k, best = k, rate
         self._chosen = (key, best_k)
@@ -195,15 +245,35 @@ class DraftPlanner:
     def begin_step(self, batch: int, waiting: bool = False) -> None:
         """Pick this step's k for `batch` running requests (called as the scheduler starts a step);
         `waiting`: a waiting request may join this step (no burst: a burst holds a step alone)."""
+        if self.times is not None:
+            self.times.step_started(self._timed_step())
         ahead, self._ahead, self.drafted_in_flight, self._quota = self._ahead, False, False, None
         k = 0 if ahead else self.choose_k(batch)     # a step ahead drafts nothing, probes neither
         if k == 0 and not ahead and (self._idle_steps >= self.probe_every or self._probe_due()):
             self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
+        if k and self.adaptive and self.times is not None and batch <= self.times.max_batch:
+            self._drafting_run += 1
+            if self._drafting_run > self.probe_every:     # time a step without drafts now and then
+                self._drafting_run, k = 0, 0
         self.step_k, self._batch = k, batch + waiting
+        self._step = (batch, waiting, 0, batch, False)
+
+    def _timed_step(self) -> tuple[int, float] | None:
+        """The step before as StepTimes takes it: (batch, the model's cost of its rows over one row a
+        request, 0.0 when it drafted nothing), or None when it was not a pure decode step or burst."""
+        batch, waiting, decoding, rows, burst = self._step
+        if not batch or waiting or burst or decoding != batch or self.times is None or batch > self.times.max_batch:
+            return None
+        ratio = self.cost.of(rows) * self.cost.sync_cost / self.cost.of(batch) if rows > batch else 0.0
+        return batch, ratio
 
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
-        if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1 or self._quota == 0:
+        if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
+            return []
+        batch, waiting, decoding, rows, burst = self._step
+        self._step = (batch, waiting, decoding + 1, rows, burst)
+        if self._quota == 0:
             return []
         depth = min(self.step_k, req.params.max_tokens - req.num_output_tokens - 1)
         room = self.shape.size(depth, min(budget - 1, max_len - req.num_tokens - 1))
@@ -216,6 +286,7 @@ class DraftPlanner:
                         budget - 1, max_len - req.num_tokens - 1)
             if slots >= self.k:       # at least one iteration of K drafts
                 self.drafted_in_flight = True
+                self._step = (*self._step[:4], True)
                 return [DRAFT_TOKEN_ID] * slots
         if self._quota is not None:
             self._quota -= 1            # a probe asks this many proposals (found or not), no more
@@ -223,6 +294,8 @@ class DraftPlanner:
         if drafts:
             drafts = drafts[:self.check(req.request_id, drafts)]
         self.drafted_in_flight |= bool(drafts)
+        b, w, dec, rows, burst = self._step
+        self._step = (b, w, dec, rows + len(drafts), burst)
         return drafts
 
     def count_verify(self, num_drafts: int, num_new_tokens: int, burst: list[int] | None = None) -> None:
@@ -274,4 +347,6 @@ class DraftPlanner:
                 "acceptance_rate": self.num_accepted / self.num_drafted if self.num_drafted else 0.0,
                 "mean_acceptance_length": 1 + self.num_accepted / steps if steps else 0.0,
                 "accepted_per_position": list(self.accepted_per_position),
-                "num_reached_draft_tokens": self.num_reached}
+                "num_reached_draft_tokens": self.num_reached,
+                # a batch-1 drafting step's measured cost over the model's (StepTimes; 1.0 unmeasured)
+                "measured_cost_scale": self.times.scale(1) if self.times is not None else 1.0}

@@ -89,17 +89,19 @@ def make_draft_planner(config, on_gpu: bool = False, check: DraftCheck = allow_a
         logger.info("speculative decoding: a verify of %d rows costs %.2fx a one-row decode on this device",
                     1 + config.num_draft_tokens, verify_ratio)
     if config.speculative_method in ("draft", "eagle"):     # the runner's draft model / head fills the slots
-        return DraftPlanner(device_drafts, config.num_draft_tokens, cost, check=check, shape=shape)
+        return DraftPlanner(device_drafts, config.num_draft_tokens, cost, check=check, shape=shape,
+                            clock=time.perf_counter)
     factory = envs.draft_proposer()
     if factory:     # a measuring device's host proposer in the n-gram method's place (bench serve's replay)
         module, _, name = factory.partition(":")
         return DraftPlanner(getattr(importlib.import_module(module), name)(), config.num_draft_tokens, cost,
-                            check=check)
+                            check=check, clock=time.perf_counter)
     from tokenforge.executor.spec.ngram import NgramProposer  # noqa: PLC0415
 
     proposer = NgramProposer(config.ngram_min, config.ngram_max)
     slots = burst * (config.num_draft_tokens + 1) - 1 if burst else 0
-    return DraftPlanner(proposer.propose_one, config.num_draft_tokens, cost, check=check, burst_slots=slots)
+    return DraftPlanner(proposer.propose_one, config.num_draft_tokens, cost, check=check, burst_slots=slots,
+                        clock=time.perf_counter)
 
 
 def check_draft_tokenizer(config, tokenizer=None) -> None:

@@ -95,11 +95,16 @@ class EagleDrafter:
         if (self.device.type == "cuda" and self.backend.name == "triton" and not cfg.device.enforce_eager
                 and cfg.scheduler.num_draft_tokens >= 1):
             self.enable_graphs(capture=True)
+        if self.deferred is None:    # an eager head (the CPU's) defers its idle catch-ups too
+            self.deferred = DeferredCatchUp(self._feature_width(), self.runner.dtype, self.device)
+
+    def _feature_width(self) -> int:
+        spec = self.head.spec
+        return spec.target_hidden_size * (1 if spec.version == 1 else len(spec.aux_layer_ids))
 
     def enable_graphs(self, capture: bool) -> None:
         """The graphed draft (`capture` False: its static-buffer path run eagerly, for CPU tests)."""
-        cfg, spec = self.runner.config, self.head.spec
-        width = spec.target_hidden_size * (1 if spec.version == 1 else len(spec.aux_layer_ids))
+        cfg, width = self.runner.config, self._feature_width()
         graphs = EagleGraphs(self.head, cfg.scheduler.num_draft_tokens, cfg.scheduler.max_num_seqs,
                              cfg.scheduler.max_model_len, self.block_size, width, self.runner.dtype, self.device,
                              self.backend, capture)
@@ -112,7 +117,8 @@ class EagleDrafter:
                 return
             logger.info("EAGLE head: draft graphs for batches %s captured in %.2f s", graphs.buckets, seconds)
         self.graphs = graphs
-        self.deferred = DeferredCatchUp(width, self.runner.dtype, self.device)
+        if self.deferred is None:
+            self.deferred = DeferredCatchUp(width, self.runner.dtype, self.device)
 
     def draft_seconds(self, k: int) -> float | None:
         """Device seconds of drafting k tokens for one sequence (its graph; None when eager)."""
