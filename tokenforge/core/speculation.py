@@ -246,14 +246,19 @@ class DraftPlanner:
         """Pick this step's k for `batch` running requests (called as the scheduler starts a step);
         `waiting`: a waiting request may join this step (no burst: a burst holds a step alone)."""
         if self.times is not None:
-            self.times.step_started(self._timed_step())
+            last = self._timed_step()
+            self.times.step_started(last)
+            if last is not None:            # timed drafting steps in a row (a burst is not timed: no count)
+                self._drafting_run = self._drafting_run + 1 if last[1] > 0 else 0
         ahead, self._ahead, self.drafted_in_flight, self._quota = self._ahead, False, False, None
         k = 0 if ahead else self.choose_k(batch)     # a step ahead drafts nothing, probes neither
         if k == 0 and not ahead and (self._idle_steps >= self.probe_every or self._probe_due()):
             self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
         if k and self.adaptive and self.times is not None and batch <= self.times.max_batch:
-            self._drafting_run += 1
-            if self._drafting_run > self.probe_every:     # time a step without drafts now and then
+            # time a step without drafts now and then: every 8th while the idle side has too few
+            # samples to compare, then every 4 x probe_every
+            few = self.times.samples(batch, False) < self.times.min_samples
+            if self._drafting_run >= (8 if few else 4 * self.probe_every):
                 self._drafting_run, k = 0, 0
         self.step_k, self._batch = k, batch + waiting
         self._step = (batch, waiting, 0, batch, False)
