@@ -232,7 +232,7 @@ def test_a_measured_verify_cost_turns_low_acceptance_bursts_off():
 def test_measured_step_times_turn_off_drafting_that_costs_more_than_the_model_says():
     """StepTimes: with a clock, the planner times pure decode steps at small batches. Drafting steps
     measured at 4x an idle one (the model says 1.2x: a head run per op on a CPU) make the rule stop
-    drafting at an acceptance where the model alone drafts; a run of drafting steps is broken by one
+    drafting at an acceptance where the model alone drafts, and probe that much less often; a run of drafting steps is broken by one
     without drafts so the idle time stays measured; a stall (the engine idle between requests) is
     not taken as a step; without a clock nothing changes."""
     from tokenforge.core.request import Request
@@ -256,6 +256,9 @@ def test_measured_step_times_turn_off_drafting_that_costs_more_than_the_model_sa
     assert ks[:8] == [4] * 8 and 0 in ks[8:10]                   # the 9th drafting step in a row is timed idle
     assert planner.times.scale(1) == pytest.approx(0.040 / 0.010 / StepCost(flat_rows=16.0).of(5) * 1.0625, rel=1e-6)
     assert ks[-27:].count(4) <= 3 and planner.choose_k(1) == 0    # 4x a decode for ~3.4 tokens: off but probes
+    # probes there cost 3.2x what the model says: one every 8 x 3.2 idle steps (probe_every 8), not every 8
+    ks = [step(0.010, 0.040) for _ in range(104)]
+    assert 3 <= ks.count(4) <= 5, ks
     # drafting as cheap as the model says: back on once the dearer samples leave the window
     for _ in range(200):
         step(0.010, 0.010 * StepCost(flat_rows=16.0).of(5) / StepCost(flat_rows=16.0).of(1))

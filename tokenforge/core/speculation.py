@@ -232,15 +232,22 @@ class DraftPlanner:
 
     def allows_step_ahead(self, batch: int) -> bool:
         """Whether the next step may be scheduled ahead of the one in flight (then it drafts nothing)."""
-        if self.drafted_in_flight or self.choose_k(batch) > 0 or self._probe_due():
+        if self.drafted_in_flight or self.choose_k(batch) > 0 or self._probe_due(batch):
             return False
         self._ahead = True
         return True
 
-    def _probe_due(self) -> bool:
+    def _probe_every(self, batch: int) -> int:
+        """Idle steps between probes: probe_every, times the measured scale (up to 4) where drafting
+        was timed dearer than the model says (a probe there costs that much more)."""
+        if self.times is None or batch > self.times.max_batch:
+            return self.probe_every
+        return int(self.probe_every * min(4.0, max(1.0, self.times.scale(batch))))
+
+    def _probe_due(self, batch: int) -> bool:
         """Count a step the rule said 0 for; True once `probe_every` of them have passed."""
         self._idle_steps += 1
-        return self._idle_steps >= self.probe_every
+        return self._idle_steps >= self._probe_every(batch)
 
     def begin_step(self, batch: int, waiting: bool = False) -> None:
         """Pick this step's k for `batch` running requests (called as the scheduler starts a step);
@@ -252,7 +259,7 @@ class DraftPlanner:
                 self._drafting_run = self._drafting_run + 1 if last[1] > 0 else 0
         ahead, self._ahead, self.drafted_in_flight, self._quota = self._ahead, False, False, None
         k = 0 if ahead else self.choose_k(batch)     # a step ahead drafts nothing, probes neither
-        if k == 0 and not ahead and (self._idle_steps >= self.probe_every or self._probe_due()):
+        if k == 0 and not ahead and (self._idle_steps >= self._probe_every(batch) or self._probe_due(batch)):
             self._idle_steps, k, self._quota = 0, self.k, self.probe_requests
         if k and self.adaptive and self.times is not None and batch <= self.times.max_batch:
             # time a step without drafts now and then: every 8th while the idle side has too few
