@@ -177,8 +177,9 @@ class DraftPlanner:
                  shape: ChainShape | TreeShape | None = None, burst_slots: int = 0,
                  clock: Callable[[], float] | None = None) -> None:
         self.proposer = proposer
-        # measured step times (None: the cost model alone); with them, a run of probe_every drafting
-        # steps at a timed batch size is broken by one that drafts nothing, to keep its baseline timed
+        # measured step times (None: the cost model alone); with them, a run of drafting steps at a
+        # timed batch size is broken now and then by one that drafts nothing, to keep its baseline
+        # timed (begin_step)
         self.times = StepTimes(clock) if clock is not None else None
         self._drafting_run = 0
         self._step = (0, False, 0, 0, False)      # this step's (batch, a request may join, decoding, rows, burst)
