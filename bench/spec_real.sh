@@ -27,6 +27,7 @@ train_head() {   # run [kind:]ttt-length: the first generates the sequences, the
     --num-prompts "$TRAIN_PROMPTS" --gen-tokens "$GEN_TOKENS" --gen-samples "${GEN_SAMPLES:-1}" --max-steps "$TRAIN_STEPS" --micro-batch-size 16 \
     --seq-len 384 --lr 1e-3 --warmup-steps 20 --scheduler cosine --no-compile --no-tensorboard --save-every 0 \
     --log-every 25 --max-seconds "${TRAIN_SECONDS:-75}" --ttt-length "$ttt"
+  grep -h "draft vocabulary" "$W/train-${2/:/-}.log" >>"$LOG" 2>/dev/null   # EAGLE-3's size and coverage
 }
 train_head "$RUN" "${TTT[0]}"
 cp "$RUN/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null
