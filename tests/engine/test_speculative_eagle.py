@@ -237,9 +237,9 @@ def test_a_trained_head_loads_and_beats_a_random_one(tmp_path):
     vocab = config["draft_vocab_size"]
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and vocab % 256 == 0 and vocab < 49152 // 4
     ids3, trained3 = _run(None, str(run3 / "final"), prompts)
-    _, random3 = _run(None, write_eagle3(tmp_path / "random3", draft_vocab=vocab), prompts)
     assert ids3 == ids, "greedy output changed with the EAGLE-3 head"
-    assert trained3["acceptance_rate"] > random3["acceptance_rate"] + 0.15, (trained3, random3)
+    # against the random EAGLE head above (a random head of either kind accepts next to nothing)
+    assert trained3["acceptance_rate"] > random["acceptance_rate"] + 0.15, (trained3, random)
 
 
 @pytest.mark.parametrize("writer", [write_eagle1, write_eagle3], ids=["eagle", "eagle3"])
