@@ -233,3 +233,45 @@ def test_eagle_training_time_test_depths_see_what_the_drafting_head_sees(tmp_pat
     assert trainer.head.fc.weight.grad.abs().sum() > 0
     if version == 3:       # its own LM head learns (EAGLE's is the target's, frozen), the draft map does not
         assert trainer.head.lm_head.weight.grad.abs().sum() > 0 and out["feature_loss"] == 0
+
+
+@pytest.mark.parametrize("rope", ["llama3", "yarn"])
+def test_a_head_for_a_biased_long_rope_target_serves_as_it_was_trained(tmp_path, rope):
+    """`head_spec` makes a plain Llama layer (no biases) with the target's rotary; the exported
+    config.json states that rotary, so the head the server loads from it gives the outputs of the
+    head that was trained, for EAGLE and EAGLE-3 (a gpt-oss or Qwen2 target has attention biases,
+    Llama 3.1 and gpt-oss scale their rope)."""
+    from types import SimpleNamespace
+
+    from tokenforge.model.arch_config import ArchConfig, RopeScaling
+    from tokenforge.model.forward_context import set_forward_context
+    from tokenforge.model.loader.eagle import eagle_tensors, read_eagle_spec, save_eagle_head
+    from tokenforge.model.models.eagle import EagleHead
+    from tokenforge.train.draft_heads import head_spec, init_head
+
+    own = ({"low_freq_factor": 2.0, "high_freq_factor": 8.0} if rope == "llama3" else
+           {"beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.25, "truncate": False})
+    scaling = RopeScaling(rope_type=rope, factor=8.0, original_max_position_embeddings=64, **own)
+    target = ArchConfig(architecture="LlamaForCausalLM", hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512,
+                        max_position_embeddings=512, attention_bias=True, o_proj_bias=True, mlp_bias=True,
+                        rope_scaling=scaling)
+    shared = SimpleNamespace(model=SimpleNamespace(embed_tokens=torch.nn.Embedding(512, 64)),
+                             compute_logits=lambda rows: rows)
+    g = torch.Generator().manual_seed(0)
+    for version in (1, 3):
+        spec = head_spec(target, version, 128 if version == 3 else None)
+        assert not spec.arch.attention_bias and not spec.arch.mlp_bias and spec.arch.rope_scaling == scaling
+        head = EagleHead(spec, torch.float32)
+        init_head(head, 0)
+        head.share(shared)
+        out = save_eagle_head(head, tmp_path / f"v{version}")
+        served = EagleHead(read_eagle_spec(out, target.num_hidden_layers), torch.float32)
+        assert served.spec.arch.rope_scaling == scaling and served.spec.version == version
+        served.load_weights(eagle_tensors(out))
+        served.share(shared)
+        ids, positions = torch.randint(0, 512, (40,), generator=g), torch.arange(200, 240)
+        feats = torch.randn(40, 64 * (1 if version == 1 else 3), generator=g)
+        with torch.no_grad(), set_forward_context(None):
+            want, got = head(ids, positions, feats, True), served(ids, positions, feats, True)
+        torch.testing.assert_close(got[0], want[0])

@@ -309,6 +309,20 @@ def _parse_rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     )
 
 
+def rope_scaling_dict(rs: RopeScaling) -> dict[str, Any]:
+    """config.json's `rope_scaling` for `rs` (what _parse_rope reads back to the same RopeScaling;
+    per-dimension freq_factors, a GGUF's, have no config.json form and are not written)."""
+    out: dict[str, Any] = {"rope_type": rs.rope_type, "factor": rs.factor,
+                           "original_max_position_embeddings": rs.original_max_position_embeddings}
+    if rs.rope_type == "llama3":
+        out.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+    if rs.rope_type == "yarn":
+        out.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow, truncate=rs.truncate)
+        if rs.attention_factor is not None:
+            out["attention_factor"] = rs.attention_factor
+    return out
+
+
 def sliding_window_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     """sliding_window and layer_types as config.json states them: a window applies to the layers
     `layer_types` marks "sliding_attention", or to every layer when it lists none (Mistral)."""

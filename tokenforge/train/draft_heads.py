@@ -6,7 +6,7 @@ features, taken as the serving drafter's AuxCapture takes them)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -36,9 +36,16 @@ class DraftHead:
 
 def head_spec(target: ArchConfig, version: int = 1, draft_vocab_size: int | None = None) -> EagleSpec:
     """A head of one layer shaped like the target's layers: EAGLE (v1), or EAGLE-3 (v3) over the
-    default feature layers with a draft vocabulary of `draft_vocab_size` tokens."""
+    default feature layers with a draft vocabulary of `draft_vocab_size` tokens. A plain Llama
+    layer (no biases, dense MLP, full attention) with the target's rotary, all of which its
+    config.json states, so the head serves as it was trained (a GGUF's per-dimension rope factors,
+    which config.json cannot state, are left out of both)."""
+    rope = target.rope_scaling
+    if rope is not None and rope.freq_factors is not None:
+        rope = None if rope.rope_type == "default" else replace(rope, freq_factors=None)
     arch = target.replace(num_hidden_layers=1, tie_word_embeddings=False, moe=None, layer_types=(),
-                          sliding_window=None)
+                          sliding_window=None, attention_bias=False, o_proj_bias=False, mlp_bias=False,
+                          rope_scaling=rope)
     if version == 1:
         return EagleSpec(version=1, arch=arch, target_hidden_size=target.hidden_size,
                          draft_vocab_size=target.vocab_size, fc_bias=True)

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tokenforge.model.arch_config import ArchConfig
+from tokenforge.model.arch_config import ArchConfig, rope_scaling_dict
 from tokenforge.model.registry import get_spec
 from tokenforge.train.lora import lora_tensors, merge_lora
 from tokenforge.train.tokenize import rust_tokenizer
@@ -40,10 +40,7 @@ def hf_config(cfg: ArchConfig, dtype: torch.dtype) -> dict[str, Any]:
         "torch_dtype": str(dtype).removeprefix("torch."), "use_cache": True,
     }
     if cfg.rope_scaling is not None:
-        rs = cfg.rope_scaling
-        out["rope_scaling"] = {"rope_type": rs.rope_type, "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-                               "high_freq_factor": rs.high_freq_factor,
-                               "original_max_position_embeddings": rs.original_max_position_embeddings}
+        out["rope_scaling"] = rope_scaling_dict(cfg.rope_scaling)
     if cfg.sliding_window is not None:
         out["sliding_window"] = cfg.sliding_window
         out["use_sliding_window"] = True           # Qwen's switch; the others ignore it

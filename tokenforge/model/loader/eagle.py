@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from tokenforge.model.arch_config import ArchConfig, config_int
+from tokenforge.model.arch_config import ArchConfig, config_int, rope_scaling_dict
 from tokenforge.model.loader.safetensors_mmap import MappedSafetensors
 from tokenforge.model.models.eagle import EagleHead, EagleSpec, default_aux_layers
 from tokenforge.source import read_json_object
@@ -181,7 +181,10 @@ def save_eagle_head(head: EagleHead, out: str | Path, dtype: torch.dtype = torch
               "num_key_value_heads": arch.num_key_value_heads, "head_dim": arch.head_dim,
               "vocab_size": arch.vocab_size, "rms_norm_eps": arch.rms_norm_eps, "rope_theta": arch.rope_theta,
               "max_position_embeddings": arch.max_position_embeddings, "hidden_act": "silu",
-              "torch_dtype": str(dtype).removeprefix("torch."), "bias": spec.fc_bias, **(extra or {})}
+              "torch_dtype": str(dtype).removeprefix("torch."), "bias": spec.fc_bias,
+              "attention_bias": arch.attention_bias, "mlp_bias": arch.mlp_bias, **(extra or {})}
+    if arch.rope_scaling is not None:      # the rotary the head was trained with (Llama 3.1's, YaRN's)
+        config["rope_scaling"] = rope_scaling_dict(arch.rope_scaling)
     if spec.version == 3:
         config.update(draft_vocab_size=spec.draft_vocab_size, target_hidden_size=spec.target_hidden_size,
                       eagle_config={"eagle_aux_hidden_state_layer_ids": list(spec.aux_layer_ids)})
