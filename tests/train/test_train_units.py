@@ -275,3 +275,17 @@ def test_a_head_for_a_biased_long_rope_target_serves_as_it_was_trained(tmp_path,
         with torch.no_grad(), set_forward_context(None):
             want, got = head(ids, positions, feats, True), served(ids, positions, feats, True)
         torch.testing.assert_close(got[0], want[0])
+
+
+def test_bad_draft_head_flags_are_one_error_before_any_generation(tmp_path, capsys):
+    """A draft vocabulary for an EAGLE head, or one larger than the target's vocabulary, is one
+    clear error before the target generates anything (minutes on a GPU)."""
+    from tokenforge.cli import main
+
+    cases = [(["--draft-head", "eagle", "--draft-vocab-size", "64"], "only EAGLE-3's (--draft-head eagle3)"),
+             (["--draft-head", "eagle3", "--draft-vocab-size", "60000"],
+              "--draft-vocab-size 60000 is larger than the target's vocabulary of 49152 tokens")]
+    for flags, message in cases:
+        assert main(["train", *flags, "--output", str(tmp_path / "run")]) != 0
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "run" / "distill").exists()

@@ -112,6 +112,13 @@ def run_draft_head_train(args: argparse.Namespace) -> int:
     head = DraftHead(version=3 if args.draft_head == "eagle3" else 1, draft_vocab_size=args.draft_vocab_size)
     target = args.target if args.target is not None else args.model
     args.target = target
+    if args.draft_vocab_size:          # before generating: a size the target cannot have is one error now
+        from tokenforge.model.loader import read_arch_config  # noqa: PLC0415
+
+        vocab = read_arch_config(target, args.load_format).vocab_size
+        if args.draft_vocab_size > vocab:
+            raise ValueError(f"--draft-vocab-size {args.draft_vocab_size} is larger than the target's vocabulary "
+                             f"of {vocab} tokens")
     values = config_values(vars(args), HEAD_RECIPE)
     args.seq_len = values["seq_len"]           # the generation's context (generate_sequences)
     cfg = TrainConfig(**{**values, "data": str(Path(args.output) / "distill"), "model": target}).validated()
