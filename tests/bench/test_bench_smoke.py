@@ -186,9 +186,11 @@ def test_spec_smoke_on_the_bundled_model(tmp_path):
         r = json.loads(f.read_text())
         rows = r["methods"]
         assert set(rows) == {"none", "ngram"} and rows["none"]["speedup_vs_none"] == 1.0
-        # none ran first and again last: the faster pass is the reference, the same tokens both times
-        passes = rows["none"]["passes_tok_s"]
-        assert len(passes) == 2 and rows["none"]["output_tok_s"] == max(passes) and rows["none"]["passes_greedy_equal"]
+        # every method ran in two rounds, each its own engine: each method's faster pass counts, and
+        # the passes gave the same tokens
+        for row in rows.values():
+            passes = row["passes_tok_s"]
+            assert len(passes) == 2 and row["output_tok_s"] == max(passes) and row["passes_greedy_equal"]
         assert rows["ngram"]["spec_decode"] is not None and rows["none"]["spec_decode"] is None
         # the rule's cost of a K = 4 verify against a decode: the CPU's model (no graphs to time)
         assert rows["ngram"]["spec_decode"]["verify_cost"] == pytest.approx((1 + 5 / 16) / (1 + 1 / 16))

@@ -36,8 +36,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    " (the first is the reference; include none for the speed-up)")
     p.add_argument("--chat-skip", type=int, default=256, help="chat workload: skip the first N built-in chat "
                    "prompts (those `tokenforge train --draft-head eagle --num-prompts N` trained on)")
-    p.add_argument("--none-passes", type=int, default=2, help="with none and another method: run none again after "
-                   "the others (its own engine) and take the faster none for the speed-up (1: once, first)")
+    p.add_argument("--passes", "--none-passes", dest="passes", type=int, default=2,
+                   help="with two or more methods: each method's engines, one a round (none, a, b, none, a, b, ...); "
+                   "each method's faster pass counts (1: one engine each)")
 
 
 def _methods(args: argparse.Namespace) -> list[str]:
@@ -172,12 +173,12 @@ def _prompt_sets(args: argparse.Namespace) -> dict[str, list[str]]:
 def main(args: argparse.Namespace) -> dict:
     methods = _methods(args)
     workloads = _prompt_sets(args)
-    per_method = {m: measure(args, m, workloads) for m in methods}
-    # none again after the others: the first engine of a run measured 0.74-0.89 ms a step on an H100
-    # where none took 0.51 minutes later on the same machine (BENCHMARKS.md round 25), and a speed-up
-    # must not rest on a slow baseline; the faster none pass is the reference
-    again = (measure(args, "none", workloads) if "none" in methods and len(methods) > 1
-             and getattr(args, "none_passes", 1) > 1 else None)
+    # every method in rounds, each round its own engines: one engine of the same config ran at 0.52 ms a
+    # step and another at 0.83-1.04 on one H100 (BENCHMARKS.md round 26), so a ratio must rest on
+    # neither a slow baseline nor a slow method; each method's faster pass counts
+    rounds = max(1, getattr(args, "passes", 1)) if len(methods) > 1 else 1
+    passes = [{m: measure(args, m, workloads) for m in methods} for _ in range(rounds)]
+    per_method = passes[0]
     ref = methods[0]
     results = []
     for name, prompts in workloads.items():
@@ -188,10 +189,9 @@ def main(args: argparse.Namespace) -> dict:
                                    "num_speculative_tokens": getattr(args, "num_speculative_tokens", None) or 4,
                                    "speculative_model": getattr(args, "speculative_model", None),
                                    "chat_skip": args.chat_skip if name == "chat" else None}
-        rows = {m: per_method[m][name][0] for m in methods}
         ids = {m: per_method[m][name][1] for m in methods}
-        if again is not None:
-            rows["none"] = _faster_none(rows["none"], again[name][0], again[name][1] == ids["none"])
+        rows = {m: _faster([run[m][name][0] for run in passes], all(run[m][name][1] == ids[m] for run in passes))
+                if rounds > 1 else per_method[m][name][0] for m in methods}
         for method, row in rows.items():
             row["greedy_equal_to_" + ref] = ids[method] == ids[ref]
             row["prompts_equal_to_" + ref] = sum(a == b for a, b in zip(ids[method], ids[ref]))
@@ -204,10 +204,11 @@ def main(args: argparse.Namespace) -> dict:
     return {"results": results}
 
 
-def _faster_none(first: dict, second: dict, same_tokens: bool) -> dict:
-    """none's row for the speed-ups: the faster of its two passes, with both passes' tok/s."""
-    best = dict(max(first, second, key=lambda row: row["output_tok_s"]))
-    best["passes_tok_s"] = [first["output_tok_s"], second["output_tok_s"]]
+def _faster(rows: list[dict], same_tokens: bool) -> dict:
+    """A method's row: the fastest of its passes (each its own engine), with every pass's tok/s and
+    whether they all gave the same tokens."""
+    best = dict(max(rows, key=lambda row: row["output_tok_s"]))
+    best["passes_tok_s"] = [row["output_tok_s"] for row in rows]
     best["passes_greedy_equal"] = same_tokens
     return best
 
