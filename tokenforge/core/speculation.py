@@ -149,6 +149,19 @@ class StepTimes:
         return median(drafted) / median(idle)
 
 
+@dataclass(slots=True)
+class StepSeen:
+    """What the scheduler did in the step being scheduled, for StepTimes: its running requests,
+    whether a waiting one may join, how many asked for drafts while decoding, the rows they make
+    with their drafts, and whether one took a burst."""
+
+    batch: int = 0
+    waiting: bool = False
+    decoding: int = 0
+    rows: int = 0
+    burst: bool = False
+
+
 def burst_serves(req: Request) -> bool:
     """A request a burst may serve: greedy, and nothing per token that the host computes (logprobs,
     penalties, a logit bias, banned ids, a grammar)."""
@@ -182,7 +195,7 @@ class DraftPlanner:
         # timed (begin_step)
         self.times = StepTimes(clock) if clock is not None else None
         self._drafting_run = 0
-        self._step = (0, False, 0, 0, False)      # this step's (batch, a request may join, decoding, rows, burst)
+        self._step = StepSeen()
         self.burst_slots = burst_slots       # device draft slots of a burst (0: no bursts)
         self._batch = 0                      # running requests this step
         self.check = check
@@ -269,23 +282,24 @@ class DraftPlanner:
             if self._drafting_run >= (8 if few else 4 * self.probe_every):
                 self._drafting_run, k = 0, 0
         self.step_k, self._batch = k, batch + waiting
-        self._step = (batch, waiting, 0, batch, False)
+        self._step = StepSeen(batch, waiting, 0, batch)
 
     def _timed_step(self) -> tuple[int, float] | None:
         """The step before as StepTimes takes it: (batch, the model's cost of its rows over one row a
         request, 0.0 when it drafted nothing), or None when it was not a pure decode step or burst."""
-        batch, waiting, decoding, rows, burst = self._step
-        if not batch or waiting or burst or decoding != batch or self.times is None or batch > self.times.max_batch:
+        seen = self._step
+        batch = seen.batch
+        if (not batch or seen.waiting or seen.burst or seen.decoding != batch or self.times is None
+                or batch > self.times.max_batch):
             return None
-        ratio = self.cost.of(rows) * self.cost.sync_cost / self.cost.of(batch) if rows > batch else 0.0
+        ratio = self.cost.of(seen.rows) * self.cost.sync_cost / self.cost.of(batch) if seen.rows > batch else 0.0
         return batch, ratio
 
     def drafts(self, req: Request, budget: int, max_len: int) -> list[int]:
         """Draft tokens for a request about to decode its last token (possibly none)."""
         if req.num_output_placeholders or req.num_computed_tokens != req.num_tokens - 1:
             return []
-        batch, waiting, decoding, rows, burst = self._step
-        self._step = (batch, waiting, decoding + 1, rows, burst)
+        self._step.decoding += 1
         if self._quota == 0:
             return []
         depth = min(self.step_k, req.params.max_tokens - req.num_output_tokens - 1)
@@ -299,7 +313,7 @@ class DraftPlanner:
                         budget - 1, max_len - req.num_tokens - 1)
             if slots >= self.k:       # at least one iteration of K drafts
                 self.drafted_in_flight = True
-                self._step = (*self._step[:4], True)
+                self._step.burst = True
                 return [DRAFT_TOKEN_ID] * slots
         if self._quota is not None:
             self._quota -= 1            # a probe asks this many proposals (found or not), no more
@@ -307,8 +321,7 @@ class DraftPlanner:
         if drafts:
             drafts = drafts[:self.check(req.request_id, drafts)]
         self.drafted_in_flight |= bool(drafts)
-        b, w, dec, rows, burst = self._step
-        self._step = (b, w, dec, rows + len(drafts), burst)
+        self._step.rows += len(drafts)
         return drafts
 
     def count_verify(self, num_drafts: int, num_new_tokens: int, burst: list[int] | None = None) -> None:
